@@ -1,0 +1,45 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both build .venv first.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Pinned here (not in pyproject.toml, which says torch>=2.3 for users) so that the install
+# step takes the CPU wheel and never resolves to a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench stack rules dashboards debs clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev]'
+	touch $(STAMP)
+
+debs:
+	@bash scripts/install-debs.sh
+
+demo: $(STAMP)
+	$(BIN)/ddpmon demo $(DEMO_ARGS)
+
+test: $(STAMP) debs
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/overhead.py
+
+stack: $(STAMP) debs
+	$(BIN)/ddpmon stack
+
+rules: $(STAMP)
+	$(BIN)/ddpmon rules --write
+
+dashboards: $(STAMP)
+	$(BIN)/ddpmon dashboards --write
+
+clean:
+	rm -rf $(VENV) build *.egg-info ddpmon-runs

@@ -1,0 +1,169 @@
+"""Agent configuration: one validated dataclass, filled from arguments and ``DDPMON_*`` variables.
+
+Explicit arguments win over the environment; every value is checked in ``__post_init__`` so a
+bad setting fails with a message that names the option, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_PORT = 7470
+"""Base port; rank ``r`` on a node serves ``DEFAULT_PORT + LOCAL_RANK``.
+
+Chosen outside 9100-9999 (node_exporter 9100, dcgm-exporter 9400), away from torchrun's 29500
+and below Linux's ephemeral range (32768-60999). The node daemon uses ``DEFAULT_PORT - 1``.
+"""
+
+ON_NONFINITE_CHOICES = ("record", "skip", "raise")
+ENV_PREFIX = "DDPMON_"
+
+
+class ConfigError(ValueError):
+    """An option has a value ddpmon cannot use; the message names the option and the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """Everything a rank's agent can be told. Field docstrings are the user documentation."""
+
+    enabled: bool = True
+    """Master switch; ``False`` installs no hook, thread or server."""
+    port: int = DEFAULT_PORT
+    """Base port of the /metrics endpoint; the rank serves ``port + LOCAL_RANK``. 0 = no server."""
+    bind: str = "0.0.0.0"
+    """Address to listen on. Metrics are read-only; use ``127.0.0.1`` to keep them on the host."""
+    run_dir: str = "ddpmon-runs"
+    """Directory for event logs, evidence and the manifest (``run_dir/<run_id>/``)."""
+    run_id: str | None = None
+    """Run label shared by all ranks; default: torchrun's run id, else one agreed at attach."""
+    group_depth: int = 1
+    """Module-name depth for grouped gradient norms (``1``: ``encoder``, ``2``: ``encoder.layer0``)."""
+    max_groups: int = 32
+    """Cardinality bound for ``ddpmon_grad_group_norm``; further groups fold into ``other``."""
+    loss_scale_floor: float = 1.0
+    """AMP loss scale at or below which the run is considered numerically broken."""
+    on_nonfinite: str = "record"
+    """``record`` (sync-free), ``skip`` the optimizer step on every rank, or ``raise``."""
+    stall_seconds: float = 300.0
+    """No completed step for this long counts as a hang."""
+    web_config: str | None = None
+    """Exporter-toolkit web config file (TLS, basic auth) for the /metrics endpoint."""
+    sd_dir: str | None = None
+    """If set, write a Prometheus file_sd target file for this rank into this directory."""
+    daemon_url: str | None = None
+    """If set, register this rank with a ``ddpmon daemon`` for http_sd discovery."""
+    live_refresh_seconds: float = 1.0
+    """Minimum age before live readings (NVML, allocator, psutil) are read again at scrape."""
+    evidence_max_per_kind: int = 5
+    """Evidence bundles kept per kind and rank; later incidents are only logged as events."""
+    evidence_tensor_max_elements: int = 4096
+    """Offending gradients up to this size are saved whole; larger ones only as a summary."""
+    evidence_include_tensors: bool = False
+    """Save offending gradients whole regardless of size."""
+    evidence_include_inputs: bool = False
+    """Opt in to saving the batch (inputs/labels) in evidence. Off: never raw training data."""
+    data_version: str | None = None
+    """Free-form data set version recorded in the manifest."""
+    node: str | None = None
+    """Node name label; default: the host name."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Unrecognised options are not allowed; kept only for forward-compatible callers."""
+
+    def __post_init__(self) -> None:
+        _check_int("port", self.port, 0, 65535)
+        if not isinstance(self.bind, str) or not self.bind:
+            raise ConfigError(f"bind={self.bind!r}: expected an address such as 0.0.0.0 or 127.0.0.1")
+        if not isinstance(self.run_dir, str) or not self.run_dir:
+            raise ConfigError(f"run_dir={self.run_dir!r}: expected a directory path")
+        if self.run_id is not None:
+            _check_label_value("run_id", self.run_id)
+        _check_int("group_depth", self.group_depth, 0, 16)
+        _check_int("max_groups", self.max_groups, 1, 256)
+        _check_float("loss_scale_floor", self.loss_scale_floor, 0.0, None)
+        if self.on_nonfinite not in ON_NONFINITE_CHOICES:
+            raise ConfigError(
+                f"on_nonfinite={self.on_nonfinite!r}: expected one of {', '.join(ON_NONFINITE_CHOICES)}"
+            )
+        _check_float("stall_seconds", self.stall_seconds, 1.0, None)
+        _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
+        _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
+        _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)
+        if self.web_config is not None and not isinstance(self.web_config, str):
+            raise ConfigError(f"web_config={self.web_config!r}: expected a file path")
+        if self.extra:
+            names = ", ".join(sorted(self.extra))
+            raise ConfigError(f"unknown option(s): {names}; known options: {', '.join(option_names())}")
+
+    @classmethod
+    def from_sources(
+        cls, options: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Config:
+        """Merge ``DDPMON_*`` variables (lower priority) with explicit ``options``."""
+        environ = os.environ if environ is None else environ
+        merged: dict[str, Any] = {}
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        for name, fld in known.items():
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is not None and raw != "":
+                merged[name] = _parse_env(ENV_PREFIX + name.upper(), raw, fld.type)
+        extra: dict[str, Any] = {}
+        for key, value in (options or {}).items():
+            if key in known:
+                merged[key] = value
+            else:
+                extra[key] = value
+        return cls(**merged, extra=extra)
+
+
+def option_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config) if f.name != "extra"]
+
+
+def _parse_env(var: str, raw: str, annotation: Any) -> Any:
+    kind = str(annotation)
+    if kind.startswith("bool"):
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{var}={raw!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
+    if kind.startswith("int"):
+        try:
+            return int(raw.strip(), 10)
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r}: expected an integer") from None
+    if kind.startswith("float"):
+        try:
+            return float(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r}: expected a number") from None
+    return raw
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigError(f"{name}={value!r}: expected an integer from {low} to {high}")
+
+
+def _check_float(name: str, value: Any, low: float, high: float | None) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = value == value and value >= low and (high is None or value <= high)
+        ok = ok and value != float("inf")
+    if not ok:
+        bound = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name}={value!r}: expected a finite number {bound}")
+
+
+def _check_label_value(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not value or len(value) > 128:
+        raise ConfigError(f"{name}={value!r}: expected a non-empty string of at most 128 characters")
+    if any(ch in value for ch in "/\\\n\r\t\0") or value in (".", ".."):
+        raise ConfigError(f"{name}={value!r}: must not contain path separators or control characters")

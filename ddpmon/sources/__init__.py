@@ -1,0 +1,1 @@
+"""Live readings taken at scrape time (NVML, torch allocator, psutil), each injectable for tests."""

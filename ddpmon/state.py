@@ -1,0 +1,170 @@
+"""Plain-Python metric state shared by the training thread (writer) and scrapes (readers).
+
+Writers only assign attributes or bump list cells, which are atomic under the GIL, so a scrape
+never waits for the training thread and the training thread never waits for a scrape.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import time
+from dataclasses import dataclass, field
+
+STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DATA_WAIT_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+ALLREDUCE_SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)
+
+
+class Histogram:
+    """Fixed-bucket histogram; counts are per bucket (not cumulative) so one observation is one
+    list-cell increment, and rendering makes them cumulative, which keeps them monotonic."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        if not math.isfinite(value):
+            return
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def cumulative(self) -> tuple[list[tuple[str, float]], float, int]:
+        """``(buckets, sum, count)`` in prometheus_client's HistogramMetricFamily shape."""
+        counts = list(self.counts)
+        total_sum = self.sum
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, count in zip(self.bounds, counts, strict=False):
+            running += count
+            out.append((_bound_label(bound), running))
+        running += counts[-1]
+        out.append(("+Inf", running))
+        return out, total_sum, running
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+def _bound_label(bound: float) -> str:
+    return repr(float(bound))
+
+
+@dataclass(slots=True)
+class FirstNonfinite:
+    step: int
+    param: str
+    kind: str  # "nan" | "inf"
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One completed step as read back from the device: plain Python numbers only."""
+
+    step: int
+    wall_time: float
+    duration_seconds: float | None
+    data_wait_seconds: float | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    grad_local_norm: float | None = None
+    group_norms: dict[str, float] = field(default_factory=dict)
+    grad_nonfinite: bool = False
+    grad_nonfinite_param: str | None = None
+    grad_nonfinite_kind: str | None = None
+    local_nonfinite: bool = False
+    local_nonfinite_param: str | None = None
+    local_nonfinite_kind: str | None = None
+    loss_scale: float | None = None
+    amp_skipped: bool = False
+    allreduce_seconds: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        out = {}
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                value = str(value)
+            elif isinstance(value, dict):
+                value = {k: (v if math.isfinite(v) else str(v)) for k, v in value.items()}
+            out[name] = value
+        return out
+
+
+@dataclass(slots=True)
+class MetricState:
+    """Latest values and counters of one rank, exactly what the collector exposes."""
+
+    step: int = -1
+    steps_total: int = 0
+    last_step_timestamp: float = 0.0
+    started_at: float = field(default_factory=time.time)
+    loss: float | None = None
+    loss_nonfinite_total: int = 0
+    grad_norm: float | None = None
+    grad_local_norm: float | None = None
+    group_norms: dict[str, float] = field(default_factory=dict)
+    grad_nonfinite_steps_total: int = 0
+    grad_nonfinite_origin_steps_total: int = 0
+    first_nonfinite: FirstNonfinite | None = None
+    amp_enabled: bool = False
+    loss_scale: float | None = None
+    loss_scale_floor: float = 1.0
+    amp_skipped_steps_total: int = 0
+    allreduce_bytes_total: int = 0
+    step_duration: Histogram = field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
+    data_wait: Histogram = field(default_factory=lambda: Histogram(DATA_WAIT_SECONDS_BUCKETS))
+    allreduce_duration: Histogram = field(
+        default_factory=lambda: Histogram(ALLREDUCE_SECONDS_BUCKETS)
+    )
+    agent_errors: dict[str, int] = field(default_factory=dict)
+    version: int = 0
+    """Bumped after every change so the exposition cache knows when to re-render."""
+
+    def apply(self, record: StepRecord) -> None:
+        """Fold one step record into the state (training thread)."""
+        self.step = record.step
+        self.steps_total += 1
+        self.last_step_timestamp = record.wall_time
+        if record.duration_seconds is not None:
+            self.step_duration.observe(record.duration_seconds)
+        if record.data_wait_seconds is not None:
+            self.data_wait.observe(record.data_wait_seconds)
+        if record.loss is not None:
+            self.loss = record.loss
+            if not math.isfinite(record.loss):
+                self.loss_nonfinite_total += 1
+        if record.grad_norm is not None:
+            self.grad_norm = record.grad_norm
+        if record.grad_local_norm is not None:
+            self.grad_local_norm = record.grad_local_norm
+        if record.group_norms:
+            self.group_norms = record.group_norms
+        if record.grad_nonfinite:
+            self.grad_nonfinite_steps_total += 1
+        if record.local_nonfinite:
+            self.grad_nonfinite_origin_steps_total += 1
+            if self.first_nonfinite is None:
+                self.first_nonfinite = FirstNonfinite(
+                    record.step,
+                    record.local_nonfinite_param or "unknown",
+                    record.local_nonfinite_kind or "nan",
+                )
+        if record.loss_scale is not None:
+            self.loss_scale = record.loss_scale
+        if record.amp_skipped:
+            self.amp_skipped_steps_total += 1
+        for seconds in record.allreduce_seconds:
+            self.allreduce_duration.observe(seconds)
+        self.version += 1
+
+    def count_error(self, probe: str) -> None:
+        self.agent_errors[probe] = self.agent_errors.get(probe, 0) + 1
+        self.version += 1

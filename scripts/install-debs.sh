@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the tests and `make stack` use: promtool, prometheus, alertmanager.
+set -euo pipefail
+if command -v promtool >/dev/null && command -v prometheus >/dev/null \
+   && command -v prometheus-alertmanager >/dev/null; then
+  exit 0
+fi
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager >/dev/null
+# The packages enable system services; ddpmon starts its own instances on loopback instead.
