@@ -1,0 +1,1 @@
+"""The monitoring mixin: alert rules, recording rules and dashboards generated from one config."""

@@ -1,0 +1,63 @@
+"""One source of selectors, thresholds and durations for alerts, recording rules and dashboards.
+
+Edit here (or pass a modified copy to the generators), then regenerate with
+``ddpmon rules --write`` and ``ddpmon dashboards --write``; CI diffs the committed outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(kw_only=True, slots=True)
+class MixinConfig:
+    job_selector: str = 'job="ddpmon"'
+    """Selector of the scrape job(s) that hold ddpmon agents."""
+    runbook_base_url: str = (
+        "https://github.com/ddpmon/ddpmon/blob/main/deploy/prometheus/runbook.md"
+    )
+    """Alerts link to ``<runbook_base_url>#<alertname lower-case>``."""
+
+    # --- numerics ---
+    loss_scale_floor_for: str = "1m"
+    loss_scale_collapse_ratio: float = 0.5
+    """Fraction of steps skipped by the scaler over ``loss_scale_collapse_window`` that warns."""
+    loss_scale_collapse_window: str = "5m"
+    loss_scale_collapse_for: str = "2m"
+    nonfinite_for: str = "0m"
+    grad_norm_spike_factor: float = 10.0
+    """Norm above this multiple of its own 30m average is a spike."""
+    grad_norm_spike_baseline: str = "30m"
+    grad_norm_spike_for: str = "2m"
+    grad_desync_relative: float = 1e-3
+    """Relative spread of post-reduce norms across ranks of a run that means replicas diverged."""
+    grad_desync_for: str = "5m"
+
+    # --- data supply / liveness ---
+    stall_seconds: float = 300.0
+    stall_for: str = "1m"
+    rank_down_for: str = "2m"
+    ranks_missing_for: str = "2m"
+    rank_desync_steps: float = 50.0
+    rank_desync_for: str = "10m"
+
+    # --- communication ---
+    straggler_ratio: float = 1.5
+    """A rank's mean step time above this multiple of the run median is a straggler."""
+    straggler_window: str = "5m"
+    straggler_for: str = "10m"
+    allreduce_slow_factor: float = 4.0
+    allreduce_slow_baseline: str = "1h"
+    allreduce_slow_for: str = "10m"
+
+    # --- memory ---
+    gpu_memory_full_ratio: float = 0.95
+    gpu_memory_full_for: str = "5m"
+    cuda_oom_window: str = "10m"
+    cuda_oom_for: str = "0m"
+
+    # --- dashboards ---
+    dashboard_topk: int = 10
+    """Per-rank panels draw the top/bottom k ranks; quantiles/heatmaps show the rest."""
+    dashboard_tags: list[str] = field(default_factory=lambda: ["ddpmon"])
+    dashboard_refresh: str = "30s"
