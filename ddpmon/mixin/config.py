@@ -6,7 +6,11 @@ Edit here (or pass a modified copy to the generators), then regenerate with
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass, field
+
+_DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -18,12 +22,19 @@ class MixinConfig:
     )
     """Alerts link to ``<runbook_base_url>#<alertname lower-case>``."""
 
+    rate_window: str = "5m"
+    """Window of ``rate()``/``increase()`` in the recording rules (step time, all-reduce p99...)."""
+    missing_lookback: str = "1h"
+    """DdpmonRanksMissing names the ranks seen within this window that stopped reporting."""
+
     # --- numerics ---
     loss_scale_floor_for: str = "1m"
     loss_scale_collapse_ratio: float = 0.5
     """Fraction of steps skipped by the scaler over ``loss_scale_collapse_window`` that warns."""
     loss_scale_collapse_window: str = "5m"
     loss_scale_collapse_for: str = "2m"
+    nonfinite_window: str = "5m"
+    """A non-finite gradient or loss keeps its alert firing for this long after the step."""
     nonfinite_for: str = "0m"
     grad_norm_spike_factor: float = 10.0
     """Norm above this multiple of its own 30m average is a spike."""
@@ -43,11 +54,13 @@ class MixinConfig:
 
     # --- communication ---
     straggler_ratio: float = 1.5
-    """A rank's mean step time above this multiple of the run median is a straggler."""
-    straggler_window: str = "5m"
+    """A rank's mean step compute time (step time minus all-reduce time) above this multiple of
+    the run's median is a straggler."""
     straggler_for: str = "10m"
     allreduce_slow_factor: float = 4.0
     allreduce_slow_baseline: str = "1h"
+    allreduce_slow_min_seconds: float = 0.005
+    """All-reduce p99 below this is never slow (4x of microseconds is noise)."""
     allreduce_slow_for: str = "10m"
 
     # --- memory ---
@@ -61,3 +74,17 @@ class MixinConfig:
     """Per-rank panels draw the top/bottom k ranks; quantiles/heatmaps show the rest."""
     dashboard_tags: list[str] = field(default_factory=lambda: ["ddpmon"])
     dashboard_refresh: str = "30s"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if (f.name.endswith(("_for", "_window", "_baseline", "_lookback"))
+                    and not (isinstance(value, str) and _DURATION.match(value))):
+                raise ValueError(f"{f.name}={value!r}: expected a duration like 30s or 5m")
+        for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected a ratio in (0, 1]")
+
+    def replace(self, **changes: object) -> MixinConfig:
+        """A copy with some fields changed (tests shorten ``*_for`` durations this way)."""
+        return dataclasses.replace(self, **changes)
