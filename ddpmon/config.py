@@ -42,7 +42,7 @@ class Config:
     run_id: str | None = None
     """Run label shared by all ranks; default: torchrun's run id, else one agreed at attach."""
     group_depth: int = 1
-    """Module-name depth for grouped gradient norms (``1``: ``encoder``, ``2``: ``encoder.layer0``)."""
+    """Module-name depth for grouped norms (``1``: ``encoder``, ``2``: ``encoder.layers``)."""
     max_groups: int = 32
     """Cardinality bound for ``ddpmon_grad_group_norm``; further groups fold into ``other``."""
     loss_scale_floor: float = 1.0
@@ -77,7 +77,9 @@ class Config:
     def __post_init__(self) -> None:
         _check_int("port", self.port, 0, 65535)
         if not isinstance(self.bind, str) or not self.bind:
-            raise ConfigError(f"bind={self.bind!r}: expected an address such as 0.0.0.0 or 127.0.0.1")
+            raise ConfigError(
+                f"bind={self.bind!r}: expected an address such as 0.0.0.0 or 127.0.0.1"
+            )
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ConfigError(f"run_dir={self.run_dir!r}: expected a directory path")
         if self.run_id is not None:
@@ -86,9 +88,8 @@ class Config:
         _check_int("max_groups", self.max_groups, 1, 256)
         _check_float("loss_scale_floor", self.loss_scale_floor, 0.0, None)
         if self.on_nonfinite not in ON_NONFINITE_CHOICES:
-            raise ConfigError(
-                f"on_nonfinite={self.on_nonfinite!r}: expected one of {', '.join(ON_NONFINITE_CHOICES)}"
-            )
+            choices = ", ".join(ON_NONFINITE_CHOICES)
+            raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {choices}")
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
@@ -97,7 +98,9 @@ class Config:
             raise ConfigError(f"web_config={self.web_config!r}: expected a file path")
         if self.extra:
             names = ", ".join(sorted(self.extra))
-            raise ConfigError(f"unknown option(s): {names}; known options: {', '.join(option_names())}")
+            raise ConfigError(
+                f"unknown option(s): {names}; known options: {', '.join(option_names())}"
+            )
 
     @classmethod
     def from_sources(
@@ -164,6 +167,10 @@ def _check_float(name: str, value: Any, low: float, high: float | None) -> None:
 
 def _check_label_value(name: str, value: Any) -> None:
     if not isinstance(value, str) or not value or len(value) > 128:
-        raise ConfigError(f"{name}={value!r}: expected a non-empty string of at most 128 characters")
+        raise ConfigError(
+            f"{name}={value!r}: expected a non-empty string of at most 128 characters"
+        )
     if any(ch in value for ch in "/\\\n\r\t\0") or value in (".", ".."):
-        raise ConfigError(f"{name}={value!r}: must not contain path separators or control characters")
+        raise ConfigError(
+            f"{name}={value!r}: must not contain path separators or control characters"
+        )

@@ -43,7 +43,9 @@ class ParamIndex:
     def n_groups(self) -> int:
         return len(self.group_names)
 
-    def layout(self, positions: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def layout(
+        self, positions: Sequence[int], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Device tensors (param positions, group ids) for a list of positions, built once per
         distinct layout (DDP rebuilds its buckets once, after the first iteration)."""
         key = (tuple(positions), str(device))
@@ -100,7 +102,11 @@ def _foreach_norm_grouped(tensors: Sequence[torch.Tensor], dtype: torch.dtype | 
     for (_, _), idx in groups.items():
         group = [tensors[i] for i in idx]
         try:
-            norms = torch._foreach_norm(group, 2, dtype=dtype) if dtype else torch._foreach_norm(group, 2)
+            norms = (
+                torch._foreach_norm(group, 2, dtype=dtype)
+                if dtype
+                else torch._foreach_norm(group, 2)
+            )
         except (TypeError, RuntimeError):  # older torch without the dtype argument
             norms = [torch.linalg.vector_norm(t, dtype=dtype) for t in group]
         for i, n in zip(idx, norms, strict=True):
@@ -135,7 +141,9 @@ def summarize(
     any_bad = first < n_params
     kind = torch.where(torch.isnan(norms[slot]), 1.0, 2.0) * any_bad
     first = torch.where(any_bad, first, -1)
-    head = torch.stack([total, any_bad.to(norms.dtype), first.to(norms.dtype), kind.to(norms.dtype)])
+    head = torch.stack(
+        [total, any_bad.to(norms.dtype), first.to(norms.dtype), kind.to(norms.dtype)]
+    )
     return torch.cat([head, group_norms])
 
 

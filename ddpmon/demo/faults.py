@@ -1,0 +1,110 @@
+"""Fault injection for the demo and the tests: ``KIND@[rankR:]stepS[:key=value...]``.
+
+Kinds: nan, inf (into one parameter's gradient on one rank), scale-collapse (inf gradients on
+every step from S on, so GradScaler halves its scale each step), slow (sleep per step from S on:
+a straggler), hang (stop before the backward pass), segv, kill (SIGKILL self), exit (code=N),
+oom (a real CPU allocator failure).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+KINDS = ("nan", "inf", "scale-collapse", "slow", "hang", "segv", "kill", "exit", "oom")
+DEFAULT_PARAM = "encoder.layers.0.linear1.weight"
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None = None  # None: every rank
+    options: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        head, _, rest = spec.partition("@")
+        if head not in KINDS:
+            raise FaultSpecError(
+                f"--inject {spec!r}: unknown fault {head!r}; one of {', '.join(KINDS)}"
+            )
+        rank, step, options = None, None, {}
+        for part in filter(None, rest.split(":")):
+            if part.startswith("rank") and part[4:].isdigit():
+                rank = int(part[4:])
+            elif part.startswith("step") and part[4:].isdigit():
+                step = int(part[4:])
+            elif "=" in part:
+                key, value = part.split("=", 1)
+                options[key] = value
+            else:
+                raise FaultSpecError(f"--inject {spec!r}: cannot read {part!r}")
+        if step is None:
+            raise FaultSpecError(f"--inject {spec!r}: needs a step, e.g. {head}@rank1:step20")
+        return cls(head, step, rank, options)
+
+    def applies(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+class FaultPlan:
+    def __init__(self, specs: list[str], rank: int) -> None:
+        self.faults = [f for f in (Fault.parse(s) for s in specs) if f.applies(rank)]
+        self.rank = rank
+
+    def before_backward(self, step: int, model: torch.nn.Module) -> None:
+        """Called between forward and backward: gradient faults register one-shot hooks."""
+        for fault in self.faults:
+            active = step == fault.step or (
+                fault.kind in ("scale-collapse", "slow") and step >= fault.step
+            )
+            if not active:
+                continue
+            if fault.kind in ("nan", "inf", "scale-collapse"):
+                value = float("nan") if fault.kind == "nan" else float("inf")
+                name = fault.options.get("param", DEFAULT_PARAM)
+                _poison_grad(model, name, value)
+            elif fault.kind == "slow":
+                time.sleep(float(fault.options.get("seconds", "0.2")))
+            elif fault.kind == "hang":
+                print(
+                    f"[rank {self.rank}] injected hang at step {step}", file=sys.stderr, flush=True
+                )
+                while True:
+                    time.sleep(3600)
+            elif fault.kind == "segv":
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGSEGV)
+            elif fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "exit":
+                sys.exit(int(fault.options.get("code", "1")))
+            elif fault.kind == "oom":
+                torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator refuses this
+
+
+def _poison_grad(model: torch.nn.Module, name: str, value: float) -> None:
+    inner = getattr(model, "module", model)
+    params = dict(inner.named_parameters())
+    if name not in params:
+        raise FaultSpecError(f"no parameter {name!r}; e.g. {', '.join(list(params)[:4])}")
+    param = params[name]
+    handle = None
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        poisoned = grad.clone()
+        poisoned.view(-1)[0] = value
+        return poisoned
+
+    handle = param.register_hook(hook)

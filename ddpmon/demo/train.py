@@ -1,0 +1,115 @@
+"""The demo rank: a small transformer learning a shift task, DDP over gloo, fp16 autocast with a
+GradScaler, monitored by ddpmon. Launched by ``ddpmon demo`` under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpmon
+
+from .faults import FaultPlan
+
+VOCAB, SEQ = 64, 32
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, d_model: int = 64, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d_model)
+        self.pos = nn.Parameter(torch.zeros(SEQ, d_model))
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens) + self.pos))
+
+
+def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+    return x, (x + 1) % VOCAB
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (seconds)")
+    p.add_argument("--inject", action="append", default=[], help="fault spec, repeatable")
+    p.add_argument("--no-amp", action="store_true", help="fp32 without GradScaler")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--sd-dir", default=None)
+    p.add_argument("--daemon-url", default=None)
+    p.add_argument("--on-nonfinite", default=None)
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout (s)")
+    p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after the last step")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank = dist.get_rank()
+    faults = FaultPlan(args.inject, rank)
+    torch.manual_seed(args.seed)
+    model = DistributedDataParallel(TinyTransformer())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    amp = not args.no_amp
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=amp)
+    options = {
+        k: v
+        for k, v in {
+            "port": args.port,
+            "run_dir": args.run_dir,
+            "run_id": args.run_id,
+            "sd_dir": args.sd_dir,
+            "daemon_url": args.daemon_url,
+            "on_nonfinite": args.on_nonfinite,
+        }.items()
+        if v is not None
+    }
+    mon = ddpmon.attach(model, optimizer, scaler if amp else None, **options)
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(args.steps):
+        x, y = batch(step, rank, args.batch_size)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            logits = model(x)
+            loss = loss_fn(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+        mon.observe_loss(loss)
+        faults.before_backward(step, model)
+        if amp:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if args.step_delay:
+            time.sleep(args.step_delay)
+    if args.hold:
+        time.sleep(args.hold)
+    mon.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""DDP communication-hook probe: local pre-all-reduce norms, all-reduce timing and bytes.
+
+The hook wraps the user's own hook (default: ``allreduce_hook``) so compression hooks such as
+PowerSGD or fp16 keep working: it reads the local bucket *before* handing it to the inner hook,
+and the reduced bucket in a ``then`` callback *after* the inner hook's future completes. It never
+reads a device value on the host; timings are wall clock on CPU and CUDA events on GPU (resolved
+lazily at readback).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .grads import ParamIndex, per_param_norms
+
+log = logging.getLogger("ddpmon.comm")
+
+
+@dataclass(slots=True)
+class BucketParts:
+    """What the hook saw during one step, collected across buckets (and autograd threads)."""
+
+    local_norms: list[torch.Tensor] = field(default_factory=list)
+    local_positions: list[int] = field(default_factory=list)
+    reduced_norms: list[torch.Tensor] = field(default_factory=list)
+    reduced_positions: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    events: list[tuple[Any, Any]] = field(default_factory=list)
+    bytes: int = 0
+    buckets: int = 0
+    reduced_complete: bool = True
+
+
+class CommProbe:
+    """Callable DDP comm hook: ``model.register_comm_hook(None, probe.hook)``."""
+
+    def __init__(
+        self,
+        index: ParamIndex,
+        *,
+        inner_hook: Callable | None = None,
+        inner_state: Any = None,
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        if inner_hook is None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            inner_hook = allreduce_hook
+            inner_state = None  # allreduce_hook uses the default process group
+        self.index = index
+        self.inner_hook = inner_hook
+        self.inner_state = inner_state
+        self._on_error = on_error
+        self._parts = BucketParts()
+
+    def take(self) -> BucketParts:
+        """Hand over what was collected for the step that just finished, start a new one."""
+        parts, self._parts = self._parts, BucketParts()
+        return parts
+
+    def hook(self, state, bucket):  # unannotated: DDP validates real annotations, not strings
+        parts = self._parts
+        positions: list[int] | None = None
+        try:
+            positions = [self.index.position[id(p)] for p in bucket.parameters()]
+            grads = bucket.gradients()
+            parts.local_norms.append(per_param_norms(grads))
+            parts.local_positions.extend(positions)
+            buffer = bucket.buffer()
+            parts.bytes += buffer.numel() * buffer.element_size()
+            parts.buckets += 1
+        except Exception as exc:  # never let a probe break the all-reduce
+            positions = None
+            self._on_error("comm", exc)
+        start = self._start_timer()
+        fut = self.inner_hook(self.inner_state, bucket)
+        shapes = [p.numel() for p in bucket.parameters()] if positions is not None else None
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            value = f.value()  # re-raises a failed all-reduce: that error is the user's
+            tensor = value[0] if isinstance(value, (list, tuple)) else value
+            try:
+                self._stop_timer(parts, start)
+                if positions is not None and shapes is not None and tensor.numel() == sum(shapes):
+                    views, offset = [], 0
+                    for n in shapes:
+                        views.append(tensor.narrow(0, offset, n))
+                        offset += n
+                    parts.reduced_norms.append(per_param_norms(views))
+                    parts.reduced_positions.extend(positions)
+                else:
+                    parts.reduced_complete = False
+            except Exception as exc:
+                parts.reduced_complete = False
+                self._on_error("comm", exc)
+            return tensor
+
+        return fut.then(done)
+
+    @staticmethod
+    def _start_timer() -> Any:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            try:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                return event
+            except Exception:
+                pass
+        return time.perf_counter()
+
+    @staticmethod
+    def _stop_timer(parts: BucketParts, start: Any) -> None:
+        if isinstance(start, float):
+            parts.seconds.append(time.perf_counter() - start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            parts.events.append((start, end))
