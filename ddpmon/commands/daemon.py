@@ -1,0 +1,110 @@
+"""``ddpmon daemon``: node metrics, http_sd of live ranks, and the job gateway on one port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+log = logging.getLogger("ddpmon.daemon")
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "ddpmon"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from ..config import DEFAULT_PORT
+
+    p = subparsers.add_parser(
+        "daemon",
+        help="run the node daemon (node metrics, /sd discovery, job API)",
+        description="Serve node metrics on /metrics, live ranks on /sd (Prometheus http_sd) "
+        "and the job API on /api/v1/jobs. Jobs keep running across daemon restarts and are "
+        "re-adopted on the next start.",
+    )
+    p.add_argument("--bind", default="127.0.0.1", help="listen address (default: 127.0.0.1)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT - 1,
+        help=f"listen port (default: {DEFAULT_PORT - 1}, the agents' base port - 1)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="job database, job logs, run dirs and the token file "
+        "(default: $XDG_STATE_HOME/ddpmon or ~/.local/state/ddpmon)",
+    )
+    p.add_argument("--config", type=Path, default=None, help="YAML config (entry point allow-list)")
+    p.add_argument("--token-file", type=Path, default=None, help="default: STATE_DIR/token")
+    p.add_argument("--node", default=None, help="node label (default: host name)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ..daemon.app import create_app
+        from ..daemon.jobs import JobManager
+        from ..daemon.node import NodeCollector, build_registry
+        from ..daemon.ranks import RankRegistry
+        from ..daemon.settings import DaemonSettings, SettingsError
+        from ..daemon.store import Store
+        from ..daemon.token import TokenFileError, load_or_create
+        from ..sources.nvml import NvmlSource
+    except ImportError as exc:
+        print(
+            f"ddpmon daemon needs the 'daemon' extra: pip install 'ddpmon[daemon]' ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+
+    state_dir: Path = (args.state_dir or default_state_dir()).resolve()
+    try:
+        settings = DaemonSettings.load(args.config)
+    except SettingsError as exc:
+        print(f"ddpmon daemon: config error: {exc}", file=sys.stderr)
+        return 2
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    token_file = args.token_file or state_dir / "token"
+    try:
+        token = load_or_create(token_file)
+    except TokenFileError as exc:
+        print(f"ddpmon daemon: {exc}", file=sys.stderr)
+        return 2
+
+    host = "127.0.0.1" if args.bind in ("0.0.0.0", "::", "") else args.bind
+    url_host = f"[{host}]" if ":" in host else host
+    daemon_url = f"http://{url_host}:{args.port}"
+    store = Store(state_dir / "ddpmon.sqlite3")
+    jobs = JobManager(store, settings, state_dir, daemon_url=daemon_url)
+    ranks = RankRegistry(store)
+    collector = NodeCollector(
+        node=args.node or socket.gethostname(),
+        nvml=NvmlSource(),
+        job_counts=store.count_by_state,
+        live_ranks=lambda: len(ranks.live()),
+        disk_paths=("/", str(state_dir)),
+    )
+    app = create_app(jobs=jobs, ranks=ranks, registry=build_registry(collector), token=token)
+    jobs.start()
+    log.info(
+        "ddpmon daemon on %s (state %s, token file %s, entry points: %s)",
+        daemon_url,
+        state_dir,
+        token_file,
+        ", ".join(sorted(settings.entrypoints)),
+    )
+    try:
+        uvicorn.run(app, host=args.bind, port=args.port, log_level="warning", access_log=False)
+    finally:
+        jobs.close()
+        store.close()
+    return 0

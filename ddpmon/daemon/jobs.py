@@ -1,0 +1,450 @@
+"""Launching and tracking jobs: torchrun (through ``ddpmon.daemon.launcher``) in its own session.
+
+Each job gets a directory under the state dir with the launcher's output, torchrun's per-rank
+logs (``logs/.../attempt_0/<local_rank>/{stdout,stderr}.log``) and ``result.json``. The ranks
+get the agent's environment (run id = job id, run dir, a per-job port range, the daemon URL) so
+they serve /metrics on known ports, write their event logs where the daemon looks, and register
+for discovery. One watcher thread polls every job, scrapes summaries, escalates cancels and
+records outcomes. No shell is involved: every command is an argv list.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import outcome, summary
+from .settings import DaemonSettings
+from .store import DuplicateJobError, JobRecord, Store
+
+log = logging.getLogger("ddpmon.daemon.jobs")
+
+__all__ = ["DuplicateJobError", "JobError", "JobManager", "JobNotFound", "JobStateConflict"]
+
+
+class JobError(ValueError):
+    """Invalid request (unknown entry point, limits)."""
+
+
+class JobNotFound(KeyError):
+    pass
+
+
+class JobStateConflict(RuntimeError):
+    """The request does not fit the job's state (e.g. cancel a finished job)."""
+
+
+@dataclass(slots=True)
+class _Handle:
+    job_id: str
+    popen: subprocess.Popen[bytes] | None = None
+    proc: psutil.Process | None = None  # re-adopted (not our child)
+    known_pids: dict[int, float] = field(default_factory=dict)
+    killed: bool = False
+
+    def returncode(self) -> tuple[bool, int | None]:
+        """(done, exit code if known)."""
+        if self.popen is not None:
+            code = self.popen.poll()
+            return code is not None, code
+        assert self.proc is not None
+        try:
+            done = not self.proc.is_running() or self.proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            done = True
+        return done, None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else self.proc.pid  # type: ignore[union-attr]
+
+
+def process_start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def same_process(pid: int | None, create_time: float | None) -> bool:
+    """True when ``pid`` is alive and started at ``create_time`` (not a reused PID)."""
+    if not pid or create_time is None:
+        return False
+    started = process_start_time(pid)
+    if started is None or abs(started - create_time) > 0.05:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class JobManager:
+    def __init__(
+        self,
+        store: Store,
+        settings: DaemonSettings,
+        state_dir: str | Path,
+        *,
+        daemon_url: str | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.state_dir = Path(state_dir)
+        self.daemon_url = daemon_url
+        self.python = python
+        self.run_dir = self.state_dir / "runs"
+        self._lock = threading.RLock()
+        self._active: dict[str, _Handle] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Re-adopt or mark LOST what was running before a restart, then start the watcher."""
+        self.recover()
+        self._thread = threading.Thread(target=self._watch, name="ddpmon-jobs", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop watching. Jobs keep running; the next daemon start re-adopts them."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def recover(self) -> None:
+        for job in self.store.list_jobs(("RUNNING",)):
+            if same_process(job.pid, job.pid_create_time):
+                assert job.pid is not None
+                handle = _Handle(job.id, proc=psutil.Process(job.pid))
+                handle.known_pids = self._descendants(job.pid)
+                with self._lock:
+                    self._active[job.id] = handle
+                log.info("re-adopted job %s (pid %s)", job.id, job.pid)
+            else:
+                # The launcher is gone; its result file may still say how it ended.
+                self._finish(job, None, gone_while_down=True)
+
+    # API operations --------------------------------------------------------------------
+    def validate(self, entrypoint: str, nproc: int, args: list[str]) -> None:
+        s = self.settings
+        if entrypoint not in s.entrypoints:
+            allowed = ", ".join(sorted(s.entrypoints)) or "(none configured)"
+            raise JobError(f"unknown entrypoint {entrypoint!r}; allowed: {allowed}")
+        if not 1 <= nproc <= s.max_nproc:
+            raise JobError(f"nproc={nproc}: expected 1 <= nproc <= {s.max_nproc}")
+        if len(args) > s.max_args:
+            raise JobError(f"{len(args)} arguments: at most {s.max_args} allowed")
+        for i, arg in enumerate(args):
+            if len(arg) > s.max_arg_length:
+                raise JobError(f"args[{i}] is {len(arg)} characters: at most {s.max_arg_length}")
+            if "\x00" in arg:
+                raise JobError(f"args[{i}] contains a NUL character")
+
+    def submit(self, job_id: str, entrypoint: str, nproc: int, args: list[str]) -> JobRecord:
+        self.validate(entrypoint, nproc, args)
+        job = JobRecord(id=job_id, entrypoint=entrypoint, nproc=nproc, args=list(args))
+        job.job_dir = str(self.state_dir / "jobs" / job_id)
+        job.run_dir = str(self.run_dir)
+        self.store.insert_job(job)  # raises DuplicateJobError
+        self._schedule()
+        return self.get(job_id)
+
+    def get(self, job_id: str) -> JobRecord:
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise JobNotFound(job_id)
+        return job
+
+    def list_jobs(self) -> list[JobRecord]:
+        return self.store.list_jobs()
+
+    def cancel(self, job_id: str) -> JobRecord:
+        with self._lock:
+            job = self.get(job_id)
+            if job.final:
+                raise JobStateConflict(f"job {job_id} already ended ({job.state})")
+            if job.cancel_requested_at is not None:
+                return job
+            job.cancel_requested_at = time.time()
+            if job.state == "PENDING":
+                job.state, job.ended_at, job.reason = (
+                    "CANCELLED",
+                    time.time(),
+                    "cancelled before start",
+                )
+                self.store.save_job(job)
+                return job
+            self.store.save_job(job)
+            handle = self._active.get(job_id)
+            if handle is not None:
+                handle.known_pids |= self._descendants(handle.pid)
+                self._signal_group(handle.pid, signal.SIGTERM)
+            return job
+
+    # launching -------------------------------------------------------------------------
+    def _schedule(self) -> None:
+        with self._lock:
+            running = len(self._active)
+            for job in self.store.list_jobs(("PENDING",)):
+                if running >= self.settings.max_running_jobs:
+                    break
+                self._launch(job)
+                running += 1
+
+    def _allocate_ports(self, nproc: int) -> list[int]:
+        lo, hi = self.settings.port_range
+        taken = {p for j in self.store.list_jobs(("RUNNING",)) for p in j.ports}
+        host = self.settings.job_bind
+        base = lo
+        while base + nproc - 1 <= hi:
+            ports = list(range(base, base + nproc))
+            clash = next((p for p in ports if p in taken or not _port_free(host, p)), None)
+            if clash is None:
+                return ports
+            base = clash + 1
+        raise JobError(f"no {nproc} consecutive free ports in port_range {lo}-{hi}")
+
+    def _launch(self, job: JobRecord) -> None:
+        entry = self.settings.entrypoints.get(job.entrypoint)
+        job_dir = Path(job.job_dir)
+        try:
+            if entry is None:
+                raise JobError(f"entrypoint {job.entrypoint!r} is no longer configured")
+            job.ports = self._allocate_ports(job.nproc)
+            job_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            argv = [
+                self.python,
+                "-m",
+                "ddpmon.daemon.launcher",
+                "--result",
+                str(job_dir / "result.json"),
+                "--",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(job.nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(_free_port()),
+                "--max-restarts",
+                "0",
+                "--rdzv-id",
+                job.id,
+                "--log-dir",
+                str(job_dir / "logs"),
+                "--redirects",
+                "3",
+                "--tee",
+                "3",
+                *self.settings.torchrun_args,
+                *entry.argv(),
+                *job.args,
+            ]
+            env = self._environment(job)
+            with open(job_dir / "launcher.log", "ab") as out:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=str(job_dir),
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        except (OSError, JobError) as exc:
+            job.state, job.reason, job.ended_at = "FAILED", f"launch failed: {exc}", time.time()
+            self.store.save_job(job)
+            log.warning("job %s: %s", job.id, job.reason)
+            return
+        job.pid = popen.pid
+        job.pid_create_time = process_start_time(popen.pid)
+        job.started_at = time.time()
+        job.state = "RUNNING"
+        self.store.save_job(job)
+        self._active[job.id] = _Handle(job.id, popen=popen)
+        log.info("job %s started: pid %s, ports %s", job.id, popen.pid, job.ports)
+
+    def _environment(self, job: JobRecord) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPMON_", "PET_"))}
+        env.update(
+            DDPMON_RUN_ID=job.id,
+            DDPMON_JOB_ID=job.id,
+            DDPMON_RUN_DIR=str(self.run_dir),
+            DDPMON_PORT=str(job.ports[0]),
+            DDPMON_BIND=self.settings.job_bind,
+            PYTHONUNBUFFERED="1",
+        )
+        if self.daemon_url:
+            env["DDPMON_DAEMON_URL"] = self.daemon_url
+        return env
+
+    # watching --------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(self.settings.poll_seconds):
+            try:
+                self.poll_once()
+            except Exception:  # keep watching; one bad record must not stop the others
+                log.exception("job watcher iteration failed")
+
+    def poll_once(self) -> None:
+        with self._lock:
+            handles = list(self._active.values())
+        for handle in handles:
+            job = self.store.get_job(handle.job_id)
+            if job is None:
+                continue
+            done, code = handle.returncode()
+            if not done:
+                handle.known_pids |= self._descendants(handle.pid)
+                bind = self.settings.job_bind
+                host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+                job.summary = summary.merge(job.summary, host, job.ports)
+                self._escalate(job, handle)
+                with self._lock:
+                    current = self.store.get_job(job.id)
+                    if current is not None and not current.final:
+                        current.summary = job.summary
+                        self.store.save_job(current)
+                continue
+            self._reap_leftovers(handle)
+            with self._lock:
+                self._active.pop(handle.job_id, None)
+                fresh = self.store.get_job(handle.job_id)
+                if fresh is not None:
+                    self._finish(fresh, code)
+        self._schedule()
+
+    def _escalate(self, job: JobRecord, handle: _Handle) -> None:
+        if job.cancel_requested_at is None or handle.killed:
+            return
+        if time.time() - job.cancel_requested_at >= self.settings.cancel_grace_seconds:
+            handle.killed = True
+            log.warning("job %s: grace period over, SIGKILL", job.id)
+            self._kill_all(handle)
+
+    def _kill_all(self, handle: _Handle) -> None:
+        known = {**handle.known_pids, **self._descendants(handle.pid)}
+        self._signal_group(handle.pid, signal.SIGKILL)
+        for pid, started in known.items():
+            if same_process(pid, started):
+                self._signal_group(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def _reap_leftovers(self, handle: _Handle) -> None:
+        """torchrun's workers run in their own sessions; never leave one behind."""
+        for pid, started in handle.known_pids.items():
+            if same_process(pid, started):
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.Error:
+                    pass
+
+    @staticmethod
+    def _descendants(pid: int) -> dict[int, float]:
+        """PID -> start time of every descendant (start time guards against PID reuse)."""
+        found: dict[int, float] = {}
+        try:
+            for child in psutil.Process(pid).children(recursive=True):
+                try:
+                    found[child.pid] = child.create_time()
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        return found
+
+    @staticmethod
+    def _signal_group(pid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(os.getpgid(pid), sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _finish(self, job: JobRecord, code: int | None, gone_while_down: bool = False) -> None:
+        job_dir = Path(job.job_dir)
+        result = outcome.read_result(job_dir / "result.json")
+        failures = list((result or {}).get("failures", []))
+        failures += outcome.event_failures(Path(job.run_dir) / job.id)
+        job.failures = failures
+        job.first_failure = outcome.first_failure(failures)
+        job.ranks = dict((result or {}).get("ranks", {}))
+        job.exit_code = (result or {}).get("exit_code", code)
+        job.ended_at = (result or {}).get("ended_at") or time.time()
+        if job.cancel_requested_at is not None:
+            job.state, job.reason = "CANCELLED", "cancelled by request"
+        elif result is not None:
+            if result.get("outcome") == "succeeded":
+                job.state, job.reason = "COMPLETED", None
+            else:
+                job.state = "FAILED"
+                job.reason = _failure_reason(result, job.first_failure)
+        elif gone_while_down:
+            job.state = "LOST"
+            job.reason = (
+                f"launcher pid {job.pid} ended while the daemon was not running and left no "
+                "result file"
+                if job.pid_create_time is not None
+                else "job was never started"
+            )
+        elif code == 0:
+            job.state, job.reason = "COMPLETED", None
+        else:
+            job.state = "FAILED"
+            job.reason = f"launcher exited with code {code} without a result file"
+        self.store.save_job(job)
+        log.info("job %s: %s %s", job.id, job.state, job.reason or "")
+
+    def active_ports(self) -> dict[str, list[int]]:
+        return {j.id: j.ports for j in self.store.list_jobs(("RUNNING",))}
+
+
+def _failure_reason(result: dict[str, Any], first: dict[str, Any] | None) -> str:
+    if result.get("outcome") == "signalled":
+        return f"torchrun received {result.get('signal_name')}"
+    if result.get("outcome") == "error":
+        return f"torchrun error: {result.get('error')}"
+    if first is None:
+        return "a rank failed"
+    what = (
+        f"signal {first['signal']}"
+        if first.get("signal")
+        else f"exit code {first.get('exit_code')}"
+        if first.get("exit_code") is not None
+        else str(first.get("kind"))
+    )
+    return f"rank {first.get('rank')} failed first: {what}"

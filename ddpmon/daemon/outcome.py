@@ -1,0 +1,98 @@
+"""How a job ended: per-rank exit codes/signals from the launcher's result file, failure events
+from the run's event logs, and which failure came first.
+
+torchrun stops the surviving ranks with SIGTERM once one rank fails, so those terminations are
+consequences, not causes: they rank after every other failure when choosing the first one.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+FAILURE_EVENT_KINDS = frozenset(
+    {"nonfinite", "scale_floor", "stall", "oom", "signal", "exception", "error", "crash"}
+)
+_EVENT_SCAN_LIMIT = 200_000  # lines per file: bounded work on a huge log
+
+
+def read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def event_failures(run_path: Path) -> list[dict[str, Any]]:
+    """Failure-like events in ``events.rank<R>.jsonl`` files; the earliest few per rank."""
+    found: list[dict[str, Any]] = []
+    for log in sorted(run_path.glob("events.rank*.jsonl")):
+        per_file = 0
+        try:
+            with log.open("r", encoding="utf-8", errors="replace") as fh:
+                for n, line in enumerate(fh):
+                    if n >= _EVENT_SCAN_LIMIT or per_file >= 5:
+                        break
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue  # a torn last line of a killed rank
+                    if not isinstance(event, dict) or not _is_failure(event):
+                        continue
+                    per_file += 1
+                    found.append(_from_event(event))
+        except OSError:
+            continue
+    return found
+
+
+def _is_failure(event: dict[str, Any]) -> bool:
+    kind = event.get("kind")
+    if kind in FAILURE_EVENT_KINDS:
+        return True
+    if kind == "exit":
+        code = event.get("code", event.get("exit_code", 0))
+        return isinstance(code, int) and code != 0
+    return False
+
+
+def _from_event(event: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"source": "event_log"}
+    for key in ("ts", "rank", "step", "kind"):
+        out[key] = event.get(key)
+    sig = event.get("signal", event.get("signum"))
+    if isinstance(sig, str):
+        try:
+            sig = int(signal.Signals[sig if sig.startswith("SIG") else f"SIG{sig}"])
+        except KeyError:
+            sig = None
+    if isinstance(sig, int):
+        out["signal"] = sig
+    for key in ("param", "message", "code", "exit_code", "seconds"):
+        if key in event:
+            out[key] = event[key]
+    return out
+
+
+def _tier(failure: dict[str, Any]) -> int:
+    sig = failure.get("signal")
+    if sig == signal.SIGTERM:
+        return 2  # what torchrun sends to the survivors
+    if sig in (signal.SIGKILL, signal.SIGINT, signal.SIGHUP):
+        return 1
+    return 0
+
+
+def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The cause: earliest non-termination failure; ties prefer the event log (precise ts)."""
+    candidates = [f for f in failures if isinstance(f.get("ts"), (int, float))]
+    if not candidates:
+        return None
+
+    def key(f: dict[str, Any]) -> tuple[int, float, int]:
+        return (_tier(f), float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
+
+    return dict(min(candidates, key=key))

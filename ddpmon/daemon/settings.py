@@ -1,0 +1,128 @@
+"""The daemon's YAML config: which entry points may be launched, and the input limits.
+
+Only entry points named here can run; a request names one by its key and never supplies a
+command. Example::
+
+    entrypoints:
+      demo: {module: ddpmon.demo.train, description: "the ddpmon demo"}
+    max_nproc: 8
+    max_args: 64
+    max_arg_length: 256
+    max_running_jobs: 4
+    port_range: [7500, 7999]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import DEFAULT_PORT
+
+DEFAULT_DAEMON_PORT = DEFAULT_PORT - 1
+
+
+class SettingsError(ValueError):
+    """The daemon config file is invalid; the message names the key."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Entrypoint:
+    name: str
+    module: str | None = None
+    """Python module run as ``torchrun -m MODULE``."""
+    script: str | None = None
+    """Or a script path run as ``torchrun SCRIPT``."""
+    args: list[str] = field(default_factory=list)
+    """Fixed arguments placed before the request's arguments."""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.module is None) == (self.script is None):
+            raise SettingsError(f"entrypoints.{self.name}: set exactly one of 'module' or 'script'")
+        if not all(isinstance(a, str) for a in self.args):
+            raise SettingsError(f"entrypoints.{self.name}.args: expected a list of strings")
+
+    def argv(self) -> list[str]:
+        head = ["-m", self.module] if self.module else [str(self.script)]
+        return head + list(self.args)
+
+
+@dataclass(kw_only=True, slots=True)
+class DaemonSettings:
+    entrypoints: dict[str, Entrypoint] = field(
+        default_factory=lambda: {
+            "demo": Entrypoint(name="demo", module="ddpmon.demo.train", description="ddpmon demo")
+        }
+    )
+    max_nproc: int = 8
+    """Upper bound on processes per job (1 <= nproc <= max_nproc)."""
+    max_args: int = 64
+    max_arg_length: int = 256
+    max_running_jobs: int = 4
+    """Jobs beyond this wait as PENDING."""
+    port_range: tuple[int, int] = (7500, 7999)
+    """Ranks' /metrics ports are allocated from this range (base + local rank)."""
+    job_bind: str = "127.0.0.1"
+    """Address the jobs' ranks serve /metrics on (DDPMON_BIND)."""
+    cancel_grace_seconds: float = 10.0
+    """SIGTERM first; SIGKILL to every process of the job after this long."""
+    poll_seconds: float = 0.5
+    """How often job processes are checked and their ranks' /metrics scraped."""
+    torchrun_args: list[str] = field(default_factory=lambda: ["--monitor-interval", "0.1"])
+    """Extra torchrun options (before the entry point)."""
+
+    def __post_init__(self) -> None:
+        for name, (low, high) in {
+            "max_nproc": (1, 1024),
+            "max_args": (0, 10_000),
+            "max_arg_length": (1, 1_000_000),
+            "max_running_jobs": (1, 1000),
+        }.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise SettingsError(f"{name}={value!r}: expected an integer from {low} to {high}")
+        lo, hi = self.port_range
+        if not (1 <= lo <= hi <= 65535):
+            raise SettingsError(f"port_range={self.port_range!r}: expected [low, high] in 1..65535")
+        if self.cancel_grace_seconds < 0 or self.poll_seconds <= 0:
+            raise SettingsError("cancel_grace_seconds must be >= 0 and poll_seconds > 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DaemonSettings:
+        data = dict(data or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise SettingsError(f"unknown key(s): {', '.join(sorted(unknown))}")
+        if "entrypoints" in data:
+            raw = data["entrypoints"]
+            if not isinstance(raw, dict):
+                raise SettingsError("entrypoints: expected a mapping of name -> {module|script}")
+            eps = {}
+            for name, spec in raw.items():
+                if not isinstance(spec, dict):
+                    raise SettingsError(f"entrypoints.{name}: expected a mapping")
+                extra = set(spec) - {"module", "script", "args", "description"}
+                if extra:
+                    raise SettingsError(f"entrypoints.{name}: unknown key(s) {sorted(extra)}")
+                eps[str(name)] = Entrypoint(name=str(name), **spec)
+            data["entrypoints"] = eps
+        if "port_range" in data:
+            data["port_range"] = tuple(int(x) for x in data["port_range"])
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> DaemonSettings:
+        if path is None:
+            return cls()
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise SettingsError(f"{path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SettingsError(f"{path}: expected a YAML mapping")
+        return cls.from_dict(data)
