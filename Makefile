@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 # step takes the CPU wheel and never resolves to a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
+# The default demo injects a NaN on rank 1 so the summary shows where it originated.
+DEMO_ARGS ?= --inject nan@rank1:step60
 
 .PHONY: demo test lint bench stack rules dashboards debs clean
 

@@ -1,0 +1,257 @@
+"""``ddpmon demo``: a monitored multi-rank CPU training run with live progress and a summary.
+
+Runs ``torch.distributed.run`` (torchrun) with the gloo backend on 127.0.0.1, polls every rank's
+/metrics endpoint while it trains, and prints a per-rank summary from the files the ranks leave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from ..config import DEFAULT_PORT
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run a monitored multi-rank CPU training (gloo)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--step-delay", type=float, default=0.05, help="sleep per step, seconds")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="base port (rank r: port+r)")
+    p.add_argument("--run-dir", default="ddpmon-runs")
+    p.add_argument("--run-id", default=None)
+    p.add_argument(
+        "--inject",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="fault, e.g. nan@rank1:step20, scale-collapse@step40, segv@rank1:step25",
+    )
+    p.add_argument("--sd-dir", default=None, help="write file_sd targets here")
+    p.add_argument("--daemon-url", default=None, help="register ranks with a ddpmon daemon")
+    p.add_argument("--on-nonfinite", default=None, choices=("record", "skip", "raise"))
+    p.add_argument("--no-amp", action="store_true", help="fp32, no GradScaler")
+    p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
+    p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after training")
+    p.add_argument("--no-progress", action="store_true", help="plain output, no live table")
+    p.set_defaults(func=run)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.nproc}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={master_port}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        "ddpmon.demo.train",
+        "--steps",
+        str(args.steps),
+        "--step-delay",
+        str(args.step_delay),
+        "--port",
+        str(args.port),
+        "--run-dir",
+        args.run_dir,
+        "--run-id",
+        run_id,
+        "--pg-timeout",
+        str(args.pg_timeout),
+        "--hold",
+        str(args.hold),
+    ]
+    for spec in args.inject:
+        cmd += ["--inject", spec]
+    for flag, value in (
+        ("--sd-dir", args.sd_dir),
+        ("--daemon-url", args.daemon_url),
+        ("--on-nonfinite", args.on_nonfinite),
+    ):
+        if value:
+            cmd += [flag, value]
+    if args.no_amp:
+        cmd.append("--no-amp")
+    return cmd
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The handful of values the progress table shows, parsed from one rank's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels.keys() - {"run", "rank"}:
+                out[sample.name] = sample.value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from ..demo.faults import Fault, FaultSpecError
+
+    console = Console()
+    try:
+        for spec in args.inject:
+            Fault.parse(spec)
+    except FaultSpecError as exc:
+        console.print(f"[red]{exc}")
+        return 2
+    if args.nproc < 1:
+        console.print("[red]--nproc must be >= 1")
+        return 2
+    run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
+    run_path = Path(args.run_dir) / run_id
+    ports = [args.port + r for r in range(args.nproc)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.setdefault("DDPMON_STALL_SECONDS", "30")
+    cmd = rank_command(args, run_id, free_port())
+    console.print(
+        f"[bold]ddpmon demo[/] run [cyan]{run_id}[/]: {args.nproc} ranks, gloo, "
+        f"{args.steps} steps" + (f", faults: {', '.join(args.inject)}" if args.inject else "")
+    )
+    for rank, port in enumerate(ports):
+        console.print(f"  rank {rank}: http://127.0.0.1:{port}/metrics")
+    console.print(f"  run dir: {run_path}")
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        code = proc.wait() if args.no_progress else _progress(proc, ports, args.steps, console)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        _stop(proc)
+    _print_summary(run_path, args.nproc, console)
+    console.print(("[green]" if code == 0 else "[red]") + f"training exited with code {code}")
+    return code
+
+
+def _progress(proc: subprocess.Popen, ports: list[int], steps: int, console) -> int:
+    from rich.live import Live
+    from rich.table import Table
+
+    def table() -> Table:
+        t = Table(title="live (scraped from /metrics)", expand=False)
+        for col in (
+            "rank",
+            "step",
+            "loss",
+            "grad norm",
+            "local norm",
+            "NaN origin steps",
+            "loss scale",
+            "skipped",
+        ):
+            t.add_column(col, justify="right")
+        for rank, port in enumerate(ports):
+            try:
+                m = scrape(port)
+            except Exception:
+                t.add_row(str(rank), "[dim]waiting", *[""] * 6)
+                continue
+            t.add_row(
+                str(rank),
+                f"{int(m.get('ddpmon_step', -1)) + 1}/{steps}",
+                _fmt(m.get("ddpmon_loss")),
+                _fmt(m.get("ddpmon_grad_norm")),
+                _fmt(m.get("ddpmon_grad_local_norm")),
+                _fmt(m.get("ddpmon_grad_nonfinite_origin_steps_total"), "{:.0f}"),
+                _fmt(m.get("ddpmon_amp_loss_scale"), "{:.0f}"),
+                _fmt(m.get("ddpmon_amp_skipped_steps_total"), "{:.0f}"),
+            )
+        return t
+
+    with Live(table(), console=console, refresh_per_second=4, transient=False) as live:
+        while proc.poll() is None:
+            time.sleep(0.5)
+            live.update(table())
+    return proc.returncode
+
+
+def _fmt(value: float | None, fmt: str = "{:.4g}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _print_summary(run_path: Path, nproc: int, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"per-rank summary ({run_path})")
+    for col in (
+        "rank",
+        "steps",
+        "grad norm",
+        "NaN origin",
+        "loss scale",
+        "skipped",
+        "all-reduce p50",
+        "all-reduce p99",
+    ):
+        t.add_column(col, justify="right")
+    for rank in range(nproc):
+        path = run_path / f"summary.rank{rank}.json"
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, ValueError):
+            t.add_row(str(rank), "[red]no summary (rank died?)", *[""] * 6)
+            continue
+        first = s.get("first_nonfinite")
+        origin = f"step {first['step']} {first['param']} ({first['kind']})" if first else "-"
+        t.add_row(
+            str(rank),
+            str(s.get("steps")),
+            _fmt(_num(s.get("grad_norm"))),
+            origin,
+            _fmt(_num(s.get("loss_scale")), "{:.0f}"),
+            str(s.get("amp_skipped_steps")),
+            _ms(s.get("allreduce_p50_seconds")),
+            _ms(s.get("allreduce_p99_seconds")),
+        )
+    console.print(t)
+
+
+def _num(value: object) -> float | None:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
+def _ms(value: object) -> str:
+    v = _num(value)
+    return "-" if v is None else f"{v * 1000:.2f} ms"
