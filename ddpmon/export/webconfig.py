@@ -220,8 +220,19 @@ def _tls_context(where: str, base: Path, tls: Any) -> tuple[ssl.SSLContext, str]
     if low < ssl.TLSVersion.TLSv1_2:
         # OpenSSL 3's default security level forbids TLS 1.0/1.1 even when enabled.
         ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    _check_pem(where, "tls_server_config.cert_file", cert, b"-----BEGIN CERTIFICATE-----")
+    _check_pem(where, "tls_server_config.key_file", key, b"PRIVATE KEY-----")
+
+    def no_password() -> bytes:
+        raise _EncryptedKey
+
     try:
-        ctx.load_cert_chain(cert, key)
+        ctx.load_cert_chain(cert, key, password=no_password)
+    except _EncryptedKey:
+        raise WebConfigError(
+            f"{where}: tls_server_config.key_file {key} is encrypted; ddpmon needs an "
+            "unencrypted key (protect it with file permissions)"
+        ) from None
     except (ssl.SSLError, OSError) as exc:
         raise WebConfigError(
             f"{where}: cannot load tls_server_config.cert_file {cert} with key_file {key}: "
@@ -229,6 +240,7 @@ def _tls_context(where: str, base: Path, tls: Any) -> tuple[ssl.SSLContext, str]
         ) from None
     if verify:
         ca = _file(where, base, "tls_server_config.client_ca_file", ca_value)
+        _check_pem(where, "tls_server_config.client_ca_file", ca, b"-----BEGIN CERTIFICATE-----")
         try:
             ctx.load_verify_locations(cafile=ca)
         except (ssl.SSLError, OSError) as exc:
@@ -241,6 +253,20 @@ def _tls_context(where: str, base: Path, tls: Any) -> tuple[ssl.SSLContext, str]
     else:
         ctx.verify_mode = ssl.CERT_NONE
     return ctx, auth
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _check_pem(where: str, name: str, path: str, marker: bytes) -> None:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise WebConfigError(f"{where}: {name} {path}: cannot read: {exc.strerror}") from None
+    if marker not in data:
+        what = "certificate" if b"CERTIFICATE" in marker else "private key"
+        raise WebConfigError(f"{where}: {name} {path}: no PEM {what} found")
 
 
 def _ssl_reason(exc: BaseException) -> str:
