@@ -1,0 +1,103 @@
+"""``ddpmon timeline RUN_DIR``: all ranks' events on one clock, and the first failure named.
+
+Exit status: 0 the run was read (whether or not it failed), 2 no run or no events there,
+3 a partial run (some ranks of the world size left no files; the view is still printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "timeline",
+        help="merge all ranks' events on one clock and name the first failure",
+        description="Merge all ranks' event logs, crash files and evidence of a run on rank 0's "
+        "clock; state the first failure (rank, step, kind, tensor or signal) and how each "
+        "rank ended. RUN_DIR is run_dir/<run_id> (or a run_dir holding exactly one run).",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--steps", action="store_true", help="also list per-step events")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpmon.forensics.timeline import RunDirError, build_timeline
+
+    try:
+        tl = build_timeline(args.run_dir)
+    except RunDirError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}))
+        else:
+            print(f"ddpmon timeline: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(tl.to_json(), indent=1, default=str))
+    else:
+        _render(tl, show_steps=args.steps)
+    return 3 if tl.missing_ranks else 0
+
+
+def _render(tl, show_steps: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ddpmon.forensics.timeline import describe
+
+    console = Console(highlight=False)
+    offsets = ", ".join(
+        f"r{r} {v['clock_offset_seconds']:+.6f}s" for r, v in sorted(tl.ranks.items())
+    )
+    console.print(f"[bold]Run[/bold] {tl.run_path}  ranks seen: {len(tl.ranks)}"
+                  + (f" of {tl.world_size}" if tl.world_size else ""))
+    console.print(f"clock offsets to rank 0: {offsets}")
+    for w in tl.warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}")
+    ff = tl.first_failure
+    if ff:
+        what = ff.get("param") or ff.get("signal") or ff.get("exc_type") or ff.get("detail") or ""
+        console.print(
+            f"[bold red]First failure:[/bold red] rank {ff['rank']}, step {ff['step']}, "
+            f"{ff['kind']}" + (f" ({what})" if what else "")
+            + f" at +{ff['t_rel']:.3f}s [{ff['class']}]"
+        )
+    else:
+        console.print("[green]No failure recorded.[/green]")
+
+    table = Table(show_lines=False, header_style="bold")
+    for col in ("t (s)", "rank", "step", "kind", "details"):
+        table.add_column(col, no_wrap=col != "details")
+    hidden = 0
+    first_event = _match(tl, ff)
+    for e in tl.events:
+        if e.get("kind") == "step" and not show_steps:
+            hidden += 1
+            continue
+        style = "red" if e is first_event else None
+        table.add_row(f"{e['t_rel']:.3f}", str(e.get("rank")), str(e.get("step")),
+                      str(e.get("kind")), describe(e), style=style)
+    console.print(table)
+    if hidden:
+        console.print(f"({hidden} step events hidden; --steps shows them)")
+    console.print("[bold]How each rank ended[/bold]")
+    for rank, info in sorted(tl.ranks.items()):
+        last = info.get("last_event") or {}
+        ev = f"; evidence: {', '.join(info['evidence'])}" if info.get("evidence") else ""
+        console.print(
+            f"  rank {rank}: {info['ended']}; last event {last.get('kind')} at step "
+            f"{last.get('step')} (+{last.get('t_rel', 0):.3f}s){ev}"
+        )
+
+
+def _match(tl, ff):
+    if not ff:
+        return None
+    for e in tl.events:
+        if e.get("rank") == ff["rank"] and e.get("t") == ff["t"] and e.get("kind") == ff["kind"]:
+            return e
+    return None

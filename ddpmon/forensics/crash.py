@@ -1,0 +1,214 @@
+"""Crash capture: how a rank ended, even when Python itself could not say.
+
+- Fatal signals (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL): ``faulthandler`` writes
+  ``Fatal Python error: <signal>`` and every thread's stack to ``run_path/crash.rank<R>.txt``
+  from inside the signal handler (no Python code can run then, so no event can be written;
+  ``ddpmon timeline`` turns the file into a ``signal`` event, timed by the file's mtime).
+- SIGTERM (what torchrun sends to surviving ranks when one fails): ``faulthandler.register``
+  with ``chain=True`` dumps the stacks to ``run_path/sigterm.rank<R>.txt`` and then lets the
+  previous disposition act, so the process still dies at once even if it is blocked in C++ (a
+  Python-level handler would wait for the collective to time out).
+- Uncaught exception in the main thread: an ``exit`` event (``reason="exception"``, type,
+  message, traceback) and, under torchelastic, the error file named by
+  ``TORCHELASTIC_ERROR_FILE`` in torchelastic's own format (as ``@record`` writes it; an
+  existing file is left alone, the first writer wins). Uncaught exceptions in other threads
+  become ``thread_exception`` events (the process goes on, so they are not an exit).
+- Normal interpreter exit: an ``exit`` event (``reason="normal"``) from ``atexit``. ``os._exit`` and
+  SIGKILL leave no event by nature; the timeline reports such ranks as vanished.
+  ``code`` is what ``sys.exit`` was given (``sys.exit`` is wrapped while installed to see it);
+  a bare ``raise SystemExit(n)`` is reported as 0.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ddpmon.crash")
+
+FATAL_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
+
+
+def crash_path(run_path: Path | str, rank: int) -> Path:
+    return Path(run_path) / f"crash.rank{rank}.txt"
+
+
+def sigterm_path(run_path: Path | str, rank: int) -> Path:
+    return Path(run_path) / f"sigterm.rank{rank}.txt"
+
+
+class CrashCapture:
+    """Installs the hooks above for one rank; ``uninstall`` restores the previous ones."""
+
+    def __init__(self, run_path: Path | str, rank: int, eventlog: Any) -> None:
+        self.run_path = Path(run_path)
+        self.rank = int(rank)
+        self.eventlog = eventlog
+        self.installed = False
+        self._crash_file: Any = None
+        self._term_file: Any = None
+        self._prev_excepthook: Any = None
+        self._prev_threading_hook: Any = None
+        self._prev_faulthandler: tuple[bool, Any] | None = None
+        self._term_registered = False
+        self._exit_emitted = False
+        self._exit_code: Any = None
+        self._prev_sys_exit: Any = None
+
+    def install(self) -> CrashCapture:
+        if self.installed:
+            return self
+        try:
+            self.run_path.mkdir(parents=True, exist_ok=True)
+            self._prev_faulthandler = (faulthandler.is_enabled(), None)
+            # Kept open for the process's lifetime: the C handler writes to its fd.
+            self._crash_file = open(crash_path(self.run_path, self.rank), "a")  # noqa: SIM115
+            faulthandler.enable(file=self._crash_file, all_threads=True)
+            self._register_sigterm()
+        except Exception as exc:
+            log.warning("ddpmon crash capture: faulthandler not installed: %s", exc)
+        self._prev_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+        self._prev_threading_hook = threading.excepthook
+        threading.excepthook = self._threading_hook
+        self._prev_sys_exit = sys.exit
+        sys.exit = self._sys_exit
+        atexit.register(self._atexit)
+        self.installed = True
+        return self
+
+    def _register_sigterm(self) -> None:
+        if not hasattr(faulthandler, "register") or threading.current_thread() is not (
+            threading.main_thread()
+        ):
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        if current not in (signal.SIG_DFL, None):
+            return  # the program handles SIGTERM itself; leave its semantics alone
+        self._term_file = open(sigterm_path(self.run_path, self.rank), "a")  # noqa: SIM115
+        faulthandler.register(signal.SIGTERM, file=self._term_file, all_threads=True, chain=True)
+        self._term_registered = True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        self.installed = False
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        if threading.excepthook == self._threading_hook:
+            threading.excepthook = self._prev_threading_hook
+        if sys.exit == self._sys_exit:
+            sys.exit = self._prev_sys_exit
+        atexit.unregister(self._atexit)
+        try:
+            if self._term_registered:
+                faulthandler.unregister(signal.SIGTERM)
+                self._term_registered = False
+            if self._prev_faulthandler is not None:
+                if self._prev_faulthandler[0]:
+                    faulthandler.enable(file=sys.stderr, all_threads=True)
+                else:
+                    faulthandler.disable()
+        except Exception:
+            pass
+        for fh in (self._crash_file, self._term_file):
+            if fh is not None:
+                try:
+                    fh.close()
+                except Exception:
+                    pass
+        self._crash_file = self._term_file = None
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _excepthook(self, exc_type, exc, tb) -> None:
+        try:
+            if not issubclass(exc_type, SystemExit | KeyboardInterrupt):
+                text = "".join(traceback.format_exception(exc_type, exc, tb))
+                self._emit_exit(
+                    reason="exception",
+                    code=1,
+                    exc_type=exc_type.__name__,
+                    message=str(exc)[:2000],
+                    traceback=text[-20000:],
+                )
+                write_torchelastic_error(exc_type, exc, text)
+            elif issubclass(exc_type, KeyboardInterrupt):
+                self._emit_exit(reason="keyboard_interrupt", code=130)
+        except Exception:
+            pass
+        (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+
+    def _threading_hook(self, args: Any) -> None:
+        try:
+            if args.exc_type is not SystemExit:
+                self.eventlog.emit(
+                    "thread_exception",
+                    thread=getattr(args.thread, "name", None),
+                    exc_type=args.exc_type.__name__,
+                    message=str(args.exc_value)[:2000],
+                    traceback="".join(
+                        traceback.format_exception(
+                            args.exc_type, args.exc_value, args.exc_traceback
+                        )
+                    )[-20000:],
+                )
+        except Exception:
+            pass
+        (self._prev_threading_hook or threading.__excepthook__)(args)
+
+    def _sys_exit(self, code: Any = None) -> None:
+        self._exit_code = _normal_code(code)
+        self._prev_sys_exit(code)
+
+    def _atexit(self) -> None:
+        code = 0 if self._exit_code is None else self._exit_code
+        self._emit_exit(reason="normal", code=code)
+
+    def _emit_exit(self, **fields: Any) -> None:
+        if self._exit_emitted:
+            return
+        self._exit_emitted = True
+        try:
+            self.eventlog.emit("exit", None, **fields)
+        except Exception:
+            pass
+
+
+def _normal_code(code: Any) -> int | str:
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else str(code)
+
+
+def write_torchelastic_error(exc_type: Any, exc: BaseException, text: str) -> bool:
+    """Write ``TORCHELASTIC_ERROR_FILE`` like ``torch.distributed.elastic``'s ``@record``.
+
+    Left alone if the file already has content (``@record`` got there first)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    try:
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            return False
+        data = {
+            "message": {
+                "message": f"{exc_type.__name__}: {exc}",
+                "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+            }
+        }
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,149 @@
+"""Per-rank event log: ``events.rank<R>.jsonl``, one JSON object per line, append-only.
+
+Why this shape: when a job dies, the last thing each rank wrote must already be on disk, and a
+rank killed mid-write must not corrupt what came before. Each event is serialised completely
+first and then handed to the kernel in a single ``os.write`` on an ``O_APPEND`` descriptor, so
+there is no user-space buffer to lose and lines of concurrent writers never interleave. The file
+is never truncated or rewritten; a torn last line (power loss) is skipped by readers.
+
+Record fields: ``ts`` (``time.time()`` of this rank; add the ``clock_offset_seconds`` of the
+rank's ``start`` event to get rank 0's clock), ``rank``, ``step`` (``null`` when not tied to a
+step), ``kind`` and the caller's fields. Non-JSON values are stringified; NaN and +/-Inf become
+the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is strict JSON.
+
+Kinds written by ddpmon: ``start``, ``step``, ``nonfinite``, ``overflow``, ``scale_floor``,
+``stall``, ``oom``, ``exit``, ``signal``, ``thread_exception``. ``emit`` never raises into
+training: an I/O failure is logged once and later events are dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ddpmon.eventlog")
+
+KINDS = (
+    "start",
+    "step",
+    "nonfinite",
+    "overflow",
+    "scale_floor",
+    "stall",
+    "oom",
+    "exit",
+    "signal",
+    "thread_exception",
+)
+"""Event kinds ddpmon writes; other kinds are allowed and shown as they are."""
+
+
+def events_path(run_path: Path | str, rank: int) -> Path:
+    return Path(run_path) / f"events.rank{rank}.jsonl"
+
+
+def jsonable(value: Any, _depth: int = 0) -> Any:
+    """A strict-JSON version of ``value``: non-finite floats as strings, unknown types via str."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if _depth > 8:
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, _depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [jsonable(v, _depth + 1) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    item = getattr(value, "item", None)  # torch / numpy scalars
+    if callable(item) and getattr(value, "numel", lambda: 1)() == 1:
+        try:
+            return jsonable(item(), _depth + 1)
+        except Exception:
+            pass
+    return str(value)
+
+
+class EventLog:
+    """Appends events for one rank. Thread-safe; ``emit`` never raises."""
+
+    def __init__(self, run_path: Path | str, rank: int) -> None:
+        self.rank = int(rank)
+        self.path = events_path(run_path, rank)
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._failed = False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._failed:
+            self._failed = True
+            log.warning("ddpmon event log %s disabled: %s", self.path, exc)
+
+    def emit(self, kind: str, step: int | None = None, **fields: Any) -> None:
+        """Append one event (``ts``, ``rank``, ``step``, ``kind`` + ``fields``) and flush it."""
+        try:
+            record: dict[str, Any] = {"ts": time.time(), "rank": self.rank, "step": step}
+            record["kind"] = str(kind)
+            for key, value in fields.items():
+                if key not in record:
+                    record[key] = value
+            line = json.dumps(jsonable(record), allow_nan=False, separators=(",", ":")) + "\n"
+            data = line.encode("utf-8", "replace")
+            with self._lock:
+                if self._fd is None:
+                    return
+                written = os.write(self._fd, data)
+                while written < len(data):  # rare: a short write on a full disk or signal
+                    written += os.write(self._fd, data[written:])
+        except Exception as exc:  # never into training
+            self._fail(exc)
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+
+def read_events(path: Path | str) -> tuple[list[dict[str, Any]], int]:
+    """Events of one file and the number of unreadable lines (a torn last line, garbage)."""
+    events: list[dict[str, Any]] = []
+    bad = 0
+    try:
+        raw = Path(path).read_bytes()
+    except OSError:
+        return events, 0
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            bad += 1
+            continue
+        if isinstance(obj, dict) and "kind" in obj:
+            events.append(obj)
+        else:
+            bad += 1
+    return events, bad

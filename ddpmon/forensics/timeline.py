@@ -1,0 +1,392 @@
+"""Merge all ranks' forensics into one clock-aligned story: what happened first, and where.
+
+Inputs (all optional, all per rank, under one ``run_dir/<run_id>/``): ``events.rank<R>.jsonl``,
+``crash.rank<R>.txt`` (faulthandler after a fatal signal), ``sigterm.rank<R>.txt`` (stacks at
+SIGTERM), ``evidence/`` bundles and ``flight_recorder/fr_trace_rank_<R>.json`` dumps.
+
+Alignment: every event's ``t`` is its ``ts`` plus the ``clock_offset_seconds`` of the rank's
+latest ``start`` event before it (rank 0's clock). Synthetic events: a crash file becomes a
+``signal`` event (timed by the file's mtime), a SIGTERM dump a ``signal`` event for SIGTERM, and
+a rank whose log ends without ``exit`` or signal a ``vanished`` event at its last event.
+
+The first failure is chosen by evidence, then time:
+0. *origin* failures: a local ``nonfinite`` (``origin`` not false), a fatal signal, ``oom``, an
+   ``exit`` by exception that is not a communication error, an ``exit`` with a non-zero code;
+1. ``vanished`` ranks (died without a word: SIGKILL, OOM killer, ``os._exit``);
+2. ``stall`` events, the rank whose flight recorder shows the fewest enqueued collectives first
+   (the rank that stopped issuing them is the hung one; the others wait for it);
+3. consequences: reduced-gradient ``nonfinite``, ``overflow``, ``scale_floor``, SIGTERM/SIGINT
+   (the launcher tearing down survivors), communication-error exits, ``thread_exception``.
+Within a class the earliest aligned time wins.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .eventlog import read_events
+from .evidence import list_bundles, parse_bundle_name
+from .watchdog import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, read_flight_recorder_status
+
+SIGNALS = {
+    "Segmentation fault": ("SIGSEGV", 11),
+    "Aborted": ("SIGABRT", 6),
+    "Bus error": ("SIGBUS", 7),
+    "Floating-point exception": ("SIGFPE", 8),
+    "Floating point exception": ("SIGFPE", 8),
+    "Illegal instruction": ("SIGILL", 4),
+}
+SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
+COMM_ERROR = re.compile(
+    r"gloo|nccl|connection|timed out|timeout|peer|socket|processgroup|distbackenderror|"
+    r"distnetworkerror|broken pipe",
+    re.IGNORECASE,
+)
+_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
+_CRASH_RE = re.compile(r"^crash\.rank(\d+)\.txt$")
+_TERM_RE = re.compile(r"^sigterm\.rank(\d+)\.txt$")
+_FATAL_RE = re.compile(r"Fatal Python error: (.+)")
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+class RunDirError(Exception):
+    """The directory is not a run, or holds no events; the message says what was found."""
+
+
+@dataclass(slots=True)
+class Timeline:
+    run_path: Path
+    events: list[dict[str, Any]]
+    ranks: dict[int, dict[str, Any]]
+    first_failure: dict[str, Any] | None
+    world_size: int | None
+    missing_ranks: list[int]
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_path": str(self.run_path),
+            "world_size": self.world_size,
+            "first_failure": self.first_failure,
+            "ranks": {str(r): v for r, v in sorted(self.ranks.items())},
+            "missing_ranks": self.missing_ranks,
+            "partial": bool(self.missing_ranks),
+            "warnings": self.warnings,
+            "events": self.events,
+        }
+
+
+def resolve_run_path(path: Path | str) -> Path:
+    """``path`` itself when it holds a run's files, else its only sub-directory that does."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RunDirError(f"{path}: no such directory")
+    if _is_run(path):
+        return path
+    runs = sorted(p for p in path.iterdir() if p.is_dir() and _is_run(p))
+    if len(runs) == 1:
+        return runs[0]
+    if runs:
+        names = ", ".join(p.name for p in runs)
+        raise RunDirError(f"{path} holds several runs ({names}); pass one of them")
+    raise RunDirError(
+        f"{path}: no ddpmon run here (no events.rank<R>.jsonl, crash.rank<R>.txt or "
+        "manifest.json, here or one level down)"
+    )
+
+
+def _is_run(path: Path) -> bool:
+    try:
+        return any(
+            _EVENTS_RE.match(p.name) or _CRASH_RE.match(p.name) or p.name == "manifest.json"
+            for p in path.iterdir()
+        )
+    except OSError:
+        return False
+
+
+def build_timeline(path: Path | str) -> Timeline:
+    run_path = resolve_run_path(path)
+    warnings: list[str] = []
+    per_rank: dict[int, list[dict[str, Any]]] = {}
+    for f in sorted(run_path.iterdir()):
+        m = _EVENTS_RE.match(f.name)
+        if not m:
+            continue
+        events, bad = read_events(f)
+        if bad:
+            warnings.append(f"{f.name}: {bad} unreadable line(s) skipped")
+        per_rank[int(m.group(1))] = events
+
+    ranks: dict[int, dict[str, Any]] = {}
+    merged: list[dict[str, Any]] = []
+    world_size: int | None = None
+    for rank, events in per_rank.items():
+        offset, rtt = 0.0, None
+        starts = [e for e in events if e.get("kind") == "start"]
+        if starts:
+            offset = _num(starts[0].get("clock_offset_seconds"), 0.0)
+        else:
+            warnings.append(f"rank {rank}: no start event; its clock is not aligned")
+        for e in events:
+            if e.get("kind") == "start":
+                offset = _num(e.get("clock_offset_seconds"), 0.0)
+                rtt = e.get("clock_rtt_seconds", rtt)
+                ws = e.get("world_size")
+                if isinstance(ws, int) and ws > 0:
+                    world_size = max(world_size or 0, ws)
+            e["rank"] = e.get("rank", rank)
+            e["t"] = _num(e.get("ts"), 0.0) + offset
+        ranks[rank] = {"events": len(events), "clock_offset_seconds": offset,
+                       "clock_rtt_seconds": rtt}
+        merged.extend(events)
+
+    synthetic: list[dict[str, Any]] = []
+    for f in sorted(run_path.iterdir()):
+        for regex, parser in ((_CRASH_RE, _crash_event), (_TERM_RE, _sigterm_event)):
+            m = regex.match(f.name)
+            if m:
+                rank = int(m.group(1))
+                ev = parser(f, rank)
+                if ev is not None:
+                    offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
+                    ev["t"] = ev["ts"] + offset
+                    ev["step"] = _last_step(per_rank.get(rank, []))
+                    synthetic.append(ev)
+                    ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
+                                            "clock_rtt_seconds": None})
+    merged.extend(synthetic)
+
+    # Ranks that ended without an exit event or a signal: killed from outside, or still running.
+    for rank in ranks:
+        mine = [e for e in merged if e.get("rank") == rank]
+        if not mine or any(e.get("kind") in ("exit", "signal") for e in mine):
+            continue
+        last = max(mine, key=lambda e: e["t"])
+        merged.append({
+            "ts": last.get("ts"), "t": last["t"], "rank": rank, "step": _last_step(mine),
+            "kind": "vanished", "synthetic": True,
+            "detail": f"no exit event or signal after its last event ({last.get('kind')}): "
+                      "killed from outside (SIGKILL, OOM killer), os._exit, or still running",
+        })
+
+    merged.sort(key=lambda e: (e["t"], e.get("rank", 0)))
+    t0 = merged[0]["t"] if merged else 0.0
+    for e in merged:
+        e["t_rel"] = round(e["t"] - t0, 6)
+
+    fr_status = _flight_recorder(run_path)
+    evidence: dict[int, list[str]] = {}
+    for b in list_bundles(run_path):
+        parsed = parse_bundle_name(b.name)
+        if parsed:
+            evidence.setdefault(parsed[0], []).append(str(b.relative_to(run_path)))
+
+    for rank, info in ranks.items():
+        mine = [e for e in merged if e.get("rank") == rank]
+        meaningful = [e for e in mine if e.get("kind") != "vanished"]
+        last = meaningful[-1] if meaningful else None
+        info["last_event"] = _brief(last) if last else None
+        info["last_step"] = _last_step(mine)
+        info["ended"] = _ending(mine)
+        info["evidence"] = evidence.get(rank, [])
+        if rank in fr_status:
+            info["flight_recorder"] = fr_status[rank]
+
+    missing: list[int] = []
+    if world_size:
+        missing = [r for r in range(world_size) if r not in ranks]
+        if missing:
+            warnings.append(f"partial run: no files from rank(s) {missing} of {world_size}")
+    if not merged:
+        raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
+
+    first = _first_failure(merged, fr_status)
+    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings)
+
+
+def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str, Any] | None:
+    ranked = []
+    for e in events:
+        tier = failure_tier(e)
+        if tier is None:
+            continue
+        sub = 0.0
+        if e.get("kind") == "stall":
+            enq = fr.get(e.get("rank"), {}).get("last_enqueued_collective")
+            sub = float(enq) if enq is not None else float("inf")
+        ranked.append(((tier, sub, e["t"]), e))
+    if not ranked:
+        return None
+    ranked.sort(key=lambda x: x[0])
+    e = ranked[0][1]
+    out = {
+        "rank": e.get("rank"), "step": e.get("step"), "kind": e.get("kind"), "ts": e.get("ts"),
+        "t": e.get("t"), "t_rel": e.get("t_rel"), "class": TIER_NAMES[ranked[0][0][0]],
+    }
+    for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
+                "exc_type", "message", "code", "idle_seconds", "detail", "frame"):
+        if key in e:
+            out[key] = e[key]
+    return out
+
+
+TIER_NAMES = {0: "origin", 1: "vanished", 2: "stall", 3: "consequence"}
+
+
+def failure_tier(e: dict[str, Any]) -> int | None:
+    """0 origin, 1 vanished, 2 stall, 3 consequence, None: not a failure (see module doc)."""
+    kind = e.get("kind")
+    if kind == "nonfinite":
+        where = str(e.get("where", "")).lower()
+        if e.get("origin") is True:
+            return 0
+        # The agent's skip/raise decisions read the reduced gradients: identical on all ranks.
+        decided = e.get("action") in ("skip", "raise")
+        return 3 if e.get("origin") is False or decided or where in ("reduced", "global") else 0
+    if kind == "signal":
+        return 3 if e.get("signal") in SECONDARY_SIGNALS else 0
+    if kind == "oom":
+        return 0
+    if kind == "exit":
+        reason = e.get("reason")
+        if reason == "exception":
+            text = f"{e.get('exc_type', '')} {e.get('message', '')}"
+            if e.get("exc_type") == "NonFiniteGradientError":  # on_nonfinite=raise: a reaction
+                return 3
+            return 3 if COMM_ERROR.search(text) else 0
+        code = e.get("code")
+        if reason == "keyboard_interrupt":
+            return 3
+        return None if code in (0, None, "0") else 0
+    if kind == "vanished":
+        return 1
+    if kind == "stall":
+        return 2
+    if kind in ("overflow", "scale_floor", "thread_exception"):
+        return 3
+    return None
+
+
+def _ending(events: list[dict[str, Any]]) -> str:
+    for e in reversed(events):
+        kind = e.get("kind")
+        if kind == "signal":
+            return f"signal {e.get('signal')}"
+        if kind == "exit":
+            if e.get("reason") == "exception":
+                return f"exception {e.get('exc_type')}"
+            return f"exit code {e.get('code')}"
+        if kind == "vanished":
+            return "vanished (no exit event: killed, os._exit, or still running)"
+    return "unknown"
+
+
+def _brief(e: dict[str, Any]) -> dict[str, Any]:
+    skip = {"traceback", "stacks", "records"}
+    return {k: v for k, v in e.items() if k not in skip}
+
+
+def _crash_event(path: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        text = path.read_text(errors="replace")
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    matches = _FATAL_RE.findall(text)
+    if not matches:
+        return None
+    what = matches[-1].strip()
+    name, num = SIGNALS.get(what, (what, None))
+    return {"ts": mtime, "rank": rank, "kind": "signal", "signal": name, "signum": num,
+            "synthetic": True, "source": path.name, "detail": f"Fatal Python error: {what}",
+            "frame": _top_frame(text[text.rfind("Fatal Python error"):])}
+
+
+def _sigterm_event(path: Path, rank: int) -> dict[str, Any] | None:
+    try:
+        text = path.read_text(errors="replace")
+        mtime = path.stat().st_mtime
+    except OSError:
+        return None
+    if not text.strip():
+        return None
+    return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
+            "synthetic": True, "source": path.name, "frame": _top_frame(text),
+            "detail": "terminated (SIGTERM, usually the launcher stopping survivors)"}
+
+
+def _top_frame(text: str) -> str | None:
+    """Innermost frame of the first (current) thread in a faulthandler dump."""
+    m = _FRAME_RE.search(text)
+    return f"{m.group(3)} ({m.group(1)}:{m.group(2)})" if m else None
+
+
+_FR_RES = (
+    re.compile(rf"^{FLIGHT_RECORDER_PREFIX}(\d+)\.json$"),
+    re.compile(r"^flight_recorder\.rank(\d+)\.json$"),
+)
+
+
+def _flight_recorder(run_path: Path) -> dict[int, dict[str, Any]]:
+    """Default-group status of each rank's JSON flight-recorder dump, wherever the agent put it
+    (``flight_recorder/fr_trace_rank_<R>.json`` or ``flight_recorder.rank<R>.json``)."""
+    out: dict[int, dict[str, Any]] = {}
+    candidates = list(run_path.glob("flight_recorder.rank*.json"))
+    root = run_path / FLIGHT_RECORDER_DIR
+    if root.is_dir():
+        candidates += list(root.glob("*.json"))
+    for f in candidates:
+        m = next((m for m in (r.match(f.name) for r in _FR_RES) if m), None)
+        if not m:
+            continue
+        status = read_flight_recorder_status(f)
+        if not status:
+            continue
+        default = status.get("0") or next(iter(status.values()))
+        if isinstance(default, dict):
+            out[int(m.group(1))] = {k: _maybe_int(v) for k, v in default.items()}
+    return out
+
+
+def _maybe_int(v: Any) -> Any:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def _last_step(events: list[dict[str, Any]]) -> int | None:
+    steps = [e["step"] for e in events if isinstance(e.get("step"), int)]
+    return max(steps) if steps else None
+
+
+def _num(v: Any, default: float) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return default
+    return f if f == f and abs(f) != float("inf") else default
+
+
+def describe(e: dict[str, Any]) -> str:
+    """A short human description of an event's fields."""
+    kind = e.get("kind")
+    parts: list[str] = []
+    if kind == "signal":
+        parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
+    for key in ("param", "tensor", "nonfinite", "origin", "where", "action", "exc_type",
+                "message", "code", "reason", "idle_seconds", "loss_scale", "floor", "frame",
+                "detail"):
+        v = e.get(key)
+        if v is None or v == "":
+            continue
+        if key == "message":
+            v = str(v).splitlines()[0][:120] if str(v) else v
+        if isinstance(v, float):
+            v = f"{v:.3g}"
+        parts.append(f"{key}={v}")
+    return " ".join(parts)
