@@ -73,6 +73,9 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         f"sum by (rank) (increase({sel(c, 'ddpmon_grad_nonfinite_origin_steps_total', by_run)}"
         f"[{c.nonfinite_window}])) > 0"
     )
+    norm = sel(c, "ddpmon_grad_norm", by_run)
+    extremes = f"topk(1, {norm}) or bottomk(1, {norm})"
+    largest_local = f"topk(1, {sel(c, 'ddpmon_grad_local_norm', by_run)} < +Inf)"
     missing = (
         f"group by (rank) (last_over_time({sel(c, 'ddpmon_world_size', by_run)}"
         f"[{c.missing_lookback}])) unless on (rank) "
@@ -119,11 +122,12 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         Alert(
             "DdpmonGradNormSpike", NUMERICS, "warning",
             f"{r.GRAD_NORM_RUN_MAX}\n>\n{c.grad_norm_spike_factor:g} * "
-            f"avg_over_time({r.GRAD_NORM_RUN_MAX}[{c.grad_norm_spike_baseline}])",
+            f"quantile_over_time(0.5, {r.GRAD_NORM_RUN_MAX}[{c.grad_norm_spike_baseline}])",
             c.grad_norm_spike_for,
             "Gradient norm is far above its recent baseline.",
             "Run {{ $labels.run }}: the global gradient norm is {{ $value | humanize }}, more "
-            f"than {c.grad_norm_spike_factor:g}x its {c.grad_norm_spike_baseline} average.",
+            f"than {c.grad_norm_spike_factor:g}x its {c.grad_norm_spike_baseline} median. "
+            f"Largest local (pre-all-reduce) norm on rank {_rank_list(largest_local)}.",
         ),
         Alert(
             "DdpmonGradDesync", NUMERICS, "critical",
@@ -132,7 +136,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "Post-all-reduce gradient norms differ across ranks; replicas have diverged.",
             "Run {{ $labels.run }}: at the same step, the reduced gradient norms of its ranks "
             "differ by {{ $value | humanizePercentage }} (allowed "
-            f"{c.grad_desync_relative:g}); the model replicas are no longer identical.",
+            f"{c.grad_desync_relative:g}); the model replicas are no longer identical. "
+            f"Ranks with the highest and lowest norm: {_rank_list(extremes)}.",
         ),
         # --- memory ---
         Alert(
@@ -150,8 +155,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             f"increase({sel(c, 'ddpmon_cuda_alloc_retries_total')}[{c.cuda_oom_window}])\n> 0",
             c.cuda_oom_for,
             "The CUDA caching allocator ran out of memory or had to retry.",
-            f"{RANK}: CUDA out-of-memory errors or allocator retries in the last "
-            f"{c.cuda_oom_window} ({{{{ $value | humanize }}}}).",
+            f"{RANK}: the CUDA caching allocator hit out-of-memory errors or had to free its "
+            f"cache and retry in the last {c.cuda_oom_window}.",
         ),
         # --- communication: hangs, lost ranks, stragglers, all-reduce ---
         Alert(
@@ -198,13 +203,13 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "DdpmonAllReduceSlow", COMMUNICATION, "warning",
-            f"{r.ALLREDUCE_P99}\n>\n{c.allreduce_slow_factor:g} * avg_over_time("
+            f"{r.ALLREDUCE_P99}\n>\n{c.allreduce_slow_factor:g} * quantile_over_time(0.5, "
             f"{r.ALLREDUCE_P99}[{c.allreduce_slow_baseline}])\n"
             f"and\n{r.ALLREDUCE_P99} > {c.allreduce_slow_min_seconds:g}",
             c.allreduce_slow_for,
             "All-reduce latency is far above its baseline.",
             f"{RANK}: all-reduce p99 is {{{{ $value | humanizeDuration }}}}, more than "
-            f"{c.allreduce_slow_factor:g}x its {c.allreduce_slow_baseline} average.",
+            f"{c.allreduce_slow_factor:g}x its {c.allreduce_slow_baseline} median.",
         ),
     ]
 

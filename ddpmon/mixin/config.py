@@ -37,7 +37,9 @@ class MixinConfig:
     """A non-finite gradient or loss keeps its alert firing for this long after the step."""
     nonfinite_for: str = "0m"
     grad_norm_spike_factor: float = 10.0
-    """Norm above this multiple of its own 30m average is a spike."""
+    """Norm above this multiple of its own median over ``grad_norm_spike_baseline`` is a spike.
+    A median baseline keeps a spike from becoming its own baseline until it lasts half the
+    window."""
     grad_norm_spike_baseline: str = "30m"
     grad_norm_spike_for: str = "2m"
     grad_desync_relative: float = 1e-3
@@ -59,6 +61,7 @@ class MixinConfig:
     straggler_for: str = "10m"
     allreduce_slow_factor: float = 4.0
     allreduce_slow_baseline: str = "1h"
+    """All-reduce p99 is compared with its own median over this window."""
     allreduce_slow_min_seconds: float = 0.005
     """All-reduce p99 below this is never slow (4x of microseconds is noise)."""
     allreduce_slow_for: str = "10m"

@@ -1,0 +1,60 @@
+"""``promtool check rules`` and ``promtool test rules`` over the shipped files (real promtool)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.contract import DESIGN_ALERTS, PROM_DIR
+
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+TEST_FILES = sorted((PROM_DIR / "tests").glob("*.yml"))
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PROMTOOL, *args], capture_output=True, text=True, timeout=120, cwd=PROM_DIR
+    )
+
+
+def test_check_rules_clean() -> None:
+    proc = _promtool("check", "rules", "ddpmon-rules.yml", "ddpmon-alerts.yml")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS: 14 rules found" in proc.stdout
+
+
+@pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)
+def test_promtool_unit_tests(path: Path) -> None:
+    proc = _promtool("test", "rules", str(path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_unit_tests_cover_every_alert_before_and_after_for() -> None:
+    """Each alert has a case where it must not fire and one where it fires with its labels;
+    RankDown and RanksMissing also have a vanished (stale) series."""
+    quiet: set[str] = set()
+    firing: set[str] = set()
+    stale: set[str] = set()
+    for path in TEST_FILES:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            has_stale = any("stale" in s["values"] for s in case.get("input_series", []))
+            for check in case.get("alert_rule_test", []):
+                name = check["alertname"]
+                if check.get("exp_alerts"):
+                    firing.add(name)
+                    for alert in check["exp_alerts"]:
+                        assert alert["exp_labels"]["severity"] == DESIGN_ALERTS[name]
+                        assert set(alert["exp_annotations"]) == {
+                            "summary", "description", "runbook_url"
+                        }
+                else:
+                    quiet.add(name)
+                if has_stale:
+                    stale.add(name)
+    assert quiet >= set(DESIGN_ALERTS), set(DESIGN_ALERTS) - quiet
+    assert firing >= set(DESIGN_ALERTS), set(DESIGN_ALERTS) - firing
+    assert {"DdpmonRankDown", "DdpmonRanksMissing"} <= stale

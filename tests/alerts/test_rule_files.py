@@ -1,0 +1,71 @@
+"""The committed rule files are exactly what the mixin generates, and follow the alert contract."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddpmon.cli import main
+from ddpmon.mixin import render
+from ddpmon.mixin.alerts import alerts
+from ddpmon.mixin.config import MixinConfig
+from tests.support.contract import DESIGN_ALERTS, PROM_DIR
+
+
+def _committed_alert_rules() -> list[dict]:
+    doc = yaml.safe_load((PROM_DIR / render.ALERTS_FILE).read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def test_committed_files_match_generator(tmp_path: Path) -> None:
+    assert render.check(PROM_DIR) == [], "run `ddpmon rules --write` and commit the result"
+    render.write(tmp_path)
+    for name in (render.ALERTS_FILE, render.RULES_FILE):
+        assert (tmp_path / name).read_text() == (PROM_DIR / name).read_text()
+
+
+def test_rules_check_command_detects_drift(tmp_path: Path, capsys) -> None:
+    assert main(["rules", "--write", "--dir", str(tmp_path)]) == 0
+    assert main(["rules", "--check", "--dir", str(tmp_path)]) == 0
+    path = tmp_path / render.ALERTS_FILE
+    path.write_text(path.read_text().replace("for: 1m", "for: 3m", 1))
+    assert main(["rules", "--check", "--dir", str(tmp_path)]) == 1
+    assert "+    for: 1m" in capsys.readouterr().out
+
+
+def test_every_design_alert_present_with_contract_fields() -> None:
+    rules = _committed_alert_rules()
+    by_name = {rule["alert"]: rule for rule in rules}
+    assert set(by_name) == set(DESIGN_ALERTS)
+    runbook = (PROM_DIR / "runbook.md").read_text()
+    anchors = {h.lower() for h in re.findall(r"^#+ (Ddpmon\w+)\s*$", runbook, re.M)}
+    for name, severity in DESIGN_ALERTS.items():
+        rule = by_name[name]
+        assert rule["labels"]["severity"] == severity, name
+        assert re.fullmatch(r"[0-9]+[smh]", rule["for"]), name
+        notes = rule["annotations"]
+        assert notes["summary"].endswith(".") and "{{" not in notes["summary"], name
+        assert "$labels.run" in notes["description"], name
+        assert "rank" in notes["description"], name
+        base, anchor = notes["runbook_url"].split("#")
+        assert base == MixinConfig().runbook_base_url and anchor in anchors, name
+
+
+def test_config_tunes_the_output() -> None:
+    cfg = MixinConfig(
+        job_selector='job="train"', stall_seconds=42.0, rank_down_for="7m",
+        runbook_base_url="https://example.test/rb",
+    )
+    text = render.generate(cfg)[render.ALERTS_FILE]
+    assert 'job="ddpmon"' not in text and 'up{job="train"} == 0' in text
+    assert "> 42\n" in text and "for: 7m" in text
+    assert "https://example.test/rb#ddpmonrankdown" in text
+    assert [a.name for a in alerts(cfg)] == [a.name for a in alerts(MixinConfig())]
+
+
+def test_config_rejects_bad_durations() -> None:
+    with pytest.raises(ValueError, match="stall_for"):
+        MixinConfig(stall_for="five minutes")

@@ -1,0 +1,24 @@
+"""The alert contract of DESIGN.md §5, copied by hand so a rename in the generator cannot pass."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROM_DIR = REPO / "deploy" / "prometheus"
+
+DESIGN_ALERTS = {
+    "DdpmonLossScaleAtFloor": "critical",
+    "DdpmonLossScaleCollapsing": "warning",
+    "DdpmonNonFiniteGradients": "critical",
+    "DdpmonNonFiniteLoss": "critical",
+    "DdpmonGradNormSpike": "warning",
+    "DdpmonGradDesync": "critical",
+    "DdpmonTrainingStalled": "critical",
+    "DdpmonRankDown": "critical",
+    "DdpmonRanksMissing": "critical",
+    "DdpmonRankDesync": "warning",
+    "DdpmonStraggler": "warning",
+    "DdpmonAllReduceSlow": "warning",
+    "DdpmonGpuMemoryNearlyFull": "warning",
+    "DdpmonCudaOOM": "warning",
+}
+"""Alert name -> severity."""
