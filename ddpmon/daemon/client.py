@@ -28,9 +28,11 @@ def _payload(info: dict[str, Any]) -> dict[str, Any]:
     doc.setdefault("pid", os.getpid())
     if "host" not in doc and "target" in doc:
         doc["host"] = str(doc["target"]).rsplit(":", 1)[0]
-    job_id = os.environ.get("DDPMON_JOB_ID")
-    if job_id and not doc.get("job_id"):
+    job_id = doc.get("job_id") or os.environ.get("DDPMON_JOB_ID")
+    if job_id:
         doc["job_id"] = job_id
+    else:
+        doc.pop("job_id", None)
     return doc
 
 

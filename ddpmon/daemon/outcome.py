@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 FAILURE_EVENT_KINDS = frozenset(
-    {"nonfinite", "scale_floor", "stall", "oom", "signal", "exception", "error", "crash"}
+    {"nonfinite", "scale_floor", "stall", "oom", "signal", "exception", "thread_exception", "crash"}
 )
 _EVENT_SCAN_LIMIT = 200_000  # lines per file: bounded work on a huge log
 
@@ -55,7 +55,7 @@ def _is_failure(event: dict[str, Any]) -> bool:
         return True
     if kind == "exit":
         code = event.get("code", event.get("exit_code", 0))
-        return isinstance(code, int) and code != 0
+        return code not in (0, None, "0", "")
     return False
 
 
@@ -71,18 +71,20 @@ def _from_event(event: dict[str, Any]) -> dict[str, Any]:
             sig = None
     if isinstance(sig, int):
         out["signal"] = sig
-    for key in ("param", "message", "code", "exit_code", "seconds"):
+    for key in ("param", "origin", "nonfinite", "exc_type", "message", "code", "exit_code"):
         if key in event:
             out[key] = event[key]
     return out
 
 
-def _tier(failure: dict[str, Any]) -> int:
+def _tier(failure: dict[str, Any]) -> float:
     sig = failure.get("signal")
     if sig == signal.SIGTERM:
         return 2  # what torchrun sends to the survivors
     if sig in (signal.SIGKILL, signal.SIGINT, signal.SIGHUP):
         return 1
+    if failure.get("kind") == "nonfinite" and failure.get("origin") is False:
+        return 0.5  # reduced gradients inherit another rank's NaN/Inf
     return 0
 
 
@@ -92,7 +94,7 @@ def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not candidates:
         return None
 
-    def key(f: dict[str, Any]) -> tuple[int, float, int]:
+    def key(f: dict[str, Any]) -> tuple[float, float, int]:
         return (_tier(f), float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
 
     return dict(min(candidates, key=key))

@@ -1,0 +1,247 @@
+"""``ddpmon jobs submit|status|list|cancel|logs``: talk to a ``ddpmon daemon`` over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "LOST"}
+STATE_STYLE = {
+    "PENDING": "yellow",
+    "RUNNING": "cyan",
+    "COMPLETED": "green",
+    "FAILED": "bold red",
+    "CANCELLED": "magenta",
+    "LOST": "red",
+}
+
+
+def _default_url() -> str:
+    from ..config import DEFAULT_PORT
+
+    return os.environ.get("DDPMON_DAEMON_URL") or f"http://127.0.0.1:{DEFAULT_PORT - 1}"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("jobs", help="submit, inspect and cancel jobs on a ddpmon daemon")
+    p.add_argument("--url", default=None, help="daemon URL (default: $DDPMON_DAEMON_URL or :7469)")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="bearer token for submit/cancel (default: $DDPMON_DAEMON_TOKEN_FILE, "
+        "else the daemon's default state dir)",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    sub = p.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
+
+    s = sub.add_parser("submit", help="launch an allow-listed entry point under torchrun")
+    s.add_argument("job_id")
+    s.add_argument("entrypoint")
+    s.add_argument("--nproc", type=int, default=1)
+    s.add_argument("--wait", action="store_true", help="poll until the job ends")
+    s.add_argument("job_args", nargs=argparse.REMAINDER, help="-- ARGS for the entry point")
+
+    st = sub.add_parser("status", help="one job in detail")
+    st.add_argument("job_id")
+    st.add_argument("--wait", action="store_true", help="poll until the job ends")
+
+    ls = sub.add_parser("list", help="all jobs")
+    ls.add_argument("--state", default=None)
+
+    c = sub.add_parser("cancel", help="SIGTERM the job, SIGKILL after the grace period")
+    c.add_argument("job_id")
+
+    lg = sub.add_parser("logs", help="tail of one rank's stdout/stderr")
+    lg.add_argument("job_id")
+    lg.add_argument("--rank", type=int, default=0)
+    lg.add_argument("--stream", choices=("stdout", "stderr"), default="stderr")
+    p.set_defaults(func=run)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    from .daemon import default_state_dir
+
+    path = args.token_file or os.environ.get("DDPMON_DAEMON_TOKEN_FILE")
+    path = Path(path) if path else default_state_dir() / "token"
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+    from rich.console import Console
+
+    console = Console()
+    err = Console(stderr=True)
+    url = (args.url or _default_url()).rstrip("/")
+    headers = {}
+    if args.jobs_command in ("submit", "cancel"):
+        token = _token(args)
+        if token is None:
+            err.print("[red]no token: pass --token-file (the daemon's STATE_DIR/token)[/]")
+            return 2
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        with httpx.Client(base_url=url, headers=headers, timeout=10.0) as client:
+            return _dispatch(args, client, console, err)
+    except httpx.TransportError as exc:
+        err.print(f"[red]cannot reach the ddpmon daemon at {url}: {exc}[/]")
+        return 3
+
+
+def _check(resp: Any, err: Any) -> dict[str, Any] | None:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"error": resp.text}
+    if resp.status_code >= 400:
+        err.print(f"[red]HTTP {resp.status_code}: {body.get('error', body)}[/]")
+        return None
+    return body
+
+
+def _dispatch(args: argparse.Namespace, client: Any, console: Any, err: Any) -> int:
+    cmd = args.jobs_command
+    if cmd == "logs":
+        resp = client.get(
+            f"/api/v1/jobs/{args.job_id}/logs", params={"rank": args.rank, "stream": args.stream}
+        )
+        if resp.status_code >= 400:
+            return 0 if _check(resp, err) else 1
+        sys.stdout.write(resp.text)
+        return 0
+    if cmd == "submit":
+        job_args = list(args.job_args)
+        if job_args[:1] == ["--"]:
+            job_args = job_args[1:]
+        body = {"id": args.job_id, "entrypoint": args.entrypoint, "nproc": args.nproc}
+        body["args"] = job_args
+        job = _check(client.post("/api/v1/jobs", json=body), err)
+        if job is None:
+            return 1
+    elif cmd == "cancel":
+        job = _check(client.delete(f"/api/v1/jobs/{args.job_id}"), err)
+        if job is None:
+            return 1
+    elif cmd == "list":
+        params = {"state": args.state} if args.state else {}
+        found = _check(client.get("/api/v1/jobs", params=params), err)
+        if found is None:
+            return 1
+        if args.json:
+            console.print_json(json.dumps(found))
+        else:
+            console.print(_list_table(found["jobs"]))
+        return 0
+    else:
+        job = _check(client.get(f"/api/v1/jobs/{args.job_id}"), err)
+        if job is None:
+            return 1
+    if getattr(args, "wait", False):
+        while job["state"] not in FINAL:
+            time.sleep(1.0)
+            job = _check(client.get(f"/api/v1/jobs/{job['id']}"), err)
+            if job is None:
+                return 1
+    if args.json:
+        console.print_json(json.dumps(job))
+    else:
+        _print_job(console, job)
+    if getattr(args, "wait", False):
+        return 0 if job["state"] == "COMPLETED" else 1
+    return 0
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _list_table(jobs: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="ddpmon jobs")
+    for col in ("id", "state", "entrypoint", "nproc", "created", "step", "reason"):
+        table.add_column(col)
+    for j in jobs:
+        style = STATE_STYLE.get(j["state"], "")
+        step = j.get("summary", {}).get("max_step")
+        table.add_row(
+            j["id"],
+            f"[{style}]{j['state']}[/]",
+            j["entrypoint"],
+            str(j["nproc"]),
+            _when(j["created_at"]),
+            "-" if step is None else str(int(step)),
+            j.get("reason") or "",
+        )
+    return table
+
+
+def _print_job(console: Any, job: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    style = STATE_STYLE.get(job["state"], "")
+    console.print(f"[bold]{job['id']}[/]  [{style}]{job['state']}[/]  {job.get('reason') or ''}")
+    console.print(
+        f"entrypoint {job['entrypoint']} x{job['nproc']}  args {' '.join(job['args']) or '-'}"
+    )
+    console.print(
+        f"created {_when(job['created_at'])}  started {_when(job['started_at'])}  "
+        f"ended {_when(job['ended_at'])}  ports {job['ports']}"
+    )
+    console.print(f"run dir {job['run_path']}  logs {job['job_dir']}/logs")
+    first = job.get("first_failure")
+    if first:
+        what = (
+            f"signal {first['signal']} ({first.get('signal_name') or ''})"
+            if first.get("signal")
+            else first.get("kind")
+        )
+        step = f" at step {first['step']}" if first.get("step") is not None else ""
+        console.print(
+            f"[red]first failure: rank {first.get('rank')} {what}{step} "
+            f"(from {first.get('source')})[/]"
+        )
+    summary_ranks = job.get("summary", {}).get("ranks", {})
+    ranks = sorted(set(job.get("ranks", {})) | set(summary_ranks), key=int)
+    if not ranks:
+        return
+    table = Table()
+    for col in ("rank", "exit", "step", "loss", "grad norm", "loss scale", "skipped", "up"):
+        table.add_column(col)
+    for r in ranks:
+        st = job.get("ranks", {}).get(r, {})
+        sm = summary_ranks.get(r, {})
+        if st.get("signal"):
+            exit_text = f"signal {st['signal']} {st.get('signal_name') or ''}"
+        elif st.get("exit_code") is not None:
+            exit_text = str(st["exit_code"])
+        else:
+            exit_text = st.get("note", "-") if st else "-"
+        table.add_row(
+            r,
+            exit_text,
+            _fmt(sm.get("step")),
+            _fmt(sm.get("loss")),
+            _fmt(sm.get("grad_norm")),
+            _fmt(sm.get("loss_scale")),
+            _fmt(sm.get("skipped_steps_total")),
+            "yes" if sm.get("up") else "no",
+        )
+    console.print(table)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
