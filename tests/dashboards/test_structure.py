@@ -1,0 +1,169 @@
+"""Structure of the generated dashboards: units, data source, variables, rows, links, scale."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from ddpmon.mixin import dashboards as d
+from ddpmon.mixin.config import MixinConfig
+
+BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
+RANGE = re.compile(r"\[([^\]]*)\]")
+RUN_AGG = re.compile(
+    r"^((sum|max|min|count|quantile) by \(run\) |histogram_quantile\([0-9.]+, sum by \(run, le\))"
+)
+LAYERS = ["Numerics", "Data supply", "Memory", "Communication"]
+
+
+def panels(doc: dict) -> list[dict]:
+    return [p for p in doc["panels"] if p["type"] != "row"]
+
+
+def exprs(doc: dict) -> list[str]:
+    out = [t["expr"] for p in panels(doc) for t in p["targets"]]
+    out += [a["expr"] for a in doc["annotations"]["list"]]
+    return out
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_identity_tags_and_variables(uid: str) -> None:
+    doc = BOARDS[uid]
+    assert doc["title"] in (d.OVERVIEW_TITLE, d.DETAIL_TITLE)
+    assert doc["tags"] == MixinConfig().dashboard_tags
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert list(variables) == ["datasource", "run", "rank"]
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert "ddpmon_rank_info" in variables["rank"]["query"]["query"]
+    assert '$run' in variables["rank"]["query"]["query"]
+    if uid == d.OVERVIEW_UID:
+        assert variables["rank"]["multi"] and variables["rank"]["includeAll"]
+        assert variables["rank"]["allValue"] == ".*"
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_every_panel_has_unit_datasource_and_queries(uid: str) -> None:
+    doc = BOARDS[uid]
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for p in panels(doc):
+        assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"], p["title"]
+        assert p["description"], p["title"]
+        assert p["gridPos"]["x"] >= 0 and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24
+        for t in p["targets"]:
+            assert t["expr"] and t["refId"], p["title"]
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_rates_use_rate_interval(uid: str) -> None:
+    for expr in exprs(BOARDS[uid]):
+        for window in RANGE.findall(expr):
+            assert window in ("$__rate_interval", "$__range"), expr
+        if "$__range" in expr:
+            assert "last_over_time" in expr, expr
+        if re.search(r"\b(rate|irate|increase)\(", expr):
+            assert "[$__rate_interval]" in expr, expr
+
+
+def test_overview_rows_follow_the_layers() -> None:
+    rows = [p["title"] for p in BOARDS[d.OVERVIEW_UID]["panels"] if p["type"] == "row"]
+    assert [r for r in rows if r in LAYERS] == LAYERS
+    assert rows[0] == "Run"
+    detail_rows = [p["title"] for p in BOARDS[d.DETAIL_UID]["panels"] if p["type"] == "row"]
+    assert [r for r in detail_rows if r in LAYERS] == LAYERS
+    assert "GPU" in detail_rows
+
+
+def test_overview_has_the_issue_panels() -> None:
+    titles = {p["title"] for p in panels(BOARDS[d.OVERVIEW_UID])}
+    for needed in (
+        "Loss",
+        "Global grad norm per rank",
+        "Local pre-all-reduce grad norm per rank",
+        "Non-finite steps",
+        "Non-finite origin ranks",
+        "Loss scale per rank",
+        "Skipped steps",
+        "Data wait p99 per rank",
+        "Steps/s per rank",
+        "Allocator memory per rank",
+        "Device memory (NVML)",
+        "Headroom to OOM",
+        "All-reduce p99 across ranks",
+        "All-reduce latency per rank",
+        "All-reduce bytes",
+        "Step-time skew vs run median",
+        "Step drift between ranks",
+    ):
+        assert needed in titles, needed
+
+
+def test_annotations_line_up_alerts_nonfinite_and_skipped() -> None:
+    for doc in BOARDS.values():
+        ann = {a["name"]: a for a in doc["annotations"]["list"]}
+        assert set(ann) == {"Firing ddpmon alerts", "Non-finite steps", "Skipped steps"}
+        assert 'ALERTS{alertname=~"Ddpmon.*"' in ann["Firing ddpmon alerts"]["expr"]
+        assert "ddpmon_grad_nonfinite_origin_steps_total" in ann["Non-finite steps"]["expr"]
+        assert "ddpmon_amp_skipped_steps_total" in ann["Skipped steps"]["expr"]
+        for a in ann.values():
+            assert a["enable"] and a["datasource"]["uid"] == "${datasource}"
+
+
+def test_overview_links_to_rank_detail() -> None:
+    doc = BOARDS[d.OVERVIEW_UID]
+    text = str(doc)
+    assert f"/d/{d.DETAIL_UID}/" in text
+    ranks = next(p for p in panels(doc) if p["title"] == "Ranks")
+    links = ranks["fieldConfig"]["overrides"][0]["properties"][0]["value"]
+    assert "var-rank=${__value.raw}" in links[0]["url"]
+    linked = [p for p in panels(doc) if p["fieldConfig"]["defaults"].get("links")]
+    assert len(linked) >= 10
+
+
+def test_per_rank_overview_panels_are_bounded_at_scale() -> None:
+    """At 1024 ranks a time series panel draws only top/bottom-k ranks or run aggregates."""
+    k = MixinConfig().dashboard_topk
+    spec = d.specs()[0]
+    for row in spec.rows:
+        for p in row.panels:
+            if p.kind != "timeseries":
+                continue
+            for q in p.queries:
+                bounded = q.expr.startswith((f"topk({k},", f"bottomk({k},")) or RUN_AGG.match(
+                    q.expr
+                )
+                assert bounded, (p.title, q.expr)
+
+
+def test_dcgm_join_by_gpu_uuid() -> None:
+    detail = BOARDS[d.DETAIL_UID]
+    dcgm = [t["expr"] for p in panels(detail) for t in p["targets"] if "DCGM_" in t["expr"]]
+    assert dcgm
+    for expr in dcgm:
+        assert 'label_replace(ddpmon_rank_info{' in expr and '"gpu_uuid"' in expr
+        assert "on (UUID)" in expr
+
+
+@pytest.mark.parametrize("uid", sorted(BOARDS))
+def test_panel_queries_resolve_every_variable(uid: str) -> None:
+    variables = {"run": "r1", "rank": ["0", "1"] if uid == d.OVERVIEW_UID else "3"}
+    queries = d.panel_queries(BOARDS[uid], variables)
+    assert len(queries) == sum(len(p["targets"]) for p in panels(BOARDS[uid]))
+    for q in queries:
+        assert "$" not in q.expr.replace('"$1"', ""), q
+        assert q.coverage in d.COVERAGES
+    joined = " ".join(q.expr for q in queries)
+    assert 'run="r1"' in joined
+    assert ('rank=~"(0|1)"' if uid == d.OVERVIEW_UID else 'rank="3"') in joined
+    every = d.panel_queries(BOARDS[uid], {"run": "r1", "rank": "All"})
+    if uid == d.OVERVIEW_UID:
+        assert 'rank=~".*"' in " ".join(q.expr for q in every)
+
+
+def test_resolve_rejects_unknown_variables() -> None:
+    with pytest.raises(KeyError):
+        d.resolve("up{x=\"$nope\"}", {}, all_values={})
