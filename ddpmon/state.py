@@ -42,6 +42,9 @@ ALLREDUCE_SECONDS_BUCKETS = (
 )
 
 
+CORE_PROBES = ("grads", "comm", "amp", "loss", "step", "readback", "server", "forensics")
+
+
 class Histogram:
     """Fixed-bucket histogram; counts are per bucket (not cumulative) so one observation is one
     list-cell increment, and rendering makes them cumulative, which keeps them monotonic."""
@@ -148,7 +151,10 @@ class MetricState:
     allreduce_duration: Histogram = field(
         default_factory=lambda: Histogram(ALLREDUCE_SECONDS_BUCKETS)
     )
-    agent_errors: dict[str, int] = field(default_factory=dict)
+    agent_errors: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(CORE_PROBES, 0)
+    )
+    """Pre-set to 0 for the core probes so ``increase()`` sees their first failure."""
     version: int = 0
     """Bumped after every change so the exposition cache knows when to re-render."""
 

@@ -43,9 +43,7 @@ def test_republish_replaces_and_remove_is_idempotent(tmp_path: Path) -> None:
     pub.remove()
     assert not pub.path.exists()
     pub.remove()  # already gone: no error
-    FileSDPublisher(
-        tmp_path / "never-created", target="x:1", labels={}, filename="a.json"
-    ).remove()
+    FileSDPublisher(tmp_path / "never-created", target="x:1", labels={}, filename="a.json").remove()
 
 
 def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:

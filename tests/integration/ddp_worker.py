@@ -1,0 +1,138 @@
+"""One rank of the agent's multi-process tests (gloo on 127.0.0.1), started by the test as a
+plain process with RANK/WORLD_SIZE/MASTER_* set. Writes what it saw to --out for the test."""
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpmon
+from ddpmon.agent import NonFiniteGradientError
+
+POISON_PARAM = "layers.2.weight"
+
+
+def poison(model, value):
+    param = dict(model.module.named_parameters())[POISON_PARAM]
+    handle = None
+
+    def hook(grad):
+        handle.remove()
+        grad = grad.clone()
+        grad.view(-1)[0] = value
+        return grad
+
+    handle = param.register_hook(hook)
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def sample(text, name):
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--step", type=int, default=3, help="injection step")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    inner = nn.Sequential()
+    inner.add_module("layers", nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]))
+    # Small buckets: several all-reduces per step, so the per-bucket histogram is tested.
+    model = DistributedDataParallel(inner, bucket_cap_mb=0.02)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    amp = args.scenario in ("nan", "collapse", "clean")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=amp)
+    calls = {"n": 0}
+
+    def user_hook(state, bucket):  # the user's own compression hook, composed by ddpmon
+        calls["n"] += 1
+        return fp16_compress_hook(state, bucket)
+
+    policy = {"skip": "skip", "raise": "raise"}.get(args.scenario, "record")
+    mon = ddpmon.attach(
+        model,
+        opt,
+        scaler if amp else None,
+        comm_hook=user_hook,
+        comm_state=dist.group.WORLD,
+        port=args.port,
+        bind="127.0.0.1",
+        run_dir=os.path.join(args.out, "runs"),
+        run_id=f"test-{args.scenario}",
+        on_nonfinite=policy,
+    )
+    scales, raised = [], None
+    for step in range(args.steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + rank))
+        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+            loss = model(x).float().pow(2).mean()
+        mon.observe_loss(loss)
+        if args.scenario in ("nan", "skip", "raise") and rank == 1 and step == args.step:
+            poison(model, float("nan"))
+        if args.scenario == "collapse" and rank == 0 and args.step <= step < args.step + 5:
+            poison(model, float("inf"))
+        try:
+            if amp:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+        except NonFiniteGradientError as exc:
+            raised = str(exc)
+            break
+        opt.zero_grad(set_to_none=True)
+        if args.scenario == "collapse":
+            scales.append(sample(scrape(mon.port), "ddpmon_amp_loss_scale"))
+    text = scrape(mon.port)
+    digest = hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    ).hexdigest()
+    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
+    Path(args.out, f"rank{rank}.metrics").write_text(text)
+    Path(args.out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "hook_calls": calls["n"],
+                "scales": scales,
+                "raised": raised,
+                "params_sha256": digest,
+                "params_finite": finite,
+                "steps": args.steps,
+            }
+        )
+    )
+    mon.close()
+    if raised is None:
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

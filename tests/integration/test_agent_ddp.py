@@ -1,0 +1,176 @@
+"""Two real ranks (gloo) with the agent attached; scraped over real HTTP."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_pair() -> int:
+    """A base port whose successor is free too (rank r serves base + LOCAL_RANK)."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no consecutive free ports")
+
+
+def run_workers(tmp_path: Path, scenario: str, steps: int = 8, step: int = 3) -> list[dict]:
+    master, base = free_port(), free_port_pair()
+    procs = []
+    for rank in range(2):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [
+            sys.executable,
+            str(WORKER),
+            "--scenario",
+            scenario,
+            "--out",
+            str(tmp_path),
+            "--port",
+            str(base),
+            "--steps",
+            str(steps),
+            "--step",
+            str(step),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=180)
+            outputs.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out
+    results = []
+    for rank in range(2):
+        data = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        text = (tmp_path / f"rank{rank}.metrics").read_text()
+        data["text"] = text
+        data["metrics"] = {
+            (
+                s.name,
+                tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "rank"))),
+            ): s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+        }
+        results.append(data)
+    return results
+
+
+def value(result: dict, name: str, **labels: str) -> float:
+    return result["metrics"][(name, tuple(sorted(labels.items())))]
+
+
+def test_nan_origin_rank_and_first_nonfinite(tmp_path):
+    r0, r1 = run_workers(tmp_path, "nan", steps=8, step=3)
+    assert value(r1, "ddpmon_grad_nonfinite_origin_steps_total") == 1
+    assert value(r0, "ddpmon_grad_nonfinite_origin_steps_total") == 0
+    for r in (r0, r1):
+        assert value(r, "ddpmon_grad_nonfinite_steps_total") >= 1
+        assert value(r, "ddpmon_amp_skipped_steps_total") == 1  # the scaler skipped it
+        assert value(r, "ddpmon_steps_total") == 8  # the skipped step still counts
+    first = [k for k in r1["metrics"] if k[0] == "ddpmon_grad_first_nonfinite_info"]
+    assert dict(first[0][1]) == {"kind": "nan", "param": "layers.2.weight", "step": "3"}
+    assert not [k for k in r0["metrics"] if k[0] == "ddpmon_grad_first_nonfinite_info"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    return run_workers(tmp_path_factory.mktemp("clean"), "clean", steps=6)
+
+
+def test_allreduce_histogram_counts_every_bucket_of_every_step_through_a_user_hook(clean_run):
+    results = clean_run
+    for r in results:
+        calls = r["hook_calls"]
+        assert calls >= 2 * 6, "small buckets should give several all-reduces per step"
+        assert value(r, "ddpmon_allreduce_duration_seconds_count") == calls
+        assert value(r, "ddpmon_allreduce_bytes_total") > 0
+        assert value(r, "ddpmon_grad_local_norm") > 0
+        # Post-reduce norms are identical across ranks; local ones differ (different data).
+    assert value(results[0], "ddpmon_grad_norm") == pytest.approx(
+        value(results[1], "ddpmon_grad_norm"), rel=1e-6
+    )
+    assert value(results[0], "ddpmon_grad_local_norm") != value(
+        results[1], "ddpmon_grad_local_norm"
+    )
+
+
+def test_scale_halves_per_skipped_step_and_skips_equal_injections(tmp_path):
+    results = run_workers(tmp_path, "collapse", steps=10, step=2)
+    for r in results:
+        scales = r["scales"]
+        assert value(r, "ddpmon_amp_skipped_steps_total") == 5
+        for step in range(2, 7):  # each injected step halves the scale, as GradScaler does
+            assert scales[step] == scales[step - 1] / 2
+        assert scales[-1] == 2.0**10 / 2**5
+        assert value(r, "ddpmon_amp_loss_scale") == 2.0**10 / 2**5
+        assert value(r, "ddpmon_amp_loss_scale_floor") == 1.0
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="make test installs promtool")
+def test_real_scrape_passes_promtool_and_series_budget(clean_run):
+    for r in clean_run:
+        proc = subprocess.run(
+            ["promtool", "check", "metrics"], input=r["text"].encode(), capture_output=True
+        )
+        assert proc.returncode == 0 and not proc.stdout.strip() and not proc.stderr.strip(), (
+            proc.stdout + proc.stderr
+        )
+        assert len(r["metrics"]) <= 150
+
+
+def test_on_nonfinite_skip_keeps_replicas_bit_identical(tmp_path):
+    r0, r1 = run_workers(tmp_path, "skip", steps=6, step=2)
+    assert r0["params_finite"] and r1["params_finite"]
+    assert r0["params_sha256"] == r1["params_sha256"]
+    assert value(r1, "ddpmon_grad_nonfinite_origin_steps_total") == 1
+
+
+def test_on_nonfinite_raise_raises_on_every_rank(tmp_path):
+    r0, r1 = run_workers(tmp_path, "raise", steps=6, step=2)
+    for r in (r0, r1):
+        assert r["raised"] and "step 2" in r["raised"] and "layers.2.weight" in r["raised"]
+    assert "rank 0" in r0["raised"] and "rank 1" in r1["raised"]

@@ -1,0 +1,189 @@
+"""Exposition: golden file, promtool lint, round trip through the parser, series budget."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ddpmon.export.collector import DdpmonCollector, Exposition, LiveSources
+from ddpmon.identity import RankIdentity
+from ddpmon.sources.allocator import AllocatorSource
+from ddpmon.sources.host import ProcessSource
+from ddpmon.sources.nvml import NvmlSource
+from ddpmon.state import FirstNonfinite, MetricState
+
+GOLDEN = Path(__file__).parent.parent / "golden" / "exposition.txt"
+
+
+class FakeProcess:
+    """psutil.Process stand-in with fixed numbers (the real one is used in integration tests)."""
+
+    def oneshot(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def memory_info(self):
+        return SimpleNamespace(rss=123_456_789)
+
+    def cpu_times(self):
+        return SimpleNamespace(user=10.5, system=2.25)
+
+
+class FakeNvml:
+    """The subset of pynvml the source calls, for one H100-like board."""
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetUUID(self, handle):
+        return "GPU-1234"
+
+    def nvmlDeviceGetName(self, handle):
+        return b"Fake H100"
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return SimpleNamespace(used=40 * 2**30, total=80 * 2**30)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        return SimpleNamespace(gpu=87)
+
+    def nvmlDeviceGetTemperature(self, handle, sensor):
+        return 61
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return 412_000
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        return SimpleNamespace(busId=b"0000:18:00.0")
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, a, b):
+        return 0
+
+
+class BrokenNvml(FakeNvml):
+    def nvmlInit(self):
+        raise RuntimeError("NVML Shared Library Not Found")
+
+
+def allocator_stats(device):
+    return {
+        "allocated_bytes.all.current": 1 << 30,
+        "reserved_bytes.all.current": 2 << 30,
+        "allocated_bytes.all.peak": 3 << 30,
+        "num_alloc_retries": 2,
+        "num_ooms": 1,
+    }
+
+
+def make_state(groups=4) -> MetricState:
+    s = MetricState(loss_scale_floor=1.0, started_at=1700000000.0)
+    s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
+    s.loss, s.grad_norm, s.grad_local_norm = 2.5, float("nan"), float("inf")
+    s.group_norms = {f"layer{i}": float(i) for i in range(groups)}
+    s.grad_nonfinite_steps_total, s.grad_nonfinite_origin_steps_total = 3, 1
+    s.first_nonfinite = FirstNonfinite(20, "encoder.layers.0.linear1.weight", "nan")
+    s.amp_enabled, s.loss_scale, s.amp_skipped_steps_total = True, 0.5, 17
+    s.allreduce_bytes_total = 1 << 20
+    for v in (0.02, 0.3, 1.5, 100.0):
+        s.step_duration.observe(v)
+    for v in (0.0005, 0.004):
+        s.data_wait.observe(v)
+    for v in (0.0002, 0.003, 0.003):
+        s.allreduce_duration.observe(v)
+    s.agent_errors = {"comm": 1}
+    return s
+
+
+def make_exposition(state=None, nvml=None) -> Exposition:
+    identity = RankIdentity(
+        rank=1,
+        local_rank=1,
+        world_size=2,
+        node="node-a",
+        backend="nccl",
+        device="cuda:1",
+        pid=4242,
+        gpu_uuid="GPU-1234",
+    )
+    live = LiveSources(
+        process=ProcessSource(FakeProcess()),
+        allocator=AllocatorSource("cuda:1", stats_fn=allocator_stats),
+        nvml=NvmlSource(nvml or FakeNvml()),
+        gpu_indices=[0],
+        min_interval=1.0,
+        on_error=lambda name, exc: None,
+    )
+    versions = {
+        "version": "0.1.0",
+        "torch_version": "2.13.0",
+        "cuda_version": "12.8",
+        "nccl_version": "2.27.3",
+        "python_version": "3.11.7",
+    }
+    return Exposition(DdpmonCollector(state or make_state(), identity, "run-1", versions, live))
+
+
+def test_golden_exposition():
+    text = make_exposition().render().decode()
+    if os.environ.get("DDPMON_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), "exposition changed: DDPMON_UPDATE_GOLDEN=1 to accept"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="make test installs promtool")
+def test_promtool_check_metrics_is_clean():
+    text = make_exposition().render()
+    proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == b"" and proc.stderr.strip() == b""
+
+
+def test_text_parses_back_with_nonfinite_values():
+    families = {
+        f.name: f for f in text_string_to_metric_families(make_exposition().render().decode())
+    }
+    norm = families["ddpmon_grad_norm"].samples[0]
+    assert norm.value != norm.value  # NaN survives the round trip
+    assert families["ddpmon_grad_local_norm"].samples[0].value == float("inf")
+    first = families["ddpmon_grad_first_nonfinite_info"].samples[0].labels
+    assert first["param"] == "encoder.layers.0.linear1.weight" and first["step"] == "20"
+    for family in families.values():
+        for sample in family.samples:
+            assert sample.labels["run"] == "run-1" and sample.labels["rank"] == "1"
+
+
+def test_nvml_absent_reports_collector_failure_not_an_error_page():
+    text = make_exposition(nvml=BrokenNvml()).render().decode()
+    assert 'ddpmon_collector_success{collector="nvml",rank="1",run="run-1"} 0.0' in text
+    assert "ddpmon_gpu_memory_used_bytes{" not in text
+
+
+def test_series_budget_with_default_group_bound():
+    text = make_exposition(make_state(groups=32)).render().decode()
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(series) <= 150, len(series)
+
+
+def test_render_is_cached_until_state_changes():
+    state = make_state()
+    exposition = make_exposition(state)
+    first = exposition.render()
+    assert exposition.render() is first and exposition.renders == 1
+    state.count_error("grads")
+    assert b'probe="grads"' in exposition.render() and exposition.renders == 2

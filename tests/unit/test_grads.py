@@ -1,0 +1,86 @@
+"""The fused gradient pass: norms, groups, first non-finite parameter, overflow vs Inf."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ddpmon.probes.grads import GradSummary, ParamIndex, full_pass, per_param_norms
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 2)
+
+
+def _grads(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+
+
+def test_norms_match_torch_and_groups_partition_the_total():
+    model = Net()
+    _grads(model)
+    index = ParamIndex(model, group_depth=1)
+    summary = GradSummary.from_values(full_pass(index).tolist())
+    expected = torch.linalg.vector_norm(
+        torch.cat([p.grad.flatten() for p in model.parameters()])
+    ).item()
+    assert summary.norm == pytest.approx(expected, rel=1e-6)
+    assert index.group_names == ["encoder", "head"]
+    enc = torch.cat([p.grad.flatten() for p in model.encoder.parameters()]).norm().item()
+    assert summary.group_norms[0] == pytest.approx(enc, rel=1e-6)
+    assert math.sqrt(sum(g * g for g in summary.group_norms)) == pytest.approx(expected, rel=1e-6)
+    assert not summary.nonfinite and summary.first_position == -1
+
+
+def test_first_nonfinite_is_in_registration_order_with_its_kind():
+    model = Net()
+    _grads(model)
+    model.head.weight.grad[0, 0] = float("inf")
+    model.encoder[1].bias.grad[3] = float("nan")
+    index = ParamIndex(model)
+    summary = GradSummary.from_values(full_pass(index).tolist())
+    assert summary.nonfinite
+    assert index.names[summary.first_position] == "encoder.1.bias"
+    assert summary.kind == "nan"
+    model.encoder[1].bias.grad[3] = 0.0
+    summary = GradSummary.from_values(full_pass(index).tolist())
+    assert index.names[summary.first_position] == "head.weight" and summary.kind == "inf"
+
+
+def test_huge_finite_gradient_is_not_called_nonfinite():
+    # float32 squares overflow for |g| > ~1.8e19: the plain norm is inf although nothing is.
+    grad = torch.full((16,), 1e20, dtype=torch.float32)
+    assert math.isinf(torch._foreach_norm([grad])[0].item())
+    norms = per_param_norms([grad])
+    assert math.isfinite(norms[0].item())
+    assert norms[0].item() == pytest.approx(4e20, rel=1e-6)
+
+
+def test_groups_are_bounded_and_fold_into_other():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
+    _grads(model)
+    index = ParamIndex(model, group_depth=1, max_groups=4)
+    assert index.group_names == ["0", "1", "2", "other"]
+    summary = GradSummary.from_values(full_pass(index).tolist())
+    assert len(summary.group_norms) == 4
+    assert math.sqrt(sum(g * g for g in summary.group_norms)) == pytest.approx(summary.norm)
+
+
+def test_params_without_grad_are_skipped():
+    model = Net()
+    _grads(model)
+    model.head.weight.grad = None
+    index = ParamIndex(model)
+    summary = GradSummary.from_values(full_pass(index).tolist())
+    expected = (
+        torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        .norm()
+        .item()
+    )
+    assert summary.norm == pytest.approx(expected, rel=1e-6)
