@@ -166,6 +166,8 @@ def build_timeline(path: Path | str) -> Timeline:
         if not mine or any(e.get("kind") in ("exit", "signal") for e in mine):
             continue
         last = max(mine, key=lambda e: e["t"])
+        if last.get("kind") == "stall":
+            continue  # hung (or killed while hung): the stall event is the better story
         merged.append({
             "ts": last.get("ts"), "t": last["t"], "rank": rank, "step": _last_step(mine),
             "kind": "vanished", "synthetic": True,
@@ -282,6 +284,8 @@ def _ending(events: list[dict[str, Any]]) -> str:
             return f"exit code {e.get('code')}"
         if kind == "vanished":
             return "vanished (no exit event: killed, os._exit, or still running)"
+        if kind == "stall":
+            return "stalled (no exit event after the stall: still hung, or killed while hung)"
     return "unknown"
 
 
