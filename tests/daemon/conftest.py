@@ -4,6 +4,7 @@ kills every process the daemon launched (jobs run in their own sessions)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,10 +32,9 @@ def free_port() -> int:
 
 def free_port_range(width: int = 40) -> tuple[int, int]:
     """A start port whose next ``width`` ports look free (ranks' /metrics come from here)."""
-    for _ in range(50):
-        base = free_port()
-        if base + width > 65000:
-            continue
+    for _ in range(200):
+        # Below the ephemeral range (no TIME_WAIT leftovers of clients), away from 29500.
+        base = random.randrange(20000, 29400 - width)
         ok = True
         for p in range(base, base + width):
             with socket.socket() as s:
@@ -170,26 +170,38 @@ def write_config(path: Path, **overrides: Any) -> Path:
     return path
 
 
-@pytest.fixture
-def make_daemon(tmp_path: Path) -> Iterator[Any]:
+def _factory(base: Path) -> tuple[Any, list[Daemon]]:
     made: list[Daemon] = []
 
     def make(**overrides: Any) -> Daemon:
         d = Daemon(
-            state_dir=tmp_path / "state",
-            config_path=write_config(tmp_path / "daemon.yaml", **overrides),
+            state_dir=base / "state",
+            config_path=write_config(base / "daemon.yaml", **overrides),
             port=free_port(),
         )
         d.start()
         made.append(d)
         return d
 
-    yield make
+    return make, made
+
+
+def _cleanup(made: list[Daemon]) -> None:
     for d in made:
         d.stop()
         d.kill_jobs()
 
 
 @pytest.fixture
-def daemon(make_daemon: Any) -> Daemon:
-    return make_daemon()
+def make_daemon(tmp_path: Path) -> Iterator[Any]:
+    make, made = _factory(tmp_path)
+    yield make
+    _cleanup(made)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon shared by a module's tests (start-up costs seconds on a busy 2-core box)."""
+    make, made = _factory(tmp_path_factory.mktemp("daemon"))
+    yield make()
+    _cleanup(made)

@@ -1,0 +1,181 @@
+"""The daemon's HTTP contract against a real daemon process: auth, validation, errors,
+discovery, OpenAPI. Jobs here use the cheap ``sleeper`` entry point."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import httpx
+
+from .conftest import Daemon
+
+
+def test_token_file_created_private(daemon: Daemon) -> None:
+    path = daemon.state_dir / "token"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(daemon.token) >= 32
+
+
+def test_mutations_need_the_token(daemon: Daemon) -> None:
+    body = {"id": "t1", "entrypoint": "sleeper", "nproc": 1, "args": ["1"]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": daemon.token}):
+        resp = httpx.post(daemon.url + "/api/v1/jobs", json=body, headers=headers)
+        assert resp.status_code == 401, resp.text
+        assert "token" in resp.json()["error"]
+        assert resp.headers["www-authenticate"] == "Bearer"
+    resp = httpx.delete(daemon.url + "/api/v1/jobs/t1")
+    assert resp.status_code == 401
+    assert daemon.get("/api/v1/jobs/t1").status_code == 404  # nothing was created
+
+
+def test_invalid_input_is_400_with_a_clear_error(daemon: Daemon) -> None:
+    cases = {
+        "bad id": ({"id": "../etc", "entrypoint": "sleeper", "nproc": 1}, "id"),
+        "long id": ({"id": "a" * 65, "entrypoint": "sleeper", "nproc": 1}, "id"),
+        "zero nproc": ({"id": "ok1", "entrypoint": "sleeper", "nproc": 0}, "nproc"),
+        "nproc over max": ({"id": "ok1", "entrypoint": "sleeper", "nproc": 5}, "<= 4"),
+        "unknown entrypoint": ({"id": "ok1", "entrypoint": "bash", "nproc": 1}, "allowed"),
+        "too many args": ({"id": "ok1", "entrypoint": "sleeper", "nproc": 1, "args": ["x"] * 17},
+                          "at most 16"),
+        "arg too long": ({"id": "ok1", "entrypoint": "sleeper", "nproc": 1, "args": ["x" * 129]},
+                         "at most 128"),
+        "extra field": ({"id": "ok1", "entrypoint": "sleeper", "nproc": 1, "shell": "sh"}, "shell"),
+    }  # fmt: skip
+    for name, (body, needle) in cases.items():
+        resp = httpx.post(daemon.url + "/api/v1/jobs", json=body, headers=daemon.auth)
+        assert resp.status_code == 400, (name, resp.text)
+        doc = resp.json()
+        assert doc["status"] == 400 and needle in doc["error"], (name, doc)
+    resp = httpx.post(
+        daemon.url + "/api/v1/jobs", content=b"{not json", headers={**daemon.auth,
+        "Content-Type": "application/json"},
+    )  # fmt: skip
+    assert resp.status_code == 400
+    assert daemon.get("/api/v1/jobs/ok1").status_code == 404
+
+
+def test_unknown_job_404_duplicate_409_and_cancel(daemon: Daemon) -> None:
+    resp = daemon.get("/api/v1/jobs/nosuchjob")
+    assert resp.status_code == 404 and "nosuchjob" in resp.json()["error"]
+    resp = httpx.delete(daemon.url + "/api/v1/jobs/nosuchjob", headers=daemon.auth)
+    assert resp.status_code == 404
+
+    # Runs alongside: a job whose ranks exit with code 3 (checked at the end).
+    assert daemon.submit("exit3", "sleeper", 2, ["0.5", "3"]).status_code == 201
+    # A rank that ignores SIGTERM: the cancel must escalate to SIGKILL after the grace period.
+    first = daemon.submit("dup", "sleeper", 2, ["60", "--ignore-term"])
+    assert first.status_code == 201, first.text
+    again = daemon.submit("dup", "sleeper", 1, ["1"])
+    assert again.status_code == 409 and "already exists" in again.json()["error"]
+
+    job = daemon.wait("dup", {"RUNNING"})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # both ranks up (they print once started)
+        logs = [daemon.get("/api/v1/jobs/dup/logs", params={"rank": r, "stream": "stdout"})
+                for r in (0, 1)]  # fmt: skip
+        if all(r.status_code == 200 and "up" in r.text for r in logs):
+            break
+        time.sleep(0.25)
+    else:
+        raise AssertionError("ranks did not start")
+    launcher = job["pid"]
+    t0 = time.monotonic()
+    resp = httpx.delete(daemon.url + "/api/v1/jobs/dup", headers=daemon.auth)
+    assert resp.status_code == 202, resp.text
+    job = daemon.wait("dup", {"CANCELLED", "FAILED", "COMPLETED", "LOST"}, timeout=60)
+    took = time.monotonic() - t0
+    assert job["state"] == "CANCELLED", job
+    assert took >= 2.5, f"ended after {took:.1f}s, before the 3 s grace: SIGTERM was not ignored?"
+    assert not _alive(launcher)
+    for rank_pid in _rank_pids(daemon, "dup"):
+        assert not _alive(rank_pid), f"rank pid {rank_pid} survived the cancel"
+    resp = httpx.delete(daemon.url + "/api/v1/jobs/dup", headers=daemon.auth)
+    assert resp.status_code == 409 and "already ended" in resp.json()["error"]
+
+    job = daemon.wait("exit3", {"COMPLETED", "FAILED", "CANCELLED", "LOST"}, timeout=60)
+    assert job["state"] == "FAILED", job
+    assert 3 in {s["exit_code"] for s in job["ranks"].values()}, job["ranks"]
+    assert job["first_failure"]["exit_code"] == 3
+    assert "exit code 3" in job["reason"]
+
+
+def _rank_pids(daemon: Daemon, job_id: str) -> list[int]:
+    pids = []
+    for r in (0, 1):
+        params = {"rank": r, "stream": "stdout"}
+        text = daemon.get(f"/api/v1/jobs/{job_id}/logs", params=params).text
+        for word in text.split("pid ")[1:]:
+            pids.append(int(word.split()[0]))
+    assert len(pids) == 2, pids
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_registration_and_sd(daemon: Daemon) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        info = {"run": "r1", "rank": 3, "local_rank": 1, "node": "n", "pid": child.pid,
+                "port": 7471, "host": "127.0.0.1", "job_id": "j9", "unknown_key": 1}  # fmt: skip
+        assert httpx.post(daemon.url + "/api/v1/ranks", json=info).status_code == 201
+        sd = daemon.get("/sd").json()
+        assert sd == [{"targets": ["127.0.0.1:7471"], "labels": {
+            "run": "r1", "rank": "3", "local_rank": "1", "node": "n", "job_id": "j9"}}]  # fmt: skip
+        metrics = daemon.get("/metrics").text
+        assert "ddpmon_daemon_registered_ranks 1.0" in metrics
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        assert daemon.get("/sd").json() == []  # died without deregistering
+        assert httpx.post(daemon.url + "/api/v1/ranks", json=info).status_code == 400  # dead pid
+        bad = {**info, "pid": os.getpid(), "run": "a/b"}
+        assert httpx.post(daemon.url + "/api/v1/ranks", json=bad).status_code == 400
+        ok = {**info, "pid": os.getpid()}
+        assert httpx.post(daemon.url + "/api/v1/ranks", json=ok).status_code == 201
+        assert httpx.delete(daemon.url + "/api/v1/ranks/r1/3").status_code == 200
+        assert httpx.delete(daemon.url + "/api/v1/ranks/r1/3").status_code == 404
+        assert daemon.get("/sd").json() == []
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_client_never_raises(daemon: Daemon) -> None:
+    from ddpmon.daemon.client import deregister_rank, register_rank
+
+    info = {"run": "c1", "rank": "0", "local_rank": "0", "node": "n", "pid": os.getpid(),
+            "port": 7470, "target": "127.0.0.1:7470", "job_id": ""}  # fmt: skip
+    register_rank(daemon.url, info)
+    assert daemon.get("/sd").json()[0]["targets"] == ["127.0.0.1:7470"]
+    deregister_rank(daemon.url, info)
+    assert daemon.get("/sd").json() == []
+    t0 = time.monotonic()
+    register_rank("http://127.0.0.1:1", info)  # nothing listens: logged, not raised
+    register_rank(daemon.url, {**info, "pid": "x"})  # rejected by the daemon: logged
+    deregister_rank("http://127.0.0.1:1", info)
+    assert time.monotonic() - t0 < 10
+
+
+def test_openapi_and_metrics(daemon: Daemon) -> None:
+    spec = daemon.get("/openapi.json").json()
+    assert {"/api/v1/jobs", "/api/v1/jobs/{job_id}", "/sd", "/metrics"} <= set(spec["paths"])
+    post = spec["paths"]["/api/v1/jobs"]["post"]
+    assert {"201", "400", "401", "409"} <= set(post["responses"]) and "422" not in post["responses"]
+    text = daemon.get("/metrics").text
+    assert 'ddpmon_collector_success{collector="host"} 1.0' in text
+    assert 'ddpmon_collector_success{collector="nvml"}' in text
+    assert 'ddpmon_daemon_jobs{state="RUNNING"}' in text
