@@ -1,0 +1,134 @@
+"""Issue #3 item 5: the shipped alerts really fire, end to end, and stay quiet on a clean run.
+
+Real Prometheus and Alertmanager (Debian packages, shipped configs, 1s scrape/eval) discover two
+2-rank gloo demo runs through file_sd, evaluate the generated rules and deliver to a webhook in
+this process. Run ``faulty``: NaN in rank 1's local gradients, then a loss-scale collapse, then
+rank 1 is SIGKILLed. Run ``clean``: the same length, no fault, at the same time (so it also
+sees the same CPU contention). Only the `for:` durations the test cannot wait for are shortened
+(LossScaleAtFloor 1m -> 2s, RankDown 2m -> 2s); everything else is the shipped config.
+
+Detection latency = wall time of the injected fault (from the rank's event log, or the moment
+the killed process was seen dead) -> receipt at the webhook. Printed; run with ``-s`` to see it.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddpmon.mixin.config import MixinConfig
+from tests.support.demo import DemoRun
+from tests.support.stack import WebhookReceiver, live_stack, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(280)]
+
+LIVE_CONFIG = MixinConfig().replace(loss_scale_floor_for="2s", rank_down_for="2s")
+STEPS = 60
+STEP_DELAY = 0.2
+NAN_STEP, COLLAPSE_STEP, KILL_STEP = 5, 12, 50
+FAULTS = [
+    f"nan@rank1:step{NAN_STEP}",
+    f"scale-collapse@rank1:step{COLLAPSE_STEP}",
+    f"kill@rank1:step{KILL_STEP}",
+]
+
+
+def _watch_death(demo: DemoRun, rank: int, stop: threading.Event, out: dict) -> None:
+    """Record the wall time at which ``rank``'s process is first seen dead (50ms polling)."""
+    proc = None
+    while not stop.is_set() and "died_at" not in out:
+        if proc is None:
+            pid = demo.rank_pids().get(rank)
+            proc = psutil.Process(pid) if pid else None
+        else:
+            try:
+                dead = proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                dead = True
+            if dead:
+                out["died_at"] = time.time()
+        stop.wait(0.05 if proc else 0.2)
+
+
+def _event(demo: DemoRun, rank: int, kind: str, **match: object) -> dict:
+    for event in demo.events(rank):
+        if event.get("kind") == kind and all(event.get(k) == v for k, v in match.items()):
+            return event
+    raise AssertionError(f"no {kind} {match} event on rank {rank}: {demo.events(rank)[-5:]}")
+
+
+def test_alerts_fire_on_faults_and_not_on_a_clean_run(tmp_path: Path) -> None:
+    sd_dir = tmp_path / "sd"
+    sd_dir.mkdir()
+    stop_watch = threading.Event()
+    death: dict[str, float] = {}
+    with (
+        WebhookReceiver() as hook,
+        live_stack(tmp_path / "stack", sd_dir, LIVE_CONFIG, hook.url) as stack,
+        DemoRun(tmp_path / "faulty", sd_dir, STEPS, STEP_DELAY, FAULTS, run_id="faulty") as bad,
+        DemoRun(tmp_path / "clean", sd_dir, STEPS, STEP_DELAY, run_id="clean") as good,
+    ):
+        watcher = threading.Thread(target=_watch_death, args=(bad, 1, stop_watch, death))
+        watcher.start()
+        try:
+            # All four ranks discovered through file_sd and scraped.
+            wait_for(
+                lambda: len(stack.prometheus.query('up{job="ddpmon"} == 1')) == 4,
+                timeout=90, what="4 ranks up in Prometheus",
+            )
+            nonfinite = hook.wait_for_alert(
+                "DdpmonNonFiniteGradients", 90, where=lambda a: a.labels.get("run") == "faulty"
+            )
+            at_floor = hook.wait_for_alert(
+                "DdpmonLossScaleAtFloor", 90, where=lambda a: a.labels.get("run") == "faulty"
+            )
+            down = hook.wait_for_alert(
+                "DdpmonRankDown", 90,
+                where=lambda a: a.labels.get("run") == "faulty" and a.labels.get("rank") == "1",
+            )
+            assert good.wait(timeout=120) == 0, good.log_tail()
+            time.sleep(4)  # anything the clean run's last scrapes trigger has time to arrive
+        finally:
+            stop_watch.set()
+            watcher.join(timeout=5)
+
+        marker = str(tmp_path)
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if marker in cmdline:  # the stack and both demos are gone
+                pytest.fail(f"process left behind: {proc.pid} {cmdline}")
+
+        # What arrived is exactly what the shipped rules promise, routed by severity.
+        assert re.search(r"before the all-reduce: 1\.$", nonfinite.annotations["description"]), (
+            nonfinite.annotations
+        )
+        assert nonfinite.labels["severity"] == "critical"
+        for alert in (nonfinite, at_floor, down):
+            assert alert.receiver == "ddpmon-critical"
+            assert alert.annotations["runbook_url"].endswith("#" + alert.name.lower())
+        assert down.annotations["description"].startswith("Rank 1 of run faulty (127.0.0.1:")
+        assert at_floor.labels["rank"] in ("0", "1")
+
+        clean_alerts = [a for a in hook.alerts if a.labels.get("run") == "clean"]
+        assert clean_alerts == [], [(a.name, a.annotations) for a in clean_alerts]
+
+        # Detection latency: fault wall time -> webhook receipt.
+        nan_at = _event(bad, 1, "nonfinite", step=NAN_STEP, origin=True)["ts"]
+        floor_at = _event(bad, int(at_floor.labels["rank"]), "scale_floor")["ts"]
+        collapse_at = _event(bad, 1, "overflow", step=COLLAPSE_STEP)["ts"]
+        assert "died_at" in death, "rank 1's death was not observed"
+        rows = [
+            ("DdpmonNonFiniteGradients", "NaN in rank 1 grads", nonfinite.received_at - nan_at),
+            ("DdpmonLossScaleAtFloor", "scale reached floor", at_floor.received_at - floor_at),
+            ("DdpmonLossScaleAtFloor", "collapse started", at_floor.received_at - collapse_at),
+            ("DdpmonRankDown", "rank 1 SIGKILLed", down.received_at - death["died_at"]),
+        ]
+        print("\ndetection latency (fault wall time -> webhook receipt), 1s scrape/eval:")
+        for name, fault, seconds in rows:
+            print(f"  {name:<26} {fault:<22} {seconds:6.2f} s")
+            assert 0 < seconds < 60, (name, seconds)
