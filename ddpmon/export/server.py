@@ -16,6 +16,7 @@ web_config=None)``, ``.start()`` (``WebConfigError``, ``PortInUseError``), ``.po
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import queue
@@ -317,6 +318,8 @@ class MetricsServer:
                 sock.close()
                 continue
             sock.setblocking(False)
+            with contextlib.suppress(OSError):  # no Nagle wait behind TLS session tickets
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             now = time.monotonic()
             ctx = self._cfg.ssl_context if self._cfg else None
             if ctx is not None:

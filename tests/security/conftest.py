@@ -4,8 +4,15 @@ small HTTP client that speaks plain or TLS with optional basic auth."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
+import os
+import signal
 import ssl
+import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -97,3 +104,83 @@ def fetch(
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
         conn.close()
+
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    """Start helper processes in their own process group, output to files; kill at teardown."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(argv: list[str], name: str) -> subprocess.Popen[bytes]:
+        out = open(tmp_path / f"{name}.out", "wb")  # noqa: SIM115 - closed by the process
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=HERE
+        )
+        out.close()
+        proc.output_path = tmp_path / f"{name}.out"  # type: ignore[attr-defined]
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def helper(name: str, *args: object) -> list[str]:
+    return [sys.executable, str(HERE / name), *map(str, args)]
+
+
+def wait_for_line(path: Path, text: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if text in path.read_text(errors="replace"):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path.name}: no {text!r} within {timeout}s: {path.read_text()[-2000:]}")
+
+
+def train_steps(seconds: float) -> list[float]:
+    """A tiny CPU 'training' loop in the calling thread; returns each step's wall time.
+
+    Matmuls release the GIL, the Python around them needs it: like a real training loop,
+    its step time shows a server thread that hogs the interpreter."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # spinning OpenMP workers on a shared 2-core box would dominate
+    torch.manual_seed(0)
+    w = torch.randn(128, 128) * 0.05
+    x = torch.randn(64, 128)
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    try:
+        with torch.no_grad():
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                h = x
+                for _ in range(8):
+                    h = torch.tanh(h @ w)
+                float(h.sum())
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
+def ms(values: list[float]) -> str:
+    return (
+        f"{statistics.median(values) * 1e3:.2f} ms median, "
+        f"mean {statistics.fmean(values) * 1e3:.2f} ms, "
+        f"p99 {p99(values) * 1e3:.2f} ms, n={len(values)}"
+    )
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
