@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .clip import clip_grad_norm_, set_active_monitor
 from .config import Config, ConfigError
 from .export.collector import DdpmonCollector, Exposition, LiveSources
 from .identity import RankIdentity, build_versions, detect_identity
@@ -132,6 +133,7 @@ class Monitor:
         self._last_end: float | None = None
         self._loss: Any = None
         self._pre_summaries: tuple[Any, Any, BucketParts | None] | None = None
+        self._offered: tuple[torch.Tensor, list[int], torch.Tensor] | None = None
         self._readback = Readback()
         self._recent: deque[dict] = deque(maxlen=32)
         self._allreduce_recent: deque[float] = deque(maxlen=4096)
@@ -168,6 +170,7 @@ class Monitor:
         self._install_exporter()
         self._publish_discovery()
         atexit.register(self.close)
+        set_active_monitor(self)
         self._emit(
             "start",
             None,
@@ -561,6 +564,13 @@ class Monitor:
                 norms = torch.cat(parts.reduced_norms)
                 pos, grp = index.layout(parts.reduced_positions, norms.device)
                 reduced = summarize(norms, pos, grp, len(index), index.n_groups, inv_scale)
+        offered, self._offered = self._offered, None
+        if reduced is None and offered is not None:
+            # clip_grad_norm_ already measured these gradients (before clipping): reuse.
+            norms, positions, total = offered
+            pos, grp = index.layout(positions, norms.device)
+            reduced = summarize(norms, pos, grp, len(index), index.n_groups)
+            reduced = torch.cat([total.reshape(1).to(reduced.dtype), reduced[1:]])
         if reduced is None:
             # Not DDP (or the hook is off): one pass over the final .grad tensors. With a
             # GradScaler they were unscaled in place by scaler.step() by now.
@@ -568,6 +578,32 @@ class Monitor:
         if parts is None or not parts.buckets:
             return reduced, None, parts
         return reduced, local, parts
+
+    def _offer_norms(self, params: list, norms: torch.Tensor, total: torch.Tensor) -> None:
+        """Per-parameter norms measured by ``clip_grad_norm_`` for this step (pre-clip)."""
+        try:
+            positions = [self._index.position[id(p)] for p in params]
+            self._offered = (norms, positions, total)
+        except KeyError:
+            self._offered = None  # clipping parameters this monitor does not track
+
+    def _reduced_norm_for(self, params: list) -> torch.Tensor | None:
+        """Global norm of the current reduced gradients from the comm hook's per-bucket norms
+        (no pass over the gradients), or None if the hook did not see all of ``params``."""
+        if self._comm is None:
+            return None
+        parts = self._comm._parts
+        if not parts.reduced_complete or not parts.reduced_norms:
+            return None
+        wanted = {self._index.position.get(id(p), -1) for p in params}
+        if wanted != set(parts.reduced_positions):
+            return None
+        norms = torch.cat(parts.reduced_norms)
+        if self._amp is not None and self._amp.grads_unscaled():
+            scale = self._amp.current_scale()
+            if scale is not None:
+                norms = norms / scale.to(norms.dtype)
+        return (norms * norms).sum().sqrt()
 
     def _enforce_policy(self, reduced: Any, *, skip_allowed: bool) -> None:
         cfg = self.config
@@ -894,8 +930,3 @@ class Monitor:
                 exc,
             )
 
-
-def clip_grad_norm_(*args: Any, **kwargs: Any) -> torch.Tensor:
-    from .clip import clip_grad_norm_ as impl
-
-    return impl(*args, **kwargs)

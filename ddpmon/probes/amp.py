@@ -39,6 +39,16 @@ class ScalerProbe:
         scale = getattr(self.scaler, "_scale", None)
         return scale if isinstance(scale, torch.Tensor) else None
 
+    def grads_unscaled(self) -> bool:
+        """True once ``scaler.unscale_(optimizer)`` ran for this step (host-side state)."""
+        try:
+            from torch.amp.grad_scaler import OptState
+
+            state = self.scaler._per_optimizer_states[id(self.optimizer)]
+            return state.get("stage") is OptState.UNSCALED
+        except Exception:
+            return False
+
     def _found_inf(self) -> torch.Tensor | None:
         state = self.scaler._per_optimizer_states[id(self.optimizer)]
         found = state.get("found_inf_per_device") or {}

@@ -64,7 +64,7 @@ def main():
     # Small buckets: several all-reduces per step, so the per-bucket histogram is tested.
     model = DistributedDataParallel(inner, bucket_cap_mb=0.02)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    amp = args.scenario in ("nan", "collapse", "clean")
+    amp = args.scenario in ("nan", "collapse", "clean", "clip")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=amp)
     calls = {"n": 0}
 
@@ -85,7 +85,29 @@ def main():
         run_id=f"test-{args.scenario}",
         on_nonfinite=policy,
     )
-    scales, raised = [], None
+    scales, raised, clip_checks = [], None, []
+    import ddpmon.clip as clip_module
+
+    passes = {"n": 0}
+    original_norms = clip_module.per_param_norms
+
+    def counting_norms(tensors):  # counts passes over gradients made by clip_grad_norm_
+        passes["n"] += 1
+        return original_norms(tensors)
+
+    clip_module.per_param_norms = counting_norms
+    ref_cache = {}
+
+    def reference_params(grads):
+        key = id(grads)
+        if key not in ref_cache:
+            ref_cache.clear()
+            params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g
+            ref_cache[key] = params
+        return ref_cache[key]
+
     for step in range(args.steps):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + rank))
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
@@ -96,7 +118,28 @@ def main():
         if args.scenario == "collapse" and rank == 0 and args.step <= step < args.step + 5:
             poison(model, float("inf"))
         try:
-            if amp:
+            if args.scenario == "clip":
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                reference = [p.grad.detach().clone() for p in model.parameters()]
+                expected = torch.nn.utils.clip_grad_norm_(reference_params(reference), 0.05)
+                total = ddpmon.clip_grad_norm_(model.parameters(), 0.05)
+                clip_checks.append(
+                    {
+                        "ddpmon": total.item(),
+                        "torch": expected.item(),
+                        "max_grad_diff": max(
+                            (p.grad - r.grad).abs().max().item()
+                            for p, r in zip(
+                                model.parameters(), reference_params(reference), strict=True
+                            )
+                        ),
+                    }
+                )
+                scaler.step(opt)
+                scaler.update()
+                clip_checks[-1]["reported"] = sample(scrape(mon.port), "ddpmon_grad_norm")
+            elif amp:
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
@@ -109,6 +152,21 @@ def main():
         opt.zero_grad(set_to_none=True)
         if args.scenario == "collapse":
             scales.append(sample(scrape(mon.port), "ddpmon_amp_loss_scale"))
+    sharded = None
+    passes_replicated = passes["n"]
+    if args.scenario == "clip":
+        # Each rank owns a disjoint slice of one logical parameter (FSDP-style sharding).
+        shard = torch.nn.Parameter(torch.zeros(100))
+        shard.grad = torch.randn(100, generator=torch.Generator().manual_seed(100 + rank))
+        full = [torch.zeros(100) for _ in range(2)]
+        dist.all_gather(full, shard.grad)
+        expected = torch.cat(full).norm().item()
+        total = ddpmon.clip_grad_norm_([shard], 1.0, sharded=True, monitor=False)
+        sharded = {
+            "ddpmon": total.item(),
+            "expected": expected,
+            "clipped_norm": torch.cat([shard.grad]).norm().item(),
+        }
     text = scrape(mon.port)
     digest = hashlib.sha256(
         b"".join(p.detach().numpy().tobytes() for p in model.parameters())
@@ -124,6 +182,9 @@ def main():
                 "params_sha256": digest,
                 "params_finite": finite,
                 "steps": args.steps,
+                "clip": clip_checks,
+                "clip_passes_replicated": passes_replicated,
+                "sharded": sharded,
             }
         )
     )

@@ -174,3 +174,18 @@ def test_on_nonfinite_raise_raises_on_every_rank(tmp_path):
     for r in (r0, r1):
         assert r["raised"] and "step 2" in r["raised"] and "layers.2.weight" in r["raised"]
     assert "rank 0" in r0["raised"] and "rank 1" in r1["raised"]
+
+
+def test_clip_grad_norm_matches_torch_reuses_hook_norms_and_handles_shards(tmp_path):
+    results = run_workers(tmp_path, "clip", steps=4)
+    for r in results:
+        assert len(r["clip"]) == 4
+        assert r["clip_passes_replicated"] == 0  # reused the comm hook's reduced norms
+        for check in r["clip"]:
+            assert check["ddpmon"] == pytest.approx(check["torch"], rel=1e-5)
+            assert check["max_grad_diff"] < 1e-6
+            # The exported norm is the pre-clip norm clip_grad_norm_ returned.
+            assert check["reported"] == pytest.approx(check["ddpmon"], rel=1e-5)
+        sharded = r["sharded"]
+        assert sharded["ddpmon"] == pytest.approx(sharded["expected"], rel=1e-6)
+    assert results[0]["sharded"]["ddpmon"] == pytest.approx(results[1]["sharded"]["ddpmon"])
