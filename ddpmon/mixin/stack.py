@@ -163,7 +163,27 @@ class ManagedProcess:
         return proc.poll()
 
 
-class Prometheus:
+class PrometheusAPI:
+    """A tiny client of a Prometheus HTTP API at ``url``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def api(self, path: str, **params: str) -> Any:
+        """GET ``/api/v1/<path>``; returns ``data`` or raises StackError."""
+        query = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as resp:
+            body = json.load(resp)
+        if body.get("status") != "success":
+            raise StackError(f"prometheus {path}: {body}")
+        return body["data"]
+
+    def query(self, promql: str) -> list[dict]:
+        """Instant query; a list of ``{"metric": {...}, "value": [ts, "v"]}``."""
+        return self.api("query", query=promql)["result"]
+
+
+class Prometheus(PrometheusAPI):
     """Prometheus on 127.0.0.1 with a temporary TSDB; ``query()`` runs instant PromQL queries."""
 
     def __init__(
@@ -179,7 +199,7 @@ class Prometheus:
     ) -> None:
         self.workdir = Path(workdir)
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}")
         self.config = prometheus_config(
             sd_dir=sd_dir,
             rule_files=list(rule_files or []),
@@ -206,18 +226,10 @@ class Prometheus:
         self._process.wait_ready(f"{self.url}/-/ready", timeout)
         return self
 
-    def api(self, path: str, **params: str) -> Any:
-        """GET ``/api/v1/<path>``; returns ``data`` or raises StackError."""
-        query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as resp:
-            body = json.load(resp)
-        if body.get("status") != "success":
-            raise StackError(f"prometheus {path}: {body}")
-        return body["data"]
-
-    def query(self, promql: str) -> list[dict]:
-        """Instant query; a list of ``{"metric": {...}, "value": [ts, "v"]}``."""
-        return self.api("query", query=promql)["result"]
+    def poll(self) -> int | None:
+        """None while the server runs (or before start); its exit code once it has exited."""
+        proc = self._process.proc if self._process else None
+        return proc.poll() if proc is not None else None
 
     def stop(self) -> None:
         if self._process is not None:
@@ -273,6 +285,11 @@ class Alertmanager:
     def alerts(self) -> list[dict]:
         with urllib.request.urlopen(f"{self.url}/api/v2/alerts", timeout=10) as resp:
             return json.load(resp)
+
+    def poll(self) -> int | None:
+        """None while the server runs (or before start); its exit code once it has exited."""
+        proc = self._process.proc if self._process else None
+        return proc.poll() if proc is not None else None
 
     def stop(self) -> None:
         if self._process is not None:

@@ -25,12 +25,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ddpmon.mixin.config import MixinConfig
-from ddpmon.mixin.stack import Alertmanager, Prometheus, free_port, write_rule_files
+from ddpmon.mixin.stack import (
+    Alertmanager,
+    Prometheus,
+    PrometheusAPI,
+    free_port,
+    write_rule_files,
+)
 
 __all__ = [
     "Alertmanager",
     "LiveStack",
     "Prometheus",
+    "PrometheusAPI",
     "ReceivedAlert",
     "WebhookReceiver",
     "free_port",
