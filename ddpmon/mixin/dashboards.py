@@ -118,13 +118,17 @@ def _selectors(cfg: MixinConfig) -> dict[str, str]:
         "R": f'{{{job}, run="$run"}}',
         # one rank (rank detail)
         "D": f'{{{job}, run="$run", rank="$rank"}}',
+        # the same three for recording-rule outputs, which keep only run and rank
+        "SR": '{run="$run", rank=~"$rank"}',
+        "RR": '{run="$run"}',
+        "DR": '{run="$run", rank="$rank"}',
     }
 
 
 def _q(template: str, sel: Mapping[str, str], k: int) -> str:
-    return template.replace("{S}", sel["S"]).replace("{R}", sel["R"]).replace(
-        "{D}", sel["D"]
-    ).replace("{K}", str(k))
+    for key in ("SR", "RR", "DR", "S", "R", "D"):
+        template = template.replace(f"{{{key}}}", sel[key])
+    return template.replace("{K}", str(k))
 
 
 def _hq(q: float, metric: str, by: str, s: str) -> str:
@@ -141,6 +145,27 @@ def _mean(metric: str, s: str) -> str:
     )
 
 
+def _over_range(expr: str) -> str:
+    """The same expression over the whole dashboard range, evaluated once at its end."""
+    return expr.replace("[$__rate_interval]", "[$__range] @ end()")
+
+
+def _ranked(fn: str, now: str, whole_range: str) -> str:
+    """``now`` for the k ranks that rank highest (``topk``) or lowest (``bottomk``) by
+    ``whole_range``: one fixed set of k ranks for the whole graph. A plain ``topk`` in a range
+    query picks k ranks per step, so at 1024 ranks the graph would draw hundreds of them."""
+    return f"{now} and on (rank) {fn}({{K}}, {whole_range})"
+
+
+def _gauge_top(fn: str, metric: str, sel: str = "{S}") -> str:
+    over = "max_over_time" if fn == "topk" else "min_over_time"
+    return _ranked(fn, f"{metric}{sel}", f"{over}({metric}{sel}[$__range] @ end())")
+
+
+def _rate_top(fn: str, now: str) -> str:
+    return _ranked(fn, now, _over_range(now))
+
+
 # ---------------------------------------------------------------------------------------------
 # Run overview
 
@@ -152,8 +177,6 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
     def q(expr: str, legend: str = "", coverage: str = EVERY_RANK, **kw: Any) -> Query:
         return Query(_q(expr, sel, k), legend, coverage, **kw)
 
-    step_mean_s = _mean("ddpmon_step_duration_seconds", "{S}")
-    step_mean_r = _mean("ddpmon_step_duration_seconds", "{R}")
     status = RowSpec(
         "Run",
         (
@@ -237,7 +260,7 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "none",
                 (
                     q("quantile by (run) (0.5, ddpmon_loss{R})", "run median", RUN),
-                    q("topk({K}, ddpmon_loss{S})", "rank {{rank}}"),
+                    q(_gauge_top("topk", "ddpmon_loss"), "rank {{rank}}"),
                 ),
                 "Last observed loss: the run median and the k ranks with the highest loss.",
                 dashed_series=("run median",),
@@ -248,8 +271,8 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "timeseries",
                 "none",
                 (
-                    q("topk({K}, ddpmon_grad_norm{S})", "top {{rank}}"),
-                    q("bottomk({K}, ddpmon_grad_norm{S})", "bottom {{rank}}"),
+                    q(_gauge_top("topk", "ddpmon_grad_norm"), "top {{rank}}"),
+                    q(_gauge_top("bottomk", "ddpmon_grad_norm"), "bottom {{rank}}"),
                 ),
                 "L2 norm of the unscaled gradients after the all-reduce. All ranks of a "
                 "healthy DDP run agree: a gap between top and bottom is a replica desync.",
@@ -266,8 +289,8 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                         "run median",
                         RUN,
                     ),
-                    q("topk({K}, ddpmon_grad_local_norm{S})", "top {{rank}}"),
-                    q("bottomk({K}, ddpmon_grad_local_norm{S})", "bottom {{rank}}"),
+                    q(_gauge_top("topk", "ddpmon_grad_local_norm"), "top {{rank}}"),
+                    q(_gauge_top("bottomk", "ddpmon_grad_local_norm"), "bottom {{rank}}"),
                 ),
                 "This rank's own gradient norm before averaging: the rank whose data or "
                 "numerics go wrong stands out here before the all-reduce spreads it.",
@@ -325,8 +348,8 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "timeseries",
                 "short",
                 (
-                    q("topk({K}, ddpmon_amp_loss_scale{S})", "top {{rank}}"),
-                    q("bottomk({K}, ddpmon_amp_loss_scale{S})", "bottom {{rank}}"),
+                    q(_gauge_top("topk", "ddpmon_amp_loss_scale"), "top {{rank}}"),
+                    q(_gauge_top("bottomk", "ddpmon_amp_loss_scale"), "bottom {{rank}}"),
                     q("min by (run) (ddpmon_amp_loss_scale_floor{R})", "floor", RUN),
                 ),
                 "AMP GradScaler scale; the dashed red line is the configured floor, at which "
@@ -341,8 +364,11 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "percentunit",
                 (
                     q(
-                        "topk({K}, rate(ddpmon_amp_skipped_steps_total{S}[$__rate_interval]) "
-                        "/ rate(ddpmon_steps_total{S}[$__rate_interval]))",
+                        _rate_top(
+                            "topk",
+                            "rate(ddpmon_amp_skipped_steps_total{S}[$__rate_interval]) "
+                            "/ rate(ddpmon_steps_total{S}[$__rate_interval])",
+                        ),
                         "rank {{rank}}",
                     ),
                 ),
@@ -356,35 +382,28 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
         "Data supply",
         (
             PanelSpec(
-                "Data wait p99 per rank",
+                "Data wait per rank",
                 "timeseries",
                 "s",
                 (
-                    q(_hq(0.5, "ddpmon_data_wait_seconds", "run", "{R}"), "run p50", RUN),
                     q(
-                        f"topk({{K}}, {_hq(0.99, 'ddpmon_data_wait_seconds', 'run, rank', '{S}')})",
-                        "p99 {{rank}}",
+                        "quantile by (run) (0.5, ddpmon:data_wait_seconds:mean{RR})",
+                        "run median",
+                        RUN,
                     ),
+                    q(_gauge_top("topk", "ddpmon:data_wait_seconds:mean", "{SR}"), "mean {{rank}}"),
                 ),
-                "Time from one step's end to the next one's start (the input pipeline); the k "
-                "ranks that wait longest.",
-                dashed_series=("run p50",),
+                "Mean time from one step's end to the next one's start (the input pipeline): "
+                "the run median and the k ranks that wait longest.",
+                dashed_series=("run median",),
                 rank_links=True,
             ),
             PanelSpec(
                 "Data wait across ranks",
                 "heatmap",
                 "s",
-                (
-                    q(
-                        "sum by (le) (increase(ddpmon_data_wait_seconds_bucket{S}"
-                        "[$__rate_interval]))",
-                        "{{le}}",
-                        RUN,
-                        fmt="heatmap",
-                    ),
-                ),
-                "Distribution of data-wait times of all selected ranks.",
+                (q("ddpmon:data_wait_seconds:mean{SR}", "{{rank}}"),),
+                "One row per rank, colour = mean data wait: a starved rank is a bright row.",
             ),
             PanelSpec(
                 "Steps/s per rank",
@@ -397,7 +416,7 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                         RUN,
                     ),
                     q(
-                        "bottomk({K}, rate(ddpmon_steps_total{S}[$__rate_interval]))",
+                        _rate_top("bottomk", "rate(ddpmon_steps_total{S}[$__rate_interval])"),
                         "slowest {{rank}}",
                     ),
                 ),
@@ -406,19 +425,11 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 rank_links=True,
             ),
             PanelSpec(
-                "Step time across ranks",
+                "Step time p99 across ranks",
                 "heatmap",
                 "s",
-                (
-                    q(
-                        "sum by (le) (increase(ddpmon_step_duration_seconds_bucket{S}"
-                        "[$__rate_interval]))",
-                        "{{le}}",
-                        RUN,
-                        fmt="heatmap",
-                    ),
-                ),
-                "Distribution of step wall times (data wait excluded) of all selected ranks.",
+                (q("ddpmon:step_duration_seconds:p99{SR}", "{{rank}}"),),
+                "One row per rank, colour = p99 step wall time (data wait excluded).",
             ),
         ),
     )
@@ -430,14 +441,18 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "timeseries",
                 "bytes",
                 (
-                    q("topk({K}, ddpmon_cuda_memory_reserved_bytes{S})", "reserved {{rank}}", GPU),
                     q(
-                        "topk({K}, ddpmon_cuda_memory_allocated_bytes{S})",
+                        _gauge_top("topk", "ddpmon_cuda_memory_reserved_bytes"),
+                        "reserved {{rank}}",
+                        GPU,
+                    ),
+                    q(
+                        _gauge_top("topk", "ddpmon_cuda_memory_allocated_bytes"),
                         "allocated {{rank}}",
                         GPU,
                     ),
                     q(
-                        "topk({K}, ddpmon_cuda_memory_peak_allocated_bytes{S})",
+                        _gauge_top("topk", "ddpmon_cuda_memory_peak_allocated_bytes"),
                         "peak {{rank}}",
                         GPU,
                     ),
@@ -452,7 +467,7 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "bytes",
                 (
                     q("max by (run) (ddpmon_gpu_memory_total_bytes{S})", "total", GPU),
-                    q("topk({K}, ddpmon_gpu_memory_used_bytes{S})", "used {{rank}}", GPU),
+                    q(_gauge_top("topk", "ddpmon_gpu_memory_used_bytes"), "used {{rank}}", GPU),
                 ),
                 "Whole-device memory in use (other processes included) against its size.",
                 dashed_series=("total",),
@@ -464,8 +479,13 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "percentunit",
                 (
                     q(
-                        "bottomk({K}, 1 - ddpmon_gpu_memory_used_bytes{S} "
-                        "/ ddpmon_gpu_memory_total_bytes{S})",
+                        _ranked(
+                            "topk",
+                            "1 - ddpmon_gpu_memory_used_bytes{S} "
+                            "/ ddpmon_gpu_memory_total_bytes{S}",
+                            "max_over_time(ddpmon_gpu_memory_used_bytes{S}[$__range] @ end()) "
+                            "/ ddpmon_gpu_memory_total_bytes{S} @ end()",
+                        ),
                         "rank {{rank}}",
                         GPU,
                     ),
@@ -490,7 +510,7 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                         "run median",
                         RUN,
                     ),
-                    q("topk({K}, ddpmon_process_resident_memory_bytes{S})", "rss {{rank}}"),
+                    q(_gauge_top("topk", "ddpmon_process_resident_memory_bytes"), "rss {{rank}}"),
                 ),
                 "Resident memory of each training process (host RAM, dataloader leaks).",
                 dashed_series=("run median",),
@@ -505,12 +525,7 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "All-reduce p99 across ranks",
                 "heatmap",
                 "s",
-                (
-                    q(
-                        _hq(0.99, "ddpmon_allreduce_duration_seconds", "rank", "{S}"),
-                        "{{rank}}",
-                    ),
-                ),
+                (q("ddpmon:allreduce_duration_seconds:p99{SR}", "{{rank}}"),),
                 "One row per rank, colour = all-reduce p99: a slow link or rank is a bright "
                 "row, a fabric-wide problem a bright column.",
                 width=24,
@@ -520,24 +535,24 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "timeseries",
                 "s",
                 (
-                    q(_hq(0.5, "ddpmon_allreduce_duration_seconds", "run", "{R}"), "run p50", RUN),
-                    q(_hq(0.99, "ddpmon_allreduce_duration_seconds", "run", "{R}"), "run p99", RUN),
                     q(
-                        "topk({K}, "
-                        + _hq(0.99, "ddpmon_allreduce_duration_seconds", "run, rank", "{S}")
-                        + ")",
+                        "quantile by (run) (0.5, ddpmon:allreduce_duration_seconds:p99{RR})",
+                        "median rank p99",
+                        RUN,
+                    ),
+                    q("ddpmon:allreduce_duration_seconds:run_p99{RR}", "run p99", RUN),
+                    q(
+                        _gauge_top("topk", "ddpmon:allreduce_duration_seconds:p99", "{SR}"),
                         "p99 {{rank}}",
                     ),
                     q(
-                        "topk({K}, "
-                        + _hq(0.5, "ddpmon_allreduce_duration_seconds", "run, rank", "{S}")
-                        + ")",
-                        "p50 {{rank}}",
+                        _rate_top("topk", _mean("ddpmon_allreduce_duration_seconds", "{S}")),
+                        "mean {{rank}}",
                     ),
                 ),
-                "Per-bucket all-reduce time, launch to completion: run p50/p99 and the k "
-                "slowest ranks.",
-                dashed_series=("run p50", "run p99"),
+                "Per-bucket all-reduce time, launch to completion: the run p99, the median "
+                "rank's p99, and p99/mean of the k slowest ranks (p50 on Rank detail).",
+                dashed_series=("median rank p99", "run p99"),
                 rank_links=True,
             ),
             PanelSpec(
@@ -551,7 +566,9 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                         RUN,
                     ),
                     q(
-                        "topk({K}, rate(ddpmon_allreduce_bytes_total{S}[$__rate_interval]))",
+                        _rate_top(
+                            "topk", "rate(ddpmon_allreduce_bytes_total{S}[$__rate_interval])"
+                        ),
                         "rank {{rank}}",
                     ),
                 ),
@@ -564,8 +581,13 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "suffix:×",
                 (
                     q(
-                        f"topk({{K}}, ({step_mean_s}) / on (run) group_left "
-                        f"quantile by (run) (0.5, {step_mean_r}))",
+                        _ranked(
+                            "topk",
+                            "ddpmon:step_duration_seconds:mean{SR} / on (run) group_left "
+                            "quantile by (run) (0.5, ddpmon:step_duration_seconds:mean{RR})",
+                            "max_over_time(ddpmon:step_duration_seconds:mean{SR}"
+                            "[$__range] @ end())",
+                        ),
                         "rank {{rank}}",
                     ),
                 ),
@@ -585,8 +607,12 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                         RUN,
                     ),
                     q(
-                        "topk({K}, max by (run) (ddpmon_step{R}) - on (run) group_right "
-                        "ddpmon_step{S})",
+                        _ranked(
+                            "topk",
+                            "max by (run) (ddpmon_step{R}) - on (run) group_right ddpmon_step{S}",
+                            "max_over_time((max by (run) (ddpmon_step{R}) - on (run) group_right "
+                            "ddpmon_step{S})[$__range:] @ end())",
+                        ),
                         "behind {{rank}}",
                     ),
                 ),
@@ -700,7 +726,13 @@ def _detail(cfg: MixinConfig) -> DashboardSpec:
                 "Grad norm by module group",
                 "timeseries",
                 "none",
-                (q("topk({K}, ddpmon_grad_group_norm{D})", "{{group}}"),),
+                (
+                    q(
+                        "ddpmon_grad_group_norm{D} and on (group) topk({K}, "
+                        "max_over_time(ddpmon_grad_group_norm{D}[$__range] @ end()))",
+                        "{{group}}",
+                    ),
+                ),
                 "Post-reduce norm per module group (largest k): which layer blows up.",
                 log_scale=True,
             ),
@@ -768,11 +800,15 @@ def _detail(cfg: MixinConfig) -> DashboardSpec:
                 (
                     q(_hq(0.5, "ddpmon_step_duration_seconds", "rank", "{D}"), "p50"),
                     q(_hq(0.99, "ddpmon_step_duration_seconds", "rank", "{D}"), "p99"),
-                    q(_hq(0.5, "ddpmon_step_duration_seconds", "run", "{R}"), "run p50", RUN),
+                    q(
+                        "quantile by (run) (0.5, ddpmon:step_duration_seconds:p99{RR})",
+                        "median rank p99",
+                        RUN,
+                    ),
                 ),
-                "Step wall time (data wait excluded) against the run median.",
+                "Step wall time (data wait excluded) against the median rank.",
                 width=8,
-                dashed_series=("run p50",),
+                dashed_series=("median rank p99",),
             ),
             PanelSpec(
                 "Data wait",
@@ -781,11 +817,15 @@ def _detail(cfg: MixinConfig) -> DashboardSpec:
                 (
                     q(_hq(0.5, "ddpmon_data_wait_seconds", "rank", "{D}"), "p50"),
                     q(_hq(0.99, "ddpmon_data_wait_seconds", "rank", "{D}"), "p99"),
-                    q(_hq(0.5, "ddpmon_data_wait_seconds", "run", "{R}"), "run p50", RUN),
+                    q(
+                        "quantile by (run) (0.5, ddpmon:data_wait_seconds:mean{RR})",
+                        "median rank mean",
+                        RUN,
+                    ),
                 ),
-                "Time waiting for the next batch.",
+                "Time waiting for the next batch, against the median rank's mean.",
                 width=8,
-                dashed_series=("run p50",),
+                dashed_series=("median rank mean",),
             ),
             PanelSpec(
                 "Steps/s",
@@ -875,7 +915,7 @@ def _detail(cfg: MixinConfig) -> DashboardSpec:
                 (
                     q(_hq(0.5, "ddpmon_allreduce_duration_seconds", "rank", "{D}"), "p50"),
                     q(_hq(0.99, "ddpmon_allreduce_duration_seconds", "rank", "{D}"), "p99"),
-                    q(_hq(0.99, "ddpmon_allreduce_duration_seconds", "run", "{R}"), "run p99", RUN),
+                    q("ddpmon:allreduce_duration_seconds:run_p99{RR}", "run p99", RUN),
                 ),
                 "Per-bucket all-reduce time of this rank against the run.",
                 dashed_series=("run p99",),
@@ -893,9 +933,8 @@ def _detail(cfg: MixinConfig) -> DashboardSpec:
                 "suffix:×",
                 (
                     q(
-                        f"({_mean('ddpmon_step_duration_seconds', '{D}')}) / on (run) "
-                        "group_left quantile by (run) (0.5, "
-                        f"{_mean('ddpmon_step_duration_seconds', '{R}')})",
+                        "ddpmon:step_duration_seconds:mean{DR} / on (run) group_left "
+                        "quantile by (run) (0.5, ddpmon:step_duration_seconds:mean{RR})",
                         "rank {{rank}}",
                     ),
                 ),

@@ -13,6 +13,7 @@ BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
 RANGE = re.compile(r"\[([^\]]*)\]")
 RUN_AGG = re.compile(
     r"^((sum|max|min|count|quantile) by \(run\) |histogram_quantile\([0-9.]+, sum by \(run, le\))"
+    r"|^ddpmon:\w+:run_\w+\{"
 )
 LAYERS = ["Numerics", "Data supply", "Memory", "Communication"]
 
@@ -62,9 +63,11 @@ def test_every_panel_has_unit_datasource_and_queries(uid: str) -> None:
 def test_rates_use_rate_interval(uid: str) -> None:
     for expr in exprs(BOARDS[uid]):
         for window in RANGE.findall(expr):
-            assert window in ("$__rate_interval", "$__range"), expr
-        if "$__range" in expr:
-            assert "last_over_time" in expr, expr
+            assert window in ("$__rate_interval", "$__range", "$__range:"), expr
+        # The whole range only ranks series once (at its end) or reads the last value.
+        for m in re.finditer(r"\[\$__range:?\]", expr):
+            after = expr[m.end() :]
+            assert after.startswith(" @ end()") or "last_over_time" in expr, expr
         if re.search(r"\b(rate|irate|increase)\(", expr):
             assert "[$__rate_interval]" in expr, expr
 
@@ -88,7 +91,7 @@ def test_overview_has_the_issue_panels() -> None:
         "Non-finite origin ranks",
         "Loss scale per rank",
         "Skipped steps",
-        "Data wait p99 per rank",
+        "Data wait per rank",
         "Steps/s per rank",
         "Allocator memory per rank",
         "Device memory (NVML)",
@@ -133,9 +136,9 @@ def test_per_rank_overview_panels_are_bounded_at_scale() -> None:
             if p.kind != "timeseries":
                 continue
             for q in p.queries:
-                bounded = q.expr.startswith((f"topk({k},", f"bottomk({k},")) or RUN_AGG.match(
-                    q.expr
-                )
+                bounded = re.search(
+                    rf" and on \(rank\) (topk|bottomk)\({k}, ", q.expr
+                ) or RUN_AGG.match(q.expr)
                 assert bounded, (p.title, q.expr)
 
 
@@ -167,3 +170,19 @@ def test_panel_queries_resolve_every_variable(uid: str) -> None:
 def test_resolve_rejects_unknown_variables() -> None:
     with pytest.raises(KeyError):
         d.resolve("up{x=\"$nope\"}", {}, all_values={})
+
+
+def test_recorded_series_come_from_the_shipped_recording_rules() -> None:
+    """Heavy per-rank histogram math is read from recording rules; those must exist, and be
+    first-order (computed from raw series) so the benchmark can backfill them in one pass."""
+    from ddpmon.mixin.rules import recording_rules
+
+    rules = {r["record"]: r["expr"] for g in recording_rules(MixinConfig()) for r in g["rules"]}
+    used = set()
+    for doc in BOARDS.values():
+        for expr in exprs(doc):
+            used |= set(re.findall(r"ddpmon:[a-z0-9_]+:[a-z0-9_]+", expr))
+    assert used, "dashboards read no recording rule"
+    for name in sorted(used):
+        assert name in rules, f"{name} is not a shipped recording rule"
+        assert "ddpmon:" not in rules[name], f"{name} is computed from another rule"
