@@ -1,8 +1,9 @@
 """Merge all ranks' forensics into one clock-aligned story: what happened first, and where.
 
 Inputs (all optional, all per rank, under one ``run_dir/<run_id>/``): ``events.rank<R>.jsonl``,
-``crash.rank<R>.txt`` (faulthandler after a fatal signal), ``sigterm.rank<R>.txt`` (stacks at
-SIGTERM), ``evidence/`` bundles and ``flight_recorder/fr_trace_rank_<R>.json`` dumps.
+``progress.rank<R>.json`` (last completed step), ``crash.rank<R>.txt`` (faulthandler after a
+fatal signal), ``sigterm.rank<R>.txt`` (stacks at SIGTERM), ``evidence/`` bundles and
+``flight_recorder/fr_trace_rank_<R>.json`` dumps.
 
 Alignment: every event's ``t`` is its ``ts`` plus the ``clock_offset_seconds`` of the rank's
 latest ``start`` event before it (rank 0's clock). Synthetic events: a crash file becomes a
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .eventlog import read_events
+from .eventlog import progress_path, read_events, read_progress
 from .evidence import list_bundles, parse_bundle_name
 from .watchdog import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, read_flight_recorder_status
 
@@ -144,6 +145,19 @@ def build_timeline(path: Path | str) -> Timeline:
                        "clock_rtt_seconds": rtt}
         merged.extend(events)
 
+    # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
+    progress: dict[int, dict[str, Any]] = {}
+    for f in run_path.glob("progress.rank*.json"):
+        m = re.match(r"^progress\.rank(\d+)\.json$", f.name)
+        p = read_progress(progress_path(run_path, int(m.group(1)))) if m else None
+        if p is not None:
+            progress[int(m.group(1))] = p
+
+    def last_step(rank: int, events: list[dict[str, Any]]) -> int | None:
+        steps = [s for s in (_last_step(events), progress.get(rank, {}).get("step"))
+                 if isinstance(s, int)]
+        return max(steps) if steps else None
+
     synthetic: list[dict[str, Any]] = []
     for f in sorted(run_path.iterdir()):
         for regex, parser in ((_CRASH_RE, _crash_event), (_TERM_RE, _sigterm_event)):
@@ -154,7 +168,7 @@ def build_timeline(path: Path | str) -> Timeline:
                 if ev is not None:
                     offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
                     ev["t"] = ev["ts"] + offset
-                    ev["step"] = _last_step(per_rank.get(rank, []))
+                    ev["step"] = last_step(rank, per_rank.get(rank, []))
                     synthetic.append(ev)
                     ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
                                             "clock_rtt_seconds": None})
@@ -168,8 +182,12 @@ def build_timeline(path: Path | str) -> Timeline:
         last = max(mine, key=lambda e: e["t"])
         if last.get("kind") == "stall":
             continue  # hung (or killed while hung): the stall event is the better story
+        ts, t = last.get("ts"), last["t"]
+        p_ts = _num(progress.get(rank, {}).get("ts"), 0.0)
+        if p_ts > _num(ts, 0.0):  # it completed steps after its last event
+            ts, t = p_ts, p_ts + ranks[rank]["clock_offset_seconds"]
         merged.append({
-            "ts": last.get("ts"), "t": last["t"], "rank": rank, "step": _last_step(mine),
+            "ts": ts, "t": t, "rank": rank, "step": last_step(rank, mine),
             "kind": "vanished", "synthetic": True,
             "detail": f"no exit event or signal after its last event ({last.get('kind')}): "
                       "killed from outside (SIGKILL, OOM killer), os._exit, or still running",
@@ -192,7 +210,9 @@ def build_timeline(path: Path | str) -> Timeline:
         meaningful = [e for e in mine if e.get("kind") != "vanished"]
         last = meaningful[-1] if meaningful else None
         info["last_event"] = _brief(last) if last else None
-        info["last_step"] = _last_step(mine)
+        info["last_step"] = last_step(rank, mine)
+        if rank in progress:
+            info["progress"] = progress[rank]
         info["ended"] = _ending(mine)
         info["evidence"] = evidence.get(rank, [])
         if rank in fr_status:
@@ -279,8 +299,12 @@ def _ending(events: list[dict[str, Any]]) -> str:
         if kind == "signal":
             return f"signal {e.get('signal')}"
         if kind == "exit":
-            if e.get("reason") == "exception":
-                return f"exception {e.get('exc_type')}"
+            errors = [x for x in events
+                      if x.get("kind") == "exit" and x.get("reason") == "exception"]
+            if errors:
+                return f"exception {errors[-1].get('exc_type')}"
+            if e.get("reason") == "close":
+                return "closed (mon.close)"
             return f"exit code {e.get('code')}"
         if kind == "vanished":
             return "vanished (no exit event: killed, os._exit, or still running)"

@@ -4,7 +4,14 @@ import threading
 
 import torch
 
-from ddpmon.forensics.eventlog import EventLog, events_path, read_events
+from ddpmon.forensics.eventlog import (
+    EventLog,
+    ProgressFile,
+    events_path,
+    progress_path,
+    read_events,
+    read_progress,
+)
 
 
 def test_emit_appends_strict_json_lines_flushed(tmp_path):
@@ -77,3 +84,18 @@ def test_emit_never_raises(tmp_path):
     closed.close()
     closed.emit("late")  # after close: dropped silently
     assert read_events(events_path(tmp_path, 0))[0] == []
+
+
+def test_progress_file_survives_sigkill(tmp_path, procs):
+    code = """
+    import os, signal, sys
+    from ddpmon.forensics.eventlog import ProgressFile
+    p = ProgressFile(sys.argv[1], 1)
+    for step in range(1000):
+        p.update(step, ts=1000.0 + step)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+    res = procs.run(code, str(tmp_path))
+    assert res.returncode == -9
+    assert read_progress(progress_path(tmp_path, 1)) == {"step": 999, "ts": 1999.0}
+    assert len(progress_path(tmp_path, 1).read_bytes()) == ProgressFile.SIZE

@@ -59,9 +59,11 @@ def test_vanished_rank_named_before_survivors_comm_error(tmp_path):
                           "message": "Connection closed by peer [127.0.0.1]:1234"}])
     _write(tmp_path, 1, [{"ts": 1.0, "kind": "start", "world_size": 2},
                          {"ts": 2.0, "step": 4, "kind": "overflow"}])
+    progress = tmp_path / "progress.rank1.json"
+    progress.write_text('{"step": 7, "ts": 3.0}')  # steps completed after its last event
     tl = build_timeline(tmp_path)
     assert (tl.first_failure["rank"], tl.first_failure["kind"]) == (1, "vanished")
-    assert tl.first_failure["step"] == 4
+    assert tl.first_failure["step"] == 7 and tl.first_failure["ts"] == 3.0
     assert tl.ranks[1]["ended"].startswith("vanished")
     assert tl.ranks[0]["ended"] == "exception DistBackendError"
     assert tl.ranks[1]["last_event"]["kind"] == "overflow"
