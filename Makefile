@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test lint bench stack rules dashboards debs clean
+.PHONY: demo test lint bench bench-dashboards stack rules dashboards debs clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack
@@ -42,6 +42,9 @@ rules: $(STAMP)
 
 dashboards: $(STAMP)
 	$(BIN)/ddpmon dashboards --write
+
+bench-dashboards: $(STAMP) debs
+	$(BIN)/python benchmarks/dashboards_scale.py --write-results
 
 clean:
 	rm -rf $(VENV) build *.egg-info ddpmon-runs

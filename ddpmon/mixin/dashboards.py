@@ -608,10 +608,9 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                     ),
                     q(
                         _ranked(
-                            "topk",
+                            "bottomk",
                             "max by (run) (ddpmon_step{R}) - on (run) group_right ddpmon_step{S}",
-                            "max_over_time((max by (run) (ddpmon_step{R}) - on (run) group_right "
-                            "ddpmon_step{S})[$__range:] @ end())",
+                            "last_over_time(ddpmon_step{S}[$__range] @ end())",
                         ),
                         "behind {{rank}}",
                     ),
