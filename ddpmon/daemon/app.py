@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Path as FastPath
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -192,7 +193,7 @@ def create_app(
         return {"jobs": found}
 
     @app.get("/api/v1/jobs/{job_id}", response_model=JobView, responses=_errors(404), tags=["jobs"])
-    def status(job_id: str) -> dict[str, Any]:
+    def status(job_id: Annotated[str, FastPath(max_length=256)]) -> dict[str, Any]:
         try:
             return _view(jobs.get(job_id))
         except JobNotFound:
@@ -206,7 +207,7 @@ def create_app(
         dependencies=[Depends(require_token)],
         tags=["jobs"],
     )
-    def cancel(job_id: str) -> dict[str, Any]:
+    def cancel(job_id: Annotated[str, FastPath(max_length=256)]) -> dict[str, Any]:
         """SIGTERM to the job's process group; SIGKILL to all its processes after the grace."""
         try:
             return _view(jobs.cancel(job_id))
@@ -262,7 +263,10 @@ def create_app(
         dependencies=[Depends(require_loopback)],
         tags=["discovery"],
     )
-    def deregister(run: str, rank: int) -> dict[str, Any]:
+    def deregister(
+        run: Annotated[str, FastPath(max_length=128)],
+        rank: Annotated[int, FastPath(ge=0, le=1_000_000)],
+    ) -> dict[str, Any]:
         if not ranks.deregister(run, rank):
             raise HTTPException(404, f"rank {rank} of run {run!r} is not registered")
         return {"deregistered": True, "run": run, "rank": rank}
