@@ -136,6 +136,7 @@ class MetricsServer:
         self._wake_w: socket.socket | None = None
         self._stop = threading.Event()
         self._port: int | None = None
+        self._date_at, self._date_text = 0, ""
         self.stats: dict[str, int] = {
             "accepted": 0,
             "evicted": 0,
@@ -547,7 +548,7 @@ class MetricsServer:
             body = f"{code} {reason}\n".encode()
         lines = [
             f"HTTP/1.1 {code} {reason}",
-            f"Date: {formatdate(usegmt=True)}",
+            f"Date: {self._date()}",
             f"Content-Type: {ctype}",
             f"Content-Length: {len(body)}",
             "Connection: keep-alive" if keep else "Connection: close",
@@ -566,6 +567,12 @@ class MetricsServer:
         conn.state = "write"
         conn.deadline = time.monotonic() + self.limits.write_timeout
         self._write(conn)
+
+    def _date(self) -> str:
+        now = int(time.time())
+        if now != self._date_at:
+            self._date_at, self._date_text = now, formatdate(now, usegmt=True)
+        return self._date_text
 
     def _write(self, conn: _Conn) -> None:
         out = conn.out

@@ -148,8 +148,9 @@ def wait_for_line(path: Path, text: str, timeout: float) -> None:
 def train_steps(seconds: float) -> list[float]:
     """A tiny CPU 'training' loop in the calling thread; returns each step's wall time.
 
-    Matmuls release the GIL, the Python around them needs it: like a real training loop,
-    its step time shows a server thread that hogs the interpreter."""
+    Small matmuls (which release the GIL) with Python around them (which needs it): more
+    GIL-bound than a real step, so its step time is a sensitive gauge of a server thread
+    that hogs the interpreter."""
     import torch
 
     threads = torch.get_num_threads()

@@ -116,6 +116,7 @@ def test_fuzz_metrics_endpoint(make_server, spawn):
     assert sum(report["statuses"].values()) >= 5_000
     assert fetch(srv.port)[0] == 200
     assert len(steps) > 100
+    assert statistics.median(steps) < 3 * statistics.median(baseline)
 
 
 def test_fuzz_tls_endpoint(make_server, spawn, tmp_path, pki, pw_hash):
