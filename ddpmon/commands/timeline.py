@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _render(tl, show_steps: bool) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ddpmon.forensics.timeline import describe
@@ -64,8 +65,12 @@ def _render(tl, show_steps: bool) -> None:
         console.print(
             f"[bold red]First failure:[/bold red] rank {ff['rank']}, step {ff['step']}, "
             f"{ff['kind']}" + (f" ({what})" if what else "")
-            + f" at +{ff['t_rel']:.3f}s [{ff['class']}]"
+            + f" at +{ff['t_rel']:.3f}s " + escape(f"[{ff['class']}]")
         )
+        if ff.get("flight_recorder"):
+            enq = ", ".join(f"r{r} {n}" for r, n in sorted(ff["flight_recorder"].items()))
+            console.print(f"  collectives enqueued (flight recorder): {enq}; the rank behind "
+                          "stopped issuing them, the others wait for it")
     else:
         console.print("[green]No failure recorded.[/green]")
 
@@ -80,7 +85,7 @@ def _render(tl, show_steps: bool) -> None:
             continue
         style = "red" if e is first_event else None
         table.add_row(f"{e['t_rel']:.3f}", str(e.get("rank")), str(e.get("step")),
-                      str(e.get("kind")), describe(e), style=style)
+                      str(e.get("kind")), escape(describe(e)), style=style)
     console.print(table)
     if hidden:
         console.print(f"({hidden} step events hidden; --steps shows them)")

@@ -249,6 +249,8 @@ def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[st
         "rank": e.get("rank"), "step": e.get("step"), "kind": e.get("kind"), "ts": e.get("ts"),
         "t": e.get("t"), "t_rel": e.get("t_rel"), "class": TIER_NAMES[ranked[0][0][0]],
     }
+    if e.get("kind") == "stall" and fr:
+        out["flight_recorder"] = {str(r): v.get("last_enqueued_collective") for r, v in fr.items()}
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
                 "exc_type", "message", "code", "idle_seconds", "detail", "frame"):
         if key in e:
