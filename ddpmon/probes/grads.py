@@ -136,10 +136,10 @@ def summarize(
     group_norms = group_norms.sqrt()
     bad = ~torch.isfinite(norms)
     masked = torch.where(bad, positions, torch.full_like(positions, n_params))
-    slot = torch.argmin(masked)
-    first = masked[slot]
+    slot = torch.argmin(masked).reshape(1)  # index_select, not t[0-d tensor]: no host read
+    first = masked.index_select(0, slot).reshape(())
     any_bad = first < n_params
-    kind = torch.where(torch.isnan(norms[slot]), 1.0, 2.0) * any_bad
+    kind = torch.where(torch.isnan(norms.index_select(0, slot).reshape(())), 1.0, 2.0) * any_bad
     first = torch.where(any_bad, first, -1)
     head = torch.stack(
         [total, any_bad.to(norms.dtype), first.to(norms.dtype), kind.to(norms.dtype)]
