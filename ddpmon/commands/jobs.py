@@ -45,7 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("entrypoint")
     s.add_argument("--nproc", type=int, default=1)
     s.add_argument("--wait", action="store_true", help="poll until the job ends")
-    s.add_argument("job_args", nargs=argparse.REMAINDER, help="-- ARGS for the entry point")
+    s.add_argument(
+        "job_args",
+        nargs=argparse.REMAINDER,
+        help="[--nproc N] [--wait] -- ARGS for the entry point",
+    )
 
     st = sub.add_parser("status", help="one job in detail")
     st.add_argument("job_id")
@@ -76,8 +80,12 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
     import httpx
     from rich.console import Console
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     console = Console()
     err = Console(stderr=True)
@@ -119,9 +127,7 @@ def _dispatch(args: argparse.Namespace, client: Any, console: Any, err: Any) -> 
         sys.stdout.write(resp.text)
         return 0
     if cmd == "submit":
-        job_args = list(args.job_args)
-        if job_args[:1] == ["--"]:
-            job_args = job_args[1:]
+        job_args = _split_submit_options(args, list(args.job_args))
         body = {"id": args.job_id, "entrypoint": args.entrypoint, "nproc": args.nproc}
         body["args"] = job_args
         job = _check(client.post("/api/v1/jobs", json=body), err)
@@ -158,6 +164,19 @@ def _dispatch(args: argparse.Namespace, client: Any, console: Any, err: Any) -> 
     if getattr(args, "wait", False):
         return 0 if job["state"] == "COMPLETED" else 1
     return 0
+
+
+def _split_submit_options(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """REMAINDER keeps ``--nproc``/``--wait`` written after the positionals; take them back."""
+    head, tail = (
+        (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else ([], rest)
+    )
+    opts = argparse.ArgumentParser(prog="ddpmon jobs submit", add_help=False)
+    opts.add_argument("--nproc", type=int, default=args.nproc)
+    opts.add_argument("--wait", action="store_true", default=args.wait)
+    parsed = opts.parse_args(head)
+    args.nproc, args.wait = parsed.nproc, parsed.wait
+    return tail
 
 
 def _when(ts: float | None) -> str:

@@ -179,3 +179,29 @@ def test_openapi_and_metrics(daemon: Daemon) -> None:
     assert 'ddpmon_collector_success{collector="host"} 1.0' in text
     assert 'ddpmon_collector_success{collector="nvml"}' in text
     assert 'ddpmon_daemon_jobs{state="RUNNING"}' in text
+
+
+def test_jobs_cli(daemon: Daemon) -> None:
+    env = {**os.environ, "COLUMNS": "200"}
+    base = [sys.executable, "-m", "ddpmon.cli", "jobs", "--url", daemon.url,
+            "--token-file", str(daemon.state_dir / "token")]  # fmt: skip
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*base, *args], capture_output=True, text=True, env=env, timeout=120)
+
+    res = cli("submit", "cli1", "sleeper", "--nproc", "1", "--wait", "--", "0.2", "4")
+    assert res.returncode == 1, res.stderr  # --wait: non-zero unless COMPLETED
+    assert "cli1" in res.stdout and "FAILED" in res.stdout and "exit code 4" in res.stdout
+    res = cli("status", "cli1")
+    assert res.returncode == 0 and "first failure: rank 0" in res.stdout, res.stdout
+    res = cli("list")
+    assert res.returncode == 0 and "cli1" in res.stdout
+    res = cli("--json", "status", "cli1")
+    assert '"state": "FAILED"' in res.stdout
+    res = cli("cancel", "cli1")
+    assert res.returncode == 1 and "409" in res.stderr
+    res = cli("status", "nope")
+    assert res.returncode == 1 and "404" in res.stderr
+    res = subprocess.run([*base[:-2], "--token-file", "/nonexistent", "cancel", "x"],
+                         capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    assert res.returncode == 2 and "token" in res.stderr
