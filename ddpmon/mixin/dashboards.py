@@ -1155,9 +1155,7 @@ def _render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                     )
                 else:
                     builder = builder.rows_frame(
-                        heatmap.RowsHeatmapOptions()
-                        .layout(cm.HeatmapCellLayout.UNKNOWN)
-                        .value(p.unit)
+                        heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.UNKNOWN)
                     )
             elif p.kind == "table":
                 builder = table.Panel()
