@@ -193,3 +193,28 @@ def test_relative_paths_resolve_against_the_config_file(make_server, pki):
     cfg.write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
     srv = make_server(cfg)
     assert fetch(srv.port, ctx=client_ctx(pki))[0] == 200
+
+
+def test_bcrypt_queue_is_bounded_and_cached_credentials_skip_it(make_server, tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ddpmon.export.server import Limits
+
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(10)).decode()
+    cfg = write_config(tmp_path, f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    srv = make_server(cfg, limits=Limits(max_auth_pending=2))
+    t0 = time.perf_counter()
+    assert fetch(srv.port, auth=("prometheus", PASSWORD))[0] == 200  # one bcrypt round
+    one_bcrypt = time.perf_counter() - t0
+    with ThreadPoolExecutor(8) as pool:
+        flood = [pool.submit(fetch, srv.port, auth=("prometheus", f"guess{i}"), timeout=30)
+                 for i in range(8)]
+        time.sleep(0.05)
+        t0 = time.perf_counter()
+        assert fetch(srv.port, auth=("prometheus", PASSWORD))[0] == 200
+        cached = time.perf_counter() - t0
+        statuses = sorted(f.result()[0] for f in flood)
+    print(f"\nbcrypt cost 10: {one_bcrypt * 1e3:.0f} ms; cached scrape during a guessing flood "
+          f"{cached * 1e3:.1f} ms; flood statuses {statuses}")
+    assert set(statuses) == {401, 503} and statuses.count(401) >= 2
+    assert cached < one_bcrypt / 2

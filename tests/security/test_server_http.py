@@ -153,3 +153,16 @@ def test_close_is_idempotent_and_frees_the_port():
         assert fetch(port)[0] == 200
     finally:
         again.close()
+
+
+def test_client_that_never_reads_is_dropped_after_write_timeout(make_server):
+    big = b"x" * (64 * 1024 * 1024)  # far beyond loopback socket buffers
+    srv = make_server(render=lambda: big, limits=Limits(write_timeout=0.5))
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        time.sleep(1.5)  # never read while the deadline passes
+        assert srv.stats["timed_out"] == 1
+    t0 = time.monotonic()
+    assert fetch(srv.port, "/")[0] == 200
+    assert time.monotonic() - t0 < 1.0
