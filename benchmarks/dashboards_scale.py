@@ -304,7 +304,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Command: `{meta['command']}`",
         "",
         f"Synthetic TSDB: {meta['ranks']} ranks x {meta['hours']:g} h, one sample every "
-        f"{meta['interval']} s per series ({meta['samples']:,} samples), the agent's series "
+        f"{meta['interval']} s per series ({meta['samples']:,} samples; a sparse scrape keeps "
+        "the synthetic file and the run short on 2 cores, and with `$__rate_interval` = 4 "
+        "scrape intervals every rate window reads the same number of samples as at a 15 s "
+        "scrape), the agent's series "
         f"set from `tests/golden/exposition.txt` with {meta['groups']} gradient groups (the "
         "default cap), target labels `job`/`instance` and `up`. "
         f"Written in {meta['gen_s']:.0f} s, `promtool tsdb create-blocks-from openmetrics` "
