@@ -73,6 +73,8 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         f"sum by (rank) (increase({sel(c, 'ddpmon_grad_nonfinite_origin_steps_total', by_run)}"
         f"[{c.nonfinite_window}])) > 0"
     )
+    nonfinite = sel(c, "ddpmon_grad_nonfinite_steps_total")
+    origin_sel = sel(c, "ddpmon_grad_nonfinite_origin_steps_total")
     norm = sel(c, "ddpmon_grad_norm", by_run)
     extremes = f"topk(1, {norm}) or bottomk(1, {norm})"
     largest_local = f"topk(1, {sel(c, 'ddpmon_grad_local_norm', by_run)} < +Inf)"
@@ -104,8 +106,14 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         ),
         Alert(
             "DdpmonNonFiniteGradients", NUMERICS, "critical",
-            f"count by (run) (\n  increase({sel(c, 'ddpmon_grad_nonfinite_steps_total')}"
-            f"[{c.nonfinite_window}]) > 0\n)",
+            # Fires as soon as an origin rank is scraped (so the page names it), or after
+            # `nonfinite_origin_wait` without one: ranks are scraped at different moments.
+            f"count by (run) (increase({nonfinite}[{c.nonfinite_window}]) > 0)\n"
+            f"and on (run) (\n"
+            f"  count by (run) (increase({origin_sel}[{c.nonfinite_window}]) > 0)\n"
+            f"  or\n"
+            f"  count by (run) (increase({nonfinite}[{c.nonfinite_window}] "
+            f"offset {c.nonfinite_origin_wait}) > 0)\n)",
             c.nonfinite_for,
             "Gradients became NaN/Inf after the all-reduce.",
             "Run {{ $labels.run }}: reduced gradients were non-finite on {{ $value }} rank(s) in "

@@ -36,6 +36,9 @@ class MixinConfig:
     nonfinite_window: str = "5m"
     """A non-finite gradient or loss keeps its alert firing for this long after the step."""
     nonfinite_for: str = "0m"
+    nonfinite_origin_wait: str = "1m"
+    """DdpmonNonFiniteGradients fires once an origin rank is scraped, or after this long without
+    one (ranks are scraped at different moments; the page should name the origin)."""
     grad_norm_spike_factor: float = 10.0
     """Norm above this multiple of its own median over ``grad_norm_spike_baseline`` is a spike.
     A median baseline keeps a spike from becoming its own baseline until it lasts half the
@@ -81,7 +84,7 @@ class MixinConfig:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if (f.name.endswith(("_for", "_window", "_baseline", "_lookback"))
+            if (f.name.endswith(("_for", "_window", "_baseline", "_lookback", "_wait"))
                     and not (isinstance(value, str) and _DURATION.match(value))):
                 raise ValueError(f"{f.name}={value!r}: expected a duration like 30s or 5m")
         for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio"):
