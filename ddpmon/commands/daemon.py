@@ -103,7 +103,27 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(sorted(settings.entrypoints)),
     )
     try:
-        uvicorn.run(app, host=args.bind, port=args.port, log_level="warning", access_log=False)
+        import logging
+
+        class _DropMalformed(logging.Filter):
+            """One log line per malformed request lets any client flood the log."""
+
+            def filter(self, record: logging.LogRecord) -> bool:
+                return "Invalid HTTP request" not in record.getMessage()
+
+        logging.getLogger("uvicorn.error").addFilter(_DropMalformed())
+        uvicorn.run(
+            app,
+            host=args.bind,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            # Bounded: at most 64 connections/tasks (503 beyond), idle keep-alive closed after
+            # 5 s, and no request head larger than 16 KiB is buffered.
+            limit_concurrency=64,
+            timeout_keep_alive=5,
+            h11_max_incomplete_event_size=16 * 1024,
+        )
     finally:
         jobs.close()
         store.close()
