@@ -145,6 +145,8 @@ class Monitor:
         self._watchdog: Any = None
         self._crash: Any = None
         self._evidence: Any = None
+        self._progress: Any = None
+        self._hosts: list[dict] | None = None
         self._below_floor = False
         self._batch_shapes: list | None = None
         self._lock = threading.Lock()
@@ -207,6 +209,8 @@ class Monitor:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._write_summary()
+        if self._progress is not None:
+            self._progress.close()
         self._unpublish_discovery()
         if self._server is not None:
             self._server.close()
@@ -280,6 +284,25 @@ class Monitor:
                 self._clock = measure_clock_offset()
             except Exception as exc:
                 self._probe_error("clock", exc)
+            try:  # every rank's host and device, for rank 0's manifest (once, at attach)
+                ident = self.identity
+                mine = (
+                    {
+                        "rank": ident.rank,
+                        "node": ident.node,
+                        "local_rank": ident.local_rank,
+                        "pid": ident.pid,
+                        "device": ident.device,
+                        "gpu_uuid": ident.gpu_uuid or None,
+                    }
+                    if ident is not None
+                    else {}
+                )
+                hosts: list = [None] * dist.get_world_size()
+                dist.all_gather_object(hosts, mine)
+                self._hosts = hosts
+            except Exception as exc:
+                self._probe_error("forensics", exc)
         return candidate or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
     def _install_hooks(self) -> None:
@@ -443,6 +466,12 @@ class Monitor:
         except Exception as exc:
             self._probe_error("forensics", exc)
         try:
+            from .forensics.eventlog import ProgressFile
+
+            self._progress = ProgressFile(self.run_path, ident.rank)
+        except Exception as exc:
+            self._probe_error("forensics", exc)
+        try:
             from .forensics.evidence import EvidenceWriter
 
             self._evidence = EvidenceWriter(
@@ -495,6 +524,7 @@ class Monitor:
                     "precision": precision,
                     "data_version": self.config.data_version,
                     "param_count": sum(p.numel() for p in self._index.params),
+                    "hosts": self._hosts,
                     "group_names": self._index.group_names,
                 },
             )
@@ -758,6 +788,8 @@ class Monitor:
         state = self.state
         state.allreduce_bytes_total += meta.bytes
         state.apply(record)
+        if self._progress is not None:
+            self._progress.update(record.step, record.wall_time)
         self._allreduce_recent.extend(record.allreduce_seconds)
         as_dict = record.as_dict()
         self._recent.append(as_dict)
@@ -929,4 +961,3 @@ class Monitor:
                 type(exc).__name__,
                 exc,
             )
-

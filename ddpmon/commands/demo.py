@@ -194,18 +194,32 @@ def _fmt(value: float | None, fmt: str = "{:.4g}") -> str:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+    """Stop torchrun and every rank. Ranks may sit in sessions of their own, so the whole
+    process tree is collected first and anything still alive after a grace is SIGKILLed."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    if proc.poll() is None:
         try:
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
+            pass
         try:
-            proc.wait(timeout=wait)
-            return
+            proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            continue
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=0.5)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    if proc.poll() is None:
+        proc.wait(timeout=5)
 
 
 def _print_summary(run_path: Path, nproc: int, console) -> None:
