@@ -5,7 +5,7 @@ Real Prometheus and Alertmanager (Debian packages, shipped configs, 1s scrape/ev
 this process. Run ``faulty``: NaN in rank 1's local gradients, then a loss-scale collapse, then
 rank 1 is SIGKILLed. Run ``clean``: the same length, no fault, at the same time (so it also
 sees the same CPU contention). Only the `for:` durations the test cannot wait for are shortened
-(LossScaleAtFloor 1m -> 2s, RankDown 2m -> 2s); everything else is the shipped config.
+(LossScaleAtFloor 1m -> 2s, RankDown 2m -> 8s); everything else is the shipped config.
 
 Detection latency = wall time of the injected fault (from the rank's event log, or the moment
 the killed process was seen dead) -> receipt at the webhook. Printed; run with ``-s`` to see it.
@@ -27,7 +27,10 @@ from tests.support.stack import WebhookReceiver, live_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-LIVE_CONFIG = MixinConfig().replace(loss_scale_floor_for="2s", rank_down_for="2s")
+# RankDown's `for:` must outlast Prometheus' discovery update delay (up to 5s): a rank that exits
+# cleanly removes its file_sd file and then stops serving, so it is scraped as down for a few
+# seconds before its target is dropped. 2s made the clean run page; 8s does not.
+LIVE_CONFIG = MixinConfig().replace(loss_scale_floor_for="2s", rank_down_for="8s")
 STEPS = 60
 STEP_DELAY = 0.2
 NAN_STEP, COLLAPSE_STEP, KILL_STEP = 5, 12, 50
