@@ -35,7 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="fault, e.g. nan@rank1:step20, scale-collapse@step40, segv@rank1:step25",
     )
-    p.add_argument("--sd-dir", default=None, help="write file_sd targets here")
+    p.add_argument(
+        "--sd-dir",
+        default=None,
+        help="file_sd directory the ranks publish into (default RUN_DIR/sd, where "
+        "`ddpmon stack` looks); 'none' to publish nothing",
+    )
     p.add_argument("--daemon-url", default=None, help="register ranks with a ddpmon daemon")
     p.add_argument("--on-nonfinite", default=None, choices=("record", "skip", "raise"))
     p.add_argument("--no-amp", action="store_true", help="fp32, no GradScaler")
@@ -123,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         console.print("[red]--nproc must be >= 1")
         return 2
     run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
+    if args.sd_dir is None:
+        args.sd_dir = str(Path(args.run_dir) / "sd")
+    elif args.sd_dir == "none":
+        args.sd_dir = None
     run_path = Path(args.run_dir) / run_id
     ports = [args.port + r for r in range(args.nproc)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
