@@ -2,7 +2,7 @@
 
 No Grafana runs here, so this is the proof that the dashboards work: a real Prometheus (shipped
 config and recording/alert rules, 1s scrape/eval) scrapes a real 2-rank gloo demo found through
-file_sd. Rank 1 gets NaN gradients at step 20, so the numerics panels that only have data after a
+file_sd. Rank 1 gets NaN gradients at step 150, so the numerics panels that only have data after a
 fault (non-finite origin table, non-finite/skipped annotations) are exercised too. Every panel
 query of both dashboards, variables resolved as Grafana resolves them, then runs through the HTTP
 API over the run so far:
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 RUN = "dash"
 RANKS = {"0", "1"}
-NAN_STEP = 20
+NAN_STEP = 150  # late enough that Prometheus has scraped both ranks before the fault
 STEPS = 2000  # far more than the test needs: the run must still be going when it queries
 STEP_DELAY = 0.05
 # Grafana: $__rate_interval = max(4 x scrape interval, step + scrape interval); scrape is 1s.
@@ -57,7 +57,15 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
     ):
         prom = stack.prometheus
         sel = f'{{run="{RUN}"}}'
-        # Both ranks scraped, well past the fault, and the recording rules have output.
+        # Both ranks scraped before the fault, so the counters' increase is seen (a counter
+        # that is already 1 at its first scrape shows no increase, and no alert fires).
+        first = wait_for(
+            lambda: (r := prom.query(f"ddpmon_step{sel}")) and _ranks(r) == RANKS and r,
+            timeout=120,
+            what=f"both ranks scraped: {demo.log_tail(5)}",
+        )
+        assert max(float(s["value"][1]) for s in first) < NAN_STEP, "demo outran the scrapes"
+        # Well past the fault, and the recording rules have output.
         past = f"ddpmon_step{sel} >= {NAN_STEP + 40}"
         wait_for(
             lambda: _ranks(prom.query(past)) == RANKS,
