@@ -1041,7 +1041,7 @@ def _render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
         db.QueryVariable("run")
         .label("Run")
         .datasource(ds)
-        .query({"query": f"label_values(ddpmon_rank_info{{{job}}}, run)", "refId": "run"})
+        .query(f"label_values(ddpmon_rank_info{{{job}}}, run)")
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dm.VariableSort.ALPHABETICAL_DESC)
     )
@@ -1049,14 +1049,17 @@ def _render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
         db.QueryVariable("rank")
         .label("Rank")
         .datasource(ds)
-        .query(
-            {"query": f'label_values(ddpmon_rank_info{{{job}, run="$run"}}, rank)', "refId": "rank"}
-        )
+        .query(f'label_values(ddpmon_rank_info{{{job}, run="$run"}}, rank)')
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dm.VariableSort.NUMERICAL_ASC)
     )
     if spec.rank_multi:
-        rank_var = rank_var.multi(True).include_all(True).all_value(".*")
+        rank_var = (
+            rank_var.multi(True)
+            .include_all(True)
+            .all_value(".*")
+            .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        )
     dash = (
         db.Dashboard(spec.title)
         .uid(spec.uid)

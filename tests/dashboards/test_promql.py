@@ -32,10 +32,10 @@ def test_every_query_parses(empty_prometheus: str, uid: str) -> None:
     queries += [
         (
             f"variable {v['name']}",
-            v["query"]["query"].replace("$run", "r1"),
+            v["query"].replace("$run", "r1"),
         )
         for v in doc["templating"]["list"]
-        if isinstance(v.get("query"), dict)
+        if v["type"] == "query"
     ]
     failures = []
     for title, expr in queries:

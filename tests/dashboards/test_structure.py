@@ -37,8 +37,8 @@ def test_identity_tags_and_variables(uid: str) -> None:
     assert list(variables) == ["datasource", "run", "rank"]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    assert "ddpmon_rank_info" in variables["rank"]["query"]["query"]
-    assert '$run' in variables["rank"]["query"]["query"]
+    assert "ddpmon_rank_info" in variables["rank"]["query"]
+    assert '$run' in variables["rank"]["query"]
     if uid == d.OVERVIEW_UID:
         assert variables["rank"]["multi"] and variables["rank"]["includeAll"]
         assert variables["rank"]["allValue"] == ".*"
