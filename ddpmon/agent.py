@@ -64,6 +64,7 @@ class _StepMeta:
     loss_host: float | None
     scale: bool
     found: bool
+    identical: bool = False
     seconds: list[float] = field(default_factory=list)
     events: list[tuple[Any, Any]] = field(default_factory=list)
     bytes: int = 0
@@ -317,6 +318,7 @@ class Monitor:
                 inner_hook=self._comm_hook,
                 inner_state=self._comm_state,
                 on_error=self._probe_error,
+                data_check_interval=self.config.data_check_interval if self.config else 10,
             )
             try:
                 model.register_comm_hook(None, probe.hook)
@@ -724,8 +726,26 @@ class Monitor:
         if parts is not None:
             meta.seconds, meta.events, meta.bytes = parts.seconds, parts.events, parts.bytes
             meta.local_positions = parts.local_positions
+            identical = self._identical_ranks(parts)
+            if identical is not None:
+                device = device or identical.device
+                pieces.append(identical.reshape(1).to(device, torch.float64, non_blocking=True))
+                meta.identical = True
         vector = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float64)
         return vector, meta
+
+    def _identical_ranks(self, parts: BucketParts) -> torch.Tensor | None:
+        """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
+        if parts.fingerprint is None:
+            return None
+        try:
+            work, gathered, mine = parts.fingerprint
+            work.wait()  # done by now (it preceded the step's all-reduces); on NCCL a stream wait
+            same = (gathered == mine) & (mine > 0) & torch.isfinite(mine)
+            return torch.clamp(same.sum() - 1, min=0)  # ourselves are in `same` unless zero
+        except Exception as exc:
+            self._probe_error("data", exc)
+            return None
 
     def _drain(self, wait: bool) -> None:
         for values, meta in self._readback.poll(wait=wait):
@@ -760,6 +780,9 @@ class Monitor:
             pos += 1
         if meta.found:
             record.amp_skipped = values[pos] > 0
+            pos += 1
+        if meta.identical:
+            record.data_identical_ranks = int(values[pos])
             pos += 1
         if reduced is not None:
             record.grad_norm = reduced.norm
@@ -815,6 +838,8 @@ class Monitor:
             self._emit("nonfinite", record.step, tensor="loss", nonfinite=str(record.loss))
         if record.amp_skipped:
             self._emit("overflow", record.step, loss_scale=record.loss_scale)
+        if record.data_identical_ranks and state.data_identical_batches_total == 1:
+            self._emit("identical_data", record.step, other_ranks=record.data_identical_ranks)
         if record.loss_scale is not None and self.config is not None:
             below = record.loss_scale <= self.config.loss_scale_floor
             if below and not self._below_floor:

@@ -57,6 +57,9 @@ class Config:
     """If set, write a Prometheus file_sd target file for this rank into this directory."""
     daemon_url: str | None = None
     """If set, register this rank with a ``ddpmon daemon`` for http_sd discovery."""
+    data_check_interval: int = 10
+    """Every N steps, compare a fingerprint of each rank's local gradients across ranks (one
+    tiny async all-gather) to catch duplicated data shards; 0 turns it off."""
     live_refresh_seconds: float = 1.0
     """Minimum age before live readings (NVML, allocator, psutil) are read again at scrape."""
     evidence_max_per_kind: int = 5
@@ -91,6 +94,7 @@ class Config:
             choices = ", ".join(ON_NONFINITE_CHOICES)
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {choices}")
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
+        _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
         _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)

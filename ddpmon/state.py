@@ -112,6 +112,7 @@ class StepRecord:
     loss_scale: float | None = None
     amp_skipped: bool = False
     allreduce_seconds: list[float] = field(default_factory=list)
+    data_identical_ranks: int | None = None
 
     def as_dict(self) -> dict:
         out = {}
@@ -146,14 +147,13 @@ class MetricState:
     loss_scale_floor: float = 1.0
     amp_skipped_steps_total: int = 0
     allreduce_bytes_total: int = 0
+    data_identical_batches_total: int = 0
     step_duration: Histogram = field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
     data_wait: Histogram = field(default_factory=lambda: Histogram(DATA_WAIT_SECONDS_BUCKETS))
     allreduce_duration: Histogram = field(
         default_factory=lambda: Histogram(ALLREDUCE_SECONDS_BUCKETS)
     )
-    agent_errors: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(CORE_PROBES, 0)
-    )
+    agent_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CORE_PROBES, 0))
     """Pre-set to 0 for the core probes so ``increase()`` sees their first failure."""
     version: int = 0
     """Bumped after every change so the exposition cache knows when to re-render."""
@@ -191,6 +191,8 @@ class MetricState:
             self.loss_scale = record.loss_scale
         if record.amp_skipped:
             self.amp_skipped_steps_total += 1
+        if record.data_identical_ranks:
+            self.data_identical_batches_total += 1
         for seconds in record.allreduce_seconds:
             self.allreduce_duration.observe(seconds)
         self.version += 1

@@ -3,7 +3,7 @@
 Kinds: nan, inf (into one parameter's gradient on one rank), scale-collapse (inf gradients on
 every step from S on, so GradScaler halves its scale each step), slow (sleep per step from S on:
 a straggler), hang (stop before the backward pass), segv, kill (SIGKILL self), exit (code=N),
-oom (a real CPU allocator failure).
+oom (a real CPU allocator failure), dup-data (from step S on this rank reads rank 0's shard).
 """
 
 from __future__ import annotations
@@ -16,7 +16,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-KINDS = ("nan", "inf", "scale-collapse", "slow", "hang", "segv", "kill", "exit", "oom")
+KINDS = (
+    "nan",
+    "inf",
+    "scale-collapse",
+    "slow",
+    "hang",
+    "segv",
+    "kill",
+    "exit",
+    "oom",
+    "dup-data",
+)
 DEFAULT_PARAM = "encoder.layers.0.linear1.weight"
 
 
@@ -61,6 +72,13 @@ class FaultPlan:
     def __init__(self, specs: list[str], rank: int) -> None:
         self.faults = [f for f in (Fault.parse(s) for s in specs) if f.applies(rank)]
         self.rank = rank
+
+    def data_rank(self, step: int) -> int:
+        """Whose data shard this rank reads at ``step`` (dup-data makes it rank 0's)."""
+        for fault in self.faults:
+            if fault.kind == "dup-data" and step >= fault.step:
+                return int(fault.options.get("source", "0"))
+        return self.rank
 
     def before_backward(self, step: int, model: torch.nn.Module) -> None:
         """Called between forward and backward: gradient faults register one-shot hooks."""

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     mon = ddpmon.attach(model, optimizer, scaler if amp else None, **options)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(args.steps):
-        x, y = batch(step, rank, args.batch_size)
+        x, y = batch(step, faults.data_rank(step), args.batch_size)
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
             logits = model(x)
             loss = loss_fn(logits.float().reshape(-1, VOCAB), y.reshape(-1))

@@ -172,6 +172,12 @@ class DdpmonCollector(Collector):
             "Time from a step's end to the next step's start.",
             s.data_wait,
         )
+        yield self._counter(
+            "ddpmon_data_identical_batches",
+            "Sampled steps where another rank's local gradients were bit-identical to this "
+            "rank's: duplicated data shards.",
+            s.data_identical_batches_total,
+        )
         if s.loss is not None:
             yield self._gauge("ddpmon_loss", "Last observed loss.", s.loss)
         yield self._counter(

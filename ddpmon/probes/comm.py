@@ -35,6 +35,8 @@ class BucketParts:
     bytes: int = 0
     buckets: int = 0
     reduced_complete: bool = True
+    fingerprint: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+    """(async all-gather work, every rank's fingerprint, this rank's) on sampled steps."""
 
 
 class CommProbe:
@@ -47,6 +49,7 @@ class CommProbe:
         inner_hook: Callable | None = None,
         inner_state: Any = None,
         on_error: Callable[[str, BaseException], None],
+        data_check_interval: int = 10,
     ) -> None:
         if inner_hook is None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -58,11 +61,35 @@ class CommProbe:
         self.inner_state = inner_state
         self._on_error = on_error
         self._parts = BucketParts()
+        self._data_check_interval = data_check_interval
+        self._steps_taken = 0
 
     def take(self) -> BucketParts:
         """Hand over what was collected for the step that just finished, start a new one."""
         parts, self._parts = self._parts, BucketParts()
+        self._steps_taken += 1
         return parts
+
+    def _data_check_due(self, bucket: Any) -> bool:
+        interval = self._data_check_interval
+        if not interval or self._steps_taken % interval or bucket.index() != 0:
+            return False
+        import torch.distributed as dist
+
+        return dist.is_initialized() and dist.get_world_size() > 1
+
+    def _launch_fingerprint(self, parts: BucketParts, local_norms: torch.Tensor) -> None:
+        """All-gather one number per rank: the squared norm of its first bucket's *local*
+        gradients. Replicas hold identical parameters, so two ranks with bit-identical local
+        gradients were fed identical batches (a duplicated data shard). Launched before the
+        bucket's own all-reduce on every rank alike, so collectives stay in the same order;
+        asynchronous, read back lazily with the step vector."""
+        import torch.distributed as dist
+
+        mine = (local_norms * local_norms).sum().reshape(1)
+        gathered = torch.empty(dist.get_world_size(), dtype=mine.dtype, device=mine.device)
+        work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
+        parts.fingerprint = (work, gathered, mine)
 
     def hook(self, state, bucket):  # unannotated: DDP validates real annotations, not strings
         parts = self._parts
@@ -70,8 +97,11 @@ class CommProbe:
         try:
             positions = [self.index.position[id(p)] for p in bucket.parameters()]
             grads = bucket.gradients()
-            parts.local_norms.append(per_param_norms(grads))
+            local_norms = per_param_norms(grads)
+            parts.local_norms.append(local_norms)
             parts.local_positions.extend(positions)
+            if self._data_check_due(bucket):
+                self._launch_fingerprint(parts, local_norms)
             buffer = bucket.buffer()
             parts.bytes += buffer.numel() * buffer.element_size()
             parts.buckets += 1

@@ -64,7 +64,7 @@ def main():
     # Small buckets: several all-reduces per step, so the per-bucket histogram is tested.
     model = DistributedDataParallel(inner, bucket_cap_mb=0.02)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    amp = args.scenario in ("nan", "collapse", "clean", "clip")
+    amp = args.scenario in ("nan", "collapse", "clean", "clip", "dupdata")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=amp)
     calls = {"n": 0}
 
@@ -84,6 +84,7 @@ def main():
         run_dir=os.path.join(args.out, "runs"),
         run_id=f"test-{args.scenario}",
         on_nonfinite=policy,
+        data_check_interval=2,
     )
     scales, raised, clip_checks = [], None, []
     import ddpmon.clip as clip_module
@@ -109,7 +110,8 @@ def main():
         return ref_cache[key]
 
     for step in range(args.steps):
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + rank))
+        data_rank = 0 if args.scenario == "dupdata" and step >= args.step else rank
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step * 10 + data_rank))
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
             loss = model(x).float().pow(2).mean()
         mon.observe_loss(loss)

@@ -189,3 +189,12 @@ def test_clip_grad_norm_matches_torch_reuses_hook_norms_and_handles_shards(tmp_p
         sharded = r["sharded"]
         assert sharded["ddpmon"] == pytest.approx(sharded["expected"], rel=1e-6)
     assert results[0]["sharded"]["ddpmon"] == pytest.approx(results[1]["sharded"]["ddpmon"])
+
+
+def test_duplicated_data_shard_is_detected_on_both_ranks(tmp_path, clean_run):
+    # Sampled every 2 steps; from step 4 on rank 1 reads rank 0's shard: steps 4 and 6 match.
+    r0, r1 = run_workers(tmp_path, "dupdata", steps=8, step=4)
+    for r in (r0, r1):
+        assert value(r, "ddpmon_data_identical_batches_total") == 2
+    for r in clean_run:  # distinct shards never match
+        assert value(r, "ddpmon_data_identical_batches_total") == 0
