@@ -2,14 +2,15 @@
 
 Every alert has ``severity``, ``for``, a static ``summary`` ending in a period, a templated
 ``description`` naming the run and the rank(s), and ``runbook_url`` pointing at its heading in
-``deploy/prometheus/runbook.md``. Groups follow the layers: numerics, memory, communication
-(hangs, lost ranks, stragglers, all-reduce).
+``deploy/prometheus/runbook.md``. Groups follow the layers: numerics, data supply, memory,
+communication (hangs, lost ranks, stragglers, all-reduce).
 
 Per-rank alerts carry ``run`` and ``rank`` (plus the target labels). Alerts about a run as a
 whole carry only ``run``: DdpmonNonFiniteGradients (one page per run; the description lists the
 *origin* ranks, those whose local gradients were non-finite before the all-reduce, because after
-the all-reduce every rank sees the NaN), DdpmonGradNormSpike, DdpmonGradDesync and
-DdpmonRanksMissing (which lists the ranks that stopped reporting).
+the all-reduce every rank sees the NaN), DdpmonGradNormSpike, DdpmonGradDesync,
+DdpmonDuplicateDataShards (a duplicated shard always involves two or more ranks: one page lists
+them all) and DdpmonRanksMissing (which lists the ranks that stopped reporting).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from ddpmon.mixin import rules as r
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.rules import sel
 
-NUMERICS, MEMORY, COMMUNICATION = "numerics", "memory", "communication"
-LAYERS = (NUMERICS, MEMORY, COMMUNICATION)
+NUMERICS, DATA, MEMORY, COMMUNICATION = "numerics", "data", "memory", "communication"
+LAYERS = (NUMERICS, DATA, MEMORY, COMMUNICATION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,13 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
     norm = sel(c, "ddpmon_grad_norm", by_run)
     extremes = f"topk(1, {norm}) or bottomk(1, {norm})"
     largest_local = f"topk(1, {sel(c, 'ddpmon_grad_local_norm', by_run)} < +Inf)"
+
+    def identical(extra: str = "") -> str:
+        return (
+            f"changes({sel(c, 'ddpmon_data_identical_batches_total', extra)}"
+            f"[{c.data_duplicate_window}]) >= {c.data_duplicate_min_samples}"
+        )
+
     missing = (
         f"group by (rank) (last_over_time({sel(c, 'ddpmon_world_size', by_run)}"
         f"[{c.missing_lookback}])) unless on (rank) "
@@ -146,6 +154,19 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
             "differ by {{ $value | humanizePercentage }} (allowed "
             f"{c.grad_desync_relative:g}); the model replicas are no longer identical. "
             f"Ranks with the highest and lowest norm: {_rank_list(extremes)}.",
+        ),
+        # --- data supply ---
+        Alert(
+            "DdpmonDuplicateDataShards", DATA, "warning",
+            # changes(), not increase(): it counts scrapes at which the counter grew, exactly,
+            # where increase() extrapolates one increment to more than 1.
+            f"count by (run) (\n  {identical()}\n)",
+            c.data_duplicate_for,
+            "Ranks are training on identical batches; data shards are duplicated.",
+            "Run {{ $labels.run }}: {{ $value }} rank(s) computed local gradients bit-identical "
+            "to another rank's at sampled steps of the last "
+            f"{c.data_duplicate_window}, so they were fed the same batches. Ranks: "
+            f"{_rank_list(identical(by_run))}.",
         ),
         # --- memory ---
         Alert(

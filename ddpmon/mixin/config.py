@@ -56,6 +56,13 @@ class MixinConfig:
     ranks_missing_for: str = "2m"
     rank_desync_steps: float = 50.0
     rank_desync_for: str = "10m"
+    data_duplicate_window: str = "15m"
+    data_duplicate_min_samples: int = 2
+    """DdpmonDuplicateDataShards needs a rank's ``ddpmon_data_identical_batches_total`` to have
+    grown at this many distinct scrapes within ``data_duplicate_window``: a duplicated shard
+    repeats at every sampled step (every ``data_check_interval`` steps), while one identical
+    warm-up batch fed to every rank counts once and must not page."""
+    data_duplicate_for: str = "5m"
 
     # --- communication ---
     straggler_ratio: float = 1.5
@@ -80,6 +87,11 @@ class MixinConfig:
     """Per-rank panels draw the top/bottom k ranks; quantiles/heatmaps show the rest."""
     dashboard_tags: list[str] = field(default_factory=lambda: ["ddpmon"])
     dashboard_refresh: str = "30s"
+    dashboard_dcgm_selector: str = ""
+    """Label matchers (without braces) for dcgm-exporter series on Rank detail, e.g.
+    ``job="dcgm-exporter"``. Empty by default: ``DCGM_FI_*`` names are unique to dcgm-exporter
+    and the join on ``gpu_uuid`` already picks the rank's GPU, whatever the scrape job is called
+    (kube-prometheus-stack, the dcgm-exporter Helm chart and static configs all differ)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -87,6 +99,12 @@ class MixinConfig:
             if (f.name.endswith(("_for", "_window", "_baseline", "_lookback", "_wait"))
                     and not (isinstance(value, str) and _DURATION.match(value))):
                 raise ValueError(f"{f.name}={value!r}: expected a duration like 30s or 5m")
+        if self.data_duplicate_min_samples < 1:
+            raise ValueError(
+                f"data_duplicate_min_samples={self.data_duplicate_min_samples!r}: expected >= 1"
+            )
+        if self.dashboard_dcgm_selector.strip().startswith("{"):
+            raise ValueError("dashboard_dcgm_selector: give label matchers without braces")
         for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a ratio in (0, 1]")

@@ -12,6 +12,8 @@ DESIGN_ALERTS = {
     "DdpmonNonFiniteLoss": "critical",
     "DdpmonGradNormSpike": "warning",
     "DdpmonGradDesync": "critical",
+    # Added after DESIGN.md §5 was written, with the agent's identical-batch check.
+    "DdpmonDuplicateDataShards": "warning",
     "DdpmonTrainingStalled": "critical",
     "DdpmonRankDown": "critical",
     "DdpmonRanksMissing": "critical",
