@@ -101,6 +101,8 @@ class RankModel:
         self.local_norm = 1.0 + rng.random()
         self.mem = 40e9 + rng.random() * 20e9
         self.origin = rank == world // 7  # first non-finite gradients come from this rank
+        # A duplicated data shard: these two ranks read the same batches from the NaN on.
+        self.duplicate = rank in (world // 3, world // 3 + 1)
 
 
 def series_labels(t: Template, m: RankModel, world: int) -> str:
@@ -162,6 +164,10 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_amp_loss_scale_floor": 1.0,
         "ddpmon_amp_skipped_steps_total": 3 + (1 if broken else 0),
         "ddpmon_allreduce_bytes_total": steps * 1.4e9,
+        # One check every 10 steps (the agent's data_check_interval), from the NaN onwards.
+        "ddpmon_data_identical_batches_total": (
+            (i - nonfinite_at + 1) * steps // max(i, 1) // 10 if broken and m.duplicate else 0
+        ),
         "ddpmon_cuda_memory_allocated_bytes": m.mem * (0.9 + 0.05 * wave),
         "ddpmon_cuda_memory_reserved_bytes": m.mem,
         "ddpmon_cuda_memory_peak_allocated_bytes": m.mem * 0.97,

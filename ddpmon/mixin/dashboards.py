@@ -32,11 +32,15 @@ RUN = "run"
 """Run-level aggregate: at least one series."""
 FAULT = "fault"
 """Only has data after a fault (non-finite gradients, skipped steps); the live test injects one."""
+DUP_DATA = "dup-data"
+"""Only has data while ranks are fed identical batches (``ddpmon_data_identical_batches_total``
+grows on every rank of a duplicated pair); the live test injects ``dup-data`` on rank 1, so
+ranks 0 and 1 both count."""
 GPU = "gpu"
 """Needs CUDA (torch allocator) or NVML; a CPU run exposes ``ddpmon_collector_success 0``."""
 DCGM = "dcgm"
 """Needs dcgm-exporter scraped by the same Prometheus (joined on ``gpu_uuid``)."""
-COVERAGES = (EVERY_RANK, RUN, FAULT, GPU, DCGM)
+COVERAGES = (EVERY_RANK, RUN, FAULT, DUP_DATA, GPU, DCGM)
 
 EXEMPT_REASONS = {
     GPU: "needs a CUDA device: torch allocator statistics and NVML readings do not exist on CPU",
@@ -431,6 +435,49 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 (q("ddpmon:step_duration_seconds:p99{SR}", "{{rank}}"),),
                 "One row per rank, colour = p99 step wall time (data wait excluded).",
             ),
+            PanelSpec(
+                "Ranks with identical batches",
+                "stat",
+                "short",
+                (
+                    q(
+                        "count by (run) (changes("
+                        "ddpmon_data_identical_batches_total{R}[$__range] @ end()) > 0) "
+                        "or vector(0)",
+                        "ranks",
+                        DUP_DATA,
+                        instant=True,
+                    ),
+                ),
+                "Ranks of the run whose local gradients matched another rank's bit for bit at "
+                "a sampled step in the time range: duplicated data shards "
+                "(DdpmonDuplicateDataShards); 0 is the healthy case.",
+                width=6,
+                thresholds=((1, "orange"),),
+            ),
+            PanelSpec(
+                "Identical batches across ranks",
+                "timeseries",
+                "short",
+                (
+                    q(
+                        _ranked(
+                            "topk",
+                            "increase(ddpmon_data_identical_batches_total{S}[$__rate_interval])",
+                            "increase(ddpmon_data_identical_batches_total{S}[$__range] @ end())"
+                            " > 0",
+                        ),
+                        "rank {{rank}}",
+                        DUP_DATA,
+                    ),
+                ),
+                "Sampled steps (every data_check_interval steps, agent default 10) where "
+                "another rank's local gradients were bit-identical to this rank's: the same "
+                "batch was fed to both. Only ranks affected in the time range are drawn (the k "
+                "with most); an empty panel is the healthy case.",
+                width=18,
+                rank_links=True,
+            ),
         ),
     )
     memory = RowSpec(
@@ -522,19 +569,31 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
         "Communication",
         (
             PanelSpec(
+                "All-reduce p50 across ranks",
+                "heatmap",
+                "s",
+                (q("ddpmon:allreduce_duration_seconds:p50{SR}", "{{rank}}"),),
+                "One row per rank, colour = all-reduce median: the typical collective; a rank "
+                "or node whose every all-reduce is slow is a bright row.",
+            ),
+            PanelSpec(
                 "All-reduce p99 across ranks",
                 "heatmap",
                 "s",
                 (q("ddpmon:allreduce_duration_seconds:p99{SR}", "{{rank}}"),),
                 "One row per rank, colour = all-reduce p99: a slow link or rank is a bright "
                 "row, a fabric-wide problem a bright column.",
-                width=24,
             ),
             PanelSpec(
                 "All-reduce latency per rank",
                 "timeseries",
                 "s",
                 (
+                    q(
+                        "quantile by (run) (0.5, ddpmon:allreduce_duration_seconds:p50{RR})",
+                        "median rank p50",
+                        RUN,
+                    ),
                     q(
                         "quantile by (run) (0.5, ddpmon:allreduce_duration_seconds:p99{RR})",
                         "median rank p99",
@@ -546,13 +605,15 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                         "p99 {{rank}}",
                     ),
                     q(
-                        _rate_top("topk", _mean("ddpmon_allreduce_duration_seconds", "{S}")),
-                        "mean {{rank}}",
+                        _gauge_top("topk", "ddpmon:allreduce_duration_seconds:p50", "{SR}"),
+                        "p50 {{rank}}",
                     ),
                 ),
                 "Per-bucket all-reduce time, launch to completion: the run p99, the median "
-                "rank's p99, and p99/mean of the k slowest ranks (p50 on Rank detail).",
-                dashed_series=("median rank p99", "run p99"),
+                "rank's p50 and p99, and p50/p99 of the k slowest ranks (each picked by its "
+                "own quantile over the time range).",
+                width=24,
+                dashed_series=("median rank p50", "median rank p99", "run p99"),
                 rank_links=True,
             ),
             PanelSpec(
@@ -618,6 +679,7 @@ def _overview(cfg: MixinConfig) -> DashboardSpec:
                 "Steps each rank lags behind the leading rank; DdpmonRankDesync fires above "
                 "the red line.",
                 thresholds=((cfg.rank_desync_steps, "red"),),
+                width=24,
                 rank_links=True,
             ),
         ),
@@ -959,8 +1021,8 @@ def _detail(cfg: MixinConfig) -> DashboardSpec:
         ' * on (UUID) group_left (run, rank) label_replace(ddpmon_rank_info{D}, "UUID", "$1", '
         '"gpu_uuid", "(.+)")'
     )
-    # Optional matchers for dcgm-exporter series, e.g. '{job="dcgm-exporter"}'.
-    dcgm = getattr(cfg, "dashboard_dcgm_selector", "")
+    # Optional matchers for dcgm-exporter series (MixinConfig.dashboard_dcgm_selector).
+    dcgm = f"{{{cfg.dashboard_dcgm_selector}}}" if cfg.dashboard_dcgm_selector.strip() else ""
     gpu = RowSpec(
         "GPU",
         (

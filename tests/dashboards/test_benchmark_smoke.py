@@ -37,3 +37,8 @@ def test_benchmark_runs_every_panel_query(tmp_path: Path, capsys) -> None:
     assert len(rows) >= 40
     # Per-rank heatmaps see every rank; the rank table lists them all.
     assert any("| Ranks | A |" in r and r.rstrip(" |").endswith("8") for r in rows), rows
+    # The synthetic duplicated shard (2 ranks) is what the identical-batch panel draws.
+    assert any(
+        "| Identical batches across ranks | A |" in r and r.rstrip(" |").endswith(" 2")
+        for r in rows
+    ), rows

@@ -3,13 +3,17 @@
 No Grafana runs here, so this is the proof that the dashboards work: a real Prometheus (shipped
 config and recording/alert rules, 1s scrape/eval) scrapes a real 2-rank gloo demo found through
 file_sd. Rank 1 gets NaN gradients at step 150, so the numerics panels that only have data after a
-fault (non-finite origin table, non-finite/skipped annotations) are exercised too. Every panel
+fault (non-finite origin table, non-finite/skipped annotations) are exercised too, and reads rank
+0's data shard from step 160 on, so both ranks count identical batches (the agent samples every
+10th step) and the identical-batch panels have data. Every panel
 query of both dashboards, variables resolved as Grafana resolves them, then runs through the HTTP
 API over the run so far:
 
 - per-rank queries must return a series for every rank of the run (overview, rank = All) or for
   the selected rank (rank detail, rank = 1);
-- run-level queries must return data; fault queries must name rank 1.
+- run-level queries must return data; fault queries must name rank 1;
+- identical-batch queries must name ranks 0 and 1 (per rank) or count 2 ranks (the stat), and
+  must show nothing at the first scrape, before the duplicated shard.
 
 Exempt, with the reason checked rather than assumed: queries that need a GPU (torch allocator,
 NVML; the test asserts ``ddpmon_collector_success`` is 0 for them on this machine) and the DCGM
@@ -33,6 +37,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 RUN = "dash"
 RANKS = {"0", "1"}
 NAN_STEP = 150  # late enough that Prometheus has scraped both ranks before the fault
+DUP_STEP = 160  # a sampled step (every 10th) after the NaN step; 4 samples before step 190
+DUP_RANKS = {"0", "1"}  # rank 1 reads rank 0's shard: both see the other's identical gradients
 STEPS = 2000  # far more than the test needs: the run must still be going when it queries
 STEP_DELAY = 0.05
 # Grafana: $__rate_interval = max(4 x scrape interval, step + scrape interval); scrape is 1s.
@@ -43,6 +49,11 @@ def _ranks(result: list[dict]) -> set[str]:
     return {s["metric"].get("rank") for s in result if s["metric"].get("rank") is not None}
 
 
+def _values(result: list[dict]) -> set[str]:
+    """Last value of every series (instant or range result)."""
+    return {(s.get("value") or s["values"][-1])[1] for s in result}
+
+
 def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
     sd_dir = tmp_path / "sd"
     sd_dir.mkdir()
@@ -51,7 +62,8 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
         WebhookReceiver() as hook,
         live_stack(tmp_path / "stack", sd_dir, cfg, hook.url) as stack,
         DemoRun(
-            tmp_path / "demo", sd_dir, STEPS, STEP_DELAY, [f"nan@rank1:step{NAN_STEP}"],
+            tmp_path / "demo", sd_dir, STEPS, STEP_DELAY,
+            [f"nan@rank1:step{NAN_STEP}", f"dup-data@rank1:step{DUP_STEP}"],
             run_id=RUN,
         ) as demo,
     ):
@@ -65,6 +77,7 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
             what=f"both ranks scraped: {demo.log_tail(5)}",
         )
         assert max(float(s["value"][1]) for s in first) < NAN_STEP, "demo outran the scrapes"
+        healthy_at = time.time()  # every sample so far is from before both faults
         # Well past the fault, and the recording rules have output.
         past = f"ddpmon_step{sel} >= {NAN_STEP + 40}"
         wait_for(
@@ -119,6 +132,24 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
                     failures.append(f"{name}: no data\n    {q.expr}")
                 elif q.coverage == d.FAULT and _ranks(result) != {"1"}:
                     failures.append(f"{name}: fault on rank 1 not shown: {result}\n    {q.expr}")
+                elif q.coverage == d.DUP_DATA:
+                    count = str(len(DUP_RANKS))
+                    if _ranks(result) != DUP_RANKS and not (
+                        not _ranks(result) and count in _values(result)
+                    ):
+                        failures.append(f"{name}: ranks {sorted(DUP_RANKS)} not shown: {result}"
+                                        f"\n    {q.expr}")
+                    # Before the duplicated shard the same query shows nothing (the stat: 0).
+                    before = (
+                        prom.api("query", query=q.expr, time=str(healthy_at))["result"]
+                        if q.instant
+                        else prom.api(
+                            "query_range", query=q.expr, start=str(start),
+                            end=str(healthy_at), step="1s",
+                        )["result"]
+                    )
+                    if _ranks(before) or _values(before) - {"0"}:
+                        failures.append(f"{name}: data before the fault: {before}\n    {q.expr}")
             for ann, expr in d.annotation_queries(doc, variables, rate_interval=RATE_INTERVAL):
                 if ann == "Firing ddpmon alerts":
                     # DdpmonNonFiniteGradients (for: 0m) fires for the NaN; poll briefly.
