@@ -136,7 +136,7 @@ class Monitor:
         self._pre_summaries: tuple[Any, Any, BucketParts | None] | None = None
         self._offered: tuple[torch.Tensor, list[int], torch.Tensor] | None = None
         self._readback = Readback()
-        self._recent: deque[dict] = deque(maxlen=32)
+        self._recent: deque[dict] = deque(maxlen=64)
         self._allreduce_recent: deque[float] = deque(maxlen=4096)
         self._comm: CommProbe | None = None
         self._amp: ScalerProbe | None = None

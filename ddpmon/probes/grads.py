@@ -94,24 +94,26 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _foreach_norm_grouped(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list:
     """``_foreach_norm`` per (device, dtype) group, results in input order, moved to one device."""
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        return list(_foreach_norm(list(tensors), dtype))  # the common case: one kernel launch
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     out: list = [None] * len(tensors)
-    target = tensors[0].device
-    for (_, _), idx in groups.items():
-        group = [tensors[i] for i in idx]
-        try:
-            norms = (
-                torch._foreach_norm(group, 2, dtype=dtype)
-                if dtype
-                else torch._foreach_norm(group, 2)
-            )
-        except (TypeError, RuntimeError):  # older torch without the dtype argument
-            norms = [torch.linalg.vector_norm(t, dtype=dtype) for t in group]
-        for i, n in zip(idx, norms, strict=True):
-            out[i] = n.to(target, non_blocking=True) if n.device != target else n
+    for idx in groups.values():
+        for i, n in zip(idx, _foreach_norm([tensors[i] for i in idx], dtype), strict=True):
+            out[i] = n.to(first.device, non_blocking=True) if n.device != first.device else n
     return out
+
+
+def _foreach_norm(group: list[torch.Tensor], dtype: torch.dtype | None) -> Sequence:
+    try:
+        return (
+            torch._foreach_norm(group, 2, dtype=dtype) if dtype else torch._foreach_norm(group, 2)
+        )
+    except (TypeError, RuntimeError):  # older torch without the dtype argument
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in group]
 
 
 def summarize(
@@ -130,19 +132,21 @@ def summarize(
     if inv_scale is not None:
         norms = norms * inv_scale.to(norms.dtype)
     sq = norms * norms
-    total = sq.sum().sqrt()
     group_norms = torch.zeros(n_groups, dtype=norms.dtype, device=norms.device)
-    group_norms.index_add_(0, groups, sq)
-    group_norms = group_norms.sqrt()
+    group_norms.index_add_(0, groups, sq).sqrt_()
     bad = ~torch.isfinite(norms)
-    masked = torch.where(bad, positions, torch.full_like(positions, n_params))
-    slot = torch.argmin(masked).reshape(1)  # index_select, not t[0-d tensor]: no host read
-    first = masked.index_select(0, slot).reshape(())
+    # Smallest bad position (registration order) and where it sits, in one reduction.
+    first, slot = torch.min(positions.masked_fill(~bad, n_params), dim=0)
     any_bad = first < n_params
-    kind = torch.where(torch.isnan(norms.index_select(0, slot).reshape(())), 1.0, 2.0) * any_bad
-    first = torch.where(any_bad, first, -1)
+    first_is_nan = torch.isnan(norms.gather(0, slot.reshape(1))).reshape(())
+    kind = (2 - first_is_nan.to(norms.dtype)) * any_bad  # 1 = NaN, 2 = Inf, 0 = none
     head = torch.stack(
-        [total, any_bad.to(norms.dtype), first.to(norms.dtype), kind.to(norms.dtype)]
+        [
+            sq.sum().sqrt(),
+            any_bad.to(norms.dtype),
+            first.masked_fill(~any_bad, -1).to(norms.dtype),
+            kind,
+        ]
     )
     return torch.cat([head, group_norms])
 
