@@ -65,6 +65,7 @@ class _StepMeta:
     scale: bool
     found: bool
     identical: bool = False
+    local_norm_valid: bool = True
     seconds: list[float] = field(default_factory=list)
     events: list[tuple[Any, Any]] = field(default_factory=list)
     bytes: int = 0
@@ -319,6 +320,8 @@ class Monitor:
                 inner_state=self._comm_state,
                 on_error=self._probe_error,
                 data_check_interval=self.config.data_check_interval if self.config else 10,
+                local_norm_every=self.config.local_norm_every if self.config else 1,
+                grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)),
             )
             try:
                 model.register_comm_hook(None, probe.hook)
@@ -726,6 +729,7 @@ class Monitor:
         if parts is not None:
             meta.seconds, meta.events, meta.bytes = parts.seconds, parts.events, parts.bytes
             meta.local_positions = parts.local_positions
+            meta.local_norm_valid = parts.local_buckets == parts.buckets
             identical = self._identical_ranks(parts)
             if identical is not None:
                 device = device or identical.device
@@ -794,7 +798,8 @@ class Monitor:
                 record.grad_nonfinite_param = self._param_name(reduced.first_position)
                 record.grad_nonfinite_kind = reduced.kind
         if local is not None:
-            record.grad_local_norm = local.norm
+            if meta.local_norm_valid:  # else only some buckets were measured (rare path)
+                record.grad_local_norm = local.norm
             record.local_nonfinite = local.nonfinite
             if local.nonfinite:
                 record.local_nonfinite_param = self._param_name(local.first_position)

@@ -60,6 +60,10 @@ class Config:
     data_check_interval: int = 10
     """Every N steps, compare a fingerprint of each rank's local gradients across ranks (one
     tiny async all-gather) to catch duplicated data shards; 0 turns it off."""
+    local_norm_every: int = 10
+    """CPU only: measure the local pre-all-reduce norm every N steps (a pass over the gradients
+    costs milliseconds on CPU); a rank's non-finite local gradients are still found on every
+    step. On GPUs the local norm is measured every step."""
     live_refresh_seconds: float = 1.0
     """Minimum age before live readings (NVML, allocator, psutil) are read again at scrape."""
     evidence_max_per_kind: int = 5
@@ -95,6 +99,7 @@ class Config:
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {choices}")
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
+        _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
         _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)

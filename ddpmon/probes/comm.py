@@ -35,6 +35,9 @@ class BucketParts:
     bytes: int = 0
     buckets: int = 0
     reduced_complete: bool = True
+    local_buckets: int = 0
+    """Buckets whose local norms were measured before the all-reduce (all of them on sampled
+    steps and on CUDA); the local norm is reported only when this equals ``buckets``."""
     fingerprint: tuple[Any, torch.Tensor, torch.Tensor] | None = None
     """(async all-gather work, every rank's fingerprint, this rank's) on sampled steps."""
 
@@ -50,6 +53,8 @@ class CommProbe:
         inner_state: Any = None,
         on_error: Callable[[str, BaseException], None],
         data_check_interval: int = 10,
+        local_norm_every: int = 1,
+        grads_are_bucket_views: bool = False,
     ) -> None:
         if inner_hook is None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -62,6 +67,8 @@ class CommProbe:
         self._on_error = on_error
         self._parts = BucketParts()
         self._data_check_interval = data_check_interval
+        self._local_norm_every = max(1, local_norm_every)
+        self._grads_are_bucket_views = grads_are_bucket_views
         self._steps_taken = 0
 
     def take(self) -> BucketParts:
@@ -69,6 +76,22 @@ class CommProbe:
         parts, self._parts = self._parts, BucketParts()
         self._steps_taken += 1
         return parts
+
+    def _local_pass_now(self, bucket: Any, data_check: bool) -> bool:
+        """Measure local norms before the all-reduce on this bucket?
+
+        Always on accelerators (a pass costs microseconds, and origin detection there must
+        not branch on a device value) and when ``param.grad`` *is* the bucket (the all-reduce
+        then overwrites the local values). On CPU, where a pass over the gradients costs
+        milliseconds, only every ``local_norm_every`` steps: on other steps the single pass is
+        the reduced one, and a rank's local gradients are examined only if the reduced ones
+        are non-finite (a NaN/Inf anywhere reaches the sum), from ``param.grad``, which DDP
+        leaves local until the step's buckets are finalised. Exact either way."""
+        if data_check or self._grads_are_bucket_views:
+            return True
+        if bucket.buffer().device.type != "cpu":
+            return True
+        return self._steps_taken % self._local_norm_every == 0
 
     def _data_check_due(self, bucket: Any) -> bool:
         interval = self._data_check_interval
@@ -94,14 +117,20 @@ class CommProbe:
     def hook(self, state, bucket):  # unannotated: DDP validates real annotations, not strings
         parts = self._parts
         positions: list[int] | None = None
+        params: list = []
+        local_done = True
         try:
-            positions = [self.index.position[id(p)] for p in bucket.parameters()]
-            grads = bucket.gradients()
-            local_norms = per_param_norms(grads)
-            parts.local_norms.append(local_norms)
-            parts.local_positions.extend(positions)
-            if self._data_check_due(bucket):
-                self._launch_fingerprint(parts, local_norms)
+            params = bucket.parameters()
+            positions = [self.index.position[id(p)] for p in params]
+            data_check = self._data_check_due(bucket)
+            local_done = self._local_pass_now(bucket, data_check)
+            if local_done:
+                local_norms = per_param_norms(bucket.gradients())
+                parts.local_norms.append(local_norms)
+                parts.local_positions.extend(positions)
+                parts.local_buckets += 1
+                if data_check:
+                    self._launch_fingerprint(parts, local_norms)
             buffer = bucket.buffer()
             parts.bytes += buffer.numel() * buffer.element_size()
             parts.buckets += 1
@@ -122,8 +151,11 @@ class CommProbe:
                     for n in shapes:
                         views.append(tensor.narrow(0, offset, n))
                         offset += n
-                    parts.reduced_norms.append(per_param_norms(views))
+                    reduced = per_param_norms(views)
+                    parts.reduced_norms.append(reduced)
                     parts.reduced_positions.extend(positions)
+                    if not local_done and not torch.isfinite(reduced).all():  # CPU: free read
+                        self._local_rare_path(parts, params, positions)
                 else:
                     parts.reduced_complete = False
             except Exception as exc:
@@ -132,6 +164,15 @@ class CommProbe:
             return tensor
 
         return fut.then(done)
+
+    @staticmethod
+    def _local_rare_path(parts: BucketParts, params: list, positions: list[int]) -> None:
+        """The reduced bucket is non-finite: were *this rank's* gradients the cause? DDP has
+        not copied the reduced values into ``param.grad`` yet, so these are the local ones."""
+        pairs = [(p.grad, i) for p, i in zip(params, positions, strict=True) if p.grad is not None]
+        if pairs:
+            parts.local_norms.append(per_param_norms([g.detach() for g, _ in pairs]))
+            parts.local_positions.extend(i for _, i in pairs)
 
     @staticmethod
     def _start_timer() -> Any:
