@@ -6,6 +6,9 @@ noise hit every mode alike):
   agent    ddpmon.attach(...) (comm hook, fused norms, lazy readback, HTTP endpoint)
   scrape   the agent's replica while an external process scrapes its /metrics at 10 Hz
   naive    a tensor hook per parameter doing isnan/isinf/norm/.item() (the blog-post sanitizer)
+  pyhook   DDP with torch's own Python ``allreduce_hook`` and nothing else: the cost of having
+           any Python comm hook (DDP then no longer fuses the 1/world_size division into its
+           bucket copy), which is the floor for an agent that must see buckets
 
 Reports medians and quartiles of per-round ratios: agent/base and naive/base from steps
 interleaved one by one; agent+scrape/agent from alternating blocks.
@@ -26,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("base", "agent", "naive")
+MODES = ("base", "agent", "naive", "pyhook")
 SCRAPER = (
     "import http.client,sys,time\n"
     "new=lambda: http.client.HTTPConnection('127.0.0.1',int(sys.argv[1]),timeout=2)\n"
@@ -86,11 +89,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     replicas = {}
-    for mode in ("base", "agent", "naive"):
+    for mode in ("base", "agent", "naive", "pyhook"):
         model = build_model(args.d_model, args.layers)
         if mode == "naive":
             naive_hooks(model)
         ddp = DistributedDataParallel(model)
+        if mode == "pyhook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(None, allreduce_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         replicas[mode] = (ddp, opt)
     mon = ddpmon.attach(
@@ -121,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
     # drift and noise hit every mode alike; one ratio per round.
     rounds: list[dict[str, float]] = []
     for _ in range(args.rounds):
-        order = ["base", "agent", "naive"]
+        order = list(MODES)
         schedule_rng.shuffle(order)
         rounds.append({mode: step(mode) for mode in order})
     # Phase 2: the agent's replica with and without an external 10 Hz scraper, in alternating
@@ -164,6 +171,7 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
     for mode, ref_name, source in (
         ("agent", "base", rounds),
         ("naive", "base", rounds),
+        ("pyhook", "base", rounds),
         ("scrape", "agent", pairs),
     ):
         ratios = [r[mode] / r[ref_name] for r in source]
@@ -184,10 +192,10 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"Model: transformer, {data['params'] / 1e6:.1f}M parameters, AdamW, batch "
             f"{args.batch} x {args.seq} tokens, {args.threads} thread(s) per rank, 2 ranks on "
             f"{os.cpu_count()} cores. Each mode has its own identical DDP replica in the same "
-            f"job. base/agent/naive: {args.rounds} rounds, one step of each mode per round in a "
-            f"shuffled order, one ratio per round. Scrape: {args.scrape_pairs} alternating "
-            f"blocks of {args.block} steps with and without a niced keep-alive scraper at "
-            f"10 Hz.  ",
+            f"job. base/agent/naive/pyhook: {args.rounds} rounds, one step of each mode per "
+            f"round in a shuffled order, one ratio per round. Scrape: {args.scrape_pairs} "
+            f"alternating blocks of {args.block} steps with and without a niced keep-alive "
+            f"scraper at 10 Hz.  ",
             f"Unmonitored step time: median {med * 1000:.0f} ms (quartiles {q1 * 1000:.0f}-"
             f"{q3 * 1000:.0f} ms). Exposition renders during the run: {data['renders']}.",
             "",

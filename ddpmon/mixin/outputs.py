@@ -6,11 +6,12 @@ PrometheusRule, dashboards ConfigMap, kustomization), all from one ``MixinConfig
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 from ddpmon.mixin import dashboards, kubernetes
 from ddpmon.mixin.config import MixinConfig
+
+from .files import diff_files, write_files
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD_DIR = "dashboards"
@@ -28,32 +29,9 @@ def generate(cfg: MixinConfig | None = None) -> dict[str, str]:
 
 
 def write(root: str | Path = REPO_ROOT, cfg: MixinConfig | None = None) -> list[Path]:
-    root = Path(root)
-    paths = []
-    for rel, text in generate(cfg).items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        paths.append(path)
-    return paths
+    return write_files(root, generate(cfg))
 
 
 def check(root: str | Path = REPO_ROOT, cfg: MixinConfig | None = None) -> list[str]:
     """Unified diffs of files that differ from what the config generates (missing = empty)."""
-    root = Path(root)
-    diffs = []
-    for rel, text in generate(cfg).items():
-        path = root / rel
-        current = path.read_text(encoding="utf-8") if path.exists() else ""
-        if current != text:
-            diffs.append(
-                "".join(
-                    difflib.unified_diff(
-                        current.splitlines(keepends=True),
-                        text.splitlines(keepends=True),
-                        fromfile=f"{rel} (committed)",
-                        tofile=f"{rel} (generated)",
-                    )
-                )
-            )
-    return diffs
+    return diff_files(root, generate(cfg))

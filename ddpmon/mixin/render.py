@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 import yaml
@@ -14,6 +13,8 @@ import yaml
 from ddpmon.mixin.alerts import alert_groups
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.rules import recording_rules
+
+from .files import diff_files, write_files
 
 ALERTS_FILE = "ddpmon-alerts.yml"
 RULES_FILE = "ddpmon-rules.yml"
@@ -54,32 +55,9 @@ def generate(cfg: MixinConfig | None = None) -> dict[str, str]:
 
 def write(directory: str | Path = DEFAULT_DIR, cfg: MixinConfig | None = None) -> list[Path]:
     """Write the rule files into ``directory`` (created if needed); return their paths."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, text in generate(cfg).items():
-        path = directory / name
-        path.write_text(text, encoding="utf-8")
-        paths.append(path)
-    return paths
+    return write_files(directory, generate(cfg))
 
 
 def check(directory: str | Path = DEFAULT_DIR, cfg: MixinConfig | None = None) -> list[str]:
     """Unified diffs of committed files that differ from what the config generates."""
-    directory = Path(directory)
-    diffs = []
-    for name, text in generate(cfg).items():
-        path = directory / name
-        current = path.read_text(encoding="utf-8") if path.exists() else ""
-        if current != text:
-            diffs.append(
-                "".join(
-                    difflib.unified_diff(
-                        current.splitlines(keepends=True),
-                        text.splitlines(keepends=True),
-                        fromfile=f"{path} (committed)",
-                        tofile=f"{path} (generated)",
-                    )
-                )
-            )
-    return diffs
+    return diff_files(directory, generate(cfg))
