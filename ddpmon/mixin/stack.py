@@ -103,7 +103,8 @@ def alertmanager_config(
         for hook in receiver.get("webhook_configs", []):
             hook["url"] = f"{webhook_url.rstrip('/')}/{receiver['name']}"
     timings = {
-        "group_wait": group_wait, "group_interval": group_interval,
+        "group_wait": group_wait,
+        "group_interval": group_interval,
         "repeat_interval": repeat_interval,
     }
 
@@ -128,7 +129,10 @@ class ManagedProcess:
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
 
@@ -163,6 +167,30 @@ class ManagedProcess:
         return proc.poll()
 
 
+class _Server:
+    """Lifecycle shared by the Prometheus and Alertmanager wrappers (``_process`` set by start)."""
+
+    _process: ManagedProcess | None = None
+
+    def start(self, timeout: float = 30.0) -> _Server:
+        raise NotImplementedError
+
+    def poll(self) -> int | None:
+        """None while the server runs (or before start); its exit code once it has exited."""
+        proc = self._process.proc if self._process else None
+        return proc.poll() if proc is not None else None
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+
+    def __enter__(self) -> _Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class PrometheusAPI:
     """A tiny client of a Prometheus HTTP API at ``url``."""
 
@@ -183,7 +211,7 @@ class PrometheusAPI:
         return self.api("query", query=promql)["result"]
 
 
-class Prometheus(PrometheusAPI):
+class Prometheus(PrometheusAPI, _Server):
     """Prometheus on 127.0.0.1 with a temporary TSDB; ``query()`` runs instant PromQL queries."""
 
     def __init__(
@@ -226,23 +254,8 @@ class Prometheus(PrometheusAPI):
         self._process.wait_ready(f"{self.url}/-/ready", timeout)
         return self
 
-    def poll(self) -> int | None:
-        """None while the server runs (or before start); its exit code once it has exited."""
-        proc = self._process.proc if self._process else None
-        return proc.poll() if proc is not None else None
 
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.stop()
-
-    def __enter__(self) -> Prometheus:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class Alertmanager:
+class Alertmanager(_Server):
     """Alertmanager on 127.0.0.1 (clustering off) sending every notification to a webhook."""
 
     def __init__(
@@ -260,7 +273,9 @@ class Alertmanager:
         self.address = f"127.0.0.1:{self.port}"
         self.url = f"http://{self.address}"
         self.config = alertmanager_config(
-            webhook_url=webhook_url, group_wait=group_wait, group_interval=group_interval,
+            webhook_url=webhook_url,
+            group_wait=group_wait,
+            group_interval=group_interval,
             repeat_interval=repeat_interval,
         )
         self.config_path = self.workdir / "alertmanager.yml"
@@ -285,21 +300,6 @@ class Alertmanager:
     def alerts(self) -> list[dict]:
         with urllib.request.urlopen(f"{self.url}/api/v2/alerts", timeout=10) as resp:
             return json.load(resp)
-
-    def poll(self) -> int | None:
-        """None while the server runs (or before start); its exit code once it has exited."""
-        proc = self._process.proc if self._process else None
-        return proc.poll() if proc is not None else None
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.stop()
-
-    def __enter__(self) -> Alertmanager:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def write_rule_files(directory: str | Path, cfg: Any = None) -> list[Path]:

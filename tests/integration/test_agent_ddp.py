@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,27 +10,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.demo import free_port, free_port_pair
+
 WORKER = Path(__file__).with_name("ddp_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_pair() -> int:
-    """A base port whose successor is free too (rank r serves base + LOCAL_RANK)."""
-    for _ in range(50):
-        base = free_port()
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no consecutive free ports")
 
 
 def run_workers(tmp_path: Path, scenario: str, steps: int = 8, step: int = 3) -> list[dict]:

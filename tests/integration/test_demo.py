@@ -1,25 +1,11 @@
 """`ddpmon demo` end to end: torchrun, 2 gloo ranks, injected NaN, summary, no leftovers."""
 
-import socket
 import subprocess
 import sys
 
 import psutil
 
-
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no consecutive free ports")
+from tests.support.demo import free_port_pair
 
 
 def test_demo_runs_reports_the_origin_rank_and_leaves_no_process(tmp_path):

@@ -22,6 +22,13 @@ from pathlib import Path
 import psutil
 
 
+def free_port() -> int:
+    """A port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def free_port_pair(tries: int = 200) -> int:
     """A base port ``p`` with ``p`` and ``p + 1`` free on 127.0.0.1 (rank r serves p + r)."""
     for _ in range(tries):
@@ -75,11 +82,25 @@ class DemoRun:
 
     def command(self) -> list[str]:
         cmd = [
-            sys.executable, "-m", "ddpmon.cli", "demo",
-            "--nproc", str(self.nproc), "--steps", str(self.steps),
-            "--step-delay", str(self.step_delay), "--port", str(self.base_port),
-            "--run-dir", str(self.run_dir), "--run-id", self.run_id,
-            "--sd-dir", str(self.sd_dir), "--no-progress",
+            sys.executable,
+            "-m",
+            "ddpmon.cli",
+            "demo",
+            "--nproc",
+            str(self.nproc),
+            "--steps",
+            str(self.steps),
+            "--step-delay",
+            str(self.step_delay),
+            "--port",
+            str(self.base_port),
+            "--run-dir",
+            str(self.run_dir),
+            "--run-id",
+            self.run_id,
+            "--sd-dir",
+            str(self.sd_dir),
+            "--no-progress",
         ]
         for spec in self.injects:
             cmd += ["--inject", spec]
@@ -91,8 +112,12 @@ class DemoRun:
         self.started_at = time.time()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
             )
         return self
 

@@ -10,12 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import ddpmon
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.demo import free_port
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
