@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from ..config import DEFAULT_PORT
@@ -99,17 +98,10 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
 
 
 def scrape(port: int) -> dict[str, float]:
-    """The handful of values the progress table shows, parsed from one rank's /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
+    """The values the progress table shows, from one rank's /metrics."""
+    from ..export.scrape import scrape as scrape_target
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=0.5) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.labels.keys() - {"run", "rank"}:
-                out[sample.name] = sample.value
-    return out
+    return scrape_target(f"127.0.0.1:{port}", timeout=0.5)
 
 
 def run(args: argparse.Namespace) -> int:
