@@ -7,7 +7,6 @@ suite runs the check, so a config change that was not regenerated fails loudly.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,16 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddpmon.mixin import outputs
 
-    root = args.root or outputs.REPO_ROOT
-    if args.write:
-        for path in outputs.write(root):
-            print(f"wrote {path}")
-        return 0
-    diffs = outputs.check(root)
-    for diff in diffs:
-        sys.stdout.write(diff)
-    if diffs:
-        print("dashboards/manifests are out of date: run `ddpmon dashboards --write`")
-        return 1
-    print("dashboards and manifests are up to date")
-    return 0
+    from ._generated import write_or_check
+
+    return write_or_check(
+        write=args.write,
+        root=args.root or outputs.REPO_ROOT,
+        write_fn=outputs.write,
+        check_fn=outputs.check,
+        what="dashboards and manifests are",
+        fix="ddpmon dashboards --write",
+    )

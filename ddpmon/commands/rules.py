@@ -7,7 +7,6 @@ the test suite) so a config change that was not regenerated fails loudly.
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,16 +27,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddpmon.mixin import render
 
-    directory = args.dir or render.DEFAULT_DIR
-    if args.write:
-        for path in render.write(directory):
-            print(f"wrote {path}")
-        return 0
-    diffs = render.check(directory)
-    for diff in diffs:
-        sys.stdout.write(diff)
-    if diffs:
-        print("rule files are out of date: run `ddpmon rules --write` (or `make rules`)")
-        return 1
-    print("rule files are up to date")
-    return 0
+    from ._generated import write_or_check
+
+    return write_or_check(
+        write=args.write,
+        root=args.dir or render.DEFAULT_DIR,
+        write_fn=render.write,
+        check_fn=render.check,
+        what="rule files are",
+        fix="ddpmon rules --write` (or `make rules",
+    )
