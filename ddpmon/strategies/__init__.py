@@ -1,0 +1,1 @@
+"""Gradient sources per parallelism strategy (plain, DDP, FSDP2/HSDP, tensor parallel)."""

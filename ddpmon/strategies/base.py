@@ -1,0 +1,112 @@
+"""Gradient sources: where one optimizer step's gradients are seen, per parallelism strategy.
+
+DESIGN §8: the gradient source is a strategy chosen at attach; the rest of the agent (step
+pipeline, step vector, sinks) does not care which. A source produces *device* summary vectors
+(``ddpmon.probes.grads.summarize`` layout: ``[norm, any_bad, first_position, kind, group...]``)
+and never reads a device value on the host on the normal path.
+
+Contract every source keeps:
+- ``reduced``: the L2 norm over all *full* gradients of the step, before any clipping, unscaled
+  (``inv_scale`` applied when a GradScaler is in use): what ``torch.nn.utils.clip_grad_norm_``
+  returns (``.full_tensor()`` for DTensor). Identical on every rank.
+- ``local``: this rank's gradients *before* the reduction (pre all-reduce / reduce-scatter); its
+  non-finite flag and first position name the origin parameter (``ParamIndex`` positions, i.e.
+  the original FQNs).
+- never all-gather a gradient; at most one small reduction of partial sums per step.
+- any failure goes to ``env.on_error(probe, exc)``, never into the training loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..probes.grads import ParamIndex, per_param_norms
+
+
+@dataclass(slots=True)
+class CommTiming:
+    """Collective timings and volume seen during one step."""
+
+    seconds: list[float] = field(default_factory=list)
+    """Wall-clock durations (CPU backends)."""
+    events: list[tuple[Any, Any]] = field(default_factory=list)
+    """CUDA ``(start, end)`` event pairs, resolved at readback (never synchronised here)."""
+    bytes: int = 0
+
+
+@dataclass(slots=True)
+class GradSummaries:
+    """Device results for one optimizer step; nothing here has been read on the host."""
+
+    reduced: torch.Tensor | None = None
+    """Summary vector of the global (post-reduction), unscaled, pre-clip gradients."""
+    local: torch.Tensor | None = None
+    """Summary vector of this rank's pre-reduction gradients (None: not measured this step)."""
+    local_complete: bool = True
+    """False when ``local`` covers only part of the parameters (its norm is then not reported,
+    its non-finite flag still is)."""
+    local_is_reduced: bool = False
+    """True for a single-process model: local and reduced are the same gradients."""
+    comm: CommTiming | None = None
+    identical_ranks: torch.Tensor | None = None
+    """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
+
+
+@dataclass(slots=True)
+class SourceEnv:
+    """What a source is given at attach."""
+
+    model: torch.nn.Module
+    index: ParamIndex
+    on_error: Callable[[str, BaseException], None]
+    local_norm_every: int = 10
+    data_check_interval: int = 10
+    comm_hook: Callable | None = None
+    comm_state: Any = None
+
+
+class GradientSource(ABC):
+    """One strategy. Lifecycle: ``install()`` once, then per optimizer step any number of
+    ``on_backward_end()`` calls (one per backward pass: gradient-accumulation micro-steps
+    included) followed by exactly one ``collect()``; ``close()`` at the end."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, env: SourceEnv) -> None:
+        self.env = env
+        self.index = env.index
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        """Register the hooks this strategy needs (default: none)."""
+
+    def on_backward_end(self) -> None:
+        """A backward pass has finished (every gradient of it is accumulated). Default: no-op."""
+
+    @abstractmethod
+    def collect(self, inv_scale: torch.Tensor | None) -> GradSummaries:
+        """Summaries of the step that is ending now. ``inv_scale`` (device, or None) is
+        ``1/loss_scale`` when the gradients the source saw were scaled by a GradScaler."""
+
+    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of the current gradients of ``params`` as a device tensor, correct for
+        this strategy (what ``clip_grad_norm_`` must clip by). Default: the gradients are full
+        and replicated, so the local norm is the global one."""
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.float64)
+        norms = per_param_norms(grads)
+        return (norms * norms).sum().sqrt()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._handles.clear()
