@@ -1,13 +1,15 @@
 """Gradient sources: where one optimizer step's gradients are seen, per parallelism strategy.
 
 DESIGN §8: the gradient source is a strategy chosen at attach; the rest of the agent (step
-pipeline, step vector, sinks) does not care which. A source produces *device* summary vectors
-(``ddpmon.probes.grads.summarize`` layout: ``[norm, any_bad, first_position, kind, group...]``)
-and never reads a device value on the host on the normal path.
+pipeline, step vector, sinks) does not care which. A source produces *device* vectors of
+per-parameter L2 norms (``NormVector``: one fused pass, e.g. ``probes.grads.per_param_norms``,
+plus at most one small reduction) and never reads a device value on the host on the normal
+path. Everything derived from them (global norm, group norms, the first non-finite parameter and
+its kind, unscaling) is computed on the host after the lazy readback, off the hot path.
 
 Contract every source keeps:
-- ``reduced``: the L2 norm over all *full* gradients of the step, before any clipping, unscaled
-  (``inv_scale`` applied when a GradScaler is in use): what ``torch.nn.utils.clip_grad_norm_``
+- ``reduced``: per-parameter norms of the *full* gradients of the step, before any clipping
+  (their L2 combination is: what ``torch.nn.utils.clip_grad_norm_``
   returns (``.full_tensor()`` for DTensor). Identical on every rank.
 - ``local``: this rank's gradients *before* the reduction (pre all-reduce / reduce-scatter); its
   non-finite flag and first position name the origin parameter (``ParamIndex`` positions, i.e.
@@ -40,13 +42,31 @@ class CommTiming:
 
 
 @dataclass(slots=True)
+class NormVector:
+    """Per-parameter L2 norms of one set of gradients, still on the device."""
+
+    norms: torch.Tensor
+    """1-D float tensor, one L2 norm per entry of ``positions`` (NaN/Inf where the gradient holds
+    them); for sharded gradients the norm of the *full* parameter gradient (partial squares
+    already reduced over the mesh)."""
+    positions: Sequence[int]
+    """``ParamIndex`` positions (registration order of ``model.named_parameters()``, i.e. the
+    original FQNs) of each entry, in the order of ``norms``."""
+    scaled: bool = True
+    """True when the gradients were measured as the GradScaler left them after backward (still
+    multiplied by the loss scale); the pipeline divides by the scale it recorded. False for
+    gradients already unscaled (e.g. measured by ``ddpmon.clip_grad_norm_`` after ``unscale_``).
+    Without a GradScaler the flag is ignored."""
+
+
+@dataclass(slots=True)
 class GradSummaries:
     """Device results for one optimizer step; nothing here has been read on the host."""
 
-    reduced: torch.Tensor | None = None
-    """Summary vector of the global (post-reduction), unscaled, pre-clip gradients."""
-    local: torch.Tensor | None = None
-    """Summary vector of this rank's pre-reduction gradients (None: not measured this step)."""
+    reduced: NormVector | None = None
+    """Norms of the global (post-reduction), pre-clip gradients, identical on every rank."""
+    local: NormVector | None = None
+    """Norms of this rank's pre-reduction gradients (None: not measured this step)."""
     local_complete: bool = True
     """False when ``local`` covers only part of the parameters (its norm is then not reported,
     its non-finite flag still is)."""
@@ -89,9 +109,8 @@ class GradientSource(ABC):
         """A backward pass has finished (every gradient of it is accumulated). Default: no-op."""
 
     @abstractmethod
-    def collect(self, inv_scale: torch.Tensor | None) -> GradSummaries:
-        """Summaries of the step that is ending now. ``inv_scale`` (device, or None) is
-        ``1/loss_scale`` when the gradients the source saw were scaled by a GradScaler."""
+    def collect(self) -> GradSummaries:
+        """Norms of the step that is ending now (device tensors; never read here)."""
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the current gradients of ``params`` as a device tensor, correct for
