@@ -1,0 +1,124 @@
+"""``--config mixin.yaml``: a user's overrides reach the rules and dashboards, and rules for a
+Prometheus Operator job name still pass the shipped promtool unit tests."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddpmon.cli import main
+from ddpmon.mixin.config import MixinConfig, load_config
+from tests.support.contract import PROM_DIR
+
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+OPERATOR_JOB = "monitoring/ddpmon-ranks"
+
+
+def _relabel_tests(src: Path, dest: Path, job: str) -> list[Path]:
+    """The shipped promtool tests with every series and expected label moved to ``job``."""
+    dest.mkdir(parents=True)
+    out = []
+    for path in sorted(src.glob("*.yml")):
+        doc = yaml.safe_load(path.read_text())
+        for case in doc["tests"]:
+            for series in case.get("input_series", []):
+                series["series"] = series["series"].replace('job="ddpmon"', f'job="{job}"')
+            for check in case.get("alert_rule_test", []):
+                for alert in check.get("exp_alerts") or []:
+                    if alert["exp_labels"].get("job") == "ddpmon":
+                        alert["exp_labels"]["job"] = job
+            for check in case.get("promql_expr_test", []):
+                for sample in check.get("exp_samples") or []:
+                    sample["labels"] = sample["labels"].replace('job="ddpmon"', f'job="{job}"')
+        (dest / path.name).write_text(yaml.safe_dump(doc, sort_keys=False))
+        out.append(dest / path.name)
+    return out
+
+
+def _promtool_test(tests: list[Path]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [PROMTOOL, "test", "rules", *map(str, tests)], capture_output=True, text=True,
+        timeout=120, cwd=tests[0].parent,
+    )
+
+
+def test_operator_job_selector_passes_the_promtool_tests(tmp_path: Path) -> None:
+    config = tmp_path / "mixin.yaml"
+    config.write_text(yaml.safe_dump({"job_selector": f'job="{OPERATOR_JOB}"'}))
+    rules = tmp_path / "rules"
+    assert main(["rules", "--write", "--dir", str(rules), "--config", str(config)]) == 0
+    text = (rules / "ddpmon-alerts.yml").read_text()
+    assert f'up{{job="{OPERATOR_JOB}"}}' in text and 'job="ddpmon"' not in text
+    check = subprocess.run(
+        [PROMTOOL, "check", "rules", *map(str, sorted(rules.glob("*.yml")))],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    moved = _relabel_tests(PROM_DIR / "tests", rules / "tests", OPERATOR_JOB)
+    result = _promtool_test(moved)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    # Control: series of the default job do not satisfy the customised rules.
+    unmoved = _relabel_tests(PROM_DIR / "tests", rules / "unmoved", "ddpmon")
+    assert _promtool_test(unmoved).returncode != 0
+
+
+def test_config_fields_reach_rules_and_dashboards(tmp_path: Path) -> None:
+    config = tmp_path / "mixin.yaml"
+    config.write_text(yaml.safe_dump({
+        "job_selector": 'job="train"',
+        "loss_scale_floor_for": "7m",
+        "stall_seconds": 900,
+        "straggler_ratio": 2.5,
+        "dashboard_selector": 'cluster="eu-1"',
+        "dashboard_datasource": "Prometheus EU",
+    }))
+    rules = tmp_path / "rules"
+    assert main(["rules", "--write", "--dir", str(rules), "--config", str(config)]) == 0
+    groups = yaml.safe_load((rules / "ddpmon-alerts.yml").read_text())["groups"]
+    by_name = {r["alert"]: r for g in groups for r in g["rules"]}
+    assert by_name["DdpmonLossScaleAtFloor"]["for"] == "7m"
+    assert "900" in by_name["DdpmonTrainingStalled"]["expr"]
+    assert "2.5 *" in by_name["DdpmonStraggler"]["expr"]
+    root = tmp_path / "out"
+    assert main(["dashboards", "--write", "--dir", str(root), "--config", str(config)]) == 0
+    board = json.loads((root / "dashboards" / "ddpmon-run-overview.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    assert exprs and all('cluster="eu-1"' in e for e in exprs if "ddpmon_" in e), exprs
+    (ds,) = [v for v in board["templating"]["list"] if v["type"] == "datasource"]
+    assert ds["current"]["value"] == "Prometheus EU"
+    # In a checkout, --check still compares against the committed (default) copies.
+    assert main(["dashboards", "--check"]) == 0
+    assert main(["dashboards", "--check", "--config", str(config)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("stall_secs: 5\n", "unknown field"),
+        ("stall_seconds: soon\n", "stall_seconds='soon': expected float"),
+        ("stall_for: five minutes\n", "stall_for"),
+        ("- a list\n", "expected a mapping"),
+        ("job_selector: '{job=\"x\"}'\n", "without braces"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path: Path, content: str, message: str, capsys) -> None:
+    config = tmp_path / "mixin.yaml"
+    config.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(config)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rules", "--check", "--config", str(config)])
+    assert exit_info.value.code == 2
+    assert str(config) in capsys.readouterr().err
+
+
+def test_integers_are_accepted_for_float_fields(tmp_path: Path) -> None:
+    config = tmp_path / "mixin.yaml"
+    config.write_text("straggler_ratio: 2\n")
+    assert load_config(config) == MixinConfig(straggler_ratio=2.0)
