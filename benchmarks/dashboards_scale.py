@@ -43,7 +43,8 @@ from ddpmon.config import DEFAULT_PORT, Config  # noqa: E402
 from ddpmon.mixin import dashboards  # noqa: E402
 from ddpmon.mixin.render import RULES_FILE  # noqa: E402
 from ddpmon.mixin.render import generate as generate_rules  # noqa: E402
-from ddpmon.mixin.stack import Prometheus, find_binary  # noqa: E402
+from ddpmon.services import Prometheus, find_binary  # noqa: E402
+from tests.support import grafana  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "exposition.txt"
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -261,7 +262,7 @@ def run_queries(
     rate_interval = f"{4 * interval}s"
     for doc in dashboards.render_all().values():
         rank: str | list[str] = "All" if doc["uid"] == dashboards.OVERVIEW_UID else detail_rank
-        queries = dashboards.panel_queries(
+        queries = grafana.panel_queries(
             doc,
             {"run": RUN, "rank": rank},
             rate_interval=rate_interval,

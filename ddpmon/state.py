@@ -172,6 +172,14 @@ class MetricState:
     strategy: str = "plain"
     version: int = 0
     """Bumped after every change so the exposition cache knows when to re-render."""
+    grad_nonfinite_poisoned_steps_total: int = 0
+    """Local non-finite steps caused by an earlier non-finite update, not by this rank."""
+    grad_norm_mismatch_total: int = 0
+    """Steps where a trainer-reported norm differed from ddpmon's beyond the tolerance."""
+    stall_threshold_seconds: float | None = None
+    """The agent's ``stall_seconds``, exported so alerts compare against it; None: not set."""
+    strategy: str = "plain"
+    """Parallelism of the model: plain, ddp, fsdp2, hsdp, tp or fsdp2+tp (``rank_info`` label)."""
 
     def apply(self, record: StepRecord) -> None:
         """Fold one step record into the state (training thread)."""

@@ -1,12 +1,16 @@
 """``ddpmon dashboards``: write or check the generated Grafana dashboards and Kubernetes manifests.
 
-``dashboards/*.json`` and ``deploy/kubernetes/*.yaml`` are outputs of ``ddpmon/mixin``; the test
-suite runs the check, so a config change that was not regenerated fails loudly.
+``dashboards/*.json`` and ``deploy/kubernetes/*.yaml`` are outputs of ``ddpmon/mixin``, written
+under ``--dir`` (default: the checkout's root). The test suite runs the check, so a config
+change that was not regenerated fails loudly. Needs the ``dashboards`` extra
+(grafana-foundation-sdk).
 """
 
 from __future__ import annotations
 
 import argparse
+
+from ._generated import add_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,27 +18,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "dashboards",
         help="generate (--write) or verify (--check) the Grafana dashboards and k8s manifests",
     )
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="(re)write the generated files")
-    mode.add_argument(
-        "--check", action="store_true", help="exit 1 with a diff if the files are out of date"
+    add_arguments(
+        p, dir_help="root to write dashboards/ and deploy/kubernetes/ under (default: this "
+        "checkout)",
     )
-    p.add_argument(
-        "--root", default=None, help="repository root to write into (default: this checkout)"
-    )
+    p.add_argument("--root", dest="dir", help=argparse.SUPPRESS)  # the former name of --dir
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.mixin import outputs
+    from ddpmon.mixin import outputs, shipped
 
-    from ._generated import write_or_check
+    from ._generated import load, target_dir, write_or_check
 
+    cfg = load(args)
     return write_or_check(
         write=args.write,
-        root=args.root or outputs.REPO_ROOT,
-        write_fn=outputs.write,
-        check_fn=outputs.check,
+        root=target_dir(args, checkout_default=shipped.checkout_root()) if args.write else args.dir,
+        write_fn=lambda d: outputs.write(d, cfg),
+        check_fn=lambda d: outputs.check(d, cfg),
         what="dashboards and manifests are",
         fix="ddpmon dashboards --write",
     )

@@ -16,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from .. import metrics
 from ..config import DEFAULT_PORT
+from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,6 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after training")
     p.add_argument("--no-progress", action="store_true", help="plain output, no live table")
+    p.add_argument(
+        "--scrape-config",
+        metavar="FILE",
+        default=None,
+        help="client config for the live table when the ranks serve TLS/basic auth "
+        "(DDPMON_WEB_CONFIG); same format as `ddpmon top --scrape-config`",
+    )
     p.set_defaults(func=run)
 
 
@@ -97,11 +106,9 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
     return cmd
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(client: ScrapeClient, port: int) -> dict[str, float]:
     """The values the progress table shows, from one rank's /metrics."""
-    from ..export.scrape import scrape as scrape_target
-
-    return scrape_target(f"127.0.0.1:{port}", timeout=0.5)
+    return client.samples(f"127.0.0.1:{port}", timeout=0.5)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc < 1:
         console.print("[red]--nproc must be >= 1")
+        return 2
+    try:
+        client = ScrapeClient.from_file(args.scrape_config)
+    except ScrapeConfigError as exc:
+        console.print(f"[red]{exc}")
         return 2
     run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
     if args.sd_dir is None:
@@ -138,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"  run dir: {run_path}")
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        code = proc.wait() if args.no_progress else _progress(proc, ports, args.steps, console)
+        code = (
+            proc.wait() if args.no_progress else _progress(proc, client, ports, args.steps, console)
+        )
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -148,38 +162,37 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _progress(proc: subprocess.Popen, ports: list[int], steps: int, console) -> int:
+LIVE_COLUMNS = (
+    ("loss", metrics.LOSS, "{:.4g}"),
+    ("grad norm", metrics.GRAD_NORM, "{:.4g}"),
+    ("local norm", metrics.GRAD_LOCAL_NORM, "{:.4g}"),
+    ("NaN origin steps", metrics.GRAD_NONFINITE_ORIGIN_STEPS, "{:.0f}"),
+    ("loss scale", metrics.AMP_LOSS_SCALE, "{:.0f}"),
+    ("skipped", metrics.AMP_SKIPPED_STEPS, "{:.0f}"),
+)
+"""Live-table columns after rank and step: (header, catalogue metric, format)."""
+
+
+def _progress(
+    proc: subprocess.Popen, client: ScrapeClient, ports: list[int], steps: int, console
+) -> int:
     from rich.live import Live
     from rich.table import Table
 
     def table() -> Table:
         t = Table(title="live (scraped from /metrics)", expand=False)
-        for col in (
-            "rank",
-            "step",
-            "loss",
-            "grad norm",
-            "local norm",
-            "NaN origin steps",
-            "loss scale",
-            "skipped",
-        ):
+        for col in ("rank", "step", *(header for header, _, _ in LIVE_COLUMNS)):
             t.add_column(col, justify="right")
         for rank, port in enumerate(ports):
             try:
-                m = scrape(port)
-            except Exception:
-                t.add_row(str(rank), "[dim]waiting", *[""] * 6)
+                m = scrape(client, port)
+            except (ScrapeError, ValueError):
+                t.add_row(str(rank), "[dim]waiting", *[""] * len(LIVE_COLUMNS))
                 continue
             t.add_row(
                 str(rank),
-                f"{int(m.get('ddpmon_step', -1)) + 1}/{steps}",
-                _fmt(m.get("ddpmon_loss")),
-                _fmt(m.get("ddpmon_grad_norm")),
-                _fmt(m.get("ddpmon_grad_local_norm")),
-                _fmt(m.get("ddpmon_grad_nonfinite_origin_steps_total"), "{:.0f}"),
-                _fmt(m.get("ddpmon_amp_loss_scale"), "{:.0f}"),
-                _fmt(m.get("ddpmon_amp_skipped_steps_total"), "{:.0f}"),
+                f"{int(m.get(metrics.STEP.name, -1)) + 1}/{steps}",
+                *(_fmt(m.get(metric.name), fmt) for _, metric, fmt in LIVE_COLUMNS),
             )
         return t
 

@@ -25,15 +25,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.forensics.manifest import CHECKLIST, check_manifest, manifest_path
+    from ddpmon.forensics.manifest import CHECKLIST, check_manifest
     from ddpmon.forensics.timeline import RunDirError, resolve_run_path
+    from ddpmon.rundir import RunDir
 
     try:
         run_path = resolve_run_path(args.run_dir)
     except RunDirError as exc:
         print(f"ddpmon manifest: {exc}", file=sys.stderr)
         return 2
-    path = manifest_path(run_path)
+    path = RunDir(run_path).manifest()
     if not path.exists():
         print(f"ddpmon manifest: {path} does not exist (rank 0 writes it at attach)",
               file=sys.stderr)

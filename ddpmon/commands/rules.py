@@ -1,39 +1,39 @@
 """``ddpmon rules``: write or check the generated Prometheus rule files.
 
-The files in ``deploy/prometheus/`` are outputs of ``ddpmon/mixin``; CI runs ``--check`` (via
-the test suite) so a config change that was not regenerated fails loudly.
+In a checkout, ``deploy/prometheus/`` holds the committed outputs of ``ddpmon/mixin``; the test
+suite runs ``--check`` so a config change that was not regenerated fails loudly. Installed from
+a wheel, ``--check`` compares against the copies shipped in the package and ``--write`` needs
+``--dir``. ``--config mixin.yaml`` overrides MixinConfig fields (job selector, thresholds...).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from ._generated import add_arguments
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "rules", help="generate (--write) or verify (--check) the Prometheus alert/recording rules"
     )
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="(re)write the rule files")
-    mode.add_argument(
-        "--check", action="store_true", help="exit 1 with a diff if the files are out of date"
-    )
-    p.add_argument(
-        "--dir", default=None, help="output directory (default: deploy/prometheus of this checkout)"
-    )
+    add_arguments(p, dir_help="output directory (default: deploy/prometheus of this checkout)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.mixin import render
+    from ddpmon.mixin import render, shipped
 
-    from ._generated import write_or_check
+    from ._generated import load, target_dir, write_or_check
 
+    cfg = load(args)
+    checkout = shipped.checkout_root()
+    default = checkout / shipped.PROMETHEUS_DIR if checkout else None
     return write_or_check(
         write=args.write,
-        root=args.dir or render.DEFAULT_DIR,
-        write_fn=render.write,
-        check_fn=render.check,
+        root=target_dir(args, checkout_default=default) if args.write else args.dir,
+        write_fn=lambda d: render.write(d, cfg),
+        check_fn=lambda d: render.check(d, cfg),
         what="rule files are",
         fix="ddpmon rules --write` (or `make rules",
     )

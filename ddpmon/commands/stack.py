@@ -3,7 +3,9 @@
 Point it at ranks that publish file_sd targets (``ddpmon demo --sd-dir ddpmon-runs/sd``, or
 ``DDPMON_SD_DIR`` for your own job). Alertmanager's webhooks go to a receiver inside this
 command that prints each notification, so alerts are visible without any external service.
-Data lives in a temporary directory that is removed on exit.
+Data lives in a temporary directory that is removed on exit. The Prometheus and Alertmanager
+configs are the shipped ones (the checkout's ``deploy/``, or the copies in the wheel); the rules
+are generated for ``--config`` (default: the shipped config).
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prometheus-port", type=int, default=9090, help="0 = any free port")
     p.add_argument("--alertmanager-port", type=int, default=9093, help="0 = any free port")
     p.add_argument("--scrape-interval", default=None, help="override the shipped 5s")
+    p.add_argument(
+        "--config", default=None, metavar="FILE",
+        help="YAML file overriding MixinConfig fields for the rules this stack evaluates",
+    )
     p.add_argument(
         "--for-seconds", type=float, default=None,
         help="stop after this many seconds (default: run until Ctrl-C/SIGTERM)",
@@ -67,11 +73,13 @@ class _Printer(BaseHTTPRequestHandler):
 
 def run(args: argparse.Namespace) -> int:
     from ddpmon.mixin import render
-    from ddpmon.mixin.stack import Alertmanager, Prometheus, StackError
+    from ddpmon.services import Alertmanager, Prometheus, StackError
 
+    from ._generated import load
+
+    cfg = load(args)
     sd_dir = Path(args.sd_dir).resolve()
     sd_dir.mkdir(parents=True, exist_ok=True)
-    rule_files = [render.DEFAULT_DIR / render.RULES_FILE, render.DEFAULT_DIR / render.ALERTS_FILE]
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -83,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     workdir = tempfile.TemporaryDirectory(prefix="ddpmon-stack-")
     am = prom = None
     try:
+        # The rules are generated for this config, so the stack works from a wheel too.
+        rule_files = render.write(Path(workdir.name) / "rules", cfg)
         am = Alertmanager(
             Path(workdir.name) / "alertmanager",
             webhook_url=f"http://127.0.0.1:{hook.server_address[1]}",

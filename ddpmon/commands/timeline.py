@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddpmon timeline: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(tl.to_json(), indent=1, default=str))
+        from ddpmon.atomic import dumps
+
+        print(dumps(tl.to_json(), indent=1, sort_keys=False))
     else:
         _render(tl, show_steps=args.steps)
     return 3 if tl.missing_ranks else 0

@@ -1,49 +1,110 @@
-"""``ddpmon top``: every rank of a run in one terminal table, columns in layer order
-(numerics, data supply, memory, communication), read straight from the ranks' endpoints."""
+"""``ddpmon top``: every rank of a run in one terminal table, columns in the catalogue's layer
+order (numerics, data supply, memory, communication), read straight from the ranks' endpoints
+through the shared scrape client (http or https, basic auth, ``--scrape-config``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from .. import metrics
+from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, targets_from_sd_dir
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("top", help="live per-rank table scraped from the ranks' /metrics")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--sd-dir", help="file_sd directory the ranks publish into")
-    src.add_argument("--targets", nargs="+", metavar="HOST:PORT", help="rank endpoints")
+    src.add_argument(
+        "--targets",
+        nargs="+",
+        metavar="TARGET",
+        help="rank endpoints: host:port, or http(s)://host:port[/path]",
+    )
+    p.add_argument(
+        "--scrape-config",
+        metavar="FILE",
+        default=None,
+        help="Prometheus-style client config: scheme, basic_auth, tls_config",
+    )
     p.add_argument("--run", default=None, help="only this run (with --sd-dir)")
     p.add_argument("--interval", type=float, default=2.0, help="refresh period, seconds")
-    p.add_argument("--once", action="store_true", help="print one table and exit")
+    p.add_argument("--timeout", type=float, default=2.0, help="per-endpoint timeout, seconds")
+    p.add_argument("--once", action="store_true", help="one table (or JSON snapshot), then exit")
     p.add_argument("--json", action="store_true", help="one JSON document per refresh")
     p.set_defaults(func=run)
 
 
-COLUMNS = (
-    # (header, layer, function of (current, previous, seconds) -> str)
-    ("rank", "", lambda m, p, dt: _int(m.get("rank"))),
-    ("step", "", lambda m, p, dt: _int(m.get("ddpmon_step"))),
-    ("loss", "numerics", lambda m, p, dt: _num(m.get("ddpmon_loss"))),
-    ("grad norm", "numerics", lambda m, p, dt: _num(m.get("ddpmon_grad_norm"))),
-    ("local norm", "numerics", lambda m, p, dt: _num(m.get("ddpmon_grad_local_norm"))),
-    (
-        "NaN origin",
-        "numerics",
-        lambda m, p, dt: _int(m.get("ddpmon_grad_nonfinite_origin_steps_total")),
-    ),
-    ("scale", "numerics", lambda m, p, dt: _num(m.get("ddpmon_amp_loss_scale"))),
-    ("skipped", "numerics", lambda m, p, dt: _int(m.get("ddpmon_amp_skipped_steps_total"))),
-    ("steps/s", "data", lambda m, p, dt: _rate(m, p, dt, "ddpmon_steps_total")),
-    ("data wait", "data", lambda m, p, dt: _mean_ms(m, "ddpmon_data_wait_seconds")),
-    ("dup batches", "data", lambda m, p, dt: _int(m.get("ddpmon_data_identical_batches_total"))),
-    ("RSS", "memory", lambda m, p, dt: _bytes(m.get("ddpmon_process_resident_memory_bytes"))),
-    ("CUDA alloc", "memory", lambda m, p, dt: _bytes(m.get("ddpmon_cuda_memory_allocated_bytes"))),
-    ("all-reduce", "comm", lambda m, p, dt: _mean_ms(m, "ddpmon_allreduce_duration_seconds")),
-    ("step time", "comm", lambda m, p, dt: _mean_ms(m, "ddpmon_step_duration_seconds")),
-    ("errors", "", lambda m, p, dt: _int(m.get("ddpmon_agent_errors_total"))),
+Cell = Callable[[dict, dict | None, float], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    header: str
+    metric: metrics.Metric | None
+    cell: Cell
+
+    @property
+    def layer(self) -> metrics.Layer | None:
+        return self.metric.layer if self.metric is not None else None
+
+
+def _value(metric: metrics.Metric, fmt: Callable[[float | None], str]) -> Cell:
+    return lambda m, p, dt: fmt(m.get(metric.name))
+
+
+PINNED = (
+    Column("rank", None, lambda m, p, dt: _int(m.get("rank"))),
+    Column("step", None, _value(metrics.STEP, lambda v: _int(v))),
 )
+LAYERED = (
+    Column("loss", metrics.LOSS, _value(metrics.LOSS, lambda v: _num(v))),
+    Column("grad norm", metrics.GRAD_NORM, _value(metrics.GRAD_NORM, lambda v: _num(v))),
+    Column(
+        "local norm", metrics.GRAD_LOCAL_NORM, _value(metrics.GRAD_LOCAL_NORM, lambda v: _num(v))
+    ),
+    Column(
+        "NaN origin",
+        metrics.GRAD_NONFINITE_ORIGIN_STEPS,
+        _value(metrics.GRAD_NONFINITE_ORIGIN_STEPS, lambda v: _int(v)),
+    ),
+    Column("scale", metrics.AMP_LOSS_SCALE, _value(metrics.AMP_LOSS_SCALE, lambda v: _num(v))),
+    Column(
+        "skipped", metrics.AMP_SKIPPED_STEPS, _value(metrics.AMP_SKIPPED_STEPS, lambda v: _int(v))
+    ),
+    Column("steps/s", metrics.STEPS, lambda m, p, dt: _rate(m, p, dt, metrics.STEPS)),
+    Column("step time", metrics.STEP_DURATION, lambda m, p, dt: _mean_ms(m, metrics.STEP_DURATION)),
+    Column("data wait", metrics.DATA_WAIT, lambda m, p, dt: _mean_ms(m, metrics.DATA_WAIT)),
+    Column(
+        "dup batches",
+        metrics.DATA_IDENTICAL_BATCHES,
+        _value(metrics.DATA_IDENTICAL_BATCHES, lambda v: _int(v)),
+    ),
+    Column(
+        "RSS",
+        metrics.PROCESS_RESIDENT_MEMORY,
+        _value(metrics.PROCESS_RESIDENT_MEMORY, lambda v: _bytes(v)),
+    ),
+    Column(
+        "CUDA alloc",
+        metrics.CUDA_MEMORY_ALLOCATED,
+        _value(metrics.CUDA_MEMORY_ALLOCATED, lambda v: _bytes(v)),
+    ),
+    Column(
+        "all-reduce",
+        metrics.ALLREDUCE_DURATION,
+        lambda m, p, dt: _mean_ms(m, metrics.ALLREDUCE_DURATION),
+    ),
+    Column("errors", metrics.AGENT_ERRORS, _value(metrics.AGENT_ERRORS, lambda v: _int(v))),
+)
+LAYER_ORDER = list(metrics.Layer)
+COLUMNS = PINNED + tuple(sorted(LAYERED, key=lambda c: LAYER_ORDER.index(c.layer)))
+"""Pinned key columns, then columns grouped in the catalogue's layer order."""
 
 
 def _num(v: float | None) -> str:
@@ -64,12 +125,13 @@ def _bytes(v: float | None) -> str:
     return "-"
 
 
-def _mean_ms(m: dict, name: str) -> str:
-    count, total = m.get(f"{name}_count"), m.get(f"{name}_sum")
+def _mean_ms(m: dict, metric: metrics.Metric) -> str:
+    count, total = m.get(metric.sample("count")), m.get(metric.sample("sum"))
     return "-" if not count else f"{total / count * 1000:.1f} ms"
 
 
-def _rate(m: dict, prev: dict | None, dt: float, name: str) -> str:
+def _rate(m: dict, prev: dict | None, dt: float, metric: metrics.Metric) -> str:
+    name = metric.name
     if not prev or dt <= 0 or name not in m or name not in prev:
         return "-"
     return f"{(m[name] - prev[name]) / dt:.2f}"
@@ -78,38 +140,42 @@ def _rate(m: dict, prev: dict | None, dt: float, name: str) -> str:
 def _targets(args: argparse.Namespace) -> list[str]:
     if args.targets:
         return list(args.targets)
-    from ..export.scrape import targets_from_sd_dir
-
     return [t for t, _ in targets_from_sd_dir(args.sd_dir, args.run)]
 
 
-def _collect(targets: list[str]) -> dict[str, dict | None]:
-    from ..export.scrape import scrape
+Results = dict[str, dict | None]
+
+
+def _collect(client: ScrapeClient, targets: list[str], timeout: float) -> tuple[Results, dict]:
+    """Every target's flattened samples (None when down) and each failure's message."""
+    errors: dict[str, str] = {}
 
     def one(target: str) -> dict | None:
         try:
-            return scrape(target)
-        except Exception:
+            return client.samples(target, timeout)
+        except (ScrapeError, ScrapeConfigError, ValueError) as exc:
+            errors[target] = str(exc)
             return None
 
     if not targets:
-        return {}
+        return {}, errors
     with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
-        return dict(zip(targets, pool.map(one, targets), strict=True))
+        return dict(zip(targets, pool.map(one, targets), strict=True)), errors
 
 
-def _table(results: dict[str, dict | None], previous: dict, dt: float):
+def _table(results: Results, previous: dict, dt: float):
     from rich.table import Table
 
     table = Table(title=f"ddpmon top: {len(results)} rank endpoint(s)")
-    for header, layer, _ in COLUMNS:
-        table.add_column(f"{header}\n[dim]{layer}[/]" if layer else header, justify="right")
+    for col in COLUMNS:
+        header = f"{col.header}\n[dim]{col.layer}[/]" if col.layer else col.header
+        table.add_column(header, justify="right")
     rows = []
     for target, m in results.items():
         if m is None:
             rows.append((float("inf"), [f"[red]{target} down", *[""] * (len(COLUMNS) - 1)]))
             continue
-        cells = [fn(m, previous.get(target), dt) for _, _, fn in COLUMNS]
+        cells = [col.cell(m, previous.get(target), dt) for col in COLUMNS]
         rows.append((m.get("rank", float("inf")), cells))
     for _, cells in sorted(rows, key=lambda r: r[0]):
         table.add_row(*cells)
@@ -118,25 +184,33 @@ def _table(results: dict[str, dict | None], previous: dict, dt: float):
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
+    try:
+        client = ScrapeClient.from_file(args.scrape_config)
+        for target in args.targets or ():
+            client.target(target)  # a malformed target is a usage error, not a down rank
+    except ScrapeConfigError as exc:
+        print(f"ddpmon top: {exc}", file=sys.stderr)
+        return 2
     previous: dict[str, dict] = {}
     last = time.monotonic()
     while True:
         targets = _targets(args)
-        results = _collect(targets)
+        results, errors = _collect(client, targets, args.timeout)
         now = time.monotonic()
         if args.json:
-            print(json.dumps({"ts": time.time(), "ranks": results}, default=str), flush=True)
+            doc = {"ts": time.time(), "ranks": results, "errors": errors}
+            print(json.dumps(doc, default=str), flush=True)
+        elif not targets:
+            console.print("no rank endpoints found" + (f" in {args.sd_dir}" if args.sd_dir else ""))
         else:
-            if not targets:
-                console.print(
-                    "no rank endpoints found" + (f" in {args.sd_dir}" if args.sd_dir else "")
-                )
-            else:
-                if not args.once:
-                    console.clear()
-                console.print(_table(results, previous, now - last))
+            if not args.once:
+                console.clear()
+            console.print(_table(results, previous, now - last))
+            for _target, message in sorted(errors.items()):
+                console.print(f"[red]{escape(message)}", soft_wrap=True)
         previous = {t: m for t, m in results.items() if m is not None}
         last = now
         if args.once:

@@ -9,13 +9,14 @@ is no longer its child and its exit status cannot be collected.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ..atomic import write_json_atomic
 
 
 def _signal_name(num: int) -> str:
@@ -29,12 +30,6 @@ def _rank_status(exitcode: int) -> dict[str, Any]:
     if exitcode < 0:
         return {"exit_code": None, "signal": -exitcode, "signal_name": _signal_name(-exitcode)}
     return {"exit_code": exitcode, "signal": None, "signal_name": None}
-
-
-def _write(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     doc["ended_at"] = time.time()
     doc["exit_code"] = code
-    _write(opts.result, doc)
+    write_json_atomic(opts.result, doc)
     return code
 
 

@@ -12,6 +12,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from ..rundir import EVENTS_RE, RunDir
+
 FAILURE_EVENT_KINDS = frozenset(
     {"nonfinite", "scale_floor", "stall", "oom", "signal", "exception", "thread_exception", "crash"}
 )
@@ -29,7 +31,7 @@ def read_result(path: Path) -> dict[str, Any] | None:
 def event_failures(run_path: Path) -> list[dict[str, Any]]:
     """Failure-like events in ``events.rank<R>.jsonl`` files; the earliest few per rank."""
     found: list[dict[str, Any]] = []
-    for log in sorted(run_path.glob("events.rank*.jsonl")):
+    for log in RunDir(run_path).ranked(EVENTS_RE).values():
         per_file = 0
         try:
             with log.open("r", encoding="utf-8", errors="replace") as fh:

@@ -10,6 +10,9 @@ command. Example::
     max_arg_length: 256
     max_running_jobs: 4
     port_range: [7500, 7999]
+    scrape_config:                 # how the job summary reads ranks that serve web_config
+      basic_auth: {username: prometheus, password_file: prometheus.pw}
+      tls_config: {ca_file: ca.crt}  # or a path to a file in `ddpmon top --scrape-config` format
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 import yaml
 
 from ..config import DEFAULT_PORT
+from ..export.scrape import ScrapeClient, ScrapeConfig, ScrapeConfigError
 
 DEFAULT_DAEMON_PORT = DEFAULT_PORT - 1
 
@@ -74,6 +78,9 @@ class DaemonSettings:
     """How often job processes are checked and their ranks' /metrics scraped."""
     torchrun_args: list[str] = field(default_factory=lambda: ["--monitor-interval", "0.1"])
     """Extra torchrun options (before the entry point)."""
+    scrape_config: ScrapeConfig = field(default_factory=ScrapeConfig)
+    """Client config for scraping the jobs' ranks (scheme, basic_auth, tls_config), as in a
+    Prometheus scrape config; inline or a file path, relative paths against this file."""
 
     def __post_init__(self) -> None:
         for name, (low, high) in {
@@ -91,8 +98,14 @@ class DaemonSettings:
         if self.cancel_grace_seconds < 0 or self.poll_seconds <= 0:
             raise SettingsError("cancel_grace_seconds must be >= 0 and poll_seconds > 0")
 
+    def scrape_client(self) -> ScrapeClient:
+        """The shared client the job summary scrapes ranks with."""
+        return ScrapeClient.for_config(self.scrape_config)
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DaemonSettings:
+    def from_dict(
+        cls, data: dict[str, Any], *, source: str = "daemon config", base_dir: Path | None = None
+    ) -> DaemonSettings:
         data = dict(data or {})
         known = set(cls.__dataclass_fields__)
         unknown = set(data) - known
@@ -111,6 +124,10 @@ class DaemonSettings:
                     raise SettingsError(f"entrypoints.{name}: unknown key(s) {sorted(extra)}")
                 eps[str(name)] = Entrypoint(name=str(name), **spec)
             data["entrypoints"] = eps
+        if "scrape_config" in data:
+            data["scrape_config"] = _scrape_config(
+                data["scrape_config"], source, base_dir or Path.cwd()
+            )
         if "port_range" in data:
             data["port_range"] = tuple(int(x) for x in data["port_range"])
         return cls(**data)
@@ -125,4 +142,16 @@ class DaemonSettings:
             raise SettingsError(f"{path}: {exc}") from exc
         if not isinstance(data, dict):
             raise SettingsError(f"{path}: expected a YAML mapping")
-        return cls.from_dict(data)
+        return cls.from_dict(data, source=str(path), base_dir=Path(path).parent)
+
+
+def _scrape_config(raw: Any, source: str, base_dir: Path) -> ScrapeConfig:
+    """An inline mapping, or the path of a file in the same format."""
+    try:
+        if isinstance(raw, str):
+            path = Path(raw).expanduser()
+            return ScrapeConfig.load(path if path.is_absolute() else base_dir / path)
+        return ScrapeConfig.from_dict(raw, source=f"{source}: scrape_config", base_dir=base_dir)
+    except ScrapeConfigError as exc:
+        prefix = f"{source}: scrape_config: " if isinstance(raw, str) else ""
+        raise SettingsError(f"{prefix}{exc}") from exc

@@ -2,27 +2,34 @@
 
 Only a handful of headline series are kept per rank (step, loss, norms, loss scale, skipped and
 non-finite counts); the last values seen are retained after a rank exits, so a finished job still
-shows where it got to.
+shows where it got to. Scrapes go through the shared ``ScrapeClient``, so ranks that serve TLS
+and basic auth are read with the daemon config's ``scrape_config``.
 """
 
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .. import metrics
+from ..export.scrape import ScrapeClient, ScrapeError, Target
+
 HEADLINE = {
-    "ddpmon_step": "step",
-    "ddpmon_loss": "loss",
-    "ddpmon_grad_norm": "grad_norm",
-    "ddpmon_amp_loss_scale": "loss_scale",
-    "ddpmon_steps_total": "steps_total",
-    "ddpmon_amp_skipped_steps_total": "skipped_steps_total",
-    "ddpmon_grad_nonfinite_steps_total": "nonfinite_steps_total",
-    "ddpmon_world_size": "world_size",
+    metrics.STEP.name: "step",
+    metrics.LOSS.name: "loss",
+    metrics.GRAD_NORM.name: "grad_norm",
+    metrics.AMP_LOSS_SCALE.name: "loss_scale",
+    metrics.STEPS.name: "steps_total",
+    metrics.AMP_SKIPPED_STEPS.name: "skipped_steps_total",
+    metrics.GRAD_NONFINITE_STEPS.name: "nonfinite_steps_total",
+    metrics.WORLD_SIZE.name: "world_size",
 }
+"""Catalogue metric -> key in the job summary (the keys are the daemon API's contract)."""
+
+_PLAIN = ScrapeClient()
+"""Plain http, no auth: what a rank without ``web_config`` serves."""
 
 
 def parse_headline(text: str) -> dict[str, float]:
@@ -35,24 +42,32 @@ def parse_headline(text: str) -> dict[str, float]:
     return values
 
 
-def scrape(host: str, port: int, timeout: float = 0.5) -> dict[str, float] | None:
-    """Headline values from one rank, or None when it does not answer (yet, or any more)."""
+def scrape(
+    host: str, port: int, timeout: float = 0.5, client: ScrapeClient | None = None
+) -> dict[str, float]:
+    """Headline values from one rank; ``ScrapeError`` when it does not answer (yet, or any
+    more) or refuses the client (the message says why)."""
+    client = client or _PLAIN
+    target = Target(client.config.scheme, host, port, client.config.metrics_path)
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as resp:
-            text = resp.read(4_000_000).decode("utf-8", "replace")
-        return parse_headline(text)
-    except Exception:
-        return None
+        return parse_headline(client.fetch(target, timeout))
+    except ValueError as exc:  # not an exposition
+        raise ScrapeError(f"{target.url}: unreadable answer: {exc}") from exc
 
 
-def merge(previous: dict[str, Any], host: str, ports: list[int]) -> dict[str, Any]:
+def merge(
+    previous: dict[str, Any], host: str, ports: list[int], client: ScrapeClient | None = None
+) -> dict[str, Any]:
     """Scrape every rank port and fold the answers into ``previous`` (kept values persist)."""
     now = time.time()
     ranks: dict[str, Any] = dict(previous.get("ranks", {}))
     up = 0
+    errors: dict[str, str] = {}
     for local_rank, port in enumerate(ports):
-        values = scrape(host, port)
-        if values is None:
+        try:
+            values = scrape(host, port, client=client)
+        except ScrapeError as exc:
+            errors[str(local_rank)] = str(exc)
             if str(local_rank) in ranks:
                 ranks[str(local_rank)]["up"] = False
             continue
@@ -63,4 +78,6 @@ def merge(previous: dict[str, Any], host: str, ports: list[int]) -> dict[str, An
     if steps:
         summary["min_step"], summary["max_step"] = min(steps), max(steps)
     summary["scrapes_ok"] = int(previous.get("scrapes_ok", 0)) + up
+    if errors:
+        summary["scrape_errors"] = errors
     return summary

@@ -20,16 +20,16 @@ from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
-    InfoMetricFamily,  # noqa: F401  (kept for users extending the collector)
     Metric,
 )
 from prometheus_client.registry import Collector
 
+from .. import metrics as m
 from ..identity import RankIdentity
 from ..sources.allocator import AllocatorReading
 from ..sources.host import ProcessReading
 from ..sources.nvml import GpuReading
-from ..state import MetricState
+from ..state import Histogram, MetricState
 
 log = logging.getLogger("ddpmon.collector")
 
@@ -99,6 +99,8 @@ class LiveSources:
 
 
 class DdpmonCollector(Collector):
+    """Yields one family per catalogue entry that has data, in catalogue order."""
+
     def __init__(
         self,
         state: MetricState,
@@ -113,213 +115,135 @@ class DdpmonCollector(Collector):
         self.versions = versions
         self.live = live
 
-    # -- helpers ---------------------------------------------------------------------------
-    def _labels(self, **extra: str) -> tuple[list[str], list[str]]:
-        names = ["run", "rank", *extra]
-        values = [self.run_id, str(self.identity.rank), *extra.values()]
-        return names, values
-
-    def _gauge(self, name: str, doc: str, value: float, **extra: str) -> GaugeMetricFamily:
-        names, values = self._labels(**extra)
-        fam = GaugeMetricFamily(name, doc, labels=names)
-        fam.add_metric(values, value)
-        return fam
-
-    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
-        names, values = self._labels()
-        fam = CounterMetricFamily(name, doc, labels=names)
-        fam.add_metric(values, value)
-        return fam
-
-    def _histogram(self, name: str, doc: str, hist: Any) -> HistogramMetricFamily:
-        names, values = self._labels()
-        buckets, total, _count = hist.cumulative()
-        fam = HistogramMetricFamily(name, doc, labels=names)
-        fam.add_metric(values, buckets, total)
-        return fam
-
-    # -- collect ---------------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
+        live = self.live.refresh_if_stale() if self.live is not None else None
+        values = self._state_values()
+        if live is not None:
+            values.update(_live_values(live))
+        base = [self.run_id, str(self.identity.rank)]
+        for metric in m.CATALOGUE:
+            samples = values.get(metric)
+            if samples is not None:
+                yield _family(metric, base, samples)
+
+    def _state_values(self) -> dict[m.Metric, Samples]:
         s, ident = self.state, self.identity
-        yield self._gauge(
-            "ddpmon_rank_info",
-            "Identity of this rank; join with DCGM series on gpu_uuid.",
-            1,
-            local_rank=str(ident.local_rank),
-            world_size=str(ident.world_size),
-            node=ident.node,
-            backend=ident.backend,
-            device=ident.device,
-            gpu_uuid=ident.gpu_uuid,
-            pid=str(ident.pid),
-        )
-        yield self._gauge(
-            "ddpmon_build_info", "Versions of ddpmon and its stack.", 1, **self.versions
-        )
-        yield self._gauge("ddpmon_world_size", "Number of ranks the job expects.", ident.world_size)
-        yield self._gauge("ddpmon_step", "Index of the last completed step.", s.step)
-        yield self._counter(
-            "ddpmon_steps", "Steps completed, skipped ones included.", s.steps_total
-        )
-        yield self._gauge(
-            "ddpmon_last_step_timestamp_seconds",
-            "Wall time of the last completed step (attach time before the first).",
-            s.last_step_timestamp or s.started_at,
-        )
-        yield self._histogram("ddpmon_step_duration_seconds", "Step wall time.", s.step_duration)
-        yield self._histogram(
-            "ddpmon_data_wait_seconds",
-            "Time from a step's end to the next step's start.",
-            s.data_wait,
-        )
-        yield self._counter(
-            "ddpmon_data_identical_batches",
-            "Sampled steps where another rank's local gradients were bit-identical to this "
-            "rank's: duplicated data shards.",
-            s.data_identical_batches_total,
-        )
+        out: dict[m.Metric, Samples] = {
+            m.RANK_INFO: [
+                (
+                    (
+                        str(ident.local_rank),
+                        str(ident.world_size),
+                        ident.node,
+                        ident.backend,
+                        ident.device,
+                        ident.gpu_uuid,
+                        str(ident.pid),
+                        s.strategy,
+                    ),
+                    1,
+                )
+            ],
+            m.BUILD_INFO: [
+                (tuple(self.versions.get(k, "") for k in m.BUILD_INFO.labels), 1)
+            ],
+            m.WORLD_SIZE: _one(ident.world_size),
+            m.STEP: _one(s.step),
+            m.STEPS: _one(s.steps_total),
+            m.LAST_STEP_TIMESTAMP: _one(s.last_step_timestamp or s.started_at),
+            m.STEP_DURATION: s.step_duration,
+            m.DATA_WAIT: s.data_wait,
+            m.DATA_IDENTICAL_BATCHES: _one(s.data_identical_batches_total),
+            m.LOSS_NONFINITE: _one(s.loss_nonfinite_total),
+            m.GRAD_NONFINITE_STEPS: _one(s.grad_nonfinite_steps_total),
+            m.GRAD_NONFINITE_ORIGIN_STEPS: _one(s.grad_nonfinite_origin_steps_total),
+            m.GRAD_NONFINITE_POISONED_STEPS: _one(s.grad_nonfinite_poisoned_steps_total),
+            m.GRAD_NORM_MISMATCH: _one(s.grad_norm_mismatch_total),
+            m.ALLREDUCE_DURATION: s.allreduce_duration,
+            m.ALLREDUCE_BYTES: _one(s.allreduce_bytes_total),
+            m.AGENT_ERRORS: [((probe,), n) for probe, n in sorted(dict(s.agent_errors).items())],
+        }
+        if s.stall_threshold_seconds is not None:
+            out[m.STALL_THRESHOLD] = _one(s.stall_threshold_seconds)
         if s.loss is not None:
-            yield self._gauge("ddpmon_loss", "Last observed loss.", s.loss)
-        yield self._counter(
-            "ddpmon_loss_nonfinite", "Non-finite losses observed.", s.loss_nonfinite_total
-        )
+            out[m.LOSS] = _one(s.loss)
         if s.grad_norm is not None:
-            yield self._gauge(
-                "ddpmon_grad_norm",
-                "Global L2 norm of unscaled gradients after reduction.",
-                s.grad_norm,
-            )
+            out[m.GRAD_NORM] = _one(s.grad_norm)
         if s.grad_local_norm is not None:
-            yield self._gauge(
-                "ddpmon_grad_local_norm",
-                "L2 norm of this rank's unscaled gradients before the all-reduce.",
-                s.grad_local_norm,
-            )
+            out[m.GRAD_LOCAL_NORM] = _one(s.grad_local_norm)
         if s.group_norms:
-            names, values = self._labels(group="")
-            fam = GaugeMetricFamily(
-                "ddpmon_grad_group_norm",
-                "L2 norm of unscaled gradients per module group.",
-                labels=names,
-            )
-            for group, norm in list(s.group_norms.items()):
-                fam.add_metric([*values[:-1], group], norm)
-            yield fam
-        yield self._counter(
-            "ddpmon_grad_nonfinite_steps",
-            "Steps whose reduced gradients held NaN or Inf.",
-            s.grad_nonfinite_steps_total,
-        )
-        yield self._counter(
-            "ddpmon_grad_nonfinite_origin_steps",
-            "Steps where this rank's local gradients held NaN or Inf before the all-reduce.",
-            s.grad_nonfinite_origin_steps_total,
-        )
+            out[m.GRAD_GROUP_NORM] = [((g, ), v) for g, v in list(s.group_norms.items())]
         first = s.first_nonfinite
         if first is not None:
-            yield self._gauge(
-                "ddpmon_grad_first_nonfinite_info",
-                "First local non-finite gradient seen on this rank.",
-                1,
-                step=str(first.step),
-                param=first.param,
-                kind=first.kind,
-            )
+            out[m.GRAD_FIRST_NONFINITE_INFO] = [((str(first.step), first.param, first.kind), 1)]
         if s.amp_enabled:
             if s.loss_scale is not None:
-                yield self._gauge("ddpmon_amp_loss_scale", "Current AMP loss scale.", s.loss_scale)
-            yield self._gauge(
-                "ddpmon_amp_loss_scale_floor",
-                "Configured loss scale floor; alerts compare against it.",
-                s.loss_scale_floor,
-            )
-            yield self._counter(
-                "ddpmon_amp_skipped_steps",
-                "Optimizer steps skipped by the GradScaler.",
-                s.amp_skipped_steps_total,
-            )
-        yield self._histogram(
-            "ddpmon_allreduce_duration_seconds",
-            "All-reduce time per gradient bucket, launch to completion.",
-            s.allreduce_duration,
-        )
-        yield self._counter("ddpmon_allreduce_bytes", "Bytes all-reduced.", s.allreduce_bytes_total)
-        yield from self._live_families()
-        names, values = self._labels(probe="")
-        errors = CounterMetricFamily(
-            "ddpmon_agent_errors", "Probe failures; training went on.", labels=names
-        )
-        for probe, count in sorted(dict(s.agent_errors).items()):
-            errors.add_metric([*values[:-1], probe], count)
-        yield errors
+                out[m.AMP_LOSS_SCALE] = _one(s.loss_scale)
+            out[m.AMP_LOSS_SCALE_FLOOR] = _one(s.loss_scale_floor)
+            out[m.AMP_SKIPPED_STEPS] = _one(s.amp_skipped_steps_total)
+        return out
 
-    def _live_families(self) -> Iterator[Metric]:
-        if self.live is None:
-            return
-        live = self.live.refresh_if_stale()
-        if live.allocator is not None:
-            a = live.allocator
-            for name, doc, value in (
-                (
-                    "ddpmon_cuda_memory_allocated_bytes",
-                    "Allocator: bytes in tensors.",
-                    a.allocated_bytes,
-                ),
-                (
-                    "ddpmon_cuda_memory_reserved_bytes",
-                    "Allocator: bytes reserved.",
-                    a.reserved_bytes,
-                ),
-                (
-                    "ddpmon_cuda_memory_peak_allocated_bytes",
-                    "Allocator: peak bytes in tensors.",
-                    a.peak_allocated_bytes,
-                ),
-            ):
-                yield self._gauge(name, doc, value)
-            yield self._counter(
-                "ddpmon_cuda_alloc_retries", "Allocator retries.", a.alloc_retries_total
-            )
-            yield self._counter("ddpmon_cuda_ooms", "Allocator out-of-memory errors.", a.ooms_total)
-        if live.gpus:
-            for name, doc, attr in (
-                ("ddpmon_gpu_memory_used_bytes", "NVML: device memory used.", "memory_used_bytes"),
-                (
-                    "ddpmon_gpu_memory_total_bytes",
-                    "NVML: device memory total.",
-                    "memory_total_bytes",
-                ),
-                ("ddpmon_gpu_utilization_ratio", "NVML: GPU utilisation 0-1.", "utilization_ratio"),
-                ("ddpmon_gpu_temperature_celsius", "NVML: GPU temperature.", "temperature_celsius"),
-                ("ddpmon_gpu_power_watts", "NVML: power draw.", "power_watts"),
-            ):
-                names, values = self._labels(gpu="")
-                fam = GaugeMetricFamily(name, doc, labels=names)
-                for gpu in live.gpus:
-                    value = getattr(gpu, attr)
-                    if value is not None:
-                        fam.add_metric([*values[:-1], str(gpu.index)], value)
-                yield fam
-        if live.process is not None:
-            yield self._gauge(
-                "ddpmon_process_resident_memory_bytes",
-                "Resident memory of this rank's process.",
-                live.process.resident_memory_bytes,
-            )
-            yield self._counter(
-                "ddpmon_process_cpu_seconds",
-                "CPU time of this rank's process.",
-                live.process.cpu_seconds_total,
-            )
-        names, values = self._labels(collector="")
-        fam = GaugeMetricFamily(
-            "ddpmon_collector_success",
-            "1 when a live source was read, 0 when it failed or is absent.",
-            labels=names,
-        )
-        for collector, ok in sorted(live.success.items()):
-            fam.add_metric([*values[:-1], collector], 1.0 if ok else 0.0)
-        yield fam
+
+Samples = list[tuple[tuple[str, ...], float]] | Histogram
+"""A family's samples: (extra label values, value) pairs, or a histogram."""
+
+
+def _one(value: float) -> Samples:
+    return [((), value)]
+
+
+GPU_ATTRS = {
+    m.GPU_MEMORY_USED: "memory_used_bytes",
+    m.GPU_MEMORY_TOTAL: "memory_total_bytes",
+    m.GPU_UTILIZATION: "utilization_ratio",
+    m.GPU_TEMPERATURE: "temperature_celsius",
+    m.GPU_POWER: "power_watts",
+}
+
+
+def _live_values(live: LiveReadings) -> dict[m.Metric, Samples]:
+    out: dict[m.Metric, Samples] = {}
+    if (a := live.allocator) is not None:
+        out[m.CUDA_MEMORY_ALLOCATED] = _one(a.allocated_bytes)
+        out[m.CUDA_MEMORY_RESERVED] = _one(a.reserved_bytes)
+        out[m.CUDA_MEMORY_PEAK_ALLOCATED] = _one(a.peak_allocated_bytes)
+        out[m.CUDA_ALLOC_RETRIES] = _one(a.alloc_retries_total)
+        out[m.CUDA_OOMS] = _one(a.ooms_total)
+    if live.gpus:
+        for metric, attr in GPU_ATTRS.items():
+            out[metric] = [
+                ((str(gpu.index),), getattr(gpu, attr))
+                for gpu in live.gpus
+                if getattr(gpu, attr) is not None
+            ]
+    if (p := live.process) is not None:
+        out[m.PROCESS_RESIDENT_MEMORY] = _one(p.resident_memory_bytes)
+        out[m.PROCESS_CPU_SECONDS] = _one(p.cpu_seconds_total)
+    out[m.COLLECTOR_SUCCESS] = [
+        ((name,), 1.0 if ok else 0.0) for name, ok in sorted(live.success.items())
+    ]
+    return out
+
+
+_FAMILIES = {
+    m.MetricType.GAUGE: GaugeMetricFamily,
+    m.MetricType.COUNTER: CounterMetricFamily,
+    m.MetricType.HISTOGRAM: HistogramMetricFamily,
+}
+
+
+def _family(metric: m.Metric, base: list[str], samples: Samples) -> Metric:
+    """One family with the catalogue's name, type, help, unit and labels."""
+    fam = _FAMILIES[metric.type](
+        metric.family, metric.help, labels=list(metric.all_labels), unit=metric.unit
+    )
+    if isinstance(samples, Histogram):
+        buckets, total, _count = samples.cumulative()
+        fam.add_metric(base, buckets, total)
+    else:
+        for extra, value in samples:
+            fam.add_metric([*base, *extra], value)
+    return fam
 
 
 class Exposition:

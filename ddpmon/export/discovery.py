@@ -5,17 +5,18 @@ removes it on close, so Prometheus (which watches the directory) starts scraping
 as it serves and drops it when it exits cleanly. A rank that is killed leaves its file behind:
 that target then reads ``up == 0`` and DdpmonRankDown fires, which is the point.
 
-Writes are atomic (temporary file in the same directory, fsync, ``os.replace``): Prometheus
-never reads a half-written file.
+Writes go through :func:`ddpmon.atomic.write_json_atomic` (temporary file in the same
+directory, fsync, ``os.replace``, mode 0644): Prometheus never reads a half-written file, and
+the temporary name starts with ``.`` so a ``*.json`` glob in prometheus.yml never matches it.
+The per-rank file name is :func:`ddpmon.rundir.sd_filename`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import tempfile
 from pathlib import Path
+
+from ..atomic import write_json_atomic
 
 
 class FileSDPublisher:
@@ -36,29 +37,7 @@ class FileSDPublisher:
 
     def publish(self) -> Path:
         """Write (or replace) the target file atomically; create the directory if needed."""
-        directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        data = (json.dumps(self.content(), indent=2, sort_keys=True) + "\n").encode()
-        # The temporary name must not match a `*.json` glob in prometheus.yml.
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        return self.path
+        return write_json_atomic(self.path, self.content(), indent=2, sort_keys=True, mode=0o644)
 
     def remove(self) -> None:
         """Delete the target file; idempotent, and silent if it is already gone."""

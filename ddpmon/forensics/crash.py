@@ -15,6 +15,11 @@
   become ``thread_exception`` events (the process goes on, so they are not an exit).
 - Normal interpreter exit: an ``exit`` event (``reason="normal"``) from ``atexit``. ``os._exit`` and
   SIGKILL leave no event by nature; the timeline reports such ranks as vanished.
+- A clean end leaves no empty files: ``faulthandler`` needs an open descriptor from the start,
+  so both files are created at install and removed again at ``uninstall`` or normal exit when
+  nothing was written to them (a file that already held an earlier attempt's stacks is kept).
+  From then on the previous ``faulthandler`` setting applies (e.g. a crash during interpreter
+  teardown goes to stderr if faulthandler was on before, as it would without ddpmon).
   ``code`` is what ``sys.exit`` was given (``sys.exit`` is wrapped while installed to see it);
   a bare ``raise SystemExit(n)`` is reported as 0.
 """
@@ -34,17 +39,19 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..rundir import RunDir
+
 log = logging.getLogger("ddpmon.crash")
 
 FATAL_SIGNALS = ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL")
 
 
 def crash_path(run_path: Path | str, rank: int) -> Path:
-    return Path(run_path) / f"crash.rank{rank}.txt"
+    return RunDir(run_path).crash(rank)
 
 
 def sigterm_path(run_path: Path | str, rank: int) -> Path:
-    return Path(run_path) / f"sigterm.rank{rank}.txt"
+    return RunDir(run_path).sigterm(rank)
 
 
 class CrashCapture:
@@ -110,6 +117,11 @@ class CrashCapture:
         if sys.exit == self._sys_exit:
             sys.exit = self._prev_sys_exit
         atexit.unregister(self._atexit)
+        self._release_files()
+
+    def _release_files(self) -> None:
+        """Hand the fatal-signal and SIGTERM dumps back to their previous owner, then close
+        both files and remove each one that is still empty (nothing happened)."""
         try:
             if self._term_registered:
                 faulthandler.unregister(signal.SIGTERM)
@@ -119,14 +131,19 @@ class CrashCapture:
                     faulthandler.enable(file=sys.stderr, all_threads=True)
                 else:
                     faulthandler.disable()
+                self._prev_faulthandler = None
         except Exception:
             pass
         for fh in (self._crash_file, self._term_file):
-            if fh is not None:
-                try:
-                    fh.close()
-                except Exception:
-                    pass
+            if fh is None:
+                continue
+            try:
+                empty = os.fstat(fh.fileno()).st_size == 0
+                fh.close()
+                if empty:
+                    os.unlink(fh.name)
+            except Exception:
+                pass
         self._crash_file = self._term_file = None
 
     # -- hooks -----------------------------------------------------------------------------
@@ -174,6 +191,7 @@ class CrashCapture:
     def _atexit(self) -> None:
         code = 0 if self._exit_code is None else self._exit_code
         self._emit_exit(reason="normal", code=code)
+        self._release_files()  # hooks stay: atexit.unregister from inside atexit is unsafe
 
     def _emit_exit(self, **fields: Any) -> None:
         if self._exit_emitted:

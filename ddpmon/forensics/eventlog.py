@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ..atomic import json_safe
+from ..rundir import RunDir
 
 log = logging.getLogger("ddpmon.eventlog")
 
@@ -45,32 +47,11 @@ KINDS = (
 
 
 def events_path(run_path: Path | str, rank: int) -> Path:
-    return Path(run_path) / f"events.rank{rank}.jsonl"
+    return RunDir(run_path).events(rank)
 
 
-def jsonable(value: Any, _depth: int = 0) -> Any:
-    """A strict-JSON version of ``value``: non-finite floats as strings, unknown types via str."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value):
-            return value
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if _depth > 8:
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): jsonable(v, _depth + 1) for k, v in value.items()}
-    if isinstance(value, list | tuple | set | frozenset):
-        return [jsonable(v, _depth + 1) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    item = getattr(value, "item", None)  # torch / numpy scalars
-    if callable(item) and getattr(value, "numel", lambda: 1)() == 1:
-        try:
-            return jsonable(item(), _depth + 1)
-        except Exception:
-            pass
-    return str(value)
+jsonable = json_safe
+"""The one JSON sanitiser (:func:`ddpmon.atomic.json_safe`), under its former name."""
 
 
 class EventLog:
@@ -150,7 +131,7 @@ def read_events(path: Path | str) -> tuple[list[dict[str, Any]], int]:
 
 
 def progress_path(run_path: Path | str, rank: int) -> Path:
-    return Path(run_path) / f"progress.rank{rank}.json"
+    return RunDir(run_path).progress(rank)
 
 
 class ProgressFile:

@@ -39,36 +39,35 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .eventlog import jsonable
+from ..atomic import dumps, publish_dir, synced_open, write_file_synced
+from ..rundir import (
+    BUNDLE_TMP_RE,
+    RunDir,
+    bundle_name,
+    bundle_tmp_prefix,
+    parse_bundle_name,
+    safe_kind,
+)
 from .rng import rng_fingerprints, rng_states
 
 log = logging.getLogger("ddpmon.evidence")
 
 MAX_RECORDS = 64
-_NAME_RE = re.compile(r"^rank(\d+)-step(-?\d+|none)-([A-Za-z0-9_]+)(?:-\d+)?$")
-_TMP_RE = re.compile(r"^\.tmp-rank(\d+)-(\d+)-")
 
-
-def bundle_name(rank: int, step: int | None, kind: str) -> str:
-    return f"rank{rank}-step{'none' if step is None else int(step)}-{_safe_kind(kind)}"
-
-
-def parse_bundle_name(name: str) -> tuple[int, int | None, str] | None:
-    """``(rank, step, kind)`` of a bundle directory name; None for temp dirs and strangers."""
-    m = _NAME_RE.match(name)
-    if not m:
-        return None
-    step = None if m.group(2) == "none" else int(m.group(2))
-    return int(m.group(1)), step, m.group(3)
+__all__ = [
+    "EvidenceWriter",
+    "all_thread_stacks",
+    "bundle_name",
+    "list_bundles",
+    "parse_bundle_name",
+    "read_bundle",
+    "tensor_summary",
+]
 
 
 def list_bundles(run_path: Path | str) -> list[Path]:
     """Complete bundles of a run (temporary directories excluded), sorted by name."""
-    root = Path(run_path) / "evidence"
-    try:
-        return sorted(p for p in root.iterdir() if p.is_dir() and parse_bundle_name(p.name))
-    except OSError:
-        return []
+    return RunDir(run_path).bundles()
 
 
 def tensor_summary(t: Any) -> dict[str, Any]:
@@ -140,7 +139,8 @@ class EvidenceWriter:
         include_tensors: bool = False,
         include_inputs: bool = False,
     ) -> None:
-        self.root = Path(run_path) / "evidence"
+        self.run = RunDir(run_path)
+        self.root = self.run.evidence_dir
         self.rank = int(rank)
         self.max_per_kind = int(max_per_kind)
         self.tensor_max_elements = int(tensor_max_elements)
@@ -163,7 +163,7 @@ class EvidenceWriter:
             if parsed and parsed[0] == self.rank:
                 self._counts[parsed[2]] = self._counts.get(parsed[2], 0) + 1
                 continue
-            m = _TMP_RE.match(entry.name)
+            m = BUNDLE_TMP_RE.match(entry.name)
             if m and int(m.group(1)) == self.rank and not _pid_alive(int(m.group(2))):
                 shutil.rmtree(entry, ignore_errors=True)
 
@@ -173,7 +173,7 @@ class EvidenceWriter:
             log.warning("ddpmon evidence writing failed (later failures are silent): %s", exc)
 
     def count(self, kind: str) -> int:
-        return self._counts.get(_safe_kind(kind), 0)
+        return self._counts.get(safe_kind(kind), 0)
 
     def write(
         self,
@@ -190,7 +190,7 @@ class EvidenceWriter:
 
         ``inputs`` (the batch) is summarised always but saved whole only with
         ``include_inputs``: raw training data never leaves the process otherwise."""
-        kind = _safe_kind(kind)
+        kind = safe_kind(kind)
         with self._lock:  # one bundle at a time per rank: bounds and names stay exact
             if self.count(kind) >= self.max_per_kind:
                 return None
@@ -206,12 +206,12 @@ class EvidenceWriter:
         import torch
 
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / bundle_name(self.rank, step, kind)
+        final = first = self.run.evidence_bundle(self.rank, step, kind)
         n = 2
         while final.exists():  # the same step and kind twice (e.g. a restarted run)
-            final = self.root / f"{bundle_name(self.rank, step, kind)}-{n}"
+            final = first.with_name(f"{first.name}-{n}")
             n += 1
-        tmp = self.root / f".tmp-rank{self.rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f"{bundle_tmp_prefix(self.rank, os.getpid())}{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             files: list[str] = []
@@ -243,13 +243,12 @@ class EvidenceWriter:
             _write_json(tmp / "rng.json", rng_fingerprints())
             files.append("rng.json")
             try:
-                with open(tmp / "rng_state.pt", "wb") as fh:
+                with synced_open(tmp / "rng_state.pt") as fh:
                     torch.save(rng_states(), fh)
-                    _fsync(fh)
                 files.append("rng_state.pt")
             except Exception:
                 pass
-            _write_text(tmp / "stacks.txt", all_thread_stacks())
+            write_file_synced(tmp / "stacks.txt", all_thread_stacks())
             files.append("stacks.txt")
             head = {
                 "kind": kind,
@@ -265,10 +264,7 @@ class EvidenceWriter:
                 "files": ["info.json", *files],
             }
             _write_json(tmp / "info.json", head)  # last: its presence means the rest is there
-            _fsync_dir(tmp)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            return final
+            return publish_dir(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -295,32 +291,12 @@ def _summary_or_error(t: Any) -> dict[str, Any]:
 def _save_tensor(path: Path, t: Any) -> None:
     import torch
 
-    with open(path, "wb") as fh:
+    with synced_open(path) as fh:
         torch.save(t.detach().cpu().clone(), fh)
-        _fsync(fh)
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    _write_text(path, json.dumps(jsonable(obj), indent=1, allow_nan=False) + "\n")
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        _fsync(fh)
-
-
-def _fsync(fh: Any) -> None:
-    fh.flush()
-    os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file_synced(path, dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -337,7 +313,3 @@ def _pid_alive(pid: int) -> bool:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", str(name))[:100] or "_"
-
-
-def _safe_kind(kind: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", str(kind))[:40] or "_"

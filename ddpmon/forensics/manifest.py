@@ -1,10 +1,12 @@
 """The run manifest: what a person needs to reproduce or compare a run (DESIGN.md §6).
 
-Rank 0 writes ``run_dir/<run_id>/manifest.json``; every other rank writes
-``manifest.rank<R>.json`` (its own host, GPU and environment, which may differ on another node),
-so no two processes ever replace the same file. ``check_manifest`` reads rank 0's file and names
-every checklist item that is missing; an item that cannot exist on this machine (CUDA version
-on a CPU build) counts as recorded when ``not_applicable`` says why.
+One file per run: rank 0 writes ``run_dir/<run_id>/manifest.json``, once
+(:func:`write_run_manifest` builds and writes it in one call). Other ranks write nothing: what
+differs per rank (node, local rank, pid, device, GPU UUID) reaches rank 0 as ``hosts``, gathered
+by the agent at attach. Runs from older versions may also hold per-rank copies
+(``manifest.rank<R>.json``); nothing reads them. ``check_manifest`` reads ``manifest.json`` and
+names every checklist item that is missing; an item that cannot exist on this machine (CUDA
+version on a CPU build) counts as recorded when ``not_applicable`` says why.
 
 Secrets: environment variables are kept only for the prefixes in :data:`ENV_PREFIXES` (plus a
 few torchrun names), and any name containing one of :data:`SECRET_MARKERS` has its value
@@ -25,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_json_atomic
+from ..rundir import RunDir
 from .rng import rng_fingerprints
 
 ENV_PREFIXES = ("MASTER_", "NCCL_", "TORCH_", "TORCHELASTIC_", "DDPMON_", "PYTORCH_", "CUDA_",
@@ -165,18 +169,42 @@ def build_manifest(
 
 
 def manifest_path(run_path: Path | str, rank: int = 0) -> Path:
-    name = "manifest.json" if rank == 0 else f"manifest.rank{rank}.json"
-    return Path(run_path) / name
+    """``manifest.json``; for ``rank > 0`` the per-rank name older versions wrote."""
+    run = RunDir(run_path)
+    return run.manifest() if int(rank) == 0 else run.legacy_manifest(rank)
 
 
-def write_manifest(run_path: Path | str, manifest: Mapping[str, Any]) -> Path:
-    """Atomically write ``manifest.json`` (rank 0) or ``manifest.rank<R>.json``; return it."""
-    from ..atomic import write_json_atomic
+def write_manifest(run_path: Path | str, manifest: Mapping[str, Any]) -> Path | None:
+    """Atomically write ``manifest.json`` when ``manifest`` is rank 0's; return its path.
 
-    rank = manifest.get("rank") or 0
-    path = manifest_path(run_path, int(rank))
-    write_json_atomic(path, dict(manifest))
-    return path
+    Another rank's manifest is not written (None): one file per run, see the module doc."""
+    if int(manifest.get("rank") or 0) != 0:
+        return None
+    return write_json_atomic(RunDir(run_path).manifest(), dict(manifest))
+
+
+def write_run_manifest(
+    run_path: Path | str,
+    *,
+    identity: Any,
+    config: Any,
+    versions: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    nvml: Any | None = None,
+) -> Path | None:
+    """Build and write the run's manifest in one call, on rank 0 only; None on other ranks
+    (nothing is built there, so they pay nothing). Arguments as :func:`build_manifest`.
+
+    Call it once, when everything it records is known (``batch_shapes`` after the first
+    forward): the file is written atomically, so a reader sees it whole or not at all."""
+    if int(_as_dict(identity).get("rank") or 0) != 0:
+        return None
+    manifest = build_manifest(
+        identity=identity, config=config, versions=versions, extra=extra, environ=environ,
+        nvml=nvml,
+    )
+    return write_manifest(run_path, manifest)
 
 
 def check_manifest(run_path: Path | str) -> list[str]:

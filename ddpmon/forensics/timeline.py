@@ -3,7 +3,8 @@
 Inputs (all optional, all per rank, under one ``run_dir/<run_id>/``): ``events.rank<R>.jsonl``,
 ``progress.rank<R>.json`` (last completed step), ``crash.rank<R>.txt`` (faulthandler after a
 fatal signal), ``sigterm.rank<R>.txt`` (stacks at SIGTERM), ``evidence/`` bundles and
-``flight_recorder/fr_trace_rank_<R>.json`` dumps.
+``flight_recorder/fr_trace_rank_<R>.json`` dumps (or ``flight_recorder.rank<R>.json``, where
+older versions put them). Every name comes from :mod:`ddpmon.rundir`.
 
 Alignment: every event's ``t`` is its ``ts`` plus the ``clock_offset_seconds`` of the rank's
 latest ``start`` event before it (rank 0's clock). Synthetic events: a crash file becomes a
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .eventlog import progress_path, read_events, read_progress
-from .evidence import list_bundles, parse_bundle_name
-from .watchdog import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, read_flight_recorder_status
+from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
+from .eventlog import read_events, read_progress
+from .watchdog import read_flight_recorder_status
 
 SIGNALS = {
     "Segmentation fault": ("SIGSEGV", 11),
@@ -46,9 +47,6 @@ COMM_ERROR = re.compile(
     r"distnetworkerror|broken pipe",
     re.IGNORECASE,
 )
-_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
-_CRASH_RE = re.compile(r"^crash\.rank(\d+)\.txt$")
-_TERM_RE = re.compile(r"^sigterm\.rank(\d+)\.txt$")
 _FATAL_RE = re.compile(r"Fatal Python error: (.+)")
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
@@ -85,9 +83,9 @@ def resolve_run_path(path: Path | str) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise RunDirError(f"{path}: no such directory")
-    if _is_run(path):
+    if RunDir(path).is_run():
         return path
-    runs = sorted(p for p in path.iterdir() if p.is_dir() and _is_run(p))
+    runs = sorted(p for p in path.iterdir() if p.is_dir() and RunDir(p).is_run())
     if len(runs) == 1:
         return runs[0]
     if runs:
@@ -99,28 +97,16 @@ def resolve_run_path(path: Path | str) -> Path:
     )
 
 
-def _is_run(path: Path) -> bool:
-    try:
-        return any(
-            _EVENTS_RE.match(p.name) or _CRASH_RE.match(p.name) or p.name == "manifest.json"
-            for p in path.iterdir()
-        )
-    except OSError:
-        return False
-
-
 def build_timeline(path: Path | str) -> Timeline:
     run_path = resolve_run_path(path)
+    run = RunDir(run_path)
     warnings: list[str] = []
     per_rank: dict[int, list[dict[str, Any]]] = {}
-    for f in sorted(run_path.iterdir()):
-        m = _EVENTS_RE.match(f.name)
-        if not m:
-            continue
+    for rank, f in run.ranked(EVENTS_RE).items():
         events, bad = read_events(f)
         if bad:
             warnings.append(f"{f.name}: {bad} unreadable line(s) skipped")
-        per_rank[int(m.group(1))] = events
+        per_rank[rank] = events
 
     ranks: dict[int, dict[str, Any]] = {}
     merged: list[dict[str, Any]] = []
@@ -147,11 +133,10 @@ def build_timeline(path: Path | str) -> Timeline:
 
     # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
     progress: dict[int, dict[str, Any]] = {}
-    for f in run_path.glob("progress.rank*.json"):
-        m = re.match(r"^progress\.rank(\d+)\.json$", f.name)
-        p = read_progress(progress_path(run_path, int(m.group(1)))) if m else None
+    for rank, f in run.ranked(PROGRESS_RE).items():
+        p = read_progress(f)
         if p is not None:
-            progress[int(m.group(1))] = p
+            progress[rank] = p
 
     def last_step(rank: int, events: list[dict[str, Any]]) -> int | None:
         steps = [s for s in (_last_step(events), progress.get(rank, {}).get("step"))
@@ -159,19 +144,16 @@ def build_timeline(path: Path | str) -> Timeline:
         return max(steps) if steps else None
 
     synthetic: list[dict[str, Any]] = []
-    for f in sorted(run_path.iterdir()):
-        for regex, parser in ((_CRASH_RE, _crash_event), (_TERM_RE, _sigterm_event)):
-            m = regex.match(f.name)
-            if m:
-                rank = int(m.group(1))
-                ev = parser(f, rank)
-                if ev is not None:
-                    offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
-                    ev["t"] = ev["ts"] + offset
-                    ev["step"] = last_step(rank, per_rank.get(rank, []))
-                    synthetic.append(ev)
-                    ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
-                                            "clock_rtt_seconds": None})
+    for regex, parser in ((CRASH_RE, _crash_event), (SIGTERM_RE, _sigterm_event)):
+        for rank, f in run.ranked(regex).items():
+            ev = parser(f, rank)
+            if ev is not None:
+                offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
+                ev["t"] = ev["ts"] + offset
+                ev["step"] = last_step(rank, per_rank.get(rank, []))
+                synthetic.append(ev)
+                ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
+                                        "clock_rtt_seconds": None})
     merged.extend(synthetic)
 
     # Ranks that ended without an exit event or a signal: killed from outside, or still running.
@@ -198,9 +180,9 @@ def build_timeline(path: Path | str) -> Timeline:
     for e in merged:
         e["t_rel"] = round(e["t"] - t0, 6)
 
-    fr_status = _flight_recorder(run_path)
+    fr_status = _flight_recorder(run)
     evidence: dict[int, list[str]] = {}
-    for b in list_bundles(run_path):
+    for b in run.bundles():
         parsed = parse_bundle_name(b.name)
         if parsed:
             evidence.setdefault(parsed[0], []).append(str(b.relative_to(run_path)))
@@ -355,30 +337,18 @@ def _top_frame(text: str) -> str | None:
     return f"{m.group(3)} ({m.group(1)}:{m.group(2)})" if m else None
 
 
-_FR_RES = (
-    re.compile(rf"^{FLIGHT_RECORDER_PREFIX}(\d+)\.json$"),
-    re.compile(r"^flight_recorder\.rank(\d+)\.json$"),
-)
-
-
-def _flight_recorder(run_path: Path) -> dict[int, dict[str, Any]]:
-    """Default-group status of each rank's JSON flight-recorder dump, wherever the agent put it
-    (``flight_recorder/fr_trace_rank_<R>.json`` or ``flight_recorder.rank<R>.json``)."""
+def _flight_recorder(run: RunDir) -> dict[int, dict[str, Any]]:
+    """Default-group status of each rank's JSON flight-recorder dump, in the current layout
+    (``flight_recorder/fr_trace_rank_<R>.json``) or the legacy one
+    (``flight_recorder.rank<R>.json``)."""
     out: dict[int, dict[str, Any]] = {}
-    candidates = list(run_path.glob("flight_recorder.rank*.json"))
-    root = run_path / FLIGHT_RECORDER_DIR
-    if root.is_dir():
-        candidates += list(root.glob("*.json"))
-    for f in candidates:
-        m = next((m for m in (r.match(f.name) for r in _FR_RES) if m), None)
-        if not m:
-            continue
+    for rank, f in run.flight_recorder_dumps().items():
         status = read_flight_recorder_status(f)
         if not status:
             continue
         default = status.get("0") or next(iter(status.values()))
         if isinstance(default, dict):
-            out[int(m.group(1))] = {k: _maybe_int(v) for k, v in default.items()}
+            out[rank] = {k: _maybe_int(v) for k, v in default.items()}
     return out
 
 

@@ -16,17 +16,25 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_bytes_atomic
+from ..rundir import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, RunDir
+
 log = logging.getLogger("ddpmon.watchdog")
 
-FLIGHT_RECORDER_DIR = "flight_recorder"
-FLIGHT_RECORDER_PREFIX = "fr_trace_rank_"
+__all__ = [
+    "FLIGHT_RECORDER_DIR",
+    "FLIGHT_RECORDER_PREFIX",
+    "StallWatchdog",
+    "flight_recorder_path",
+    "read_flight_recorder_status",
+    "request_flight_recorder_dump",
+]
 
 
 class StallWatchdog:
@@ -99,7 +107,7 @@ def flight_recorder_path(run_path: Path | str, rank: int) -> Path:
     """Where the agent asks for rank's dump: ``run_path/flight_recorder/fr_trace_rank_<R>``
     (pickle, the format ``python -m torch.distributed.flight_recorder.fr_trace`` reads) with a
     JSON twin ``...fr_trace_rank_<R>.json`` that ``ddpmon timeline`` reads."""
-    return Path(run_path) / FLIGHT_RECORDER_DIR / f"{FLIGHT_RECORDER_PREFIX}{rank}"
+    return RunDir(run_path).flight_recorder(rank)
 
 
 def request_flight_recorder_dump(path: Path | str) -> bool:
@@ -130,12 +138,12 @@ def request_flight_recorder_dump(path: Path | str) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if dump_pickle is not None:
-            _atomic_write(path, bytes(dump_pickle()))
+            write_bytes_atomic(path, bytes(dump_pickle()))
             written = True
         if dump_json is not None:
             data = bytes(dump_json())
             json.loads(data)  # keep only a dump that parses
-            _atomic_write(path.with_name(path.name + ".json"), data)
+            write_bytes_atomic(path.with_name(path.name + ".json"), data)
             written = True
     except Exception as exc:
         log.debug("flight recorder dump failed: %s", exc)
@@ -151,12 +159,3 @@ def read_flight_recorder_status(path: Path | str) -> dict[str, Any] | None:
         return None
     status = data.get("pg_status") if isinstance(data, dict) else None
     return status if isinstance(status, dict) else None
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)

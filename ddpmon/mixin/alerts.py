@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddpmon.mixin import rules as r
+from ddpmon.mixin import names as r
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.rules import sel
 

@@ -2,6 +2,8 @@
 
 Edit here (or pass a modified copy to the generators), then regenerate with
 ``ddpmon rules --write`` and ``ddpmon dashboards --write``; CI diffs the committed outputs.
+Users override fields without editing code, the way kubernetes-mixin's ``_config`` is
+overridden: ``ddpmon rules --write --dir D --config mixin.yaml`` (see :func:`load_config`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 _DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")
 
@@ -87,6 +91,12 @@ class MixinConfig:
     """Per-rank panels draw the top/bottom k ranks; quantiles/heatmaps show the rest."""
     dashboard_tags: list[str] = field(default_factory=lambda: ["ddpmon"])
     dashboard_refresh: str = "30s"
+    dashboard_selector: str = ""
+    """Extra label matchers (without braces) on every dashboard query and variable, e.g.
+    ``cluster="prod"``, for a Prometheus that holds several clusters' ranks."""
+    dashboard_datasource: str = ""
+    """Name of the Prometheus data source the ``datasource`` variable selects by default; empty
+    leaves Grafana's default data source."""
     dashboard_dcgm_selector: str = ""
     """Label matchers (without braces) for dcgm-exporter series on Rank detail, e.g.
     ``job="dcgm-exporter"``. Empty by default: ``DCGM_FI_*`` names are unique to dcgm-exporter
@@ -103,8 +113,9 @@ class MixinConfig:
             raise ValueError(
                 f"data_duplicate_min_samples={self.data_duplicate_min_samples!r}: expected >= 1"
             )
-        if self.dashboard_dcgm_selector.strip().startswith("{"):
-            raise ValueError("dashboard_dcgm_selector: give label matchers without braces")
+        for name in ("job_selector", "dashboard_selector", "dashboard_dcgm_selector"):
+            if getattr(self, name).strip().startswith("{"):
+                raise ValueError(f"{name}: give label matchers without braces")
         for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a ratio in (0, 1]")
@@ -112,3 +123,30 @@ class MixinConfig:
     def replace(self, **changes: object) -> MixinConfig:
         """A copy with some fields changed (tests shorten ``*_for`` durations this way)."""
         return dataclasses.replace(self, **changes)
+
+
+def load_config(path: str | Path) -> MixinConfig:
+    """A :class:`MixinConfig` from a YAML mapping of field names to values (unknown names and
+    bad values are errors that name the file and the field)."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data: Any = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read mixin config: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of MixinConfig fields")
+    known = {f.name: f for f in dataclasses.fields(MixinConfig)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ValueError(f"{path}: unknown field(s) {unknown}; known: {sorted(known)}")
+    for name, value in data.items():
+        default = getattr(MixinConfig(), name)
+        ok = isinstance(value, type(default)) or (isinstance(default, float) and type(value) is int)
+        if not ok:
+            raise ValueError(f"{path}: {name}={value!r}: expected {type(default).__name__}")
+    try:
+        return MixinConfig(**data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddpmon.mixin import dashboards, kubernetes
+from ddpmon.mixin import dashboards, kubernetes, shipped
 from ddpmon.mixin.config import MixinConfig
 
 from .files import diff_files, write_files
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DASHBOARD_DIR = "dashboards"
-KUBERNETES_DIR = "deploy/kubernetes"
+DASHBOARD_DIR = shipped.DASHBOARD_DIR
+KUBERNETES_DIR = shipped.KUBERNETES_DIR
 
 
 def generate(cfg: MixinConfig | None = None) -> dict[str, str]:
@@ -28,10 +27,12 @@ def generate(cfg: MixinConfig | None = None) -> dict[str, str]:
     return out
 
 
-def write(root: str | Path = REPO_ROOT, cfg: MixinConfig | None = None) -> list[Path]:
+def write(root: str | Path, cfg: MixinConfig | None = None) -> list[Path]:
+    """Write every output under ``root`` (``dashboards/``, ``deploy/kubernetes/``)."""
     return write_files(root, generate(cfg))
 
 
-def check(root: str | Path = REPO_ROOT, cfg: MixinConfig | None = None) -> list[str]:
-    """Unified diffs of files that differ from what the config generates (missing = empty)."""
-    return diff_files(root, generate(cfg))
+def check(root: str | Path | None = None, cfg: MixinConfig | None = None) -> list[str]:
+    """Unified diffs of files that differ from what the config generates (missing = empty).
+    ``root`` defaults to the checkout, or the copies shipped in the wheel."""
+    return diff_files(root or shipped.root(), generate(cfg))

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from ddpmon.export.discovery import FileSDPublisher
-from ddpmon.mixin.stack import free_port
+from ddpmon.services import free_port
 from tests.support.contract import DESIGN_ALERTS
 from tests.support.stack import PrometheusAPI, wait_for
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ddpmon.mixin.stack import Prometheus
+from ddpmon.services import Prometheus
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import httpx
 import pytest
 
 from ddpmon.mixin import dashboards as d
+from tests.support import grafana
 
 BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
 VARIABLES = {
@@ -27,8 +28,8 @@ def test_prometheus_rejects_bad_promql(empty_prometheus: str) -> None:
 @pytest.mark.parametrize("uid", sorted(BOARDS))
 def test_every_query_parses(empty_prometheus: str, uid: str) -> None:
     doc = BOARDS[uid]
-    queries = [(q.title, q.expr) for q in d.panel_queries(doc, VARIABLES[uid])]
-    queries += d.annotation_queries(doc, VARIABLES[uid])
+    queries = [(q.title, q.expr) for q in grafana.panel_queries(doc, VARIABLES[uid])]
+    queries += grafana.annotation_queries(doc, VARIABLES[uid])
     queries += [
         (
             f"variable {v['name']}",

@@ -8,6 +8,7 @@ import pytest
 
 from ddpmon.mixin import dashboards as d
 from ddpmon.mixin.config import MixinConfig
+from tests.support import grafana
 
 BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
 RANGE = re.compile(r"\[([^\]]*)\]")
@@ -157,7 +158,7 @@ def test_dcgm_join_by_gpu_uuid() -> None:
 @pytest.mark.parametrize("uid", sorted(BOARDS))
 def test_panel_queries_resolve_every_variable(uid: str) -> None:
     variables = {"run": "r1", "rank": ["0", "1"] if uid == d.OVERVIEW_UID else "3"}
-    queries = d.panel_queries(BOARDS[uid], variables)
+    queries = grafana.panel_queries(BOARDS[uid], variables)
     assert len(queries) == sum(len(p["targets"]) for p in panels(BOARDS[uid]))
     for q in queries:
         assert "$" not in q.expr.replace('"$1"', ""), q
@@ -165,14 +166,14 @@ def test_panel_queries_resolve_every_variable(uid: str) -> None:
     joined = " ".join(q.expr for q in queries)
     assert 'run="r1"' in joined
     assert ('rank=~"(0|1)"' if uid == d.OVERVIEW_UID else 'rank="3"') in joined
-    every = d.panel_queries(BOARDS[uid], {"run": "r1", "rank": "All"})
+    every = grafana.panel_queries(BOARDS[uid], {"run": "r1", "rank": "All"})
     if uid == d.OVERVIEW_UID:
         assert 'rank=~".*"' in " ".join(q.expr for q in every)
 
 
 def test_resolve_rejects_unknown_variables() -> None:
     with pytest.raises(KeyError):
-        d.resolve("up{x=\"$nope\"}", {}, all_values={})
+        grafana.resolve("up{x=\"$nope\"}", {}, all_values={})
 
 
 def test_recorded_series_come_from_the_shipped_recording_rules() -> None:

@@ -123,3 +123,34 @@ def test_thread_exception_event_and_uninstall_restores(tmp_path):
     assert (sys.excepthook, threading.excepthook, sys.exit) == before
     ev = [e for e in _events(tmp_path) if e["kind"] == "thread_exception"]
     assert len(ev) == 1 and ev[0]["thread"] == "loader" and "worker died" in ev[0]["message"]
+
+
+def test_clean_exit_leaves_no_empty_crash_or_sigterm_file(tmp_path, procs):
+    res = procs.run(PRELUDE + "print('ok')\n", str(tmp_path))
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["events.rank1.jsonl"], names  # the event log only
+    assert [e["kind"] for e in _events(tmp_path)] == ["start", "step", "exit"]
+
+
+def test_segfault_keeps_its_crash_file_with_the_stack(tmp_path, procs):
+    res = procs.run(PRELUDE + "import ctypes\nctypes.string_at(0)\n", str(tmp_path))
+    assert res.returncode == -signal.SIGSEGV
+    assert "Segmentation fault" in crash_path(tmp_path, 1).read_text()
+    # SIGSEGV ends the process inside the handler: no Python code runs to tidy up, so the
+    # untouched SIGTERM file stays (empty), and the timeline ignores it.
+    assert sigterm_path(tmp_path, 1).read_text() == ""
+    assert build_timeline(tmp_path).ranks[1]["ended"] == "signal SIGSEGV"
+
+
+def test_uninstall_removes_empty_files_but_keeps_earlier_stacks(tmp_path):
+    log = EventLog(tmp_path, 1)
+    cap = CrashCapture(tmp_path, 1, log).install()
+    assert crash_path(tmp_path, 1).exists()  # faulthandler needs the fd from the start
+    cap.uninstall()
+    assert not crash_path(tmp_path, 1).exists() and not sigterm_path(tmp_path, 1).exists()
+    crash_path(tmp_path, 1).write_text("Fatal Python error: Segmentation fault\n")
+    cap = CrashCapture(tmp_path, 1, log).install()  # a restarted rank appends to it
+    cap.uninstall()
+    log.close()
+    assert "Segmentation fault" in crash_path(tmp_path, 1).read_text()

@@ -9,6 +9,7 @@ from ddpmon.forensics.manifest import (
     check_manifest,
     redact_env,
     write_manifest,
+    write_run_manifest,
 )
 from ddpmon.identity import RankIdentity, build_versions
 
@@ -121,11 +122,29 @@ def test_check_lists_missing_items(tmp_path, capsys):
     assert "n/a: versions.driver" in out  # explained, not silently absent
 
 
-def test_other_ranks_write_their_own_file(tmp_path):
+def test_only_rank_0_writes_the_one_manifest(tmp_path):
     m = build_manifest(identity=_identity(rank=1), config=Config(), versions=build_versions(),
                        extra={}, environ=ENV, nvml=NoNvml())
-    assert write_manifest(tmp_path, m).name == "manifest.rank1.json"
+    assert write_manifest(tmp_path, m) is None
+    assert list(tmp_path.iterdir()) == []  # no per-rank copy
     assert check_manifest(tmp_path) == ["manifest.json"]
+
+
+def test_write_run_manifest_builds_and_writes_once_on_rank_0(tmp_path):
+    hosts = [{"rank": r, "node": "n1", "local_rank": r, "pid": 100 + r} for r in (0, 1)]
+    kwargs = dict(config=Config(data_version="v1"), versions=build_versions(),
+                  extra={"run_id": "r1", "batch_shapes": [[8, 32]], "precision": "fp32",
+                         "hosts": hosts},
+                  environ=ENV, nvml=NoNvml())
+    assert write_run_manifest(tmp_path, identity=_identity(rank=1), **kwargs) is None
+    assert list(tmp_path.iterdir()) == []
+    path = write_run_manifest(tmp_path, identity=_identity(rank=0), **kwargs)
+    assert path == tmp_path / "manifest.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]  # no temp file left
+    data = json.loads(path.read_text())
+    assert data["run_id"] == "r1" and data["topology"]["hosts"] == hosts
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)  # readable like the rest of the run
+    assert check_manifest(tmp_path) == []
 
 
 def test_manifest_command_without_a_run(tmp_path, capsys):

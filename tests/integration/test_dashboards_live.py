@@ -29,6 +29,7 @@ import pytest
 
 from ddpmon.mixin import dashboards as d
 from ddpmon.mixin.config import MixinConfig
+from tests.support import grafana
 from tests.support.demo import DemoRun
 from tests.support.stack import WebhookReceiver, live_stack, wait_for
 
@@ -110,7 +111,7 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
             detail = doc["uid"] == d.DETAIL_UID
             variables = {"run": RUN, "rank": "1" if detail else "All"}
             expected = {"1"} if detail else RANKS
-            queries = d.panel_queries(
+            queries = grafana.panel_queries(
                 doc, variables, rate_interval=RATE_INTERVAL, interval="1s", range_=span
             )
             for q in queries:
@@ -150,7 +151,8 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
                     )
                     if _ranks(before) or _values(before) - {"0"}:
                         failures.append(f"{name}: data before the fault: {before}\n    {q.expr}")
-            for ann, expr in d.annotation_queries(doc, variables, rate_interval=RATE_INTERVAL):
+            anns = grafana.annotation_queries(doc, variables, rate_interval=RATE_INTERVAL)
+            for ann, expr in anns:
                 if ann == "Firing ddpmon alerts":
                     # DdpmonNonFiniteGradients (for: 0m) fires for the NaN; poll briefly.
                     ok = wait_for(lambda e=expr: prom.query(e), timeout=30, what=ann)

@@ -24,14 +24,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ddpmon.mixin import render
 from ddpmon.mixin.config import MixinConfig
-from ddpmon.mixin.stack import (
-    Alertmanager,
-    Prometheus,
-    PrometheusAPI,
-    free_port,
-    write_rule_files,
-)
+from ddpmon.services import Alertmanager, Prometheus, PrometheusAPI, free_port
 
 __all__ = [
     "Alertmanager",
@@ -43,7 +38,6 @@ __all__ = [
     "free_port",
     "live_stack",
     "wait_for",
-    "write_rule_files",
 ]
 
 T = TypeVar("T")
@@ -202,7 +196,7 @@ def live_stack(
     """Alertmanager (group_wait 0s, group_interval 1s) and Prometheus (1s scrape/eval, file_sd
     over ``sd_dir``) running the shipped configs with rules generated from ``config``."""
     workdir = Path(workdir)
-    rule_files = write_rule_files(workdir / "rules", config)
+    rule_files = render.write(workdir / "rules", config)
     am = Alertmanager(
         workdir / "alertmanager", webhook_url=webhook_url, group_wait="0s",
         group_interval="1s", repeat_interval="1h",

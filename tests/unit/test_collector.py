@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ddpmon import metrics
 from ddpmon.export.collector import DdpmonCollector, Exposition, LiveSources
 from ddpmon.identity import RankIdentity
 from ddpmon.sources.allocator import AllocatorSource
@@ -106,6 +107,8 @@ def make_state(groups=4) -> MetricState:
     for v in (0.0002, 0.003, 0.003):
         s.allreduce_duration.observe(v)
     s.agent_errors = {"comm": 1}
+    s.grad_nonfinite_poisoned_steps_total, s.grad_norm_mismatch_total = 2, 1
+    s.stall_threshold_seconds, s.strategy = 300.0, "ddp"
     return s
 
 
@@ -187,3 +190,28 @@ def test_render_is_cached_until_state_changes():
     assert exposition.render() is first and exposition.renders == 1
     state.count_error("grads")
     assert b'probe="grads"' in exposition.render() and exposition.renders == 2
+
+
+def test_exposition_is_exactly_the_catalogue():
+    """Every catalogue entry is exposed with its type, help and labels, and nothing else is."""
+    text = make_exposition().render().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    exposed = {}
+    for fam in families.values():
+        # the parser drops a counter's _total from the family name; samples keep it
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        exposed[name] = fam
+    assert set(exposed) == set(metrics.BY_NAME)
+    for name, fam in exposed.items():
+        spec = metrics.BY_NAME[name]
+        assert fam.type == spec.type.value and fam.documentation == spec.help, name
+        for sample in fam.samples:
+            assert set(sample.labels) - {"le"} == set(spec.all_labels), name
+
+
+def test_new_counters_are_exported_at_zero_and_stall_gauge_only_when_set():
+    text = make_exposition(MetricState(started_at=1.0)).render().decode()
+    assert 'ddpmon_grad_nonfinite_poisoned_steps_total{rank="1",run="run-1"} 0.0' in text
+    assert 'ddpmon_grad_norm_mismatch_total{rank="1",run="run-1"} 0.0' in text
+    assert "ddpmon_stall_threshold_seconds" not in text
+    assert 'strategy="plain"' in text

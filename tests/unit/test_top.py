@@ -50,7 +50,7 @@ def test_top_lists_live_ranks_and_marks_dead_ones(tmp_path):
         table = top("--targets", f"127.0.0.1:{mon.port}", dead)
         assert table.returncode == 0, table.stderr
         assert f"{dead} down" in table.stdout
-        assert "numerics" in table.stdout and "comm" in table.stdout
+        assert "numerics" in table.stdout and "communication" in table.stdout
     finally:
         mon.close()
     assert not list(sd.glob("*.json"))  # the rank unpublished itself on close

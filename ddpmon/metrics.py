@@ -1,0 +1,367 @@
+"""The metric catalogue: every series a rank exposes, declared once.
+
+The collector builds its families from these entries (name, type, help, unit, labels), and
+``ddpmon top``, the demo, the daemon's job summary, the README table and the mixin read names and
+layers from here, so a rename is one edit and a test catches any consumer that drifts.
+
+Usage: ``from ddpmon import metrics; metrics.GRAD_NORM.name``. Every series also carries the
+``run`` and ``rank`` labels (``BASE_LABELS``); ``Metric.labels`` lists only the extra ones.
+Names are the exposed ones: counters end in ``_total``, histograms are the family name (their
+samples add ``_bucket``, ``_count`` and ``_sum``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = [
+    "BASE_LABELS",
+    "BY_NAME",
+    "CATALOGUE",
+    "Layer",
+    "Metric",
+    "MetricType",
+    "by_layer",
+]
+
+
+class Layer(StrEnum):
+    """Where a failure shows first; the order is the order of columns, rows and alert groups."""
+
+    NUMERICS = "numerics"
+    DATA_SUPPLY = "data supply"
+    MEMORY = "memory"
+    COMMUNICATION = "communication"
+    IDENTITY = "identity / health"
+    """Not a layer of training: identity info series and the agent's own health."""
+
+    @property
+    def slug(self) -> str:
+        """Identifier form (``data_supply``) for rule-group names, file names, JSON keys."""
+        return _SLUGS[self]
+
+
+_SLUGS = {
+    Layer.NUMERICS: "numerics",
+    Layer.DATA_SUPPLY: "data_supply",
+    Layer.MEMORY: "memory",
+    Layer.COMMUNICATION: "communication",
+    Layer.IDENTITY: "identity",
+}
+
+
+class MetricType(StrEnum):
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+
+
+BASE_LABELS = ("run", "rank")
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    name: str
+    type: MetricType
+    help: str
+    layer: Layer
+    unit: str = ""
+    """Base unit the name ends with (``seconds``, ``bytes``, ``ratio``); empty when unitless."""
+    labels: tuple[str, ...] = ()
+    """Labels beyond ``run`` and ``rank``; each has a bounded set of values."""
+    when: str = "always"
+    """When the series is present, for readers and the README."""
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return (*BASE_LABELS, *self.labels)
+
+    @property
+    def family(self) -> str:
+        """The name prometheus_client's families take: counters without ``_total``."""
+        return self.name.removesuffix("_total") if self.type is MetricType.COUNTER else self.name
+
+    def sample(self, suffix: str) -> str:
+        """A histogram's sample name: ``STEP_DURATION.sample("count")``."""
+        return f"{self.name}_{suffix}"
+
+
+G, C, H = MetricType.GAUGE, MetricType.COUNTER, MetricType.HISTOGRAM
+L = Layer
+
+# -- identity / health ---------------------------------------------------------------------
+RANK_INFO = Metric(
+    "ddpmon_rank_info",
+    G,
+    "Identity of this rank; join with DCGM series on gpu_uuid.",
+    L.IDENTITY,
+    labels=("local_rank", "world_size", "node", "backend", "device", "gpu_uuid", "pid", "strategy"),
+)
+BUILD_INFO = Metric(
+    "ddpmon_build_info",
+    G,
+    "Versions of ddpmon and its stack.",
+    L.IDENTITY,
+    labels=("version", "torch_version", "cuda_version", "nccl_version", "python_version"),
+)
+WORLD_SIZE = Metric("ddpmon_world_size", G, "Number of ranks the job expects.", L.IDENTITY)
+
+# -- data supply ---------------------------------------------------------------------------
+STEP = Metric("ddpmon_step", G, "Index of the last completed step.", L.DATA_SUPPLY)
+STEPS = Metric("ddpmon_steps_total", C, "Steps completed, skipped ones included.", L.DATA_SUPPLY)
+LAST_STEP_TIMESTAMP = Metric(
+    "ddpmon_last_step_timestamp_seconds",
+    G,
+    "Wall time of the last completed step (attach time before the first).",
+    L.DATA_SUPPLY,
+    unit="seconds",
+)
+STALL_THRESHOLD = Metric(
+    "ddpmon_stall_threshold_seconds",
+    G,
+    "Configured stall_seconds: no completed step for this long is a stall; alerts compare "
+    "against it.",
+    L.DATA_SUPPLY,
+    unit="seconds",
+    when="when the agent sets it",
+)
+STEP_DURATION = Metric(
+    "ddpmon_step_duration_seconds", H, "Step wall time.", L.DATA_SUPPLY, unit="seconds"
+)
+DATA_WAIT = Metric(
+    "ddpmon_data_wait_seconds",
+    H,
+    "Time from a step's end to the next step's start.",
+    L.DATA_SUPPLY,
+    unit="seconds",
+)
+DATA_IDENTICAL_BATCHES = Metric(
+    "ddpmon_data_identical_batches_total",
+    C,
+    "Sampled steps where another rank's local gradients were bit-identical to this rank's: "
+    "duplicated data shards.",
+    L.DATA_SUPPLY,
+)
+
+# -- numerics ------------------------------------------------------------------------------
+LOSS = Metric("ddpmon_loss", G, "Last observed loss.", L.NUMERICS, when="after the first loss")
+LOSS_NONFINITE = Metric(
+    "ddpmon_loss_nonfinite_total", C, "Non-finite losses observed.", L.NUMERICS
+)
+GRAD_NORM = Metric(
+    "ddpmon_grad_norm",
+    G,
+    "Global L2 norm of unscaled gradients after reduction.",
+    L.NUMERICS,
+    when="after the first step",
+)
+GRAD_LOCAL_NORM = Metric(
+    "ddpmon_grad_local_norm",
+    G,
+    "L2 norm of this rank's unscaled gradients before the all-reduce.",
+    L.NUMERICS,
+    when="after the first local measurement",
+)
+GRAD_GROUP_NORM = Metric(
+    "ddpmon_grad_group_norm",
+    G,
+    "L2 norm of unscaled gradients per module group.",
+    L.NUMERICS,
+    labels=("group",),
+    when="after the first step",
+)
+GRAD_NONFINITE_STEPS = Metric(
+    "ddpmon_grad_nonfinite_steps_total",
+    C,
+    "Steps whose reduced gradients held NaN or Inf.",
+    L.NUMERICS,
+)
+GRAD_NONFINITE_ORIGIN_STEPS = Metric(
+    "ddpmon_grad_nonfinite_origin_steps_total",
+    C,
+    "Steps where this rank's local gradients held NaN or Inf before the all-reduce.",
+    L.NUMERICS,
+)
+GRAD_NONFINITE_POISONED_STEPS = Metric(
+    "ddpmon_grad_nonfinite_poisoned_steps_total",
+    C,
+    "Steps whose local gradients were non-finite only because an earlier non-finite step had "
+    "been applied to the weights (not an origin).",
+    L.NUMERICS,
+)
+GRAD_NORM_MISMATCH = Metric(
+    "ddpmon_grad_norm_mismatch_total",
+    C,
+    "Steps where the gradient norm the trainer reported differed from ddpmon's beyond the "
+    "tolerance.",
+    L.NUMERICS,
+)
+GRAD_FIRST_NONFINITE_INFO = Metric(
+    "ddpmon_grad_first_nonfinite_info",
+    G,
+    "First local non-finite gradient seen on this rank.",
+    L.NUMERICS,
+    labels=("step", "param", "kind"),
+    when="after the first local non-finite gradient",
+)
+AMP_LOSS_SCALE = Metric(
+    "ddpmon_amp_loss_scale",
+    G,
+    "Current AMP loss scale.",
+    L.NUMERICS,
+    when="with a GradScaler, after the first read",
+)
+AMP_LOSS_SCALE_FLOOR = Metric(
+    "ddpmon_amp_loss_scale_floor",
+    G,
+    "Configured loss scale floor; alerts compare against it.",
+    L.NUMERICS,
+    when="with a GradScaler",
+)
+AMP_SKIPPED_STEPS = Metric(
+    "ddpmon_amp_skipped_steps_total",
+    C,
+    "Optimizer steps skipped by the GradScaler.",
+    L.NUMERICS,
+    when="with a GradScaler",
+)
+
+# -- communication -------------------------------------------------------------------------
+ALLREDUCE_DURATION = Metric(
+    "ddpmon_allreduce_duration_seconds",
+    H,
+    "All-reduce time per gradient bucket, launch to completion.",
+    L.COMMUNICATION,
+    unit="seconds",
+)
+ALLREDUCE_BYTES = Metric(
+    "ddpmon_allreduce_bytes_total", C, "Bytes all-reduced.", L.COMMUNICATION, unit="bytes"
+)
+
+# -- memory (live sources, read at scrape time) --------------------------------------------
+_ALLOC = "with the CUDA allocator"
+CUDA_MEMORY_ALLOCATED = Metric(
+    "ddpmon_cuda_memory_allocated_bytes",
+    G,
+    "Allocator: bytes in tensors.",
+    L.MEMORY,
+    unit="bytes",
+    when=_ALLOC,
+)
+CUDA_MEMORY_RESERVED = Metric(
+    "ddpmon_cuda_memory_reserved_bytes",
+    G,
+    "Allocator: bytes reserved.",
+    L.MEMORY,
+    unit="bytes",
+    when=_ALLOC,
+)
+CUDA_MEMORY_PEAK_ALLOCATED = Metric(
+    "ddpmon_cuda_memory_peak_allocated_bytes",
+    G,
+    "Allocator: peak bytes in tensors.",
+    L.MEMORY,
+    unit="bytes",
+    when=_ALLOC,
+)
+CUDA_ALLOC_RETRIES = Metric(
+    "ddpmon_cuda_alloc_retries_total", C, "Allocator retries.", L.MEMORY, when=_ALLOC
+)
+CUDA_OOMS = Metric(
+    "ddpmon_cuda_ooms_total", C, "Allocator out-of-memory errors.", L.MEMORY, when=_ALLOC
+)
+_NVML = "with NVML"
+GPU_MEMORY_USED = Metric(
+    "ddpmon_gpu_memory_used_bytes",
+    G,
+    "NVML: device memory used.",
+    L.MEMORY,
+    unit="bytes",
+    labels=("gpu",),
+    when=_NVML,
+)
+GPU_MEMORY_TOTAL = Metric(
+    "ddpmon_gpu_memory_total_bytes",
+    G,
+    "NVML: device memory total.",
+    L.MEMORY,
+    unit="bytes",
+    labels=("gpu",),
+    when=_NVML,
+)
+GPU_UTILIZATION = Metric(
+    "ddpmon_gpu_utilization_ratio",
+    G,
+    "NVML: GPU utilisation 0-1.",
+    L.MEMORY,
+    unit="ratio",
+    labels=("gpu",),
+    when=_NVML,
+)
+GPU_TEMPERATURE = Metric(
+    "ddpmon_gpu_temperature_celsius",
+    G,
+    "NVML: GPU temperature.",
+    L.MEMORY,
+    unit="celsius",
+    labels=("gpu",),
+    when=_NVML,
+)
+GPU_POWER = Metric(
+    "ddpmon_gpu_power_watts",
+    G,
+    "NVML: power draw.",
+    L.MEMORY,
+    unit="watts",
+    labels=("gpu",),
+    when=_NVML,
+)
+PROCESS_RESIDENT_MEMORY = Metric(
+    "ddpmon_process_resident_memory_bytes",
+    G,
+    "Resident memory of this rank's process.",
+    L.MEMORY,
+    unit="bytes",
+    when="with psutil",
+)
+PROCESS_CPU_SECONDS = Metric(
+    "ddpmon_process_cpu_seconds_total",
+    C,
+    "CPU time of this rank's process.",
+    L.MEMORY,
+    unit="seconds",
+    when="with psutil",
+)
+
+# -- agent health --------------------------------------------------------------------------
+COLLECTOR_SUCCESS = Metric(
+    "ddpmon_collector_success",
+    G,
+    "1 when a live source was read, 0 when it failed or is absent.",
+    L.IDENTITY,
+    labels=("collector",),
+    when="with live sources",
+)
+AGENT_ERRORS = Metric(
+    "ddpmon_agent_errors_total",
+    C,
+    "Probe failures; training went on.",
+    L.IDENTITY,
+    labels=("probe",),
+)
+
+CATALOGUE: tuple[Metric, ...] = tuple(
+    v for v in list(globals().values()) if isinstance(v, Metric)
+)
+"""Every metric, in exposition order."""
+
+BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOGUE}
+
+
+def by_layer(layer: Layer) -> tuple[Metric, ...]:
+    return tuple(m for m in CATALOGUE if m.layer is layer)
+
+
+__all__ += [name for name, v in list(globals().items()) if isinstance(v, Metric)]
+del G, C, H, L

@@ -1,0 +1,251 @@
+"""Layout of "ddpmon / Rank detail": one rank's four layers against the run, plus its GPU.
+
+The PromQL lives in :mod:`.queries.detail`; this module only places it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpmon.mixin.config import MixinConfig
+from ddpmon.mixin.dashboards import common
+from ddpmon.mixin.dashboards.model import (
+    DCGM,
+    DETAIL_TITLE,
+    DETAIL_UID,
+    EVERY_RANK,
+    FAULT,
+    GPU,
+    RUN,
+    DashboardSpec,
+    PanelSpec,
+    Query,
+    RowSpec,
+)
+from ddpmon.mixin.dashboards.promql import expand
+from ddpmon.mixin.dashboards.queries import detail as Q
+
+
+def _rank_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Rank",
+        (
+            PanelSpec(
+                "Identity", "table", "none",
+                (q(Q.IDENTITY, instant=True, fmt="table"),),
+                "Where this rank runs; gpu_uuid joins it to dcgm-exporter series.",
+                width=16, height=5, hide_columns=("Time", "Value"),
+            ),
+            PanelSpec(
+                "Collectors", "stat", "bool_yes_no",
+                (q(Q.COLLECTORS, "{{collector}}", instant=True),),
+                "Whether each live reading works here (NVML and allocator are 'no' on CPU).",
+                width=8, height=5,
+            ),
+        ),
+    )
+
+
+def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Numerics",
+        (
+            PanelSpec(
+                "Loss", "timeseries", "none",
+                (q(Q.LOSS, "rank {{rank}}"), q(Q.LOSS_MEDIAN, "run median", RUN)),
+                "This rank's last observed loss against the run median.",
+                dashed_series=("run median",),
+            ),
+            PanelSpec(
+                "Grad norms", "timeseries", "none",
+                (
+                    q(Q.GRAD_NORM, "global (after all-reduce)"),
+                    q(Q.LOCAL_NORM, "local (before all-reduce)"),
+                ),
+                "Unscaled gradient L2 norms; the local one is this rank's own contribution.",
+                log_scale=True,
+            ),
+            PanelSpec(
+                "Grad norm by module group", "timeseries", "none",
+                (q(Q.GROUP_NORM_TOP, "{{group}}"),),
+                "Post-reduce norm per module group (largest k): which layer blows up.",
+                log_scale=True,
+            ),
+            PanelSpec(
+                "Loss scale", "timeseries", "short",
+                (q(Q.LOSS_SCALE, "scale"), q(Q.LOSS_SCALE_FLOOR, "floor")),
+                "AMP GradScaler scale and its configured floor.",
+                log_scale=True, dashed_series=("floor",),
+            ),
+            PanelSpec(
+                "Non-finite and skipped steps", "timeseries", "short",
+                (
+                    q(Q.NONFINITE_REDUCED, "non-finite reduced grads"),
+                    q(Q.NONFINITE_ORIGIN, "non-finite local grads (origin)"),
+                    q(Q.NONFINITE_LOSS, "non-finite losses"),
+                    q(Q.SKIPPED, "skipped by GradScaler"),
+                ),
+                "Counts per rate interval.",
+            ),
+            PanelSpec(
+                "First non-finite gradient", "table", "none",
+                (q(Q.FIRST_NONFINITE, coverage=FAULT, instant=True, fmt="table"),),
+                "The first step and parameter where this rank's own gradients went NaN/Inf.",
+                hide_columns=("Time", "Value"),
+            ),
+        ),
+    )
+
+
+def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Data supply",
+        (
+            PanelSpec(
+                "Step time", "timeseries", "s",
+                (
+                    q(Q.STEP_P50, "p50"),
+                    q(Q.STEP_P99, "p99"),
+                    q(Q.STEP_P99_MEDIAN, "median rank p99", RUN),
+                ),
+                "Step wall time (data wait excluded) against the median rank.",
+                width=8, dashed_series=("median rank p99",),
+            ),
+            PanelSpec(
+                "Data wait", "timeseries", "s",
+                (
+                    q(Q.DATA_WAIT_P50, "p50"),
+                    q(Q.DATA_WAIT_P99, "p99"),
+                    q(Q.DATA_WAIT_MEDIAN, "median rank mean", RUN),
+                ),
+                "Time waiting for the next batch, against the median rank's mean.",
+                width=8, dashed_series=("median rank mean",),
+            ),
+            PanelSpec(
+                "Steps/s", "timeseries", "suffix: steps/s",
+                (q(Q.STEPS_RATE, "rank {{rank}}"), q(Q.STEPS_RATE_MEDIAN, "run median", RUN)),
+                "Throughput against the run median.",
+                width=8, dashed_series=("run median",),
+            ),
+        ),
+    )
+
+
+def _memory_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Memory",
+        (
+            PanelSpec(
+                "Allocator memory", "timeseries", "bytes",
+                (
+                    q(Q.RESERVED, "reserved", GPU),
+                    q(Q.ALLOCATED, "allocated", GPU),
+                    q(Q.PEAK, "peak allocated", GPU),
+                    q(Q.DEVICE_TOTAL, "device total (NVML)", GPU),
+                    q(Q.DEVICE_USED, "device used (NVML)", GPU),
+                ),
+                "torch allocator against the whole device as NVML sees it.",
+                dashed_series=("device total (NVML)",),
+            ),
+            PanelSpec(
+                "Allocator retries and OOMs", "timeseries", "short",
+                (q(Q.ALLOC_RETRIES, "retries", GPU), q(Q.OOMS, "OOMs", GPU)),
+                "cudaMalloc retries (cache flushes under pressure) and OOMs per interval.",
+            ),
+            PanelSpec(
+                "Host process", "timeseries", "bytes",
+                (q(Q.RSS, "resident"), q(Q.RSS_MEDIAN, "run median", RUN)),
+                "Resident memory of this training process.",
+                dashed_series=("run median",),
+            ),
+            PanelSpec(
+                "Host CPU", "timeseries", "percentunit",
+                (q(Q.CPU, "cores busy"),),
+                "CPU time of this training process per second (1 = one core).",
+            ),
+        ),
+    )
+
+
+def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Communication",
+        (
+            PanelSpec(
+                "All-reduce latency", "timeseries", "s",
+                (
+                    q(Q.ALLREDUCE_P50, "p50"),
+                    q(Q.ALLREDUCE_P99, "p99"),
+                    q(Q.ALLREDUCE_RUN_P99, "run p99", RUN),
+                ),
+                "Per-bucket all-reduce time of this rank against the run.",
+                dashed_series=("run p99",),
+            ),
+            PanelSpec(
+                "All-reduce bytes", "timeseries", "Bps",
+                (q(Q.ALLREDUCE_BYTES, "bytes/s"),),
+                "Gradient bytes all-reduced per second.",
+            ),
+            PanelSpec(
+                "Step time vs run median", "timeseries", "suffix:×",
+                (q(Q.STEP_SKEW, "rank {{rank}}"),),
+                "Above the red line this rank is a straggler.",
+                thresholds=((cfg.straggler_ratio, "red"),),
+            ),
+            PanelSpec(
+                "Steps behind the leader", "timeseries", "short",
+                (q(Q.STEPS_BEHIND, "rank {{rank}}"),),
+                "How far this rank lags the most advanced rank.",
+                thresholds=((cfg.rank_desync_steps, "red"),),
+            ),
+        ),
+    )
+
+
+def _gpu_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "GPU",
+        (
+            PanelSpec(
+                "GPU utilisation (NVML)", "timeseries", "percentunit",
+                (q(Q.GPU_UTIL, "gpu {{gpu}}", GPU),),
+                "Fraction of time a kernel ran, as read by the agent.",
+                width=8,
+            ),
+            PanelSpec(
+                "GPU temperature and power (NVML)", "timeseries", "celsius",
+                (
+                    q(Q.GPU_TEMP, "temperature gpu {{gpu}}", GPU),
+                    q(Q.GPU_POWER, "power gpu {{gpu}}", GPU),
+                ),
+                "Temperature (left axis) and power draw (watts, right axis).",
+                width=8,
+            ),
+            PanelSpec(
+                "DCGM: this rank's GPU", "timeseries", "percent",
+                (
+                    q(Q.dcgm("DCGM_FI_DEV_GPU_UTIL", cfg), "utilisation %", DCGM),
+                    q(Q.dcgm("DCGM_FI_DEV_MEM_COPY_UTIL", cfg), "memory copy %", DCGM),
+                    q(Q.dcgm("DCGM_FI_DEV_XID_ERRORS", cfg), "last XID", DCGM),
+                ),
+                "dcgm-exporter series of the GPU this rank uses, joined by gpu_uuid = UUID.",
+                width=8,
+            ),
+        ),
+    )
+
+
+def spec(cfg: MixinConfig) -> DashboardSpec:
+    def q(expr: str, legend: str = "", coverage: str = EVERY_RANK, **kw: Any) -> Query:
+        return Query(expand(expr, cfg), legend, coverage, **kw)
+
+    builders = (_rank_row, _numerics_row, _data_row, _memory_row, _comm_row, _gpu_row)
+    return DashboardSpec(
+        DETAIL_UID,
+        DETAIL_TITLE,
+        "One rank of a ddpmon-monitored run: its four layers against the run median, plus its "
+        "GPU (NVML, and dcgm-exporter joined by gpu_uuid).",
+        tuple(build(q, cfg) for build in builders),
+        rank_multi=False,
+        annotations=common.annotations(cfg),
+    )

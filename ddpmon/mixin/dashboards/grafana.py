@@ -1,0 +1,245 @@
+"""Render a :class:`DashboardSpec` to Grafana JSON with grafana-foundation-sdk.
+
+The SDK is an optional extra (``ddpmon[dashboards]``) and is imported only here, lazily.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ddpmon.mixin.config import MixinConfig
+from ddpmon.mixin.dashboards.model import DETAIL_UID, DashboardSpec
+from ddpmon.mixin.dashboards.promql import base_matchers
+
+
+def _rank_link(title: str = "Rank detail: rank ${__field.labels.rank}") -> dict[str, Any]:
+    return {
+        "title": title,
+        "url": f"/d/{DETAIL_UID}/ddpmon-rank-detail?var-datasource=${{datasource}}"
+        "&var-run=${__field.labels.run}&var-rank=${__field.labels.rank}&${__url_time_range}",
+    }
+
+
+def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
+    # Lazy: the SDK is an optional extra (``ddpmon[dashboards]``).
+    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.builders import heatmap, prometheus, stat, table, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common as cm
+    from grafana_foundation_sdk.models import dashboard as dm
+    from grafana_foundation_sdk.models import prometheus as pm
+
+    ds = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+    job = base_matchers(cfg)
+    run_var = (
+        db.QueryVariable("run")
+        .label("Run")
+        .datasource(ds)
+        .query(f"label_values(ddpmon_rank_info{{{job}}}, run)")
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dm.VariableSort.ALPHABETICAL_DESC)
+    )
+    rank_var = (
+        db.QueryVariable("rank")
+        .label("Rank")
+        .datasource(ds)
+        .query(f'label_values(ddpmon_rank_info{{{job}, run="$run"}}, rank)')
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dm.VariableSort.NUMERICAL_ASC)
+    )
+    if spec.rank_multi:
+        rank_var = (
+            rank_var.multi(True)
+            .include_all(True)
+            .all_value(".*")
+            .current(dm.VariableOption(selected=True, text=["All"], value=["$__all"]))
+        )
+    ds_var = db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+    if cfg.dashboard_datasource:
+        name = cfg.dashboard_datasource
+        ds_var = ds_var.current(dm.VariableOption(selected=True, text=name, value=name))
+    dash = (
+        db.Dashboard(spec.title)
+        .uid(spec.uid)
+        .description(spec.description)
+        .tags(list(cfg.dashboard_tags))
+        .refresh(cfg.dashboard_refresh)
+        .time("now-1h", "now")
+        .timezone("browser")
+        .tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .with_variable(ds_var)
+        .with_variable(run_var)
+        .with_variable(rank_var)
+        .link(
+            db.DashboardLink("ddpmon dashboards")
+            .type(dm.DashboardLinkType.DASHBOARDS)
+            .tags(list(cfg.dashboard_tags))
+            .as_dropdown(True)
+            .include_vars(True)
+            .keep_time(True)
+        )
+    )
+    for a in spec.annotations:
+        dash = dash.annotation(
+            db.AnnotationQuery().name(a.name).datasource(ds).enable(True).icon_color(a.color)
+            .expr(a.expr)
+        )
+
+    panel_id = 0
+    for row in spec.rows:
+        panel_id += 1
+        dash = dash.with_row(db.Row(row.title).id(panel_id))
+        for p in row.panels:
+            panel_id += 1
+            builder: Any
+            if p.kind == "timeseries":
+                builder = (
+                    timeseries.Panel()
+                    .legend(
+                        cb.VizLegendOptions()
+                        .display_mode(cm.LegendDisplayMode.LIST)
+                        .placement(cm.LegendPlacement.BOTTOM)
+                        .show_legend(True)
+                    )
+                    .tooltip(
+                        cb.VizTooltipOptions()
+                        .mode(cm.TooltipDisplayMode.MULTI)
+                        .sort(cm.SortOrder.DESCENDING)
+                    )
+                    .line_width(1)
+                    .fill_opacity(0)
+                    .span_nulls(False)
+                )
+                if p.log_scale:
+                    builder = builder.scale_distribution(
+                        cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(2)
+                    )
+                if p.thresholds:
+                    builder = builder.thresholds_style(
+                        cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED)
+                    )
+                for legend in p.dashed_series:
+                    builder = builder.override_by_name(
+                        legend,
+                        [
+                            dm.DynamicConfigValue(
+                                "custom.lineStyle", {"fill": "dash", "dash": [10, 10]}
+                            ),
+                            dm.DynamicConfigValue(
+                                "color", {"mode": "fixed", "fixedColor": "red"}
+                            ),
+                        ],
+                    )
+            elif p.kind == "heatmap":
+                # Bucket heatmaps: y = le, cells = counts. Rank heatmaps: y = rank, cells = value.
+                buckets = p.queries[0].fmt == "heatmap"
+                builder = (
+                    heatmap.Panel()
+                    .calculate(False)
+                    .color(
+                        heatmap.HeatmapColorOptions()
+                        .mode(_heatmap_enum("HeatmapColorMode", "SCHEME"))
+                        .scheme("Oranges")
+                        .scale(_heatmap_enum("HeatmapColorScale", "EXPONENTIAL"))
+                        .exponent(0.5)
+                        .steps(64)
+                    )
+                    .y_axis(heatmap.YAxisConfig().unit(p.unit if buckets else "none"))
+                    .cell_values(heatmap.CellValues().unit("short" if buckets else p.unit))
+                    .show_tooltip()
+                    .show_legend()
+                )
+                if buckets:
+                    builder = builder.rows_frame(
+                        heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.LE)
+                    )
+                else:
+                    builder = builder.rows_frame(
+                        heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.UNKNOWN)
+                    )
+            elif p.kind == "table":
+                builder = table.Panel()
+                if p.hide_columns:
+                    builder = builder.with_transformation(
+                        dm.DataTransformerConfig(
+                            id_val="organize",
+                            options={"excludeByName": {c: True for c in p.hide_columns}},
+                        )
+                    )
+                if p.rank_links:
+                    builder = builder.override_by_name(
+                        "rank",
+                        [
+                            dm.DynamicConfigValue(
+                                "links",
+                                [
+                                    {
+                                        "title": "Rank detail: rank ${__value.raw}",
+                                        "url": f"/d/{DETAIL_UID}/ddpmon-rank-detail?"
+                                        "var-datasource=${datasource}&var-run=${run}"
+                                        "&var-rank=${__value.raw}&${__url_time_range}",
+                                    }
+                                ],
+                            )
+                        ],
+                    )
+            elif p.kind == "stat":
+                builder = stat.Panel()
+            else:
+                raise ValueError(f"panel {p.title!r}: unknown kind {p.kind!r}")
+            builder = (
+                builder.id(panel_id)
+                .title(p.title)
+                .description(p.description)
+                .datasource(ds)
+                .unit(p.unit)
+                .span(p.width)
+                .height(p.height)
+            )
+            steps = [dm.Threshold(None, "green"), *(dm.Threshold(v, c) for v, c in p.thresholds)]
+            builder = builder.thresholds(
+                db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps)
+            )
+            for i, query in enumerate(p.queries):
+                target = (
+                    prometheus.Dataquery()
+                    .ref_id(chr(ord("A") + i))
+                    .expr(query.expr)
+                    .legend_format(query.legend or "__auto")
+                    .format(pm.PromQueryFormat(query.fmt))
+                )
+                target = target.instant() if query.instant else target.range()
+                builder = builder.with_target(target)
+            dash = dash.with_panel(builder)
+
+    out = json.loads(json.dumps(dash.build(), cls=JSONEncoder))
+    _post_process(out, spec)
+    return out
+
+
+def _heatmap_enum(name: str, member: str) -> Any:
+    from grafana_foundation_sdk.models import heatmap as hm
+
+    return getattr(getattr(hm, name), member)
+
+
+def _post_process(out: dict[str, Any], spec: DashboardSpec) -> None:
+    """Fill in what the SDK does not model: annotation title formats and field data links."""
+    by_name = {a.name: a.title for a in spec.annotations}
+    for ann in out.get("annotations", {}).get("list", []):
+        if ann.get("name") in by_name:
+            ann["titleFormat"] = by_name[ann["name"]]
+            ann["tagKeys"] = "rank,severity"
+            ann["step"] = "$__interval"
+    panel_specs = {p.title: p for row in spec.rows for p in row.panels}
+    for panel in out.get("panels", []):
+        ps = panel_specs.get(panel.get("title"))
+        if ps is None or panel.get("type") == "row":
+            continue
+        fc = panel.setdefault("fieldConfig", {"defaults": {}, "overrides": []})
+        if ps.rank_links and ps.kind == "timeseries":
+            fc["defaults"]["links"] = [_rank_link()]
+        if panel.get("options") is None:
+            panel["options"] = {}

@@ -1,0 +1,296 @@
+"""Layout of "ddpmon / Run overview": rows by layer, panels, units, thresholds, descriptions.
+
+The PromQL lives in :mod:`.queries.overview`; this module only places it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpmon.mixin.config import MixinConfig
+from ddpmon.mixin.dashboards import common
+from ddpmon.mixin.dashboards.model import (
+    DUP_DATA,
+    EVERY_RANK,
+    FAULT,
+    GPU,
+    OVERVIEW_TITLE,
+    OVERVIEW_UID,
+    RUN,
+    DashboardSpec,
+    PanelSpec,
+    Query,
+    RowSpec,
+)
+from ddpmon.mixin.dashboards.promql import expand
+from ddpmon.mixin.dashboards.queries import overview as Q
+
+
+def _run_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Run",
+        (
+            PanelSpec(
+                "Ranks reporting", "stat", "short",
+                (q(Q.RANKS_REPORTING, "reporting", RUN), q(Q.WORLD_SIZE, "world size", RUN)),
+                "Ranks whose endpoint Prometheus scrapes, against the world size they report.",
+                width=6, height=5,
+            ),
+            PanelSpec(
+                "Latest step", "stat", "short",
+                (q(Q.STEP_LEADER, "leader", RUN), q(Q.STEP_SLOWEST, "slowest", RUN)),
+                "Step index of the most and least advanced rank.",
+                width=6, height=5,
+            ),
+            PanelSpec(
+                "Heartbeat age (oldest rank)", "stat", "s",
+                (q(Q.HEARTBEAT_AGE, "age", RUN),),
+                "Seconds since the least recent completed step on any rank; a hang grows it.",
+                width=6, height=5, thresholds=((cfg.stall_seconds, "red"),),
+            ),
+            PanelSpec(
+                "Firing ddpmon alerts", "stat", "short",
+                (q(Q.FIRING_ALERTS, "firing", RUN),),
+                "Alerts of this run that fire now (see the annotations on every panel).",
+                width=6, height=5, thresholds=((1, "red"),),
+            ),
+            PanelSpec(
+                "Ranks", "table", "none",
+                (q(Q.RANK_TABLE, coverage=EVERY_RANK, instant=True, fmt="table"),),
+                "One row per rank; click a rank for its detail dashboard.",
+                width=24, height=6, rank_links=True, hide_columns=("Time", "Value"),
+            ),
+        ),
+    )
+
+
+def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Numerics",
+        (
+            PanelSpec(
+                "Loss", "timeseries", "none",
+                (q(Q.LOSS_MEDIAN, "run median", RUN), q(Q.LOSS_TOP, "rank {{rank}}")),
+                "Last observed loss: the run median and the k ranks with the highest loss.",
+                dashed_series=("run median",), rank_links=True,
+            ),
+            PanelSpec(
+                "Global grad norm per rank", "timeseries", "none",
+                (q(Q.GRAD_NORM_TOP, "top {{rank}}"), q(Q.GRAD_NORM_BOTTOM, "bottom {{rank}}")),
+                "L2 norm of the unscaled gradients after the all-reduce. All ranks of a "
+                "healthy DDP run agree: a gap between top and bottom is a replica desync.",
+                log_scale=True, rank_links=True,
+            ),
+            PanelSpec(
+                "Local pre-all-reduce grad norm per rank", "timeseries", "none",
+                (
+                    q(Q.LOCAL_NORM_MEDIAN, "run median", RUN),
+                    q(Q.LOCAL_NORM_TOP, "top {{rank}}"),
+                    q(Q.LOCAL_NORM_BOTTOM, "bottom {{rank}}"),
+                ),
+                "This rank's own gradient norm before averaging: the rank whose data or "
+                "numerics go wrong stands out here before the all-reduce spreads it.",
+                log_scale=True, dashed_series=("run median",), rank_links=True,
+            ),
+            PanelSpec(
+                "Non-finite steps", "timeseries", "short",
+                (
+                    q(Q.NONFINITE_REDUCED, "reduced grads", RUN),
+                    q(Q.NONFINITE_ORIGIN, "origin rank-steps", RUN),
+                    q(Q.NONFINITE_LOSS, "non-finite losses", RUN),
+                ),
+                "Steps whose reduced gradients held NaN/Inf, rank-steps where a rank's own "
+                "gradients did (the origin), and non-finite losses.",
+            ),
+            PanelSpec(
+                "Non-finite origin ranks", "table", "none",
+                (q(Q.ORIGIN_TABLE, coverage=FAULT, instant=True, fmt="table"),),
+                "Ranks whose local gradients went non-finite first, with the step and the "
+                "parameter where each saw it.",
+                rank_links=True, hide_columns=("Time", "Value"),
+            ),
+            PanelSpec(
+                "Loss scale per rank", "timeseries", "short",
+                (
+                    q(Q.LOSS_SCALE_TOP, "top {{rank}}"),
+                    q(Q.LOSS_SCALE_BOTTOM, "bottom {{rank}}"),
+                    q(Q.LOSS_SCALE_FLOOR, "floor", RUN),
+                ),
+                "AMP GradScaler scale; the dashed red line is the configured floor, at which "
+                "DdpmonLossScaleAtFloor fires.",
+                log_scale=True, dashed_series=("floor",), rank_links=True,
+            ),
+            PanelSpec(
+                "Skipped steps", "timeseries", "percentunit",
+                (q(Q.SKIPPED_TOP, "rank {{rank}}"),),
+                "Fraction of steps the GradScaler skipped (inf/NaN found).",
+                thresholds=((cfg.loss_scale_collapse_ratio, "red"),), rank_links=True,
+            ),
+        ),
+    )
+
+
+def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Data supply",
+        (
+            PanelSpec(
+                "Data wait per rank", "timeseries", "s",
+                (q(Q.DATA_WAIT_MEDIAN, "run median", RUN), q(Q.DATA_WAIT_TOP, "mean {{rank}}")),
+                "Mean time from one step's end to the next one's start (the input pipeline): "
+                "the run median and the k ranks that wait longest.",
+                dashed_series=("run median",), rank_links=True,
+            ),
+            PanelSpec(
+                "Data wait across ranks", "heatmap", "s",
+                (q(Q.DATA_WAIT_HEATMAP, "{{rank}}"),),
+                "One row per rank, colour = mean data wait: a starved rank is a bright row.",
+            ),
+            PanelSpec(
+                "Steps/s per rank", "timeseries", "suffix: steps/s",
+                (
+                    q(Q.STEPS_RATE_MEDIAN, "run median", RUN),
+                    q(Q.STEPS_RATE_SLOWEST, "slowest {{rank}}"),
+                ),
+                "Throughput: the run median and the k slowest ranks.",
+                dashed_series=("run median",), rank_links=True,
+            ),
+            PanelSpec(
+                "Step time p99 across ranks", "heatmap", "s",
+                (q(Q.STEP_P99_HEATMAP, "{{rank}}"),),
+                "One row per rank, colour = p99 step wall time (data wait excluded).",
+            ),
+            PanelSpec(
+                "Ranks with identical batches", "stat", "short",
+                (q(Q.IDENTICAL_RANKS, "ranks", DUP_DATA, instant=True),),
+                "Ranks of the run whose local gradients matched another rank's bit for bit at "
+                "a sampled step in the time range: duplicated data shards "
+                "(DdpmonDuplicateDataShards); 0 is the healthy case.",
+                width=6, thresholds=((1, "orange"),),
+            ),
+            PanelSpec(
+                "Identical batches across ranks", "timeseries", "short",
+                (q(Q.IDENTICAL_TOP, "rank {{rank}}", DUP_DATA),),
+                "Sampled steps (every data_check_interval steps, agent default 10) where "
+                "another rank's local gradients were bit-identical to this rank's: the same "
+                "batch was fed to both. Only ranks affected in the time range are drawn (the k "
+                "with most); an empty panel is the healthy case.",
+                width=18, rank_links=True,
+            ),
+        ),
+    )
+
+
+def _memory_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Memory",
+        (
+            PanelSpec(
+                "Allocator memory per rank", "timeseries", "bytes",
+                (
+                    q(Q.RESERVED_TOP, "reserved {{rank}}", GPU),
+                    q(Q.ALLOCATED_TOP, "allocated {{rank}}", GPU),
+                    q(Q.PEAK_TOP, "peak {{rank}}", GPU),
+                ),
+                "torch caching allocator: reserved, allocated and peak allocated bytes of the "
+                "k ranks using most.",
+                rank_links=True,
+            ),
+            PanelSpec(
+                "Device memory (NVML)", "timeseries", "bytes",
+                (q(Q.DEVICE_TOTAL, "total", GPU), q(Q.DEVICE_USED_TOP, "used {{rank}}", GPU)),
+                "Whole-device memory in use (other processes included) against its size.",
+                dashed_series=("total",), rank_links=True,
+            ),
+            PanelSpec(
+                "Headroom to OOM", "timeseries", "percentunit",
+                (q(Q.HEADROOM_TIGHTEST, "rank {{rank}}", GPU), q(Q.OOMS, "OOMs", GPU)),
+                "Free device memory of the k tightest ranks; DdpmonGpuMemoryNearlyFull fires "
+                "below the red line.",
+                thresholds=((1 - cfg.gpu_memory_full_ratio, "red"),), rank_links=True,
+            ),
+            PanelSpec(
+                "Host memory per rank", "timeseries", "bytes",
+                (q(Q.RSS_MEDIAN, "run median", RUN), q(Q.RSS_TOP, "rss {{rank}}")),
+                "Resident memory of each training process (host RAM, dataloader leaks).",
+                dashed_series=("run median",), rank_links=True,
+            ),
+        ),
+    )
+
+
+def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    return RowSpec(
+        "Communication",
+        (
+            PanelSpec(
+                "All-reduce p50 across ranks", "heatmap", "s",
+                (q(Q.ALLREDUCE_P50_HEATMAP, "{{rank}}"),),
+                "One row per rank, colour = all-reduce median: the typical collective; a rank "
+                "or node whose every all-reduce is slow is a bright row.",
+            ),
+            PanelSpec(
+                "All-reduce p99 across ranks", "heatmap", "s",
+                (q(Q.ALLREDUCE_P99_HEATMAP, "{{rank}}"),),
+                "One row per rank, colour = all-reduce p99: a slow link or rank is a bright "
+                "row, a fabric-wide problem a bright column.",
+            ),
+            PanelSpec(
+                "All-reduce latency per rank", "timeseries", "s",
+                (
+                    q(Q.ALLREDUCE_P50_MEDIAN, "median rank p50", RUN),
+                    q(Q.ALLREDUCE_P99_MEDIAN, "median rank p99", RUN),
+                    q(Q.ALLREDUCE_RUN_P99, "run p99", RUN),
+                    q(Q.ALLREDUCE_P99_TOP, "p99 {{rank}}"),
+                    q(Q.ALLREDUCE_P50_TOP, "p50 {{rank}}"),
+                ),
+                "Per-bucket all-reduce time, launch to completion: the run p99, the median "
+                "rank's p50 and p99, and p50/p99 of the k slowest ranks (each picked by its "
+                "own quantile over the time range).",
+                width=24, dashed_series=("median rank p50", "median rank p99", "run p99"),
+                rank_links=True,
+            ),
+            PanelSpec(
+                "All-reduce bytes", "timeseries", "Bps",
+                (
+                    q(Q.ALLREDUCE_BYTES, "selected ranks", RUN),
+                    q(Q.ALLREDUCE_BYTES_TOP, "rank {{rank}}"),
+                ),
+                "Gradient bytes all-reduced per second.",
+                rank_links=True,
+            ),
+            PanelSpec(
+                "Step-time skew vs run median", "timeseries", "suffix:×",
+                (q(Q.STEP_SKEW_TOP, "rank {{rank}}"),),
+                "Each rank's mean step time over the run median: stragglers sit above the red "
+                "line, where DdpmonStraggler fires.",
+                thresholds=((cfg.straggler_ratio, "red"),), rank_links=True,
+            ),
+            PanelSpec(
+                "Step drift between ranks", "timeseries", "short",
+                (q(Q.STEP_DRIFT, "leader - slowest", RUN), q(Q.STEP_BEHIND_TOP, "behind {{rank}}")),
+                "Steps each rank lags behind the leading rank; DdpmonRankDesync fires above "
+                "the red line.",
+                thresholds=((cfg.rank_desync_steps, "red"),), width=24, rank_links=True,
+            ),
+        ),
+    )
+
+
+def spec(cfg: MixinConfig) -> DashboardSpec:
+    def q(expr: str, legend: str = "", coverage: str = EVERY_RANK, **kw: Any) -> Query:
+        return Query(expand(expr, cfg), legend, coverage, **kw)
+
+    rows = tuple(
+        build(q, cfg) for build in (_run_row, _numerics_row, _data_row, _memory_row, _comm_row)
+    )
+    return DashboardSpec(
+        OVERVIEW_UID,
+        OVERVIEW_TITLE,
+        "Every rank of a ddpmon-monitored run on one time axis, by layer: numerics, data "
+        "supply, memory, communication. Per-rank panels show the top/bottom "
+        f"{cfg.dashboard_topk} ranks; heatmaps and run quantiles cover the rest.",
+        rows,
+        rank_multi=True,
+        annotations=common.annotations(cfg),
+    )

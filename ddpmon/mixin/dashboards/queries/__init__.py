@@ -1,0 +1,1 @@
+"""Named PromQL templates of each dashboard, apart from the layout that places them."""
