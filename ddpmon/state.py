@@ -166,10 +166,6 @@ class MetricState:
     )
     agent_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CORE_PROBES, 0))
     """Pre-set to 0 for the core probes so ``increase()`` sees their first failure."""
-    grad_nonfinite_poisoned_steps_total: int = 0
-    grad_norm_mismatch_total: int = 0
-    stall_threshold_seconds: float | None = None
-    strategy: str = "plain"
     version: int = 0
     """Bumped after every change so the exposition cache knows when to re-render."""
     grad_nonfinite_poisoned_steps_total: int = 0

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..forensics.rng import rng_fingerprints
 from ..identity import RankIdentity, detect_identity
+from ..rundir import RunDir
 from .guard import Guard
 
 
@@ -27,6 +29,7 @@ class RunContext:
     identity: RankIdentity
     run_id: str
     run_path: Path
+    run_dir: RunDir
     clock: dict[str, Any] = field(default_factory=dict)
     hosts: list[dict] | None = None
 
@@ -54,7 +57,8 @@ class RunContext:
                 dist.all_gather_object(gathered, _host_entry(identity))
                 hosts = gathered
         run_id = candidate or _new_run_id()
-        return cls(identity, run_id, Path(config.run_dir) / run_id, clock, hosts)
+        run_dir = RunDir(Path(config.run_dir) / run_id)
+        return cls(identity, run_id, run_dir.path, run_dir, clock, hosts)
 
 
 def _new_run_id() -> str:
@@ -69,6 +73,7 @@ def _host_entry(ident: RankIdentity) -> dict[str, Any]:
         "pid": ident.pid,
         "device": ident.device,
         "gpu_uuid": ident.gpu_uuid or None,
+        "rng": rng_fingerprints(),
     }
 
 

@@ -73,10 +73,10 @@ class Endpoint:
         if sd_dir:
             with guard("discovery"):
                 from ..export.discovery import FileSDPublisher
+                from ..rundir import sd_filename
 
                 self._sd = FileSDPublisher(
-                    sd_dir, target=target, labels=labels,
-                    filename=f"ddpmon-{run_id}-rank{ident.rank}.json",
+                    sd_dir, target=target, labels=labels, filename=sd_filename(run_id, ident.rank)
                 )
                 self._sd.publish()
         if cfg.daemon_url:

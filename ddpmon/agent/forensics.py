@@ -98,11 +98,14 @@ def manifest_writer(ctx: RunContext, cfg: Config, extra: Callable[[], dict], gua
 
     def write() -> None:
         with guard("manifest"):
-            from ..forensics.manifest import build_manifest, write_manifest
+            from ..forensics.manifest import write_run_manifest
 
-            manifest = build_manifest(
-                identity=ctx.identity, config=cfg, versions=build_versions(), extra=extra()
+            write_run_manifest(
+                ctx.run_path,
+                identity=ctx.identity,
+                config=cfg,
+                versions=build_versions(),
+                extra=extra(),
             )
-            write_manifest(ctx.run_path, manifest)
 
     return write

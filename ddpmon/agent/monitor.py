@@ -186,7 +186,7 @@ class Monitor:
         if self.forensics.progress is not None:
             sinks.append(ProgressSink(self.forensics.progress))
         self.summary = SummarySink(
-            path=ctx.run_path / f"summary.rank{ctx.identity.rank}.json",
+            path=ctx.run_dir.summary(ctx.identity.rank),
             state=state,
             head=lambda: {"run_id": self.run_id, "rank": self.identity.rank, "port": self.port},
             write_json=write_json_atomic,
@@ -296,9 +296,9 @@ class Monitor:
                 "stall", step, None, idle_seconds=idle_seconds, last_step=self.state.step
             )
         with self.guard("watchdog"):
-            from ..forensics.watchdog import flight_recorder_path, request_flight_recorder_dump
+            from ..forensics.watchdog import request_flight_recorder_dump
 
-            request_flight_recorder_dump(flight_recorder_path(self.run_path, self.identity.rank))
+            request_flight_recorder_dump(self.ctx.run_dir.flight_recorder(self.identity.rank))
 
     # ------------------------------------------------------------------ helpers for sinks
     def _param_grad(self, name: str) -> Any:

@@ -35,16 +35,20 @@ class PlainSource(GradientSource):
         super().__init__(env)
         self._captured: NormVector | None = None
         self._clip_measured: NormVector | None = None
+        self._backward_seen = False
         self.multi_process = _world_size() > 1
 
     def on_backward_end(self) -> None:
+        self._backward_seen = True
+        self._captured = None
         self._captured = full_pass(self.index, scaled=self.env.grads_scaled_now())
 
     def collect(self) -> GradSummaries:
         captured, self._captured = self._captured, None
         clipped, self._clip_measured = self._clip_measured, None
+        seen, self._backward_seen = self._backward_seen, False
         if not self.multi_process:
-            if captured is None:  # no backward seen through the outputs (autograd.grad, ...)
+            if not seen:  # no backward seen through the outputs (autograd.grad, ...)
                 captured = full_pass(self.index, scaled=self.env.grads_scaled_now())
             return GradSummaries(reduced=captured, local_is_reduced=True)
         reduced = clipped or full_pass(self.index, scaled=self.env.grads_scaled_now())
