@@ -1,37 +1,25 @@
-"""Global-norm gradient clipping that is correct for DDP and for sharded parameters, and that
-feeds ``ddpmon_grad_norm`` without a second pass over the gradients.
+"""Global-norm gradient clipping that is correct for every strategy and that costs no extra pass
+where ddpmon already measured the norms.
 
-- Replicated (DDP): after the all-reduce every rank holds the same gradients, so the local norm
-  *is* the global norm. If a monitor's comm hook already measured the reduced per-parameter
-  norms during backward, they are reused: no pass at all.
-- Sharded (FSDP-style, each rank owns a disjoint slice): the squared local norm is all-reduced
+- The monitor that owns the parameters knows the strategy: under DDP it reuses the comm hook's
+  reduced per-bucket norms (no pass at all); under FSDP2/HSDP/TP its source sums the shards'
+  partial squares over the right mesh dimensions (one pass, one tiny all-reduce).
+- Without a monitor: replicated gradients (the local norm is the global one), or
+  ``sharded=True`` (each rank owns a disjoint slice): the squared local norm is all-reduced
   (sum) over ``process_group`` before the square root.
 
 Like ``torch.nn.utils.clip_grad_norm_`` it returns the total norm *before* clipping, as a device
-tensor, and never reads it on the host.
+tensor, and never reads it on the host (except with ``error_if_nonfinite``, as torch does).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from .probes.grads import per_param_norms
-
-_active: weakref.ref | None = None
-
-
-def set_active_monitor(monitor: Any) -> None:
-    global _active
-    _active = weakref.ref(monitor)
-
-
-def _active_monitor() -> Any:
-    mon = _active() if _active is not None else None
-    return mon if mon is not None and getattr(mon, "enabled", False) else None
 
 
 def clip_grad_norm_(
@@ -44,6 +32,8 @@ def clip_grad_norm_(
     monitor: Any = None,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
+    """``monitor``: the monitor of these parameters' model (default: found by ownership);
+    ``monitor=False``: compute without any monitor."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = [p for p in parameters if p.grad is not None]
@@ -51,28 +41,28 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     if float(norm_type) != 2.0:
         raise ValueError(f"ddpmon.clip_grad_norm_: norm_type={norm_type!r}; only 2.0 is supported")
-    grads = [p.grad.detach() for p in params]
-    # monitor=False: do not feed any monitor (e.g. clipping a second, unrelated group).
-    mon = None if monitor is False else (monitor if monitor is not None else _active_monitor())
-    total = None
-    if mon is not None and not sharded:
-        total = mon._reduced_norm_for(params)
-    if total is None:
-        norms = per_param_norms(grads)
-        sq = (norms * norms).sum()
+    if monitor is None and not sharded:
+        from .agent.monitor import monitor_for
+
+        monitor = monitor_for(params)
+    if monitor not in (None, False) and getattr(monitor, "enabled", False) and not sharded:
+        total = monitor.clip_norm(params)
+    else:
+        norms = per_param_norms([p.grad.detach() for p in params])
+        sq = (norms.to(torch.float64) * norms.to(torch.float64)).sum()
         if sharded:
             import torch.distributed as dist
 
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=process_group)
         total = sq.sqrt()
-        if mon is not None:
-            mon._offer_norms(params, norms, total)
     if error_if_nonfinite and not torch.isfinite(total).item():  # opt-in host read, as in torch
         raise RuntimeError(f"The total norm of gradients is non-finite: {total.item()}")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_type: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
-        by_type.setdefault((g.device, g.dtype), []).append(g)
+    for p in params:
+        g = p.grad.detach()
+        local = g.to_local() if hasattr(g, "to_local") else g
+        by_type.setdefault((local.device, local.dtype), []).append(local)
     for (device, dtype), group in by_type.items():
         torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
     return total

@@ -1,9 +1,9 @@
 """Lazy device->host readback of per-step vectors.
 
-On CPU a tensor is already on the host, so values are available at once. On CUDA the vector is
-copied into pinned memory with ``non_blocking=True`` and a CUDA event is recorded; the values are
-taken only once ``event.query()`` says the copy is done, at a later step. Nothing here waits on
-the device, except ``drain(wait=True)`` at close.
+On CPU the values are already host memory and arrive as a list: available at once. On CUDA the
+vector is copied into pinned memory with ``non_blocking=True`` and a CUDA event is recorded; the
+values are taken only once ``event.query()`` says the copy is done, at a later step. Nothing here
+waits on the device, except ``poll(wait=True)`` at close and a full queue (GPU far behind).
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ class Readback:
         self.forced_waits = 0
         """How often the queue was full and the oldest entry was waited for (GPU far behind)."""
 
-    def push(self, vector: torch.Tensor, meta: Any) -> None:
+    def push(self, vector: torch.Tensor | list[float] | None, meta: Any) -> None:
+        if vector is None or isinstance(vector, list):
+            self._pending.append((vector or [], None, meta))
+            return
         if vector.device.type == "cpu":
-            self._pending.append((vector, None, meta))
+            self._pending.append((vector.tolist(), None, meta))
             return
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
         host.copy_(vector, non_blocking=True)
@@ -44,7 +47,7 @@ class Readback:
                     break
                 event.synchronize()
             self._pending.popleft()
-            ready.append((host.tolist(), meta))
+            ready.append((host if isinstance(host, list) else host.tolist(), meta))
         return ready
 
     def __len__(self) -> int:

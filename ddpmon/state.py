@@ -112,7 +112,18 @@ class StepRecord:
     loss_scale: float | None = None
     amp_skipped: bool = False
     allreduce_seconds: list[float] = field(default_factory=list)
+    allreduce_bytes: int = 0
     data_identical_ranks: int | None = None
+    skipped_by: str | None = None
+    """Who skipped this optimizer step: ``scaler`` (found Inf/NaN), ``policy``
+    (``on_nonfinite='skip'``), ``loop`` (the user's loop never called ``optimizer.step()``)."""
+    origin: bool = False
+    """This rank's local gradients went non-finite while the weights entering the step were
+    finite: the rank (and step) where a NaN/Inf started."""
+    poisoned: bool = False
+    """Local gradients non-finite only because an earlier non-finite step reached the weights."""
+    trainer_grad_norm: float | None = None
+    grad_norm_mismatch: bool = False
 
     def as_dict(self) -> dict:
         out = {}
@@ -187,7 +198,12 @@ class MetricState:
             self.group_norms = record.group_norms
         if record.grad_nonfinite:
             self.grad_nonfinite_steps_total += 1
-        if record.local_nonfinite:
+        if record.poisoned:
+            self.grad_nonfinite_poisoned_steps_total += 1
+        if record.grad_norm_mismatch:
+            self.grad_norm_mismatch_total += 1
+        self.allreduce_bytes_total += record.allreduce_bytes
+        if record.origin:
             self.grad_nonfinite_origin_steps_total += 1
             if self.first_nonfinite is None:
                 self.first_nonfinite = FirstNonfinite(

@@ -1,8 +1,9 @@
-"""Gradient norms and non-finite detection in one fused pass, without a host sync.
+"""Gradient norms and non-finite detection: one fused pass on the device, the rest on the host.
 
-Per-parameter L2 norms come from ``torch._foreach_norm`` (one read of every gradient). Everything
-else (global norm, per-group norms, the first non-finite parameter and its kind) is derived from
-that small vector on the device.
+Per-parameter L2 norms come from ``torch._foreach_norm`` (one read of every gradient): that small
+vector is all the device computes. Everything else (global norm, per-group norms, the first
+non-finite parameter and its kind, unscaling) is derived from it on the host after the lazy
+readback (:func:`summarize_host`, numpy), so the hot path launches two kernels, not a dozen.
 
 Exactness: a float32 norm overflows to inf for finite values above ~1e19, which would look like an
 Inf gradient. On CUDA the norms accumulate in float64 (memory-bound either way, so free), which
@@ -13,28 +14,42 @@ device sync, so this rare path is exact and cheap.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-# Layout of a grad summary vector (float64, on the gradients' device).
-SUMMARY_NORM, SUMMARY_ANY_BAD, SUMMARY_FIRST, SUMMARY_KIND = 0, 1, 2, 3
-SUMMARY_FIXED = 4
-KIND_NAMES = {1: "nan", 2: "inf"}
+if TYPE_CHECKING:
+    from ..strategies.base import NormVector
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``)
+    wrappers, so parameter names are the ones the user wrote."""
+    seen = 0
+    while seen < 8:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
 
 
 class ParamIndex:
     """Stable indices, names and bounded groups of a model's trainable parameters."""
 
     def __init__(self, model: torch.nn.Module, group_depth: int = 1, max_groups: int = 32) -> None:
-        inner = getattr(model, "module", model)  # DDP/FSDP-style wrappers keep the model here
-        named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in unwrap_model(model).named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.position = {id(p): i for i, p in enumerate(self.params)}
         self.group_names, self.group_of = _groups(self.names, group_depth, max_groups)
-        self._layouts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._group_array = np.asarray(self.group_of, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -43,24 +58,15 @@ class ParamIndex:
     def n_groups(self) -> int:
         return len(self.group_names)
 
-    def layout(
-        self, positions: Sequence[int], device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Device tensors (param positions, group ids) for a list of positions, built once per
-        distinct layout (DDP rebuilds its buckets once, after the first iteration)."""
-        key = (tuple(positions), str(device))
-        cached = self._layouts.get(key)
-        if cached is None:
-            pos = torch.tensor(list(positions), dtype=torch.long)
-            grp = torch.tensor([self.group_of[i] for i in positions], dtype=torch.long)
-            if device.type != "cpu":
-                pos = pos.pin_memory().to(device, non_blocking=True)
-                grp = grp.pin_memory().to(device, non_blocking=True)
-            cached = (pos, grp)
-            if len(self._layouts) > 64:  # bounded: layouts only change on re-bucketing
-                self._layouts.clear()
-            self._layouts[key] = cached
-        return cached
+    def name(self, position: int) -> str:
+        return self.names[position] if 0 <= position < len(self.names) else "unknown"
+
+    def positions_of(self, params: Sequence[torch.Tensor]) -> list[int] | None:
+        """Positions of ``params``, or None if any of them is not this model's."""
+        try:
+            return [self.position[id(p)] for p in params]
+        except KeyError:
+            return None
 
 
 def _groups(names: list[str], depth: int, max_groups: int) -> tuple[list[str], list[int]]:
@@ -79,13 +85,16 @@ def _groups(names: list[str], depth: int, max_groups: int) -> tuple[list[str], l
 
 
 def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float64 vector of L2 norms, one per tensor, computed in one fused pass (see module doc)."""
+    """Vector of L2 norms, one per tensor, computed in one fused pass (see module doc):
+    float32 on CPU (exact: overflowed entries re-checked), float64 elsewhere."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     device = tensors[0].device
     if device.type == "cpu":
-        norms = torch.stack(_foreach_norm_grouped(tensors, None)).to(torch.float64)
-        if torch.isinf(norms).any():  # CPU tensor: reading it is not a device sync
+        wide = all(t.dtype in (torch.float32, torch.float64) for t in tensors)
+        norms = torch.stack(_foreach_norm_grouped(tensors, None if wide else torch.float32))
+        if np.isinf(norms.numpy()).any():  # CPU memory: reading it is not a device sync
+            norms = norms.to(torch.float64)
             for i in torch.nonzero(torch.isinf(norms)).flatten().tolist():
                 norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float64)
         return norms
@@ -101,9 +110,10 @@ def _foreach_norm_grouped(tensors: Sequence[torch.Tensor], dtype: torch.dtype | 
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     out: list = [None] * len(tensors)
+    target = dtype or torch.float32
     for idx in groups.values():
         for i, n in zip(idx, _foreach_norm([tensors[i] for i in idx], dtype), strict=True):
-            out[i] = n.to(first.device, non_blocking=True) if n.device != first.device else n
+            out[i] = n.to(first.device, target, non_blocking=True)
     return out
 
 
@@ -116,44 +126,9 @@ def _foreach_norm(group: list[torch.Tensor], dtype: torch.dtype | None) -> Seque
         return [torch.linalg.vector_norm(t, dtype=dtype) for t in group]
 
 
-def summarize(
-    norms: torch.Tensor,
-    positions: torch.Tensor,
-    groups: torch.Tensor,
-    n_params: int,
-    n_groups: int,
-    inv_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Device vector ``[norm, any_bad, first_position, kind, group_norm_0..]`` (float64).
-
-    ``first_position`` is the smallest parameter position (registration order) whose gradient is
-    non-finite, or -1; ``kind`` is 1 for NaN, 2 for Inf, 0 for none.
-    """
-    if inv_scale is not None:
-        norms = norms * inv_scale.to(norms.dtype)
-    sq = norms * norms
-    group_norms = torch.zeros(n_groups, dtype=norms.dtype, device=norms.device)
-    group_norms.index_add_(0, groups, sq).sqrt_()
-    bad = ~torch.isfinite(norms)
-    # Smallest bad position (registration order) and where it sits, in one reduction.
-    first, slot = torch.min(positions.masked_fill(~bad, n_params), dim=0)
-    any_bad = first < n_params
-    first_is_nan = torch.isnan(norms.gather(0, slot.reshape(1))).reshape(())
-    kind = (2 - first_is_nan.to(norms.dtype)) * any_bad  # 1 = NaN, 2 = Inf, 0 = none
-    head = torch.stack(
-        [
-            sq.sum().sqrt(),
-            any_bad.to(norms.dtype),
-            first.masked_fill(~any_bad, -1).to(norms.dtype),
-            kind,
-        ]
-    )
-    return torch.cat([head, group_norms])
-
-
 @dataclass(slots=True)
 class GradSummary:
-    """Host-side view of a summary vector after readback."""
+    """Host-side view of one set of gradients after readback."""
 
     norm: float
     nonfinite: bool
@@ -161,24 +136,45 @@ class GradSummary:
     kind: str | None
     group_norms: list[float]
 
-    @classmethod
-    def from_values(cls, values: Sequence[float]) -> GradSummary:
-        any_bad = values[SUMMARY_ANY_BAD] > 0.5
-        return cls(
-            norm=float(values[SUMMARY_NORM]),
-            nonfinite=any_bad,
-            first_position=int(values[SUMMARY_FIRST]) if any_bad else -1,
-            kind=KIND_NAMES.get(int(values[SUMMARY_KIND])) if any_bad else None,
-            group_norms=[float(v) for v in values[SUMMARY_FIXED:]],
-        )
+
+def summarize_host(
+    vector: NormVector,
+    values: Sequence[float] | np.ndarray,
+    index: ParamIndex,
+    scale: float | None = None,
+) -> GradSummary:
+    """Global norm, group norms and the first non-finite parameter (smallest position, i.e.
+    registration order) with its kind, from read-back per-parameter norms. ``scale``: the loss
+    scale the gradients carried (divided out when ``vector.scaled``)."""
+    norms = np.asarray(values, dtype=np.float64)
+    if scale is not None and vector.scaled and scale > 0 and math.isfinite(scale):
+        norms = norms / scale
+    positions = np.asarray(vector.positions, dtype=np.int64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        squares = norms * norms
+        total = float(np.sqrt(squares.sum()))
+        groups = index._group_array[positions] if len(positions) else positions
+        group_norms = np.sqrt(np.bincount(groups, weights=squares, minlength=index.n_groups))
+    bad = ~np.isfinite(norms)
+    first, kind = -1, None
+    if bad.any():
+        bad_positions = positions[bad]
+        slot = int(np.argmin(bad_positions))
+        first = int(bad_positions[slot])
+        kind = "nan" if math.isnan(norms[bad][slot]) else "inf"
+    return GradSummary(
+        norm=total,
+        nonfinite=first >= 0,
+        first_position=first,
+        kind=kind,
+        group_norms=[float(v) for v in group_norms],
+    )
 
 
-def summary_width(n_groups: int) -> int:
-    return SUMMARY_FIXED + n_groups
+def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
+    """Per-parameter norms of every parameter's current ``.grad``: one fused pass."""
+    from ..strategies.base import NormVector
 
-
-def full_pass(index: ParamIndex, inv_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Summary of every parameter's current ``.grad`` (the non-DDP path, or DDP fallback)."""
     positions: list[int] = []
     grads: list[torch.Tensor] = []
     for i, p in enumerate(index.params):
@@ -190,6 +186,4 @@ def full_pass(index: ParamIndex, inv_scale: torch.Tensor | None = None) -> torch
             grads.append(g.detach())
     if not grads:
         return None
-    norms = per_param_norms(grads)
-    pos, grp = index.layout(positions, norms.device)
-    return summarize(norms, pos, grp, len(index), index.n_groups, inv_scale)
+    return NormVector(per_param_norms(grads), positions, scaled)

@@ -8,9 +8,9 @@ path. Everything derived from them (global norm, group norms, the first non-fini
 its kind, unscaling) is computed on the host after the lazy readback, off the hot path.
 
 Contract every source keeps:
-- ``reduced``: per-parameter norms of the *full* gradients of the step, before any clipping
-  (their L2 combination is: what ``torch.nn.utils.clip_grad_norm_``
-  returns (``.full_tensor()`` for DTensor). Identical on every rank.
+- ``reduced``: per-parameter norms of the *full* gradients of the step, before any clipping;
+  their L2 combination is what ``torch.nn.utils.clip_grad_norm_`` returns (``.full_tensor()``
+  for DTensor). Identical on every rank.
 - ``local``: this rank's gradients *before* the reduction (pre all-reduce / reduce-scatter); its
   non-finite flag and first position name the origin parameter (``ParamIndex`` positions, i.e.
   the original FQNs).
@@ -88,6 +88,17 @@ class SourceEnv:
     data_check_interval: int = 10
     comm_hook: Callable | None = None
     comm_state: Any = None
+    amp: Any = None
+    """The GradScaler probe (``probes.amp.ScalerProbe``) when a scaler is in use."""
+
+    def grads_scaled_now(self) -> bool:
+        """Do the ``.grad`` tensors carry the loss scale right now (no ``unscale_`` yet)?"""
+        amp = self.amp
+        return amp is not None and amp.enabled() and not amp.grads_unscaled()
+
+    def current_scale(self) -> torch.Tensor | None:
+        amp = self.amp
+        return amp.current_scale() if amp is not None and amp.enabled() else None
 
 
 class GradientSource(ABC):
@@ -102,10 +113,10 @@ class GradientSource(ABC):
         self.index = env.index
         self._handles: list[Any] = []
 
-    def install(self) -> None:
+    def install(self) -> None:  # noqa: B027 (optional hook)
         """Register the hooks this strategy needs (default: none)."""
 
-    def on_backward_end(self) -> None:
+    def on_backward_end(self) -> None:  # noqa: B027 (optional hook)
         """A backward pass has finished (every gradient of it is accumulated). Default: no-op."""
 
     @abstractmethod

@@ -24,14 +24,27 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
     return out
 
 
+def poison_next_backward(param):
+    """A NaN in ``param``'s gradient, produced by the next backward pass."""
+    handle = None
+
+    def hook(grad):
+        handle.remove()
+        grad = grad.clone()
+        grad.view(-1)[0] = float("nan")
+        return grad
+
+    handle = param.register_hook(hook)
+
+
 def train(model, opt, mon, steps, poison_at=None):
     for step in range(steps):
         x = torch.randn(4, 8)
         loss = model(x).pow(2).mean()
         mon.observe_loss(loss)
-        loss.backward()
         if step == poison_at:
-            model[0].weight.grad[0, 0] = float("nan")
+            poison_next_backward(model[0].weight)
+        loss.backward()
         opt.step()
         opt.zero_grad()
 
@@ -60,8 +73,10 @@ def test_plain_model_steps_norms_and_nonfinite(tmp_path, model_opt):
     assert m[("ddpmon_data_wait_seconds_count", ())] == 5
     # The NaN step poisons the weights, so steps 3, 4 and 5 all have non-finite gradients.
     assert m[("ddpmon_grad_nonfinite_steps_total", ())] == 3
-    # Without an all-reduce the local gradients are the reduced ones: this rank is the origin.
-    assert m[("ddpmon_grad_nonfinite_origin_steps_total", ())] == 3
+    # Without an all-reduce the local gradients are the reduced ones: this rank is the origin,
+    # once; steps 4 and 5 are non-finite because step 3's NaN reached the weights.
+    assert m[("ddpmon_grad_nonfinite_origin_steps_total", ())] == 1
+    assert m[("ddpmon_grad_nonfinite_poisoned_steps_total", ())] == 2
     info = [k for k in m if k[0] == "ddpmon_grad_first_nonfinite_info"]
     assert dict(info[0][1]) == {"kind": "nan", "param": "0.weight", "step": "3"}
     assert m[("ddpmon_grad_norm", ())] != m[("ddpmon_grad_norm", ())]  # NaN, exposed as such
@@ -102,12 +117,12 @@ def test_port_in_use_warns_once_and_training_finishes(tmp_path, model_opt, caplo
 def test_failing_probe_is_counted_logged_once_and_training_continues(
     tmp_path, model_opt, caplog, monkeypatch
 ):
-    import ddpmon.agent as agent
+    import ddpmon.strategies.plain as plain
 
     def broken(*args, **kwargs):
         raise RuntimeError("probe exploded")
 
-    monkeypatch.setattr(agent, "full_pass", broken)  # fault injection into the real agent
+    monkeypatch.setattr(plain, "full_pass", broken)  # fault injection into the real agent
     model, opt = model_opt
     port = free_port()
     with caplog.at_level(logging.WARNING, logger="ddpmon"):

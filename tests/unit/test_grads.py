@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from ddpmon.probes.grads import GradSummary, ParamIndex, full_pass, per_param_norms
+from ddpmon.probes.grads import ParamIndex, full_pass, per_param_norms, summarize_host
+
+
+def _summary(index):
+    vector = full_pass(index)
+    return summarize_host(vector, vector.norms.tolist(), index)
 
 
 class Net(nn.Module):
@@ -26,7 +31,7 @@ def test_norms_match_torch_and_groups_partition_the_total():
     model = Net()
     _grads(model)
     index = ParamIndex(model, group_depth=1)
-    summary = GradSummary.from_values(full_pass(index).tolist())
+    summary = _summary(index)
     expected = torch.linalg.vector_norm(
         torch.cat([p.grad.flatten() for p in model.parameters()])
     ).item()
@@ -44,12 +49,12 @@ def test_first_nonfinite_is_in_registration_order_with_its_kind():
     model.head.weight.grad[0, 0] = float("inf")
     model.encoder[1].bias.grad[3] = float("nan")
     index = ParamIndex(model)
-    summary = GradSummary.from_values(full_pass(index).tolist())
+    summary = _summary(index)
     assert summary.nonfinite
     assert index.names[summary.first_position] == "encoder.1.bias"
     assert summary.kind == "nan"
     model.encoder[1].bias.grad[3] = 0.0
-    summary = GradSummary.from_values(full_pass(index).tolist())
+    summary = _summary(index)
     assert index.names[summary.first_position] == "head.weight" and summary.kind == "inf"
 
 
@@ -67,7 +72,7 @@ def test_groups_are_bounded_and_fold_into_other():
     _grads(model)
     index = ParamIndex(model, group_depth=1, max_groups=4)
     assert index.group_names == ["0", "1", "2", "other"]
-    summary = GradSummary.from_values(full_pass(index).tolist())
+    summary = _summary(index)
     assert len(summary.group_norms) == 4
     assert math.sqrt(sum(g * g for g in summary.group_norms)) == pytest.approx(summary.norm)
 
@@ -77,7 +82,7 @@ def test_params_without_grad_are_skipped():
     _grads(model)
     model.head.weight.grad = None
     index = ParamIndex(model)
-    summary = GradSummary.from_values(full_pass(index).tolist())
+    summary = _summary(index)
     expected = (
         torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         .norm()

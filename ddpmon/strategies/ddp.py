@@ -1,4 +1,6 @@
-"""DDP communication-hook probe: local pre-all-reduce norms, all-reduce timing and bytes.
+"""DDP: the communication hook sees each bucket of *local* gradients before the all-reduce
+(local norms, the origin of a NaN, all-reduce timing and bytes) and the reduced bucket after it
+(the global norms, taken before any clipping the loop does after backward).
 
 The hook wraps the user's own hook (default: ``allreduce_hook``) so compression hooks such as
 PowerSGD or fp16 keep working: it reads the local bucket *before* handing it to the inner hook,
@@ -17,7 +19,8 @@ from typing import Any
 
 import torch
 
-from .grads import ParamIndex, per_param_norms
+from ..probes.grads import ParamIndex, full_pass, per_param_norms
+from .base import CommTiming, GradientSource, GradSummaries, NormVector, SourceEnv
 
 log = logging.getLogger("ddpmon.comm")
 
@@ -71,6 +74,10 @@ class CommProbe:
         self._grads_are_bucket_views = grads_are_bucket_views
         self._steps_taken = 0
 
+    def current(self) -> BucketParts:
+        """What has been collected so far for the step in progress (read-only use)."""
+        return self._parts
+
     def take(self) -> BucketParts:
         """Hand over what was collected for the step that just finished, start a new one."""
         parts, self._parts = self._parts, BucketParts()
@@ -111,7 +118,9 @@ class CommProbe:
 
         mine = (local_norms * local_norms).sum().reshape(1)
         gathered = torch.empty(dist.get_world_size(), dtype=mine.dtype, device=mine.device)
-        work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
+        # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.10).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(gathered, mine, async_op=True)
         parts.fingerprint = (work, gathered, mine)
 
     def hook(self, state, bucket):  # unannotated: DDP validates real annotations, not strings
@@ -193,3 +202,89 @@ class CommProbe:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             parts.events.append((start, end))
+
+
+class DDPSource(GradientSource):
+    """``DistributedDataParallel``: norms from the comm hook (which wraps the user's own hook)."""
+
+    name = "ddp"
+
+    def __init__(self, env: SourceEnv) -> None:
+        super().__init__(env)
+        self.probe: CommProbe | None = None
+
+    def install(self) -> None:
+        env, model = self.env, self.env.model
+        probe = CommProbe(
+            self.index,
+            inner_hook=env.comm_hook,
+            inner_state=env.comm_state,
+            on_error=env.on_error,
+            data_check_interval=env.data_check_interval,
+            local_norm_every=env.local_norm_every,
+            grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)),
+        )
+        try:
+            model.register_comm_hook(None, probe.hook)
+            self.probe = probe
+        except Exception as exc:
+            log.warning(
+                "ddpmon: could not register its DDP comm hook (%s). If you use your own "
+                "comm hook, pass it as ddpmon.attach(..., comm_hook=hook, comm_state=state) "
+                "instead of registering it. Local pre-all-reduce norms and all-reduce "
+                "timings are off; reduced norms still work.",
+                exc,
+            )
+            env.on_error("comm", exc)
+
+    def collect(self) -> GradSummaries:
+        parts = self.probe.take() if self.probe is not None else None
+        if parts is None or not parts.buckets:
+            # No bucket this step (the hook is off): the final .grad tensors, as they are now.
+            return GradSummaries(reduced=full_pass(self.index, scaled=self.env.grads_scaled_now()))
+        out = GradSummaries(
+            comm=CommTiming(parts.seconds, parts.events, parts.bytes),
+            local_complete=parts.local_buckets == parts.buckets,
+        )
+        if parts.reduced_complete and parts.reduced_norms:
+            out.reduced = NormVector(torch.cat(parts.reduced_norms), parts.reduced_positions)
+        else:
+            out.reduced = full_pass(self.index, scaled=self.env.grads_scaled_now())
+        if parts.local_norms:
+            out.local = NormVector(torch.cat(parts.local_norms), parts.local_positions)
+        out.identical_ranks = _identical_ranks(parts, self.env.on_error)
+        return out
+
+    def clip_norm(self, params) -> torch.Tensor:
+        """Reuse the reduced per-bucket norms the hook measured (no pass over the gradients)
+        when it saw exactly ``params`` this step; else one pass."""
+        reused = self._reduced_norm_for(params)
+        return reused if reused is not None else super().clip_norm(params)
+
+    def _reduced_norm_for(self, params) -> torch.Tensor | None:
+        parts = self.probe.current() if self.probe is not None else None
+        if parts is None or not parts.reduced_complete or not parts.reduced_norms:
+            return None
+        wanted = {self.index.position.get(id(p), -1) for p in params}
+        if wanted != set(parts.reduced_positions):
+            return None
+        norms = torch.cat(parts.reduced_norms)
+        total = (norms * norms).sum().sqrt()
+        scale = self.env.current_scale()
+        if scale is not None and not self.env.grads_scaled_now():
+            total = total / scale.to(total.dtype)  # bucket norms were of scaled gradients
+        return total
+
+
+def _identical_ranks(parts: BucketParts, on_error) -> torch.Tensor | None:
+    """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
+    if parts.fingerprint is None:
+        return None
+    try:
+        work, gathered, mine = parts.fingerprint
+        work.wait()  # done by now (it preceded the step's all-reduces); on NCCL a stream wait
+        same = (gathered == mine) & (mine > 0) & torch.isfinite(mine)
+        return torch.clamp(same.sum() - 1, min=0)  # ourselves are in `same` unless zero
+    except Exception as exc:
+        on_error("data", exc)
+        return None

@@ -1,0 +1,137 @@
+"""The rank's /metrics endpoint and how Prometheus finds it (file_sd, the node daemon)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+
+from ..config import Config
+from ..export.collector import DdpmonCollector, Exposition, LiveSources
+from ..identity import RankIdentity, build_versions
+from ..state import MetricState
+from .guard import Guard
+
+log = logging.getLogger("ddpmon")
+
+
+class Endpoint:
+    def __init__(self, exposition: Exposition) -> None:
+        self.exposition = exposition
+        self.server: Any = None
+        self.port: int | None = None
+        self._sd: Any = None
+        self._daemon: tuple[str, dict] | None = None
+
+    @classmethod
+    def open(
+        cls, state: MetricState, identity: RankIdentity, run_id: str, config: Config, guard: Guard
+    ) -> Endpoint:
+        endpoint = cls(Exposition(_collector(state, identity, run_id, config, guard)))
+        endpoint._serve(identity, config, state)
+        endpoint._publish(identity, run_id, config, guard)
+        return endpoint
+
+    def _serve(self, ident: RankIdentity, cfg: Config, state: MetricState) -> None:
+        if cfg.port == 0:
+            return
+        from ..export.server import MetricsServer, PortInUseError
+
+        server = MetricsServer(
+            self.exposition.render,
+            bind=cfg.bind,
+            port=cfg.port + ident.local_rank,
+            web_config=cfg.web_config,
+        )
+        try:
+            server.start()
+        except PortInUseError as exc:
+            log.warning("ddpmon: rank %d serves no metrics: %s", ident.rank, exc.strerror or exc)
+            state.count_error("server")
+            return
+        except Exception as exc:  # bad web_config and the like: serve nothing, never insecurely
+            log.error("ddpmon: rank %d serves no metrics: %s", ident.rank, exc)
+            state.count_error("server")
+            return
+        self.server, self.port = server, server.port
+
+    def _publish(self, ident: RankIdentity, run_id: str, cfg: Config, guard: Guard) -> None:
+        if self.port is None:
+            return
+        host = socket.gethostname() if cfg.bind in ("0.0.0.0", "::", "") else cfg.bind
+        target = f"{host}:{self.port}"
+        labels = {
+            "run": run_id,
+            "rank": str(ident.rank),
+            "node": ident.node,
+            "local_rank": str(ident.local_rank),
+        }
+        sd_dir = cfg.sd_dir or os.environ.get("DDPMON_SD_DIR")
+        if sd_dir:
+            with guard("discovery"):
+                from ..export.discovery import FileSDPublisher
+                from ..rundir import sd_filename
+
+                self._sd = FileSDPublisher(
+                    sd_dir, target=target, labels=labels, filename=sd_filename(run_id, ident.rank)
+                )
+                self._sd.publish()
+        if cfg.daemon_url:
+            with guard("discovery"):
+                from ..daemon.client import register_rank
+
+                info = {
+                    **labels,
+                    "pid": ident.pid,
+                    "port": self.port,
+                    "target": target,
+                    "job_id": os.environ.get("DDPMON_JOB_ID", ""),
+                }
+                register_rank(cfg.daemon_url, info)
+                self._daemon = (cfg.daemon_url, info)
+
+    def close(self) -> None:
+        if self._sd is not None:
+            try:
+                self._sd.remove()
+            except Exception:
+                pass
+        if self._daemon is not None:
+            try:
+                from ..daemon.client import deregister_rank
+
+                deregister_rank(*self._daemon)
+            except Exception:
+                pass
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _collector(
+    state: MetricState, ident: RankIdentity, run_id: str, cfg: Config, guard: Guard
+) -> DdpmonCollector:
+    from ..sources.host import ProcessSource
+    from ..sources.nvml import NvmlSource
+
+    allocator = gpu_indices = None
+    if ident.device.startswith("cuda"):
+        from ..sources.allocator import AllocatorSource
+
+        allocator = AllocatorSource(torch.device(ident.device))
+        gpu_indices = [torch.device(ident.device).index or 0]
+    process = None
+    with guard("process"):
+        process = ProcessSource()
+    live = LiveSources(
+        process=process,
+        allocator=allocator,
+        nvml=NvmlSource(),
+        gpu_indices=gpu_indices,
+        min_interval=cfg.live_refresh_seconds,
+        on_error=guard.error,
+    )
+    return DdpmonCollector(state, ident, run_id, build_versions(), live)

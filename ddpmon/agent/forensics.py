@@ -1,0 +1,111 @@
+"""The rank's forensic files: event log, progress, evidence, crash capture, stall watchdog and
+manifest. Each part is optional: an unwritable run dir turns them off with one error line, and
+metrics are still served."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from ..identity import build_versions
+from .context import RunContext
+from .guard import Guard
+
+log = logging.getLogger("ddpmon")
+
+
+@dataclass(slots=True)
+class Forensics:
+    events: Any = None
+    progress: Any = None
+    evidence: Any = None
+    crash: Any = None
+    watchdog: Any = None
+
+    @classmethod
+    def open(cls, ctx: RunContext, cfg: Config, guard: Guard) -> Forensics:
+        out = cls()
+        try:
+            ctx.run_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.error(
+                "ddpmon: run dir %s is not writable (%s); event log and evidence are off, "
+                "metrics still served",
+                ctx.run_path,
+                exc,
+            )
+            guard.count("forensics")  # logged just above, with the path
+            return out
+        rank = ctx.identity.rank
+        with guard("forensics"):
+            from ..forensics.eventlog import EventLog
+
+            out.events = EventLog(ctx.run_path, rank)
+        with guard("forensics"):
+            from ..forensics.eventlog import ProgressFile
+
+            out.progress = ProgressFile(ctx.run_path, rank)
+        with guard("forensics"):
+            from ..forensics.evidence import EvidenceWriter
+
+            out.evidence = EvidenceWriter(
+                ctx.run_path,
+                rank,
+                max_per_kind=cfg.evidence_max_per_kind,
+                tensor_max_elements=cfg.evidence_tensor_max_elements,
+                include_tensors=cfg.evidence_include_tensors,
+                include_inputs=cfg.evidence_include_inputs,
+            )
+        with guard("forensics"):
+            from ..forensics.crash import CrashCapture
+
+            out.crash = CrashCapture(ctx.run_path, rank, out.events).install()
+        return out
+
+    def emit(self, guard: Guard) -> Callable[..., None]:
+        """An ``emit(kind, step, **fields)`` that never raises."""
+        events = self.events
+
+        def emit(kind: str, step: int | None, **fields: Any) -> None:
+            if events is not None:
+                with guard("eventlog"):
+                    events.emit(kind, step, **fields)
+
+        return emit
+
+    def watch(self, stall_seconds: float, heartbeat, on_stall, guard: Guard) -> None:
+        with guard("forensics"):
+            from ..forensics.watchdog import StallWatchdog
+
+            self.watchdog = StallWatchdog(stall_seconds, heartbeat=heartbeat, on_stall=on_stall)
+            self.watchdog.start()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.crash is not None:
+            try:
+                self.crash.uninstall()
+            except Exception:
+                pass
+
+
+def manifest_writer(ctx: RunContext, cfg: Config, extra: Callable[[], dict], guard: Guard):
+    """A callable that builds and writes this rank's manifest (called once, by ManifestSink)."""
+
+    def write() -> None:
+        with guard("manifest"):
+            from ..forensics.manifest import write_run_manifest
+
+            write_run_manifest(
+                ctx.run_path,
+                identity=ctx.identity,
+                config=cfg,
+                versions=build_versions(),
+                extra=extra(),
+            )
+
+    return write

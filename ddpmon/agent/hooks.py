@@ -1,0 +1,95 @@
+"""The hooks that tell the step pipeline where a training step is.
+
+- forward pre-hook on the model: a (micro-)step's first forward, the batch shapes;
+- forward hook: a grad hook on the outputs that, when backward reaches them, queues a callback
+  for the end of that backward pass. The callback re-queues itself once so that it runs after
+  the autograd engine's other final callbacks (DDP's and FSDP2's post-backward work), when every
+  gradient of the pass is in place;
+- optimizer step pre/post hooks, or ``scaler.update()`` when a GradScaler decides the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..probes.amp import ScalerProbe
+from .pipeline import StepPipeline
+
+
+class StepHooks:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        pipeline: StepPipeline,
+        amp: ScalerProbe | None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.amp = amp
+        self.closed = False
+        self._handles: list[Any] = [
+            model.register_forward_pre_hook(self._on_forward),
+            model.register_forward_hook(self._after_forward),
+        ]
+        if amp is None:
+            self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
+            self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
+
+    # Hook bodies stay tiny: the pipeline guards its own work.
+    def _on_forward(self, module: Any, args: tuple) -> None:
+        if not self.closed and torch.is_grad_enabled():
+            self.pipeline.forward_started(args)
+
+    def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
+        if self.closed or not torch.is_grad_enabled():
+            return
+        tensors = _grad_outputs(output)
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_output_grad, mode="any")
+
+    def _on_output_grad(self, grad: Any) -> None:
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._on_backward_end))
+
+    def _on_backward_end(self) -> None:
+        if not self.closed:
+            self.pipeline.backward_ended()
+
+    def _on_step_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if not self.closed:
+            self.pipeline.optimizer_pre(args, kwargs)
+
+    def _on_step_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if not self.closed:
+            self.pipeline.optimizer_post()
+
+    def on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
+        if not self.closed:
+            self.pipeline.scaler_updated(found, before, after)
+
+    def close(self) -> None:
+        self.closed = True
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+        if self.amp is not None:
+            self.amp.detach()
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    """Output tensors that take part in autograd, one container level deep (tuples, lists,
+    dicts and Hugging Face ``ModelOutput``s)."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        items = list(output.values())
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    else:
+        return []
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -1,0 +1,334 @@
+"""``ddpmon.attach`` and the ``Monitor`` it returns: builds the parts, starts them, closes them.
+
+The parts (each in its own module): the run context (who and which run), the gradient source
+(per parallelism strategy), the step pipeline and its hooks, the sinks (metrics, progress,
+incidents, summary, manifest), the forensics files and the /metrics endpoint. A disabled or
+misconfigured agent is a ``NullMonitor``: same methods, does nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..config import Config, ConfigError
+from ..probes.amp import ScalerProbe
+from ..probes.grads import ParamIndex
+from ..state import MetricState
+from ..strategies.base import SourceEnv
+from ..strategies.detect import detect_strategy, make_source
+from .context import RunContext
+from .endpoint import Endpoint
+from .forensics import Forensics, manifest_writer
+from .guard import Guard
+from .hooks import StepHooks
+from .pipeline import StepPipeline
+from .policy import NonFinitePolicy
+from .sinks import IncidentSink, ManifestSink, MetricSink, ProgressSink, SummarySink
+
+log = logging.getLogger("ddpmon")
+
+_live: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any = None,
+    *,
+    comm_hook: Callable | None = None,
+    comm_state: Any = None,
+    accelerator: Any = None,
+    **options: Any,
+) -> Monitor | NullMonitor:
+    """Monitor this rank. Options as in ``ddpmon.Config`` (also ``DDPMON_*`` variables).
+
+    A bad option never stops training: the error is logged precisely and a disabled monitor is
+    returned (``mon.enabled`` is False, ``mon.error`` says why).
+    ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
+    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
+    """
+    try:
+        config = Config.from_sources(options)
+    except ConfigError as exc:
+        log.error("ddpmon disabled: invalid configuration: %s", exc)
+        return NullMonitor(str(exc))
+    if not config.enabled:
+        return NullMonitor(None)
+    if accelerator is not None and scaler is None:
+        from ..integrations.accelerate import parts_from_accelerator
+
+        scaler = parts_from_accelerator(accelerator).get("scaler")
+    return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state)
+
+
+def monitor_for(params: Sequence[torch.Tensor]) -> Monitor | None:
+    """The live monitor whose model owns ``params`` (for ``ddpmon.clip_grad_norm_``)."""
+    if not params:
+        return None
+    for mon in list(_live):
+        if mon.owns(params):
+            return mon
+    return None
+
+
+class NullMonitor:
+    """What ``attach`` returns when the agent is off: every call is accepted and ignored."""
+
+    enabled = False
+    step = 0
+    port = None
+    state = None
+    exposition = None
+    identity = None
+    run_id = None
+    run_path = None
+
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def observe_loss(self, loss: Any) -> None:
+        pass
+
+    def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
+        pass
+
+    def owns(self, params: Sequence[torch.Tensor]) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class Monitor:
+    """One rank's agent. Create it with ``ddpmon.attach``."""
+
+    enabled = True
+    error = None
+
+    def __init__(self, config: Config, state: MetricState, guard: Guard) -> None:
+        self.config = config
+        self.state = state
+        self.guard = guard
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        config: Config,
+        comm_hook: Callable | None = None,
+        comm_state: Any = None,
+    ) -> Monitor:
+        state = MetricState(
+            loss_scale_floor=config.loss_scale_floor, stall_threshold_seconds=config.stall_seconds
+        )
+        guard = Guard(state.count_error)
+        self = cls(config, state, guard)
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.ctx = ctx = RunContext.establish(model, config, guard)
+        self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
+        self.index = ParamIndex(model, config.group_depth, config.max_groups)
+        self.forensics = Forensics.open(ctx, config, guard)
+        emit = self.forensics.emit(guard)
+        self._emit = emit
+        self.amp = None
+        if scaler is not None:
+            self.amp = ScalerProbe(
+                scaler, optimizer, on_update=self._on_scaler_update, on_error=guard.error
+            )
+            state.amp_enabled = self.amp.enabled()
+        strategy = detect_strategy(model)
+        self.source = make_source(
+            strategy,
+            SourceEnv(
+                model=model,
+                index=self.index,
+                on_error=guard.error,
+                local_norm_every=config.local_norm_every,
+                data_check_interval=config.data_check_interval,
+                comm_hook=comm_hook,
+                comm_state=comm_state,
+                amp=self.amp,
+            ),
+        )
+        state.strategy = self.source.name if ":" not in strategy else strategy
+        with guard("grads"):
+            self.source.install()
+        self.incidents = IncidentSink(
+            emit=emit,
+            evidence=self.forensics.evidence,
+            rank=ctx.identity.rank,
+            loss_scale_floor=config.loss_scale_floor,
+            param_grad=self._param_grad,
+            scaler_state=self._scaler_state,
+        )
+        self.manifest = ManifestSink(manifest_writer(ctx, config, self._manifest_extra, guard))
+        from ..atomic import write_json_atomic
+
+        sinks: list[Any] = [MetricSink(state), self.incidents]
+        if self.forensics.progress is not None:
+            sinks.append(ProgressSink(self.forensics.progress))
+        self.summary = SummarySink(
+            path=ctx.run_dir.summary(ctx.identity.rank),
+            state=state,
+            head=lambda: {"run_id": self.run_id, "rank": self.identity.rank, "port": self.port},
+            write_json=write_json_atomic,
+        )
+        sinks += [self.summary, self.manifest]
+        policy = NonFinitePolicy(config.on_nonfinite, self.index, ctx.identity.rank, emit)
+        self.pipeline = StepPipeline(
+            source=self.source, index=self.index, guard=guard, policy=policy, sinks=sinks
+        )
+        self.hooks = StepHooks(model, optimizer, self.pipeline, self.amp)
+        self.endpoint = Endpoint.open(state, ctx.identity, ctx.run_id, config, guard)
+        self.exposition = self.endpoint.exposition
+        self.port = self.endpoint.port
+        self.forensics.watch(
+            config.stall_seconds,
+            heartbeat=lambda: state.last_step_timestamp or state.started_at,
+            on_stall=self._on_stall,
+            guard=guard,
+        )
+        atexit.register(self.close)
+        _live.add(self)
+        emit(
+            "start",
+            None,
+            world_size=ctx.identity.world_size,
+            local_rank=ctx.identity.local_rank,
+            node=ctx.identity.node,
+            pid=ctx.identity.pid,
+            device=ctx.identity.device,
+            port=self.port,
+            run_id=ctx.run_id,
+            strategy=state.strategy,
+            clock_offset_seconds=ctx.clock.get("offset_seconds", 0.0),
+            clock_rtt_seconds=ctx.clock.get("rtt_seconds"),
+        )
+        return self
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def step(self) -> int:
+        """Number of steps completed so far (host counter, no sync)."""
+        return self.pipeline.step
+
+    def observe_loss(self, loss: Any) -> None:
+        """Record this step's loss; a tensor is kept on its device, never read here."""
+        if not self._closed:
+            self.pipeline.observe_loss(loss)
+
+    def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
+        """The gradient norm your trainer computed for optimizer step ``step`` (default: the
+        step in progress): a float or a device tensor, compared with ddpmon's own on the
+        readback path (``ddpmon_grad_norm_mismatch_total``); never read here."""
+        if not self._closed:
+            self.pipeline.observe_grad_norm(value, step)
+
+    def owns(self, params: Sequence[torch.Tensor]) -> bool:
+        return not self._closed and self.index.positions_of(params) is not None
+
+    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm of the current gradients of ``params``, correct for this model's
+        strategy (reusing norms already measured where possible): a device tensor."""
+        return self.source.clip_norm(params)
+
+    def close(self) -> None:
+        """Flush pending readbacks, write the summary, stop the server. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _live.discard(self)
+        with self.guard("readback"):
+            self.pipeline.drain(wait=True)
+        self.hooks.close()
+        self.source.close()
+        self.forensics.close()
+        self._emit("exit", self.state.step, reason="close", steps=self.state.steps_total)
+        for sink in self.pipeline.sinks:
+            with self.guard(sink.probe):
+                sink.close()
+        self.endpoint.close()
+        try:
+            atexit.unregister(self.close)
+        except Exception:
+            pass
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ callbacks
+    def _on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
+        if not self._closed:
+            self.pipeline.scaler_updated(found, before, after)
+
+    def _on_stall(self, idle_seconds: float) -> None:
+        step = self.pipeline.step
+        self._emit(
+            "stall",
+            step,
+            idle_seconds=round(idle_seconds, 3),
+            stall_seconds=self.config.stall_seconds,
+        )
+        with self.guard("evidence"):
+            self.incidents.write_evidence(
+                "stall", step, None, idle_seconds=idle_seconds, last_step=self.state.step
+            )
+        with self.guard("watchdog"):
+            from ..forensics.watchdog import request_flight_recorder_dump
+
+            request_flight_recorder_dump(self.ctx.run_dir.flight_recorder(self.identity.rank))
+
+    # ------------------------------------------------------------------ helpers for sinks
+    def _param_grad(self, name: str) -> Any:
+        if name in self.index.names:
+            return self.index.params[self.index.names.index(name)].grad
+        return None
+
+    def _scaler_state(self) -> dict | None:
+        if self.scaler is None:
+            return None
+        try:
+            return {
+                k: (v.tolist() if isinstance(v, torch.Tensor) else v)
+                for k, v in self.scaler.state_dict().items()
+            }
+        except Exception:
+            return None
+
+    def _manifest_extra(self) -> dict:
+        scaler = self.scaler
+        precision = "fp32"
+        if scaler is not None and getattr(scaler, "_enabled", True):
+            precision = "amp+gradscaler"
+        return {
+            "run_id": self.run_id,
+            "batch_shapes": self.pipeline.batch_shapes,
+            "precision": precision,
+            "strategy": self.state.strategy,
+            "data_version": self.config.data_version,
+            "param_count": sum(p.numel() for p in self.index.params),
+            "hosts": self.ctx.hosts,
+            "group_names": self.index.group_names,
+        }

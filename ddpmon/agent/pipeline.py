@@ -1,0 +1,337 @@
+"""The step pipeline: step boundaries -> gradient norms -> step vector -> readback -> step record.
+
+Hot path (training thread, per optimizer step): ask the gradient source for its device norms,
+pack them with the loss and scaler tensors into one vector, queue it for lazy readback. Nothing
+here reads a device value, except the ``skip``/``raise`` policies (one flag, documented).
+Everything derived (global and group norms, origin, mismatch, events) happens when a vector's
+values arrive (``drain``), and flows to the sinks.
+
+What counts as a step (DESIGN §3): one optimizer step, whoever decides it:
+- ``optimizer.step()`` (post-hook), or ``scaler.update()`` when a GradScaler is given (so a step
+  the scaler skips is still a step);
+- ``optimizer.step(closure)``: the closure's backward runs inside ``step``, so its gradients are
+  collected after it, at the post-hook;
+- a step the user's loop skips (``if finite: opt.step()``): detected when the next forward
+  starts and the gradients of the last backward were dropped (``zero_grad``) without a step;
+- gradient-accumulation micro-steps are not steps: their gradients are kept, not dropped.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..probes.grads import ParamIndex, summarize_host
+from ..readback import Readback
+from ..state import StepRecord
+from ..strategies.base import CommTiming, GradientSource, GradSummaries, NormVector
+from .guard import Guard
+from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
+from .stepvector import Packed, StepVectorLayout
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Host-side facts about one queued step vector."""
+
+    step: int
+    wall_time: float
+    duration: float | None
+    data_wait: float | None
+    packed: Packed
+    reduced: NormVector | None
+    local: NormVector | None
+    local_complete: bool
+    local_is_reduced: bool
+    comm: CommTiming | None
+    loss_host: float | None
+    trainer_norm_host: float | None
+    trainer_norm_step: int | None
+    skipped_by: str | None
+
+
+class StepPipeline:
+    def __init__(
+        self,
+        *,
+        source: GradientSource,
+        index: ParamIndex,
+        guard: Guard,
+        policy: NonFinitePolicy,
+        sinks: Sequence[Any],
+        grad_norm_tolerance: float = 1e-3,
+        layout: StepVectorLayout | None = None,
+        readback: Readback | None = None,
+    ) -> None:
+        self.source = source
+        self.index = index
+        self.guard = guard
+        self.policy = policy
+        self.sinks = list(sinks)
+        self.tolerance = grad_norm_tolerance
+        self.layout = layout or StepVectorLayout()
+        self.readback = readback or Readback()
+        self.tracker = OriginTracker()
+        self.step = 0
+        """Index of the step in progress (host counter)."""
+        self.batch_shapes: list | None = None
+        self._step_start: float | None = None
+        self._last_end: float | None = None
+        self._loss: Any = None
+        self._trainer: tuple[Any, int] | None = None
+        self._backward_pending = False
+        self._sentinel: tuple[torch.Tensor, Any, int] | None = None
+        self._collected: GradSummaries | None = None
+        self._closure_step = False
+        self._policy_skipped = False
+        self._norms_by_step: OrderedDict[int, float] = OrderedDict()
+        self._late_trainer: OrderedDict[int, float] = OrderedDict()
+
+    # ------------------------------------------------------------------ user-facing inputs
+    def observe_loss(self, loss: Any) -> None:
+        with self.guard("loss"):
+            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+
+    def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
+        """A trainer's own grad norm for ``step`` (default: the step in progress)."""
+        with self.guard("loss"):
+            step = self.step if step is None else int(step)
+            if isinstance(value, torch.Tensor):
+                self._trainer = (value.detach(), step)
+                return
+            number = as_float(value)
+            if number is None:
+                return
+            if step < self.step and step in self._norms_by_step:
+                self._compare_late(step, number)
+            elif step < self.step:
+                self._late_trainer[step] = number  # its record is still in flight
+                while len(self._late_trainer) > 64:
+                    self._late_trainer.popitem(last=False)
+            else:
+                self._trainer = (number, step)
+
+    # ------------------------------------------------------------------ boundaries (hooks)
+    def forward_started(self, args: tuple) -> None:
+        if self._backward_pending and self._grads_dropped():
+            self.complete(skipped_by="loop")
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+        if self.batch_shapes is None:
+            with self.guard("data"):
+                self.batch_shapes = [
+                    list(a.shape) for a in args if isinstance(a, torch.Tensor)
+                ] or [type(a).__name__ for a in args]
+
+    def backward_ended(self) -> None:
+        with self.guard("grads"):
+            self.source.on_backward_end()
+        self._backward_pending = True
+        self._sentinel = self._take_sentinel()
+
+    def optimizer_pre(self, args: tuple, kwargs: dict) -> None:
+        if (kwargs or {}).get("closure") is not None or (args and callable(args[0])):
+            self._closure_step = True  # its backward has not run yet: collect after the step
+            return
+        self._collect()
+        if self.policy.reads:
+            self._policy_skipped = self.policy.before_step(
+                self._collected.reduced, self.step, skip_allowed=True
+            )
+
+    def optimizer_post(self) -> None:
+        self.complete(skipped_by="policy" if self._policy_skipped else None)
+
+    def scaler_updated(self, found: Any, scale_before: Any, scale_after: Any) -> None:
+        self.complete(found=found, grad_scale=scale_before, scale_after=scale_after)
+
+    # ------------------------------------------------------------------ the step itself
+    def complete(
+        self,
+        *,
+        skipped_by: str | None = None,
+        found: Any = None,
+        grad_scale: Any = None,
+        scale_after: Any = None,
+    ) -> None:
+        """Close the step in progress: package its device values for readback."""
+        try:
+            with self.guard("step"):
+                summaries = self._collect()
+                if self.policy.reads and (self._closure_step or found is not None):
+                    # closure or scaler steps: the update already happened; raise still can
+                    self.policy.before_step(summaries.reduced, self.step, skip_allowed=False)
+                self._package(summaries, skipped_by, found, grad_scale, scale_after)
+        finally:
+            self.step += 1
+            self._step_start = None
+            self._last_end = time.perf_counter()
+            self._loss = None
+            self._collected = None
+            self._closure_step = self._policy_skipped = False
+            self._backward_pending = False
+            self._sentinel = None
+        with self.guard("readback"):
+            self.drain(wait=False)
+
+    def _collect(self) -> GradSummaries:
+        if self._collected is None:
+            self._collected = GradSummaries()
+            with self.guard("grads"):
+                self._collected = self.source.collect()
+        return self._collected
+
+    def _package(self, s: GradSummaries, skipped_by, found, grad_scale, scale_after) -> None:
+        end_perf, end_wall = time.perf_counter(), time.time()
+        start = self._step_start if self._step_start is not None else self._last_end
+        data_wait = None
+        if self._step_start is not None and self._last_end is not None:
+            data_wait = max(0.0, self._step_start - self._last_end)
+        loss, loss_host = self._loss, None
+        if not isinstance(loss, torch.Tensor):
+            loss, loss_host = None, loss
+        trainer, trainer_host, trainer_step = None, None, None
+        if self._trainer is not None:
+            value, trainer_step = self._trainer
+            self._trainer = None
+            if isinstance(value, torch.Tensor):
+                trainer = value
+            else:
+                trainer_host = value
+        vector, packed = self.layout.pack(
+            {
+                "reduced_norms": s.reduced.norms if s.reduced is not None else None,
+                "local_norms": s.local.norms if s.local is not None else None,
+                "loss": loss.reshape(-1)[:1] if loss is not None else None,
+                "grad_scale": grad_scale,
+                "loss_scale": scale_after,
+                "found_inf": found,
+                "identical_ranks": s.identical_ranks,
+                "trainer_norm": trainer.reshape(-1)[:1] if trainer is not None else None,
+            }
+        )
+        meta = StepMeta(
+            step=self.step,
+            wall_time=end_wall,
+            duration=end_perf - start if start is not None else None,
+            data_wait=data_wait,
+            packed=packed,
+            reduced=s.reduced,
+            local=s.local,
+            local_complete=s.local_complete,
+            local_is_reduced=s.local_is_reduced,
+            comm=s.comm,
+            loss_host=loss_host,
+            trainer_norm_host=trainer_host,
+            trainer_norm_step=trainer_step,
+            skipped_by=skipped_by,
+        )
+        self.readback.push(vector, meta)
+
+    # ------------------------------------------------------------------ dropped gradients
+    def _take_sentinel(self) -> tuple[torch.Tensor, Any, int] | None:
+        for p in self.index.params:
+            g = p.grad
+            if g is not None:
+                return p, weakref.ref(g), g._version
+        return None
+
+    def _grads_dropped(self) -> bool:
+        """The last backward's gradients are gone (zero_grad) and no step consumed them."""
+        if self._sentinel is None:
+            return False
+        param, ref, version = self._sentinel
+        g = param.grad
+        return g is None or g is not ref() or g._version != version
+
+    # ------------------------------------------------------------------ readback side
+    def drain(self, wait: bool) -> None:
+        for values, meta in self.readback.poll(wait=wait):
+            record = self._record(values, meta)
+            self.tracker.classify(record)
+            for sink in self.sinks:
+                with self.guard(sink.probe):
+                    sink.on_record(record)
+
+    def _record(self, values: list[float], meta: StepMeta) -> StepRecord:
+        parts = self.layout.unpack(values, meta.packed)
+        record = StepRecord(
+            step=meta.step,
+            wall_time=meta.wall_time,
+            duration_seconds=meta.duration,
+            data_wait_seconds=meta.data_wait,
+            skipped_by=meta.skipped_by,
+        )
+        scale = parts["grad_scale"][0] if "grad_scale" in parts else None
+        reduced = local = None
+        if "reduced_norms" in parts and meta.reduced is not None:
+            reduced = summarize_host(meta.reduced, parts["reduced_norms"], self.index, scale)
+            record.grad_norm = reduced.norm
+            record.group_norms = dict(zip(self.index.group_names, reduced.group_norms, strict=True))
+            record.grad_nonfinite = reduced.nonfinite
+            if reduced.nonfinite:
+                record.grad_nonfinite_param = self.index.name(reduced.first_position)
+                record.grad_nonfinite_kind = reduced.kind
+        if "local_norms" in parts and meta.local is not None:
+            local = summarize_host(meta.local, parts["local_norms"], self.index, scale)
+        elif meta.local_is_reduced:
+            local = reduced
+        if local is not None:
+            if meta.local_complete:
+                record.grad_local_norm = local.norm
+            record.local_nonfinite = local.nonfinite
+            if local.nonfinite:
+                record.local_nonfinite_param = self.index.name(local.first_position)
+                record.local_nonfinite_kind = local.kind
+        record.loss = parts["loss"][0] if "loss" in parts else meta.loss_host
+        if "loss_scale" in parts:
+            record.loss_scale = parts["loss_scale"][0]
+        if "found_inf" in parts and parts["found_inf"][0] > 0:
+            record.amp_skipped = True
+            record.skipped_by = record.skipped_by or "scaler"
+        if "identical_ranks" in parts:
+            record.data_identical_ranks = int(parts["identical_ranks"][0])
+        if meta.comm is not None:
+            record.allreduce_bytes = meta.comm.bytes
+            record.allreduce_seconds = list(meta.comm.seconds)
+            for start, end in meta.comm.events:
+                with self.guard("comm"):
+                    record.allreduce_seconds.append(start.elapsed_time(end) / 1000.0)
+        self._cross_check(record, parts, meta)
+        return record
+
+    def _cross_check(self, record: StepRecord, parts: dict, meta: StepMeta) -> None:
+        if record.grad_norm is not None:
+            self._norms_by_step[record.step] = record.grad_norm
+            while len(self._norms_by_step) > 64:
+                self._norms_by_step.popitem(last=False)
+        theirs = parts["trainer_norm"][0] if "trainer_norm" in parts else meta.trainer_norm_host
+        target = meta.trainer_norm_step
+        if theirs is not None and target is not None and target != record.step:
+            self._late_trainer[target] = theirs  # a norm for another step: compare it there
+            theirs = None
+        late = self._late_trainer.pop(record.step, None)
+        theirs = late if theirs is None else theirs
+        if theirs is None:
+            return
+        record.trainer_grad_norm = theirs
+        record.grad_norm_mismatch = norm_mismatch(record.grad_norm, theirs, self.tolerance)
+        pending = [s for s in self._late_trainer if s in self._norms_by_step]
+        for step in pending:
+            self._compare_late(step, self._late_trainer.pop(step))
+
+    def _compare_late(self, step: int, theirs: float) -> None:
+        """A trainer norm for a step whose record was already delivered."""
+        ours = self._norms_by_step.get(step)
+        mismatch = norm_mismatch(ours, theirs, self.tolerance)
+        for sink in self.sinks:
+            handler = getattr(sink, "on_late_cross_check", None)
+            if handler is not None:
+                with self.guard(sink.probe):
+                    handler(step, ours, theirs, mismatch)

@@ -1,0 +1,236 @@
+"""Where a step record goes once its values are on the host.
+
+Each sink has one job and the same small protocol (``probe`` name for the guard, ``on_record``,
+``close``); the pipeline calls every sink inside ``guard(sink.probe)``, so a failing sink is
+counted and the others still run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..state import MetricState, StepRecord
+
+
+class Sink(Protocol):
+    probe: str
+
+    def on_record(self, record: StepRecord) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricSink:
+    """Folds records into the metric state the collector exposes."""
+
+    probe = "step"
+
+    def __init__(self, state: MetricState) -> None:
+        self.state = state
+
+    def on_record(self, record: StepRecord) -> None:
+        self.state.apply(record)
+
+    def on_late_cross_check(self, step: int, ours: Any, theirs: float, mismatch: bool) -> None:
+        if mismatch:
+            self.state.grad_norm_mismatch_total += 1
+            self.state.version += 1
+
+    def close(self) -> None:
+        pass
+
+
+class ProgressSink:
+    """``progress.rank<R>.json``: the last completed step survives a SIGKILL."""
+
+    probe = "forensics"
+
+    def __init__(self, progress: Any) -> None:
+        self.progress = progress
+
+    def on_record(self, record: StepRecord) -> None:
+        self.progress.update(record.step, record.wall_time)
+
+    def close(self) -> None:
+        self.progress.close()
+
+
+class IncidentSink:
+    """Events and evidence for what went wrong: non-finite gradients (origin, consequence or
+    poisoned), non-finite losses, absorbed overflows, the loss scale reaching its floor,
+    duplicated data, a trainer norm that disagrees. Keeps the recent records for evidence."""
+
+    probe = "eventlog"
+
+    def __init__(
+        self,
+        *,
+        emit: Callable[..., None],
+        evidence: Any,
+        rank: int,
+        loss_scale_floor: float,
+        param_grad: Callable[[str], Any],
+        scaler_state: Callable[[], dict | None],
+    ) -> None:
+        self._emit = emit
+        self._evidence = evidence
+        self._rank = rank
+        self._floor = loss_scale_floor
+        self._param_grad = param_grad
+        self._scaler_state = scaler_state
+        self._below_floor = False
+        self._identical_seen = False
+        self.recent: deque[StepRecord] = deque(maxlen=64)
+
+    def on_record(self, r: StepRecord) -> None:
+        self.recent.append(r)
+        if r.local_nonfinite:
+            self._emit(
+                "nonfinite",
+                r.step,
+                param=r.local_nonfinite_param,
+                nonfinite=r.local_nonfinite_kind,
+                origin=r.origin,
+                poisoned=r.poisoned,
+                skipped_by=r.skipped_by,
+                grad_local_norm=r.grad_local_norm,
+            )
+            if r.origin:
+                self.write_evidence("nonfinite", r.step, r.local_nonfinite_param)
+        elif r.grad_nonfinite:
+            self._emit(
+                "nonfinite",
+                r.step,
+                param=r.grad_nonfinite_param,
+                nonfinite=r.grad_nonfinite_kind,
+                origin=False,
+                skipped_by=r.skipped_by,
+            )
+        if r.loss is not None and not math.isfinite(r.loss):
+            self._emit("nonfinite", r.step, tensor="loss", nonfinite=str(r.loss), origin=False)
+        if r.amp_skipped:
+            self._emit("overflow", r.step, loss_scale=r.loss_scale, absorbed=True)
+        elif r.skipped_by == "loop":
+            self._emit("step_skipped", r.step, by="loop")
+        if r.data_identical_ranks and not self._identical_seen:
+            self._identical_seen = True
+            self._emit("identical_data", r.step, other_ranks=r.data_identical_ranks)
+        if r.grad_norm_mismatch:
+            self._emit_mismatch(r.step, r.grad_norm, r.trainer_grad_norm)
+        if r.loss_scale is not None:
+            below = r.loss_scale <= self._floor
+            if below and not self._below_floor:
+                self._emit("scale_floor", r.step, loss_scale=r.loss_scale, floor=self._floor)
+                self.write_evidence("scale_floor", r.step, None)
+            self._below_floor = below
+
+    def on_late_cross_check(self, step: int, ours: Any, theirs: float, mismatch: bool) -> None:
+        if mismatch:
+            self._emit_mismatch(step, ours, theirs)
+
+    def _emit_mismatch(self, step: int, ours: Any, theirs: Any) -> None:
+        self._emit("grad_norm_mismatch", step, grad_norm=ours, trainer_grad_norm=theirs)
+
+    def write_evidence(self, kind: str, step: int, param: str | None, **info: Any) -> None:
+        if self._evidence is None:
+            return
+        tensors = {}
+        if param is not None:
+            grad = self._param_grad(param)
+            if grad is not None:
+                # The local gradient is gone after the reduction; this is the current one.
+                tensors[f"{param}.grad(reduced)"] = grad.detach()
+        latest = self.recent[-1].as_dict() if self.recent else None
+        head = {"kind": kind, "rank": self._rank, "step": step, "param": param, "record": latest}
+        self._evidence.write(
+            kind,
+            step,
+            {**head, **info},
+            tensors=tensors,
+            records=[r.as_dict() for r in self.recent],
+            extra={"scaler": self._scaler_state()},
+        )
+
+    def close(self) -> None:
+        pass
+
+
+class SummarySink:
+    """``summary.rank<R>.json`` at close: where the rank got to, in one small file."""
+
+    probe = "summary"
+
+    def __init__(
+        self,
+        *,
+        path: Path | None,
+        state: MetricState,
+        head: Callable[[], dict],
+        write_json: Callable[[Path, Any], None],
+    ) -> None:
+        self._path = path
+        self._state = state
+        self._head = head
+        self._write = write_json
+        self._allreduce: deque[float] = deque(maxlen=4096)
+
+    def on_record(self, record: StepRecord) -> None:
+        self._allreduce.extend(record.allreduce_seconds)
+
+    def quantile(self, q: float) -> float | None:
+        recent = sorted(self._allreduce)
+        return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+
+    def close(self) -> None:
+        if self._path is None:
+            return
+        s = self._state
+        first = s.first_nonfinite
+        summary = {
+            **self._head(),
+            "steps": s.steps_total,
+            "last_step": s.step,
+            "loss": s.loss,
+            "grad_norm": s.grad_norm,
+            "grad_local_norm": s.grad_local_norm,
+            "grad_nonfinite_steps": s.grad_nonfinite_steps_total,
+            "grad_nonfinite_origin_steps": s.grad_nonfinite_origin_steps_total,
+            "grad_nonfinite_poisoned_steps": s.grad_nonfinite_poisoned_steps_total,
+            "first_nonfinite": (
+                {"step": first.step, "param": first.param, "kind": first.kind} if first else None
+            ),
+            "loss_scale": s.loss_scale,
+            "amp_skipped_steps": s.amp_skipped_steps_total,
+            "allreduce_p50_seconds": self.quantile(0.5),
+            "allreduce_p99_seconds": self.quantile(0.99),
+            "allreduce_count": s.allreduce_duration.count,
+            "grad_norm_mismatches": s.grad_norm_mismatch_total,
+            "agent_errors": dict(s.agent_errors),
+            "strategy": s.strategy,
+        }
+        self._write(self._path, summary)
+
+
+class ManifestSink:
+    """Writes this rank's manifest once: after the first step (batch shapes are known then), or
+    at close for a run that never completed one."""
+
+    probe = "manifest"
+
+    def __init__(self, write: Callable[[], None]) -> None:
+        self._write = write
+        self.written = False
+
+    def on_record(self, record: StepRecord) -> None:
+        if not self.written:
+            self.written = True
+            self._write()
+
+    def close(self) -> None:
+        if not self.written:
+            self.written = True
+            self._write()

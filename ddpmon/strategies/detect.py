@@ -1,0 +1,64 @@
+"""Which strategy a model is trained with, decided once at attach (DESIGN §8).
+
+``SOURCES`` maps a strategy name to its gradient source (``module:Class``, imported lazily so
+that FSDP2/DTensor code is only loaded where it is used). A model ddpmon cannot analyse
+(DeepSpeed, pipeline parallel) gets one warning and local numbers only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from .base import GradientSource, SourceEnv
+
+log = logging.getLogger("ddpmon")
+
+SOURCES: dict[str, str] = {
+    "plain": "ddpmon.strategies.plain:PlainSource",
+    "ddp": "ddpmon.strategies.ddp:DDPSource",
+    "fsdp2": "ddpmon.strategies.fsdp:FSDPSource",
+    "hsdp": "ddpmon.strategies.fsdp:FSDPSource",
+    "tp": "ddpmon.strategies.tensor_parallel:TensorParallelSource",
+    "fsdp2+tp": "ddpmon.strategies.fsdp:FSDPSource",
+}
+
+
+def detect_strategy(model: torch.nn.Module) -> str:
+    """plain | ddp | fsdp2 | hsdp | tp | fsdp2+tp | unsupported:<what>."""
+    kind = type(model).__module__ + "." + type(model).__name__
+    if "deepspeed" in kind.lower():
+        return "unsupported:deepspeed"
+    if "pipelining" in kind.lower():
+        return "unsupported:pipeline-parallel"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "ddp"
+    try:  # the sharded strategies live in their own module (it knows their details)
+        from .fsdp import detect_sharded
+    except ImportError:
+        detect_sharded = None
+    if detect_sharded is not None:
+        sharded = detect_sharded(model)
+        if sharded:
+            return sharded
+    return "plain"
+
+
+def make_source(strategy: str, env: SourceEnv) -> GradientSource:
+    target = SOURCES.get(strategy)
+    if target is None:
+        log.warning(
+            "ddpmon: %s is not supported yet; reporting this rank's local gradient numbers only "
+            "(no global norm across ranks, no origin analysis).",
+            strategy.split(":", 1)[-1],
+        )
+        target = SOURCES["plain"]
+    module_name, _, cls_name = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as exc:
+        log.warning("ddpmon: no gradient source for %s (%s); local numbers only", strategy, exc)
+        cls = importlib.import_module("ddpmon.strategies.plain").PlainSource
+    return cls(env)
