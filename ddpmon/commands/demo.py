@@ -179,20 +179,27 @@ def _progress(
     from rich.live import Live
     from rich.table import Table
 
+    last: dict[int, dict[str, float]] = {}
+    """Each rank's last answer, shown dimmed once it stops answering (it ended or died)."""
+
     def table() -> Table:
         t = Table(title="live (scraped from /metrics)", expand=False)
         for col in ("rank", "step", *(header for header, _, _ in LIVE_COLUMNS)):
             t.add_column(col, justify="right")
         for rank, port in enumerate(ports):
             try:
-                m = scrape(client, port)
+                m, style = scrape(client, port), ""
+                last[rank] = m
             except (ScrapeError, ValueError):
-                t.add_row(str(rank), "[dim]waiting", *[""] * len(LIVE_COLUMNS))
-                continue
+                if rank not in last:
+                    t.add_row(str(rank), "[dim]waiting", *[""] * len(LIVE_COLUMNS))
+                    continue
+                m, style = last[rank], "dim"
             t.add_row(
                 str(rank),
                 f"{int(m.get(metrics.STEP.name, -1)) + 1}/{steps}",
                 *(_fmt(m.get(metric.name), fmt) for _, metric, fmt in LIVE_COLUMNS),
+                style=style,
             )
         return t
 
