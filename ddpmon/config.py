@@ -78,6 +78,12 @@ class Config:
     """Free-form data set version recorded in the manifest."""
     node: str | None = None
     """Node name label; default: the host name."""
+    announce: bool = False
+    """Print one line per rank to stderr at attach, naming its /metrics endpoint (off: ddpmon
+    writes nothing to stderr on a healthy run)."""
+    grad_norm_tolerance: float = 1e-3
+    """Relative difference above which a trainer-reported grad norm (``observe_grad_norm``)
+    counts as a mismatch with ddpmon's own."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Unrecognised options are not allowed; kept only for forward-compatible callers."""
 
@@ -100,6 +106,7 @@ class Config:
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
+        _check_float("grad_norm_tolerance", self.grad_norm_tolerance, 0.0, 1.0)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
         _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)

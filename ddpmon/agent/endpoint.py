@@ -25,6 +25,7 @@ class Endpoint:
         self.port: int | None = None
         self._sd: Any = None
         self._daemon: tuple[str, dict] | None = None
+        self.url: str | None = None
 
     @classmethod
     def open(
@@ -63,6 +64,8 @@ class Endpoint:
             return
         host = socket.gethostname() if cfg.bind in ("0.0.0.0", "::", "") else cfg.bind
         target = f"{host}:{self.port}"
+        scheme = "https" if getattr(self.server, "tls", False) else "http"
+        self.url = f"{scheme}://{target}/metrics"
         labels = {
             "run": run_id,
             "rank": str(ident.rank),

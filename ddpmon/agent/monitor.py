@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -194,12 +195,24 @@ class Monitor:
         sinks += [self.summary, self.manifest]
         policy = NonFinitePolicy(config.on_nonfinite, self.index, ctx.identity.rank, emit)
         self.pipeline = StepPipeline(
-            source=self.source, index=self.index, guard=guard, policy=policy, sinks=sinks
+            source=self.source,
+            index=self.index,
+            guard=guard,
+            policy=policy,
+            sinks=sinks,
+            grad_norm_tolerance=config.grad_norm_tolerance,
         )
         self.hooks = StepHooks(model, optimizer, self.pipeline, self.amp)
         self.endpoint = Endpoint.open(state, ctx.identity, ctx.run_id, config, guard)
         self.exposition = self.endpoint.exposition
         self.port = self.endpoint.port
+        if config.announce:
+            print(
+                f"ddpmon: rank {ctx.identity.rank} serves "
+                f"{self.endpoint.url or 'no endpoint'} (run {ctx.run_id})",
+                file=sys.stderr,
+                flush=True,
+            )
         self.forensics.watch(
             config.stall_seconds,
             heartbeat=lambda: state.last_step_timestamp or state.started_at,
@@ -241,6 +254,10 @@ class Monitor:
         readback path (``ddpmon_grad_norm_mismatch_total``); never read here."""
         if not self._closed:
             self.pipeline.observe_grad_norm(value, step)
+
+    def recent_steps(self) -> list:
+        """The last (up to 64) step records, oldest first: plain host values."""
+        return list(self.incidents.recent)
 
     def owns(self, params: Sequence[torch.Tensor]) -> bool:
         return not self._closed and self.index.positions_of(params) is not None

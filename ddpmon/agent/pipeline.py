@@ -136,7 +136,8 @@ class StepPipeline:
         self._sentinel = self._take_sentinel()
 
     def optimizer_pre(self, args: tuple, kwargs: dict) -> None:
-        if (kwargs or {}).get("closure") is not None or (args and callable(args[0])):
+        """``args`` as torch passes them to step pre-hooks: ``(optimizer, *step_args)``."""
+        if (kwargs or {}).get("closure") is not None or any(callable(a) for a in args[1:]):
             self._closure_step = True  # its backward has not run yet: collect after the step
             return
         self._collect()
