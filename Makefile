@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 # Pinned here (not in pyproject.toml, which says torch>=2.3 for users) so that the install
 # step takes the CPU wheel and never resolves to a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# Framework versions the integration tests run against (users get open ranges from the extras).
+# Installed with the torch pin so that pip can never swap the CPU torch for another build.
+INTEGRATION_PINS := lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0
 PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
@@ -15,7 +18,8 @@ DEMO_ARGS ?= --inject nan@rank1:step60
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(INTEGRATION_PINS)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev,lightning,transformers]'
 	touch $(STAMP)
 
 debs:

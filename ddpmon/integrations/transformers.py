@@ -1,0 +1,115 @@
+"""Hugging Face Transformers: ``Trainer(..., callbacks=[DdpmonCallback(port=7470)])``.
+
+``on_train_begin`` runs after Accelerate prepared the model and the optimizer. Callbacks are
+handed the bare model and Accelerate's optimizer wrapper, but ddpmon needs the DDP wrapper (its
+communication hook sees each rank's gradients before the all-reduce) and the torch optimizer
+inside (whose step hooks fire once per optimizer step, never per micro-batch of gradient
+accumulation). Transformers gives a callback no reference to its Trainer, so the callback finds
+the calling Trainer on the call stack (``Trainer(..., callbacks=[cb])`` or
+``trainer.add_callback(cb)``) or takes it from ``DdpmonCallback(trainer=...)``; from the Trainer
+it uses the public ``model_wrapped`` and ``accelerator`` (whose GradScaler serves fp16).
+
+Per step it adds no host read: the loss is the model output's ``loss`` tensor (a forward hook),
+and the gradient norm the Trainer logs (``grad_norm``, a Python float it already read) goes to
+``mon.observe_grad_norm`` for the step it belongs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+from ._common import NormForwarder, attach_monitor, close_monitor
+from .accelerate import unwrap_optimizer
+
+log = logging.getLogger("ddpmon")
+
+__all__ = ["DdpmonCallback"]
+
+_STACK_DEPTH = 16
+
+
+class DdpmonCallback(TrainerCallback):
+    """Attach ddpmon to the model, optimizer and scaler of a Transformers ``Trainer``."""
+
+    def __init__(self, trainer: Trainer | None = None, **options: Any) -> None:
+        """``options`` go to ``ddpmon.attach``; ``trainer`` only where the callback is driven
+        by something other than that Trainer's own callback handler."""
+        if trainer is not None and not isinstance(trainer, Trainer):
+            raise TypeError(f"trainer must be a transformers.Trainer, got {type(trainer)!r}")
+        self.options = dict(options)
+        self.monitor: Any = None
+        self._trainer = trainer
+        self._forwarder: NormForwarder | None = None
+        self._loss_hook: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.monitor is not None:
+            self._detach()  # a second train() on the same callback starts afresh
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        trainer = self._trainer or _calling_trainer()
+        accelerator = None
+        if trainer is not None:
+            model = getattr(trainer, "model_wrapped", None) or model
+            accelerator = getattr(trainer, "accelerator", None)
+        else:
+            log.warning(
+                "ddpmon: no Trainer found for DdpmonCallback; monitoring the bare model "
+                "(no DDP communication hook: no pre-all-reduce norms, no NaN origin rank). "
+                "Pass DdpmonCallback(trainer=trainer) to fix this."
+            )
+        if model is None or optimizer is None:
+            log.warning("ddpmon: the Trainer handed no model or optimizer; nothing to monitor")
+            return
+        scaler = getattr(accelerator, "scaler", None) or getattr(optimizer, "scaler", None)
+        self.monitor = attach_monitor(
+            model, unwrap_optimizer(optimizer), scaler, accelerator, self.options
+        )
+        if self.monitor is None:
+            return
+        self._forwarder = NormForwarder(self.monitor, int(state.global_step))
+        try:
+            self._loss_hook = kwargs["model"].register_forward_hook(self._on_model_output)
+        except Exception as exc:
+            log.debug("ddpmon: no loss hook: %s", exc)
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """The Trainer logs ``grad_norm`` right after the optimizer step it measured."""
+        if self._forwarder is None or not logs or "grad_norm" not in logs:
+            return
+        self._forwarder.forward(logs["grad_norm"], int(state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._detach()
+
+    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        if not module.training or self.monitor is None:
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if loss is not None:
+            self.monitor.observe_loss(loss)  # kept on its device
+
+    def _detach(self) -> None:
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        close_monitor(self.monitor)
+        self._forwarder = None
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose callback handler is calling us, from the call stack (bounded)."""
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
