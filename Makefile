@@ -36,6 +36,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs

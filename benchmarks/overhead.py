@@ -8,7 +8,10 @@ noise hit every mode alike):
   naive    a tensor hook per parameter doing isnan/isinf/norm/.item() (the blog-post sanitizer)
   pyhook   DDP with torch's own Python ``allreduce_hook`` and nothing else: the cost of having
            any Python comm hook (DDP then no longer fuses the 1/world_size division into its
-           bucket copy), which is the floor for an agent that must see buckets
+           bucket copy)
+  floor    ``pyhook`` plus one fused norm pass (``_foreach_norm``) over each bucket's reduced
+           gradients: the least any agent that reports per-parameter norms must do; agent/floor
+           is what ddpmon adds on top of that
 
 Reports medians and quartiles of per-round ratios: agent/base and naive/base from steps
 interleaved one by one; agent+scrape/agent from alternating blocks.
@@ -29,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("base", "agent", "naive", "pyhook")
+MODES = ("base", "agent", "naive", "pyhook", "floor")
 SCRAPER = (
     "import http.client,sys,time\n"
     "new=lambda: http.client.HTTPConnection('127.0.0.1',int(sys.argv[1]),timeout=2)\n"
@@ -78,6 +81,21 @@ def naive_hooks(model) -> None:
         p.register_hook(check)
 
 
+def floor_hook(state, bucket):
+    """torch's allreduce_hook plus one fused norm pass over the reduced bucket."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    sizes = [p.numel() for p in bucket.parameters()]
+
+    def done(fut):
+        tensor = fut.value()[0] if isinstance(fut.value(), list) else fut.value()
+        torch.stack(torch._foreach_norm(list(tensor.split(sizes))))
+        return tensor
+
+    return allreduce_hook(state, bucket).then(done)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -89,15 +107,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     replicas = {}
-    for mode in ("base", "agent", "naive", "pyhook"):
+    for mode in MODES:
         model = build_model(args.d_model, args.layers)
         if mode == "naive":
             naive_hooks(model)
         ddp = DistributedDataParallel(model)
-        if mode == "pyhook":
+        if mode in ("pyhook", "floor"):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-            ddp.register_comm_hook(None, allreduce_hook)
+            ddp.register_comm_hook(None, allreduce_hook if mode == "pyhook" else floor_hook)
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
         replicas[mode] = (ddp, opt)
     mon = ddpmon.attach(
@@ -172,6 +190,8 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
         ("agent", "base", rounds),
         ("naive", "base", rounds),
         ("pyhook", "base", rounds),
+        ("floor", "base", rounds),
+        ("agent", "floor", rounds),
         ("scrape", "agent", pairs),
     ):
         ratios = [r[mode] / r[ref_name] for r in source]
@@ -192,7 +212,7 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"Model: transformer, {data['params'] / 1e6:.1f}M parameters, AdamW, batch "
             f"{args.batch} x {args.seq} tokens, {args.threads} thread(s) per rank, 2 ranks on "
             f"{os.cpu_count()} cores. Each mode has its own identical DDP replica in the same "
-            f"job. base/agent/naive/pyhook: {args.rounds} rounds, one step of each mode per "
+            f"job. base/agent/naive/pyhook/floor: {args.rounds} rounds, one step of each mode per "
             f"round in a shuffled order, one ratio per round. Scrape: {args.scrape_pairs} "
             f"alternating blocks of {args.block} steps with and without a niced keep-alive "
             f"scraper at 10 Hz.  ",

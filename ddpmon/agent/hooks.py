@@ -45,6 +45,10 @@ class StepHooks:
     def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
         if self.closed or not torch.is_grad_enabled():
             return
+        if isinstance(output, torch.Tensor):  # the common case: one cheap tensor hook
+            if output.requires_grad:
+                output.register_hook(self._on_output_grad)
+            return
         tensors = _grad_outputs(output)
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._on_output_grad, mode="any")

@@ -158,8 +158,9 @@ class ProgressFile:
         if fd is None:
             return
         try:
-            when = round(time.time() if ts is None else ts, 6)
-            text = json.dumps({"step": int(step), "ts": when})
+            when = time.time() if ts is None else ts
+            # Formatted by hand (json.dumps costs more than the write); always valid JSON.
+            text = f'{{"step": {int(step)}, "ts": {when:.6f}}}'
             os.pwrite(fd, text.ljust(self.SIZE - 1).encode()[: self.SIZE - 1] + b"\n", 0)
         except Exception:
             pass

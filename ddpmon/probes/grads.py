@@ -145,20 +145,47 @@ def summarize_host(
 ) -> GradSummary:
     """Global norm, group norms and the first non-finite parameter (smallest position, i.e.
     registration order) with its kind, from read-back per-parameter norms. ``scale``: the loss
-    scale the gradients carried (divided out when ``vector.scaled``)."""
-    norms = np.asarray(values, dtype=np.float64)
+    scale the gradients carried (divided out when ``vector.scaled``). Plain Python for small
+    models (numpy's per-call cost dominates there), numpy for large ones."""
     if scale is not None and vector.scaled and scale > 0 and math.isfinite(scale):
-        norms = norms / scale
-    positions = np.asarray(vector.positions, dtype=np.int64)
+        inv = 1.0 / scale
+        values = [v * inv for v in values]
+    positions = vector.positions
+    if len(values) > 64:
+        return _summarize_numpy(values, positions, index)
+    group_of = index.group_of
+    group_sq = [0.0] * index.n_groups
+    total = 0.0
+    first, kind = -1, None
+    for v, pos in zip(values, positions, strict=True):
+        bad = v != v or v in (math.inf, -math.inf)
+        if bad and (first < 0 or pos < first):
+            first, kind = pos, ("nan" if v != v else "inf")
+        sq = v * v
+        total += sq
+        group_sq[group_of[pos]] += sq
+    return GradSummary(
+        norm=math.sqrt(total),
+        nonfinite=first >= 0,
+        first_position=first,
+        kind=kind,
+        group_norms=[math.sqrt(g) for g in group_sq],
+    )
+
+
+def _summarize_numpy(values, positions, index: ParamIndex) -> GradSummary:
+    norms = np.asarray(values, dtype=np.float64)
+    pos = np.asarray(positions, dtype=np.int64)
     with np.errstate(over="ignore", invalid="ignore"):
         squares = norms * norms
         total = float(np.sqrt(squares.sum()))
-        groups = index._group_array[positions] if len(positions) else positions
-        group_norms = np.sqrt(np.bincount(groups, weights=squares, minlength=index.n_groups))
+        group_norms = np.sqrt(
+            np.bincount(index._group_array[pos], weights=squares, minlength=index.n_groups)
+        )
     bad = ~np.isfinite(norms)
     first, kind = -1, None
     if bad.any():
-        bad_positions = positions[bad]
+        bad_positions = pos[bad]
         slot = int(np.argmin(bad_positions))
         first = int(bad_positions[slot])
         kind = "nan" if math.isnan(norms[bad][slot]) else "inf"
@@ -183,7 +210,7 @@ def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
             if g.is_sparse:
                 g = g.coalesce()._values()
             positions.append(i)
-            grads.append(g.detach())
+            grads.append(g)  # .grad never requires grad: no detach needed
     if not grads:
         return None
     return NormVector(per_param_norms(grads), positions, scaled)
