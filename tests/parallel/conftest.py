@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("_worker.py")
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
 
 
@@ -23,7 +24,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(strategy: str, ranks: int, out: Path, *, args: tuple[str, ...] = ()) -> list[dict]:
+def launch(
+    strategy: str, ranks: int, out: Path, *, args: tuple[str, ...] = (), worker: Path = WORKER
+) -> list[dict]:
+    """Run ``worker`` on ``ranks`` gloo ranks; returns each rank's ``rank<R>.json`` from ``out``."""
     port = _free_port()
     procs = []
     for rank in range(ranks):
@@ -35,8 +39,11 @@ def launch(strategy: str, ranks: int, out: Path, *, args: tuple[str, ...] = ()) 
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         )
-        cmd = [sys.executable, str(WORKER), "--strategy", strategy, "--out", str(out), *args]
+        cmd = [sys.executable, str(worker), "--out", str(out), *args]
+        if strategy:
+            cmd += ["--strategy", strategy]
         procs.append(
             subprocess.Popen(
                 cmd,
