@@ -105,6 +105,7 @@ class DaemonServer:
         self._auth_pending = 0
         self._servers: list[asyncio.base_events.Server] = []
         self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.stats: dict[str, int] = {
             "accepted": 0, "evicted": 0, "timed_out": 0, "tls_failed": 0, "requests": 0,
             "rejected_busy": 0, "errors": 0,
@@ -120,7 +121,7 @@ class DaemonServer:
         asyncio.run(self.serve(on_ready))
 
     async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -131,6 +132,8 @@ class DaemonServer:
                 self.bind, self.port, backlog=256, reuse_address=True,
             )
         )
+        if self.port == 0:
+            self.port = int(self._servers[0].sockets[0].getsockname()[1])
         for host, port in self.extra:
             try:
                 self._servers.append(
@@ -154,8 +157,9 @@ class DaemonServer:
                 await asyncio.wait_for(server.wait_closed(), 2.0)
 
     def stop(self) -> None:
-        if self._stop is not None:
-            self._stop.set()
+        """Stop serving; callable from any thread."""
+        if self._stop is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
 
     # connections ----------------------------------------------------------------------------
 
@@ -244,6 +248,11 @@ class DaemonServer:
                 return
             if not isinstance(event, h11.Request):
                 return  # ConnectionClosed: the client went away between requests
+            if _head_size(event) > self.limits.max_header_bytes:
+                # h11 bounds a head only while it is incomplete; one that arrives whole in a
+                # single read is measured here.
+                await self._raw_error(writer, 431, deadline)
+                return
             conn.busy = True
             self.stats["requests"] += 1
             status, headers, body = await self._handle(
@@ -460,6 +469,12 @@ class DaemonServer:
 
 class _TooLarge(Exception):
     pass
+
+
+def _head_size(req: h11.Request) -> int:
+    return len(req.method) + len(req.target) + 12 + sum(
+        len(k) + len(v) + 4 for k, v in req.headers.raw_items()
+    )
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
