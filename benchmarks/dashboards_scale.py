@@ -140,6 +140,8 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
             n, median, sigma = steps, m.step_median, 0.15
         elif "data_wait" in name:
             n, median, sigma = steps, m.wait_median, 0.5
+        elif "checkpoint_duration" in name:
+            n, median, sigma = 1 + i // 30, 20.0, 0.3
         else:
             n, median, sigma = steps * 24, m.ar_median, 0.4
         if name.endswith("_count"):
@@ -153,6 +155,11 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_step": steps - 1,
         "ddpmon_steps_total": steps,
         "ddpmon_last_step_timestamp_seconds": None,
+        "ddpmon_stall_threshold_seconds": 300.0,
+        "ddpmon_attempt": 0,
+        "ddpmon_checkpoint_last_step": max(steps - 500, 0),
+        "ddpmon_checkpoint_last_timestamp_seconds": 1.7e9,
+        "ddpmon_checkpoint_size_bytes": 5e9,
         "ddpmon_loss": 2.5 * math.exp(-seconds / 1800) + 0.05 * wave,
         "ddpmon_loss_nonfinite_total": 0,
         "ddpmon_grad_norm": 1.0 + 0.3 * math.sin(seconds / 300),
@@ -160,6 +167,8 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_grad_group_norm": 0.1 + 0.05 * wave,
         "ddpmon_grad_nonfinite_steps_total": 1 if broken else 0,
         "ddpmon_grad_nonfinite_origin_steps_total": 1 if (broken and m.origin) else 0,
+        "ddpmon_grad_nonfinite_poisoned_steps_total": 0,
+        "ddpmon_grad_norm_mismatch_total": 0,
         "ddpmon_grad_first_nonfinite_info": 1,
         "ddpmon_amp_loss_scale": 65536.0 / (2 if broken else 1),
         "ddpmon_amp_loss_scale_floor": 1.0,

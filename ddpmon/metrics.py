@@ -351,6 +351,47 @@ AGENT_ERRORS = Metric(
     labels=("probe",),
 )
 
+# -- checkpoints and restarts (ddpmon/agent/checkpoints.py) ---------------------------------
+ATTEMPT = Metric(
+    "ddpmon_attempt",
+    G,
+    "Restart attempt of this rank's process: 0 at first launch, N after N restarts "
+    "(torchelastic's restart count, else the starts recorded in the run dir).",
+    L.IDENTITY,
+)
+CHECKPOINT_LAST_STEP = Metric(
+    "ddpmon_checkpoint_last_step",
+    G,
+    "Step of the last checkpoint saved (the step a resume from it starts at).",
+    L.IDENTITY,
+    when="after the first checkpoint save",
+)
+CHECKPOINT_LAST_TIMESTAMP = Metric(
+    "ddpmon_checkpoint_last_timestamp_seconds",
+    G,
+    "Wall time the last checkpoint save completed.",
+    L.IDENTITY,
+    unit="seconds",
+    when="after the first checkpoint save",
+)
+CHECKPOINT_DURATION = Metric(
+    "ddpmon_checkpoint_duration_seconds",
+    H,
+    "Time this rank spent blocked in a checkpoint save or load.",
+    L.IDENTITY,
+    unit="seconds",
+    labels=("kind",),
+    when="after the first checkpoint save or load",
+)
+CHECKPOINT_SIZE = Metric(
+    "ddpmon_checkpoint_size_bytes",
+    G,
+    "Size of the last checkpoint saved, on disk or as reported.",
+    L.IDENTITY,
+    unit="bytes",
+    when="after a checkpoint save of known size",
+)
+
 CATALOGUE: tuple[Metric, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, Metric)
 )

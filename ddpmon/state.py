@@ -41,6 +41,10 @@ ALLREDUCE_SECONDS_BUCKETS = (
     1.0,
 )
 
+CHECKPOINT_SECONDS_BUCKETS = (1.0, 10.0, 60.0, 300.0)
+"""Few buckets: saves take seconds to minutes, and each bucket is a series per kind and rank."""
+CHECKPOINT_KINDS = ("save", "load")
+
 
 CORE_PROBES = ("grads", "comm", "amp", "loss", "step", "readback", "server", "forensics")
 
@@ -176,6 +180,31 @@ class MetricState:
     """The agent's ``stall_seconds``, exported so alerts compare against it; None: not set."""
     strategy: str = "plain"
     """Parallelism of the model: plain, ddp, fsdp2, hsdp, tp or fsdp2+tp (``rank_info`` label)."""
+    attempt: int = 0
+    """Restart attempt of this process (0: first launch); see ``ddpmon.agent.checkpoints``."""
+    checkpoint_last_step: int | None = None
+    """Step of the last completed checkpoint save; None before the first."""
+    checkpoint_last_timestamp: float | None = None
+    checkpoint_size_bytes: int | None = None
+    checkpoint_duration: dict[str, Histogram] = field(default_factory=dict)
+    """``save``/``load`` -> histogram, created at the first observation of that kind."""
+
+    def apply_checkpoint(
+        self, kind: str, step: int, seconds: float, finished: float, size: int | None
+    ) -> None:
+        """Fold one completed checkpoint save or load into the state (any thread)."""
+        if kind not in CHECKPOINT_KINDS:
+            raise ValueError(f"checkpoint kind={kind!r}: expected one of {CHECKPOINT_KINDS}")
+        hist = self.checkpoint_duration.get(kind)
+        if hist is None:
+            hist = self.checkpoint_duration[kind] = Histogram(CHECKPOINT_SECONDS_BUCKETS)
+        hist.observe(seconds)
+        if kind == "save":
+            self.checkpoint_last_step = int(step)
+            self.checkpoint_last_timestamp = finished
+            if size is not None:
+                self.checkpoint_size_bytes = int(size)
+        self.version += 1
 
     def apply(self, record: StepRecord) -> None:
         """Fold one step record into the state (training thread)."""

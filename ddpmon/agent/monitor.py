@@ -24,6 +24,14 @@ from ..probes.grads import ParamIndex
 from ..state import MetricState
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
+from .checkpoints import (
+    CheckpointObserver,
+    CheckpointTimer,
+    DcpCapture,
+    NullTimer,
+    detect_attempt,
+    tag_attempt,
+)
 from .context import RunContext
 from .endpoint import Endpoint
 from .forensics import Forensics, manifest_writer
@@ -100,8 +108,14 @@ class NullMonitor:
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         pass
 
+    def annotate(self, **fields: Any) -> None:
+        pass
+
     def owns(self, params: Sequence[torch.Tensor]) -> bool:
         return False
+
+    def observe_checkpoint(self, step: int, path: Any, kind: str = "save", **_: Any) -> NullTimer:
+        return NullTimer()
 
     def close(self) -> None:
         pass
@@ -147,7 +161,10 @@ class Monitor:
         self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
         self.index = ParamIndex(model, config.group_depth, config.max_groups)
         self.forensics = Forensics.open(ctx, config, guard)
-        emit = self.forensics.emit(guard)
+        rank = ctx.identity.rank
+        self.attempt = detect_attempt(ctx.run_dir.events(rank), ctx.run_dir.progress(rank))
+        state.attempt = self.attempt.number
+        emit = tag_attempt(self.forensics.emit(guard), self.attempt.number)
         self._emit = emit
         self.amp = None
         if scaler is not None:
@@ -193,6 +210,15 @@ class Monitor:
             write_json=write_json_atomic,
         )
         sinks += [self.summary, self.manifest]
+        if self.forensics.events is not None:  # the run dir is writable
+            with guard("history"):
+                from ..forensics.history import HistorySink
+
+                history = HistorySink.open(
+                    ctx.run_dir, ctx.identity.rank, self.index.group_names, ctx.identity.device
+                )
+                if history is not None:
+                    sinks.append(history)
         policy = NonFinitePolicy(config.on_nonfinite, self.index, ctx.identity.rank, emit)
         self.pipeline = StepPipeline(
             source=self.source,
@@ -203,6 +229,10 @@ class Monitor:
             grad_norm_tolerance=config.grad_norm_tolerance,
         )
         self.hooks = StepHooks(model, optimizer, self.pipeline, self.amp)
+        self.checkpoints = CheckpointObserver(state, emit, guard, on_load=self._resume_at)
+        self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
+        with guard("checkpoint"):
+            self.dcp.install()
         self.endpoint = Endpoint.open(state, ctx.identity, ctx.run_id, config, guard)
         self.exposition = self.endpoint.exposition
         self.port = self.endpoint.port
@@ -234,6 +264,8 @@ class Monitor:
             strategy=state.strategy,
             clock_offset_seconds=ctx.clock.get("offset_seconds", 0.0),
             clock_rtt_seconds=ctx.clock.get("rtt_seconds"),
+            attempt_source=self.attempt.source,
+            previous_progress=self.attempt.previous_progress,
         )
         return self
 
@@ -254,6 +286,44 @@ class Monitor:
         readback path (``ddpmon_grad_norm_mismatch_total``); never read here."""
         if not self._closed:
             self.pipeline.observe_grad_norm(value, step)
+
+    def observe_checkpoint(
+        self,
+        step: int,
+        path: Any,
+        kind: str = "save",
+        *,
+        model: bool | None = None,
+        optimizer: bool | None = None,
+        scaler: bool | None = None,
+        rng: bool | None = None,
+        data_loader: bool | None = None,
+        size: int | None = None,
+    ) -> CheckpointTimer | NullTimer:
+        """Time a checkpoint save or load: ``with mon.observe_checkpoint(step, path): save()``
+        (or keep the returned timer and call ``.done()``). Non-blocking, reads no device value.
+
+        ``step``: the step a resume from this checkpoint starts at (optimizer steps it holds).
+        For ``kind="load"``, say what the resume restored (``optimizer=True, rng=False`` ...):
+        the manifest records it and ddpmon names what was not restored; a load before the first
+        step also makes ddpmon count steps from ``step``. ``size``: bytes, when the path does
+        not tell (it is measured on disk otherwise). Bad arguments raise ``ValueError``."""
+        if self._closed:
+            return NullTimer()
+        restored = {"model": model, "optimizer": optimizer, "scaler": scaler, "rng": rng,
+                    "data_loader": data_loader}
+        return self.checkpoints.timer(step, path, kind, restored, size)
+
+    def annotate(self, **fields: Any) -> None:
+        """Record run facts only the script knows (``global_batch``, ``micro_batch``,
+        ``accumulation``, ``seed``, ...) in ``annotations.json`` (rank 0, atomic), where
+        ``ddpmon compare`` reads them. Bad fields raise ``ValueError``; I/O errors are counted."""
+        from ..forensics.annotations import check_fields, write_annotations
+
+        fields = check_fields(fields)
+        if self.identity.rank == 0 and self.forensics.events is not None:
+            with self.guard("forensics"):
+                write_annotations(self.run_path, fields)
 
     def recent_steps(self) -> list:
         """The last (up to 64) step records, oldest first: plain host values."""
@@ -277,6 +347,7 @@ class Monitor:
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
         self.hooks.close()
+        self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
         self._emit("exit", self.state.step, reason="close", steps=self.state.steps_total)
@@ -299,6 +370,14 @@ class Monitor:
     def _on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
         if not self._closed:
             self.pipeline.scaler_updated(found, before, after)
+
+    def _resume_at(self, step: int) -> None:
+        """A checkpoint load before the first step: count steps from the resume step, so the
+        resumed attempt's steps line up with the attempt it continues."""
+        if self.state.steps_total == 0 and self.pipeline.step == 0:
+            self.pipeline.step = step
+            self.state.step = step - 1
+            self.state.version += 1
 
     def _on_stall(self, idle_seconds: float) -> None:
         step = self.pipeline.step
@@ -348,4 +427,6 @@ class Monitor:
             "param_count": sum(p.numel() for p in self.index.params),
             "hosts": self.ctx.hosts,
             "group_names": self.index.group_names,
+            "attempt": self.attempt.number,
+            "recovery": self.checkpoints.recovery,
         }

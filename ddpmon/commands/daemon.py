@@ -44,20 +44,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", type=Path, default=None, help="YAML config (entry point allow-list)")
     p.add_argument("--token-file", type=Path, default=None, help="default: STATE_DIR/token")
     p.add_argument("--node", default=None, help="node label (default: host name)")
+    p.add_argument(
+        "--web-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="exporter-toolkit web config (the agents' format): TLS, mTLS and basic auth for "
+        "every route; job routes also take the bearer token, rank registration stays "
+        "same-host only. With TLS on a node address, agents register over plain HTTP on "
+        "127.0.0.1 at the same port",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
         from ..daemon.app import create_app
         from ..daemon.jobs import JobManager
         from ..daemon.node import NodeCollector, build_registry
         from ..daemon.ranks import RankRegistry
+        from ..daemon.server import DaemonServer
         from ..daemon.settings import DaemonSettings, SettingsError
         from ..daemon.store import Store
         from ..daemon.token import TokenFileError, load_or_create
+        from ..export.webconfig import WebConfigError, load_web_config
         from ..sources.nvml import NvmlSource
     except ImportError as exc:
         print(
@@ -72,6 +82,13 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"ddpmon daemon: config error: {exc}", file=sys.stderr)
         return 2
+    web = None
+    if args.web_config is not None:
+        try:
+            web = load_web_config(args.web_config)
+        except WebConfigError as exc:
+            print(f"ddpmon daemon: {exc}", file=sys.stderr)
+            return 2
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token_file = args.token_file or state_dir / "token"
     try:
@@ -80,9 +97,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpmon daemon: {exc}", file=sys.stderr)
         return 2
 
-    host = "127.0.0.1" if args.bind in ("0.0.0.0", "::", "") else args.bind
+    wildcard = args.bind in ("0.0.0.0", "::", "")
+    host = "127.0.0.1" if wildcard else args.bind
+    tls = web is not None and web.ssl_context is not None
+    extra: list[tuple[str, int]] = []
+    if tls and not wildcard and host not in ("127.0.0.1", "::1", "localhost"):
+        # Agents hold no scrape credentials and may not trust the CA: they register over
+        # plain HTTP on this node's loopback, which serves registration only.
+        extra.append(("127.0.0.1", args.port))
+        host = "127.0.0.1"
     url_host = f"[{host}]" if ":" in host else host
-    daemon_url = f"http://{url_host}:{args.port}"
+    scheme = "https" if tls and not extra else "http"
+    daemon_url = f"{scheme}://{url_host}:{args.port}"
     store = Store(state_dir / "ddpmon.sqlite3")
     jobs = JobManager(store, settings, state_dir, daemon_url=daemon_url)
     ranks = RankRegistry(store)
@@ -94,36 +120,25 @@ def run(args: argparse.Namespace) -> int:
         disk_paths=("/", str(state_dir)),
     )
     app = create_app(jobs=jobs, ranks=ranks, registry=build_registry(collector), token=token)
+    server = DaemonServer(
+        app, bind=args.bind, port=args.port, token=token, web_config=web, extra_listeners=extra
+    )
     jobs.start()
     log.info(
-        "ddpmon daemon on %s (state %s, token file %s, entry points: %s)",
+        "ddpmon daemon on %s://%s:%d (agents: %s; state %s, token file %s, entry points: %s)",
+        "https" if tls else "http",
+        args.bind,
+        args.port,
         daemon_url,
         state_dir,
         token_file,
         ", ".join(sorted(settings.entrypoints)),
     )
     try:
-        import logging
-
-        class _DropMalformed(logging.Filter):
-            """One log line per malformed request lets any client flood the log."""
-
-            def filter(self, record: logging.LogRecord) -> bool:
-                return "Invalid HTTP request" not in record.getMessage()
-
-        logging.getLogger("uvicorn.error").addFilter(_DropMalformed())
-        uvicorn.run(
-            app,
-            host=args.bind,
-            port=args.port,
-            log_level="warning",
-            access_log=False,
-            # Bounded: at most 64 connections/tasks (503 beyond), idle keep-alive closed after
-            # 5 s, and no request head larger than 16 KiB is buffered.
-            limit_concurrency=64,
-            timeout_keep_alive=5,
-            h11_max_incomplete_event_size=16 * 1024,
-        )
+        server.run()
+    except OSError as exc:
+        print(f"ddpmon daemon: cannot listen on {args.bind}:{args.port}: {exc}", file=sys.stderr)
+        return 2
     finally:
         jobs.close()
         store.close()

@@ -26,6 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--step-delay", type=float, default=0.05, help="sleep per step, seconds")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="global batch split over the ranks (default 8 per rank); the same N and --seed "
+        "make --nproc 1 and --nproc 2 runs comparable (`ddpmon compare`)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="model init and data order seed")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="base port (rank r: port+r)")
     p.add_argument("--run-dir", default="ddpmon-runs")
     p.add_argument("--run-id", default=None)
@@ -34,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help="fault, e.g. nan@rank1:step20, scale-collapse@step40, segv@rank1:step25",
+        help="fault, e.g. nan@rank1:step20, scale-collapse@step40, segv@rank1:step25, "
+        "grad-scale@rank1:step20, dup-data@rank1:step0",
     )
     p.add_argument(
         "--sd-dir",
@@ -91,7 +101,11 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
         str(args.pg_timeout),
         "--hold",
         str(args.hold),
+        "--seed",
+        str(args.seed),
     ]
+    if args.global_batch:
+        cmd += ["--global-batch", str(args.global_batch)]
     for spec in args.inject:
         cmd += ["--inject", spec]
     for flag, value in (
@@ -125,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc < 1:
         console.print("[red]--nproc must be >= 1")
+        return 2
+    if args.global_batch is not None and (
+        args.global_batch < 1 or args.global_batch % args.nproc
+    ):
+        console.print(f"[red]--global-batch {args.global_batch} must be a positive multiple of "
+                      f"--nproc {args.nproc}")
         return 2
     try:
         client = ScrapeClient.from_file(args.scrape_config)

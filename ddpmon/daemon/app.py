@@ -1,8 +1,10 @@
 """The daemon's HTTP API (FastAPI). Everything it needs is passed in, so tests build it directly.
 
-Reads (/metrics, /sd, job status) are open; job mutations need ``Authorization: Bearer TOKEN``
-(compared in constant time). Rank registration is accepted from loopback clients only: it is
-what agents on this node call, and the PID it names must be a live local process.
+Reads (/metrics, /sd, job status) are open here (a web config's basic auth is enforced by the
+HTTP front, ``server.py``); job mutations need ``Authorization: Bearer TOKEN`` (compared in
+constant time). Rank registration is accepted from this node only: from loopback, or from the
+address the connection arrived on (an agent on the node calling the daemon's node address), and
+the PID it names must be a live local process.
 Errors are JSON ``{"error": ..., "status": ...}`` with 400/401/403/404/409.
 """
 
@@ -128,7 +130,9 @@ def create_app(
 
     def require_loopback(request: Request) -> None:
         host = request.client.host if request.client else ""
-        if host not in LOOPBACK and host != "testclient":
+        server = request.scope.get("server") or ("", 0)
+        same_host = bool(host) and host == str(server[0])
+        if host not in LOOPBACK and host != "testclient" and not same_host:
             raise HTTPException(403, "rank registration is accepted from this node only")
 
     @app.exception_handler(StarletteHTTPException)

@@ -330,7 +330,9 @@ class JobManager:
                 handle.known_pids |= self._descendants(handle.pid)
                 bind = self.settings.job_bind
                 host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
-                job.summary = summary.merge(job.summary, host, job.ports)
+                job.summary = summary.merge(
+                    job.summary, host, job.ports, client=self.settings.scrape_client()
+                )
                 self._escalate(job, handle)
                 with self._lock:
                     current = self.store.get_job(job.id)

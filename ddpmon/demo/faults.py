@@ -3,7 +3,9 @@
 Kinds: nan, inf (into one parameter's gradient on one rank), scale-collapse (inf gradients on
 every step from S on, so GradScaler halves its scale each step), slow (sleep per step from S on:
 a straggler), hang (stop before the backward pass), segv, kill (SIGKILL self), exit (code=N),
-oom (a real CPU allocator failure), dup-data (from step S on this rank reads rank 0's shard).
+oom (a real CPU allocator failure), dup-data (from step S on this rank reads rank 0's shard),
+grad-scale (from step S on, this rank's local gradients are multiplied by ``factor``, default 2,
+before the all-reduce: the classic "loss averaged over the wrong denominator" bug).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ KINDS = (
     "exit",
     "oom",
     "dup-data",
+    "grad-scale",
 )
 DEFAULT_PARAM = "encoder.layers.0.linear1.weight"
 
@@ -84,7 +87,7 @@ class FaultPlan:
         """Called between forward and backward: gradient faults register one-shot hooks."""
         for fault in self.faults:
             active = step == fault.step or (
-                fault.kind in ("scale-collapse", "slow") and step >= fault.step
+                fault.kind in ("scale-collapse", "slow", "grad-scale") and step >= fault.step
             )
             if not active:
                 continue
@@ -92,6 +95,8 @@ class FaultPlan:
                 value = float("nan") if fault.kind == "nan" else float("inf")
                 name = fault.options.get("param", DEFAULT_PARAM)
                 _poison_grad(model, name, value)
+            elif fault.kind == "grad-scale":
+                _scale_grads(model, float(fault.options.get("factor", "2")))
             elif fault.kind == "slow":
                 time.sleep(float(fault.options.get("seconds", "0.2")))
             elif fault.kind == "hang":
@@ -124,5 +129,24 @@ def _poison_grad(model: torch.nn.Module, name: str, value: float) -> None:
         poisoned = grad.clone()
         poisoned.view(-1)[0] = value
         return poisoned
+
+    handle = param.register_hook(hook)
+
+
+def _scale_grads(model: torch.nn.Module, factor: float) -> None:
+    """One-shot hooks multiplying every local gradient of this backward by ``factor`` (they run
+    before DDP's reducer sees the gradient, so the all-reduce averages the scaled values)."""
+    inner = getattr(model, "module", model)
+    for param in inner.parameters():
+        if param.requires_grad:
+            _scale_once(param, factor)
+
+
+def _scale_once(param: torch.Tensor, factor: float) -> None:
+    handle = None
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        return grad * factor
 
     handle = param.register_hook(hook)

@@ -35,16 +35,28 @@ class TinyTransformer(nn.Module):
         return self.head(self.encoder(self.embed(tokens) + self.pos))
 
 
-def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    x = torch.randint(0, VOCAB, (size, SEQ), generator=g)
+def batch(
+    step: int, shard: int, world: int, global_batch: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``shard``'s slice of step ``step``'s global batch. The global batch depends only on
+    (seed, step), so runs with the same global batch over 1 or N ranks see the same samples."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
+    micro = global_batch // world
+    x = x[shard * micro : (shard + 1) * micro]
     return x, (x + 1) % VOCAB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="per-rank batch")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="global batch split over the ranks (overrides --batch-size; divisible by ranks)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (seconds)")
     p.add_argument("--inject", action="append", default=[], help="fault spec, repeatable")
@@ -65,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    global_batch = args.global_batch or args.batch_size * world
+    if global_batch % world:
+        print(f"--global-batch {global_batch} is not divisible by {world} ranks", file=sys.stderr)
+        return 2
     faults = FaultPlan(args.inject, rank)
     torch.manual_seed(args.seed)
     model = DistributedDataParallel(TinyTransformer())
@@ -85,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None
     }
     mon = ddpmon.attach(model, optimizer, scaler if amp else None, **options)
+    mon.annotate(
+        global_batch=global_batch, micro_batch=global_batch // world, accumulation=1, seed=args.seed
+    )
     loss_fn = nn.CrossEntropyLoss()
     for step in range(args.steps):
-        x, y = batch(step, faults.data_rank(step), args.batch_size)
+        x, y = batch(step, faults.data_rank(step), world, global_batch, args.seed)
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
             logits = model(x)
             loss = loss_fn(logits.float().reshape(-1, VOCAB), y.reshape(-1))

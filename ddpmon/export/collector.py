@@ -176,6 +176,17 @@ class DdpmonCollector(Collector):
         first = s.first_nonfinite
         if first is not None:
             out[m.GRAD_FIRST_NONFINITE_INFO] = [((str(first.step), first.param, first.kind), 1)]
+        out[m.ATTEMPT] = _one(s.attempt)
+        if s.checkpoint_last_step is not None:
+            out[m.CHECKPOINT_LAST_STEP] = _one(s.checkpoint_last_step)
+        if s.checkpoint_last_timestamp is not None:
+            out[m.CHECKPOINT_LAST_TIMESTAMP] = _one(s.checkpoint_last_timestamp)
+        if s.checkpoint_duration:
+            out[m.CHECKPOINT_DURATION] = [
+                ((kind,), hist) for kind, hist in sorted(dict(s.checkpoint_duration).items())
+            ]
+        if s.checkpoint_size_bytes is not None:
+            out[m.CHECKPOINT_SIZE] = _one(s.checkpoint_size_bytes)
         if s.amp_enabled:
             if s.loss_scale is not None:
                 out[m.AMP_LOSS_SCALE] = _one(s.loss_scale)
@@ -184,8 +195,11 @@ class DdpmonCollector(Collector):
         return out
 
 
-Samples = list[tuple[tuple[str, ...], float]] | Histogram
-"""A family's samples: (extra label values, value) pairs, or a histogram."""
+Samples = (
+    list[tuple[tuple[str, ...], float]] | Histogram | list[tuple[tuple[str, ...], Histogram]]
+)
+"""A family's samples: (extra label values, value) pairs, a histogram, or labelled
+histograms."""
 
 
 def _one(value: float) -> Samples:
@@ -242,7 +256,11 @@ def _family(metric: m.Metric, base: list[str], samples: Samples) -> Metric:
         fam.add_metric(base, buckets, total)
     else:
         for extra, value in samples:
-            fam.add_metric([*base, *extra], value)
+            if isinstance(value, Histogram):
+                buckets, total, _count = value.cumulative()
+                fam.add_metric([*base, *extra], buckets, total)
+            else:
+                fam.add_metric([*base, *extra], value)
     return fam
 
 

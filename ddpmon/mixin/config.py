@@ -21,6 +21,15 @@ _DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")
 class MixinConfig:
     job_selector: str = 'job="ddpmon"'
     """Selector of the scrape job(s) that hold ddpmon agents."""
+    run_labels: list[str] = field(default_factory=lambda: ["cluster", "namespace", "job", "run"])
+    """Labels that identify a run: run-wide records and alerts aggregate ``by`` these (absent
+    ones are harmless), so they keep cluster, namespace and job; per-rank records aggregate
+    nothing away and keep every target label (node, instance, pod...)."""
+    alert_rank_cap: int = 5
+    """A run-wide alert lists at most this many ranks, worst first."""
+    gauge_window: str = "2m"
+    """Gauge conditions read ``max_over_time``/``min_over_time`` over this window, so one failed
+    scrape does not reset a pending alert."""
     runbook_base_url: str = (
         "https://github.com/ddpmon/ddpmon/blob/main/deploy/prometheus/runbook.md"
     )
@@ -40,6 +49,11 @@ class MixinConfig:
     nonfinite_window: str = "5m"
     """A non-finite gradient or loss keeps its alert firing for this long after the step."""
     nonfinite_for: str = "0m"
+    nonfinite_persistent_steps: int = 20
+    """DdpmonNonFiniteGradients also fires when a rank had more non-finite steps than this in
+    ``nonfinite_persistent_window``, absorbed or not (a scaler that keeps skipping; with a loss
+    scale floor, DdpmonLossScaleAtFloor fires first and inhibits it)."""
+    nonfinite_persistent_window: str = "10m"
     nonfinite_origin_wait: str = "1m"
     """DdpmonNonFiniteGradients fires once an origin rank is scraped, or after this long without
     one (ranks are scraped at different moments; the page should name the origin)."""
@@ -52,10 +66,18 @@ class MixinConfig:
     grad_desync_relative: float = 1e-3
     """Relative spread of post-reduce norms across ranks of a run that means replicas diverged."""
     grad_desync_for: str = "5m"
+    grad_norm_mismatch_window: str = "10m"
+    grad_norm_mismatch_for: str = "3m"
 
     # --- data supply / liveness ---
     stall_seconds: float = 300.0
+    """Fallback stall threshold for agents that do not export ``ddpmon_stall_threshold_seconds``
+    (the agent's own ``stall_seconds``)."""
     stall_for: str = "1m"
+    first_step_seconds: float = 900.0
+    """DdpmonNoFirstStep: a rank attached this long ago has not completed a step (stuck in
+    init, rendezvous, compilation or the first all-reduce)."""
+    first_step_for: str = "1m"
     rank_down_for: str = "2m"
     ranks_missing_for: str = "2m"
     rank_desync_steps: float = 50.0
@@ -67,11 +89,18 @@ class MixinConfig:
     repeats at every sampled step (every ``data_check_interval`` steps), while one identical
     warm-up batch fed to every rank counts once and must not page."""
     data_duplicate_for: str = "5m"
+    data_starved_factor: float = 3.0
+    """DdpmonDataStarved: a rank's mean data wait above this multiple of the run median..."""
+    data_starved_share: float = 0.2
+    """...and above this share of its iterations (data wait + step time)."""
+    data_starved_for: str = "10m"
 
     # --- communication ---
     straggler_ratio: float = 1.5
     """A rank's mean step compute time (step time minus all-reduce time) above this multiple of
     the run's median is a straggler."""
+    straggler_min_seconds: float = 0.05
+    """...and at least this many seconds per step above it (a run median of 0 flags nothing)."""
     straggler_for: str = "10m"
     allreduce_slow_factor: float = 4.0
     allreduce_slow_baseline: str = "1h"
@@ -82,9 +111,21 @@ class MixinConfig:
 
     # --- memory ---
     gpu_memory_full_ratio: float = 0.95
+    """Highest allocator-allocated bytes (live tensors) over ``gauge_window`` above this share of
+    the device (NVML total). Not NVML "used" nor allocator "reserved": both include the caching
+    allocator's free blocks and read near 100% on a well-tuned job."""
     gpu_memory_full_for: str = "5m"
     cuda_oom_window: str = "10m"
     cuda_oom_for: str = "0m"
+    cuda_retry_min: int = 5
+    """DdpmonCudaAllocRetries: at least this many allocator retries (cache flushed and cudaMalloc
+    retried under memory pressure) in ``cuda_retry_window``."""
+    cuda_retry_window: str = "15m"
+    cuda_retry_for: str = "15m"
+
+    # --- the agent itself ---
+    agent_errors_window: str = "10m"
+    agent_unhealthy_for: str = "10m"
 
     # --- dashboards ---
     dashboard_topk: int = 10
@@ -109,16 +150,27 @@ class MixinConfig:
             if (f.name.endswith(("_for", "_window", "_baseline", "_lookback", "_wait"))
                     and not (isinstance(value, str) and _DURATION.match(value))):
                 raise ValueError(f"{f.name}={value!r}: expected a duration like 30s or 5m")
-        if self.data_duplicate_min_samples < 1:
-            raise ValueError(
-                f"data_duplicate_min_samples={self.data_duplicate_min_samples!r}: expected >= 1"
-            )
+        for name in ("data_duplicate_min_samples", "alert_rank_cap", "cuda_retry_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected >= 1")
+        if "run" not in self.run_labels:
+            raise ValueError(f"run_labels={self.run_labels!r}: must include 'run'")
         for name in ("job_selector", "dashboard_selector", "dashboard_dcgm_selector"):
             if getattr(self, name).strip().startswith("{"):
                 raise ValueError(f"{name}: give label matchers without braces")
-        for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio"):
+        for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio", "data_starved_share"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a ratio in (0, 1]")
+
+    @property
+    def by_run(self) -> str:
+        """``by (<run labels>)`` for run-wide aggregations."""
+        return f"by ({', '.join(self.run_labels)})"
+
+    @property
+    def on_run(self) -> str:
+        """``on (<run labels>)`` for joins between run-wide vectors."""
+        return f"on ({', '.join(self.run_labels)})"
 
     def replace(self, **changes: object) -> MixinConfig:
         """A copy with some fields changed (tests shorten ``*_for`` durations this way)."""

@@ -1,23 +1,43 @@
-"""Recording-rule names: one constant each, imported by the rules, the alerts and the dashboards.
+"""Recording-rule names, ``level:metric:operations``: one constant each, imported by the rules,
+the alerts and the dashboards.
 
-Per-rank records keep every target label (``run``, ``rank``, ``job``, ``instance``...); run-wide
-records (``run_`` in the operation) keep ``run`` (and ``quantile`` where stated).
+``rank:`` records are per rank and keep every target label (job, instance, namespace, cluster,
+node, run, rank...). ``run:`` records aggregate the ranks of a run and keep the run's labels
+(``MixinConfig.run_labels``: cluster, namespace, job, run). Rates and means are over
+``MixinConfig.rate_window`` (default 5m), which the names do not repeat because it is
+configurable.
 """
 
-STEP_MEAN = "ddpmon:step_duration_seconds:mean"
-STEP_P99 = "ddpmon:step_duration_seconds:p99"
-STEP_RUN_QUANTILE = "ddpmon:step_duration_seconds:run_quantile"
-STEPS_RATE = "ddpmon:steps:rate"
-DATA_WAIT_MEAN = "ddpmon:data_wait_seconds:mean"
-ALLREDUCE_PER_STEP = "ddpmon:allreduce_duration_seconds:per_step"
-ALLREDUCE_P50 = "ddpmon:allreduce_duration_seconds:p50"
-ALLREDUCE_P99 = "ddpmon:allreduce_duration_seconds:p99"
-ALLREDUCE_RUN_P99 = "ddpmon:allreduce_duration_seconds:run_p99"
-COMPUTE_MEAN = "ddpmon:step_compute_seconds:mean"
-COMPUTE_RUN_MEDIAN = "ddpmon:step_compute_seconds:run_median"
-SKIPPED_RATIO = "ddpmon:amp_skipped_steps:ratio"
-GRAD_NORM_RUN_MAX = "ddpmon:grad_norm:run_max_finite"
-GRAD_NORM_RUN_SPREAD = "ddpmon:grad_norm:run_relative_spread"
-RANKS_REPORTING = "ddpmon:ranks:run_reporting"
-WORLD_SIZE = "ddpmon:world_size:run_max"
-GPU_MEMORY_RATIO = "ddpmon:gpu_memory_used:ratio"
+# --- per rank ---
+STEP_MEAN = "rank:ddpmon_step_duration_seconds:mean"
+STEP_P99 = "rank:ddpmon_step_duration_seconds:p99"
+STEPS_RATE = "rank:ddpmon_steps:rate"
+DATA_WAIT_MEAN = "rank:ddpmon_data_wait_seconds:mean"
+DATA_WAIT_RATIO = "rank:ddpmon_data_wait_seconds:iteration_ratio"
+"""Data wait over (data wait + step time): the share of each iteration spent waiting for data."""
+ALLREDUCE_PER_STEP = "rank:ddpmon_allreduce_duration_seconds:sum_per_step"
+ALLREDUCE_P50 = "rank:ddpmon_allreduce_duration_seconds:p50"
+ALLREDUCE_P99 = "rank:ddpmon_allreduce_duration_seconds:p99"
+COMPUTE_MEAN = "rank:ddpmon_step_compute_seconds:mean"
+"""Step time minus all-reduce time per step: what a straggler spends more of."""
+SKIPPED_RATIO = "rank:ddpmon_amp_skipped_steps:ratio"
+GRAD_UNABSORBED = "rank:ddpmon_grad_nonfinite_unabsorbed_steps:total"
+"""Non-finite steps minus those the GradScaler absorbed (skipped); a counter."""
+LOSS_UNABSORBED = "rank:ddpmon_loss_nonfinite_unabsorbed:total"
+"""Non-finite losses minus skipped steps; grows only for a non-finite loss no scaler absorbed."""
+HEARTBEAT_AGE = "rank:ddpmon_heartbeat_age_seconds:max"
+"""Seconds since the rank's last completed step (attach time before the first)."""
+STALL_THRESHOLD = "rank:ddpmon_stall_threshold_seconds:max"
+"""The agent's exported stall threshold, or ``MixinConfig.stall_seconds`` where it exports none."""
+GPU_ALLOCATED_RATIO = "rank:ddpmon_cuda_memory_allocated_bytes:device_ratio"
+"""Highest allocator-allocated bytes (tensors) over the window, over the device's NVML total."""
+
+# --- per run ---
+STEP_LEADER = "run:ddpmon_step:max"
+COMPUTE_RUN_MEDIAN = "run:ddpmon_step_compute_seconds:median"
+DATA_WAIT_RUN_MEDIAN = "run:ddpmon_data_wait_seconds:median"
+ALLREDUCE_RUN_P99 = "run:ddpmon_allreduce_duration_seconds:p99"
+GRAD_NORM_RUN_MAX = "run:ddpmon_grad_norm:max_finite"
+GRAD_NORM_RUN_SPREAD = "run:ddpmon_grad_norm:relative_spread"
+RANKS_REPORTING = "run:ddpmon_ranks_reporting:count"
+WORLD_SIZE = "run:ddpmon_world_size:max"

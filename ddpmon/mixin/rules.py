@@ -1,41 +1,22 @@
-"""Recording rules: per-run and per-rank aggregates that alerts and dashboards share.
+"""Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
 
-Names follow the mixin convention ``ddpmon:<metric>:<operation>``; ``run_`` in the operation
-means the aggregate is across the ranks of a run (labels ``run`` and, where stated, ``quantile``),
-otherwise it is per rank (labels ``run``, ``rank``). Rates use ``MixinConfig.rate_window``.
-Quantile records drop NaN (no observations in the window) so that ``avg_over_time`` baselines
-over them stay finite.
+Names (``ddpmon/mixin/names.py``) follow Prometheus' ``level:metric:operations``. Per-rank
+records aggregate nothing away, so every target label survives (job, instance, namespace,
+cluster, node...); per-run records aggregate ``by`` ``MixinConfig.run_labels``. Rates use
+``MixinConfig.rate_window``. Quantile records drop NaN (no observations in the window) so that
+``quantile_over_time`` baselines over them stay finite.
 """
 
 from __future__ import annotations
 
+from ddpmon import metrics as m
+from ddpmon.mixin import names as n
 from ddpmon.mixin.config import MixinConfig
-from ddpmon.mixin.names import (
-    ALLREDUCE_P50,
-    ALLREDUCE_P99,
-    ALLREDUCE_PER_STEP,
-    ALLREDUCE_RUN_P99,
-    COMPUTE_MEAN,
-    COMPUTE_RUN_MEDIAN,
-    DATA_WAIT_MEAN,
-    GPU_MEMORY_RATIO,
-    GRAD_NORM_RUN_MAX,
-    GRAD_NORM_RUN_SPREAD,
-    RANKS_REPORTING,
-    SKIPPED_RATIO,
-    STEP_MEAN,
-    STEP_P99,
-    STEP_RUN_QUANTILE,
-    STEPS_RATE,
-    WORLD_SIZE,
-)
 
-RUN_QUANTILES = ("0.5", "0.9", "0.99")
-"""Cross-rank quantiles recorded for per-rank mean step time."""
 
 def sel(cfg: MixinConfig, metric: str, extra: str = "") -> str:
     """``metric{<job selector>[,extra]}``."""
-    matchers = ",".join(m for m in (cfg.job_selector, extra) if m)
+    matchers = ",".join(x for x in (cfg.job_selector, extra) if x)
     return f"{metric}{{{matchers}}}"
 
 
@@ -47,100 +28,133 @@ def grad_norm_by_step(cfg: MixinConfig) -> str:
     stored series would create a new series every step.
     """
     return (
-        f"(({sel(cfg, 'ddpmon_grad_norm')} < +Inf)"
+        f"(({sel(cfg, m.GRAD_NORM.name)} < +Inf)"
         f" * on (job, instance) group_left (step)"
-        f' count_values without () ("step", {sel(cfg, "ddpmon_step")}))'
+        f' count_values without () ("step", {sel(cfg, m.STEP.name)}))'
     )
 
 
+def _rate(cfg: MixinConfig, metric: str) -> str:
+    return f"rate({sel(cfg, metric)}[{cfg.rate_window}])"
+
+
+def _mean(cfg: MixinConfig, histogram: str) -> str:
+    return f"{_rate(cfg, histogram + '_sum')}\n/\n{_rate(cfg, histogram + '_count')}"
+
+
+def _quantile(cfg: MixinConfig, q: str, histogram: str, by: str = "") -> str:
+    """Per rank (no ``by``: rate of each bucket series keeps its labels) or aggregated."""
+    buckets = _rate(cfg, histogram + "_bucket")
+    if by:
+        buckets = f"sum by ({by}, le) ({buckets})"
+    return f"histogram_quantile({q}, {buckets}) >= 0"
+
+
 def recording_rules(cfg: MixinConfig) -> list[dict]:
-    """Rule groups in Prometheus' rule file shape."""
-    w = cfg.rate_window
-
-    def rate_sum(metric: str, by: str = "run, rank") -> str:
-        return f"sum by ({by}) (rate({sel(cfg, metric)}[{w}]))"
-
-    def quantile(q: str, metric: str, by: str) -> str:
-        return f"histogram_quantile({q}, {rate_sum(metric + '_bucket', by + ', le')}) >= 0"
-
-    def p99(metric: str, by: str) -> str:
-        return quantile("0.99", metric, by)
-
+    """Rule groups in Prometheus' rule file shape, one per layer."""
+    by_run = cfg.by_run
+    run_labels = ", ".join(cfg.run_labels)
     by_step = grad_norm_by_step(cfg)
-    step_rules: list[dict] = [
+    skipped = sel(cfg, m.AMP_SKIPPED_STEPS.name)
+    step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
+    allreduce_per_step = (
+        f"{_rate(cfg, m.ALLREDUCE_DURATION.name + '_sum')}\n/\n{_rate(cfg, m.STEPS.name)}"
+    )
+    gw = cfg.gauge_window
+    numerics = [
         {
-            "record": STEP_MEAN,
-            "expr": f"{rate_sum('ddpmon_step_duration_seconds_sum')}\n"
-            f"/\n{rate_sum('ddpmon_step_duration_seconds_count')}",
-        },
-        {"record": STEP_P99, "expr": p99("ddpmon_step_duration_seconds", "run, rank")},
-        *(
-            {
-                "record": STEP_RUN_QUANTILE,
-                "expr": f"quantile by (run) ({q}, {STEP_MEAN})",
-                "labels": {"quantile": q},
-            }
-            for q in RUN_QUANTILES
-        ),
-        {"record": STEPS_RATE, "expr": rate_sum("ddpmon_steps_total")},
-        {
-            "record": DATA_WAIT_MEAN,
-            "expr": f"{rate_sum('ddpmon_data_wait_seconds_sum')}\n"
-            f"/\n{rate_sum('ddpmon_data_wait_seconds_count')}",
+            "record": n.SKIPPED_RATIO,
+            "expr": f"{_rate(cfg, m.AMP_SKIPPED_STEPS.name)}\n/\n{_rate(cfg, m.STEPS.name)}",
         },
         {
-            "record": ALLREDUCE_PER_STEP,
-            "expr": f"{rate_sum('ddpmon_allreduce_duration_seconds_sum')}\n"
-            f"/\n{rate_sum('ddpmon_steps_total')}",
+            # Every step the scaler skipped also counts as a non-finite step, so this counter
+            # only grows for non-finite steps nothing absorbed (no scaler, bf16, fp32...).
+            "record": n.GRAD_UNABSORBED,
+            "expr": f"{sel(cfg, m.GRAD_NONFINITE_STEPS.name)}\n-\n"
+            f"({skipped} or {sel(cfg, m.GRAD_NONFINITE_STEPS.name)} * 0)",
         },
         {
-            # The overview's per-rank p50 heatmap: histogram_quantile over raw buckets of 1024
-            # ranks is too slow for a dashboard, a recorded series per rank is not.
-            "record": ALLREDUCE_P50,
-            "expr": quantile("0.5", "ddpmon_allreduce_duration_seconds", "run, rank"),
+            # Grows by one for a non-finite loss on a step the scaler did not skip; an
+            # absorbed overflow moves both counters (no change) or only the skipped one (down).
+            "record": n.LOSS_UNABSORBED,
+            "expr": f"{sel(cfg, m.LOSS_NONFINITE.name)}\n-\n"
+            f"({skipped} or {sel(cfg, m.LOSS_NONFINITE.name)} * 0)",
         },
-        {"record": ALLREDUCE_P99, "expr": p99("ddpmon_allreduce_duration_seconds", "run, rank")},
-        {"record": ALLREDUCE_RUN_P99, "expr": p99("ddpmon_allreduce_duration_seconds", "run")},
+        {
+            "record": n.GRAD_NORM_RUN_MAX,
+            "expr": f"max {by_run} ({sel(cfg, m.GRAD_NORM.name)} < +Inf)",
+        },
+        {
+            "record": n.GRAD_NORM_RUN_SPREAD,
+            "expr": f"max {by_run} (\n"
+            f"  (max by ({run_labels}, step) ({by_step})"
+            f" - min by ({run_labels}, step) ({by_step}))\n"
+            f"  / max by ({run_labels}, step) ({by_step})\n"
+            f"  and on ({run_labels}, step) (count by ({run_labels}, step) ({by_step}) > 1)\n"
+            ")",
+        },
+    ]
+    data = [
+        {"record": n.STEP_MEAN, "expr": step_mean},
+        {"record": n.STEP_P99, "expr": _quantile(cfg, "0.99", m.STEP_DURATION.name)},
+        {"record": n.STEPS_RATE, "expr": _rate(cfg, m.STEPS.name)},
+        {"record": n.DATA_WAIT_MEAN, "expr": wait_mean},
+        {
+            # First-order (raw series only), like every record the dashboards read: the
+            # dashboard benchmark backfills them in one pass.
+            "record": n.DATA_WAIT_RATIO,
+            "expr": f"({wait_mean})\n/\n(({wait_mean})\n+\n({step_mean}))",
+        },
+        {"record": n.DATA_WAIT_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.DATA_WAIT_MEAN})"},
+        {
+            "record": n.HEARTBEAT_AGE,
+            "expr": f"time() - max_over_time({sel(cfg, m.LAST_STEP_TIMESTAMP.name)}[{gw}])",
+        },
+        {
+            # The agent exports its stall_seconds; older agents do not: use the config's.
+            "record": n.STALL_THRESHOLD,
+            "expr": f"max_over_time({sel(cfg, m.STALL_THRESHOLD.name)}[{gw}])\nor\n"
+            f"max_over_time({sel(cfg, m.LAST_STEP_TIMESTAMP.name)}[{gw}]) * 0 "
+            f"+ {cfg.stall_seconds:g}",
+        },
+        {"record": n.STEP_LEADER, "expr": f"max {by_run} ({sel(cfg, m.STEP.name)})"},
+    ]
+    memory = [
+        {
+            "record": n.GPU_ALLOCATED_RATIO,
+            # group_right: the result keeps the NVML series' `gpu` label.
+            "expr": f"max_over_time({sel(cfg, m.CUDA_MEMORY_ALLOCATED.name)}[{gw}])\n"
+            f"/ ignoring (gpu) group_right\n{sel(cfg, m.GPU_MEMORY_TOTAL.name)}",
+        },
+    ]
+    communication = [
+        {"record": n.ALLREDUCE_PER_STEP, "expr": allreduce_per_step},
+        {
+            # The overview's per-rank p50: histogram_quantile over raw buckets of 1024 ranks
+            # is too slow for a dashboard, a recorded series per rank is not.
+            "record": n.ALLREDUCE_P50,
+            "expr": _quantile(cfg, "0.5", m.ALLREDUCE_DURATION.name),
+        },
+        {"record": n.ALLREDUCE_P99, "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name)},
+        {
+            "record": n.ALLREDUCE_RUN_P99,
+            "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name, run_labels),
+        },
         {
             # Step time minus the time spent in all-reduce: the fast ranks of a DDP run wait
             # for the slow one inside the all-reduce, so wall step time alone cannot tell them
             # apart. Runs without all-reduce (one process) count it as zero.
-            "record": COMPUTE_MEAN,
-            "expr": f"clamp_min(\n  {STEP_MEAN}\n  - ({ALLREDUCE_PER_STEP} or {STEP_MEAN} * 0),\n"
-            "  0\n)",
+            "record": n.COMPUTE_MEAN,
+            "expr": f"clamp_min(\n  ({step_mean})\n  - (({allreduce_per_step}) or "
+            f"({step_mean}) * 0),\n  0\n)",
         },
-        {"record": COMPUTE_RUN_MEDIAN, "expr": f"quantile by (run) (0.5, {COMPUTE_MEAN})"},
-    ]
-    numerics_rules: list[dict] = [
-        {
-            "record": SKIPPED_RATIO,
-            "expr": f"{rate_sum('ddpmon_amp_skipped_steps_total')}\n"
-            f"/\n{rate_sum('ddpmon_steps_total')}",
-        },
-        {
-            "record": GRAD_NORM_RUN_MAX,
-            "expr": f"max by (run) ({sel(cfg, 'ddpmon_grad_norm')} < +Inf)",
-        },
-        {
-            "record": GRAD_NORM_RUN_SPREAD,
-            "expr": "max by (run) (\n"
-            f"  (max by (run, step) ({by_step}) - min by (run, step) ({by_step}))\n"
-            f"  / max by (run, step) ({by_step})\n"
-            f"  and on (run, step) (count by (run, step) ({by_step}) > 1)\n"
-            ")",
-        },
-    ]
-    liveness_rules: list[dict] = [
-        {"record": RANKS_REPORTING, "expr": f"count by (run) ({sel(cfg, 'ddpmon_world_size')})"},
-        {"record": WORLD_SIZE, "expr": f"max by (run) ({sel(cfg, 'ddpmon_world_size')})"},
-        {
-            "record": GPU_MEMORY_RATIO,
-            "expr": f"{sel(cfg, 'ddpmon_gpu_memory_used_bytes')}\n"
-            f"/\n{sel(cfg, 'ddpmon_gpu_memory_total_bytes')}",
-        },
+        {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},
+        {"record": n.RANKS_REPORTING, "expr": f"count {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
+        {"record": n.WORLD_SIZE, "expr": f"max {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
     ]
     return [
-        {"name": "ddpmon-numerics.rules", "rules": numerics_rules},
-        {"name": "ddpmon-memory.rules", "rules": liveness_rules[2:]},
-        {"name": "ddpmon-communication.rules", "rules": step_rules + liveness_rules[:2]},
+        {"name": f"ddpmon-{m.Layer.NUMERICS.slug}.rules", "rules": numerics},
+        {"name": f"ddpmon-{m.Layer.DATA_SUPPLY.slug}.rules", "rules": data},
+        {"name": f"ddpmon-{m.Layer.MEMORY.slug}.rules", "rules": memory},
+        {"name": f"ddpmon-{m.Layer.COMMUNICATION.slug}.rules", "rules": communication},
     ]

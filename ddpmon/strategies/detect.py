@@ -23,6 +23,7 @@ SOURCES: dict[str, str] = {
     "hsdp": "ddpmon.strategies.fsdp:FSDPSource",
     "tp": "ddpmon.strategies.tensor_parallel:TensorParallelSource",
     "fsdp2+tp": "ddpmon.strategies.fsdp:FSDPSource",
+    "hsdp+tp": "ddpmon.strategies.fsdp:FSDPSource",
 }
 
 

@@ -33,6 +33,18 @@ def test_promtool_unit_tests(path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_every_recording_rule_has_a_promql_expr_test() -> None:
+    rules = yaml.safe_load((PROM_DIR / "ddpmon-rules.yml").read_text())
+    records = {r["record"] for g in rules["groups"] for r in g["rules"]}
+    tested: set[str] = set()
+    for path in TEST_FILES:
+        for case in yaml.safe_load(path.read_text())["tests"]:
+            for check in case.get("promql_expr_test", []):
+                if check.get("exp_samples"):
+                    tested |= {r for r in records if check["expr"].startswith(r)}
+    assert records and records <= tested, sorted(records - tested)
+
+
 def test_unit_tests_cover_every_alert_before_and_after_for() -> None:
     """Each alert has a case where it must not fire and one where it fires with its labels;
     RankDown and RanksMissing also have a vanished (stale) series."""

@@ -61,7 +61,9 @@ def test_config_tunes_the_output() -> None:
     )
     text = render.generate(cfg)[render.ALERTS_FILE]
     assert 'job="ddpmon"' not in text and 'up{job="train"} == 0' in text
-    assert "> 42\n" in text and "for: 7m" in text
+    assert "for: 7m" in text
+    # The fallback for agents that export no ddpmon_stall_threshold_seconds.
+    assert "* 0 + 42\n" in render.generate(cfg)[render.RULES_FILE]
     assert "https://example.test/rb#ddpmonrankdown" in text
     assert [a.name for a in alerts(cfg)] == [a.name for a in alerts(MixinConfig())]
 

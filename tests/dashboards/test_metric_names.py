@@ -9,7 +9,7 @@ from ddpmon import metrics
 from ddpmon.mixin import outputs, render
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
-NAME = re.compile(r"\bddpmon_[a-z0-9_]+")
+NAME = re.compile(r"(?<![:\w])ddpmon_[a-z0-9_]+")  # not inside a rule name
 
 
 def _known(name: str) -> bool:

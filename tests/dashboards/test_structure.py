@@ -14,7 +14,7 @@ BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
 RANGE = re.compile(r"\[([^\]]*)\]")
 RUN_AGG = re.compile(
     r"^((sum|max|min|count|quantile) by \(run\) |histogram_quantile\([0-9.]+, sum by \(run, le\))"
-    r"|^ddpmon:\w+:run_\w+\{"
+    r"|^run:ddpmon_\w+:\w+\{"
 )
 LAYERS = ["Numerics", "Data supply", "Memory", "Communication"]
 
@@ -185,8 +185,10 @@ def test_recorded_series_come_from_the_shipped_recording_rules() -> None:
     used = set()
     for doc in BOARDS.values():
         for expr in exprs(doc):
-            used |= set(re.findall(r"ddpmon:[a-z0-9_]+:[a-z0-9_]+", expr))
+            used |= set(re.findall(r"\b(?:rank|run):ddpmon_[a-z0-9_]+:[a-z0-9_]+", expr))
     assert used, "dashboards read no recording rule"
     for name in sorted(used):
         assert name in rules, f"{name} is not a shipped recording rule"
-        assert "ddpmon:" not in rules[name], f"{name} is computed from another rule"
+        assert not re.search(r"\b(?:rank|run):ddpmon_", rules[name]), (
+            f"{name} is computed from another rule"
+        )

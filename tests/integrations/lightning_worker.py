@@ -97,10 +97,7 @@ def main() -> None:
             self._sample()
 
         def on_train_end(self, trainer, pl_module) -> None:
-            mon = self.cb.monitor
-            if mon is not None and mon.port:
-                with urllib.request.urlopen(f"http://127.0.0.1:{mon.port}/metrics", timeout=10):
-                    self.http_ok = True
+            self.http_ok = _scrape(self.cb.monitor)
 
         def teardown(self, trainer, pl_module, stage) -> None:
             self._sample()  # after DdpmonCallback.teardown closed (and drained) the monitor
@@ -149,6 +146,17 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     trainer.fit(Tiny(), loader)
+
+
+def _scrape(mon) -> bool | str:
+    """True if the rank's /metrics answered; else why not (for the assertion message)."""
+    if mon is None or not mon.port:
+        return f"no endpoint (port {getattr(mon, 'port', None)})"
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{mon.port}/metrics", timeout=10):
+            return True
+    except OSError as exc:
+        return f"port {mon.port}: {exc}"
 
 
 def _f(value) -> float | None:

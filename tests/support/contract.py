@@ -21,6 +21,14 @@ DESIGN_ALERTS = {
     "DdpmonStraggler": "warning",
     "DdpmonAllReduceSlow": "warning",
     "DdpmonGpuMemoryNearlyFull": "warning",
-    "DdpmonCudaOOM": "warning",
+    # Issue 15: an OOM is critical; retries are their own warning.
+    "DdpmonCudaOOM": "critical",
+    "DdpmonCudaAllocRetries": "warning",
+    # Issue 15: data starvation, no first step, the agent's own health; the integrations
+    # issue's norm cross-check.
+    "DdpmonDataStarved": "warning",
+    "DdpmonNoFirstStep": "warning",
+    "DdpmonAgentUnhealthy": "warning",
+    "DdpmonGradNormMismatch": "warning",
 }
 """Alert name -> severity."""

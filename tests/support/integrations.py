@@ -121,3 +121,51 @@ def agent_options(port: int, out: Path) -> dict:
     if "grad_norm_tolerance" in {f.name for f in fields(Config)}:
         options["grad_norm_tolerance"] = 1e-5
     return options
+
+
+# ---------------------------------------------------------------------- shared checks
+def check_steps(run: WorkerRun, expected: int) -> None:
+    """ddpmon counted exactly the trainer's optimizer steps, on every rank."""
+    for rank in (0, 1):
+        res = run.result(rank)
+        assert res["attached"], res["monitor_error"]
+        assert res["global_step"] == expected
+        assert res["monitor_steps"] == expected
+        assert run.summary(rank)["steps"] == expected
+        assert run.sample(rank, "ddpmon_steps_total") == expected
+
+
+def check_norms(run: WorkerRun, steps: range, rel: float = 1e-5) -> None:
+    """ddpmon's norm of every step in ``steps`` equals the one the trainer reported."""
+    for rank in (0, 1):
+        res = run.result(rank)
+        theirs, ours = by_step(res["true_norms"]), by_step(res["ddpmon_norms"])
+        for step in steps:
+            assert step in theirs, f"rank {rank}: the trainer reported no norm for step {step}"
+            assert step in ours, f"rank {rank}: ddpmon has no norm for step {step}: {ours}"
+            assert close(ours[step], theirs[step], rel), (rank, step, ours[step], theirs[step])
+
+
+def check_nan_origin(run: WorkerRun, rank: int, step: int, param: str) -> None:
+    """The NaN injected into ``rank``'s local gradient is named with that rank, step and param;
+    the other rank saw it only after the all-reduce."""
+    origins = {
+        r: [e for e in run.events(r) if e["kind"] == "nonfinite" and e.get("origin")]
+        for r in (0, 1)
+    }
+    assert [(e["step"], e["param"]) for e in origins[rank]] == [(step, param)]
+    assert origins[1 - rank] == []
+    assert run.sample(rank, "ddpmon_grad_nonfinite_origin_steps_total") == 1
+    assert run.sample(1 - rank, "ddpmon_grad_nonfinite_origin_steps_total") == 0
+    assert run.sample(1 - rank, "ddpmon_grad_nonfinite_steps_total") == 1
+    assert run.summary(rank)["first_nonfinite"]["step"] == step
+
+
+def check_mismatch(run: WorkerRun, wrong_step: int, nan_step: int) -> None:
+    """The scaled report at ``wrong_step`` and no other step fired the counter and the event
+    (at ``nan_step`` both sides are NaN, which is agreement)."""
+    for rank in (0, 1):
+        assert run.result(rank)["observe_grad_norm"], "the agent has no observe_grad_norm"
+        steps = [e["step"] for e in run.events(rank) if e["kind"] == "grad_norm_mismatch"]
+        assert steps == [wrong_step], f"rank {rank}: mismatch events at steps {steps}"
+        assert run.sample(rank, "ddpmon_grad_norm_mismatch_total") == 1

@@ -109,6 +109,9 @@ def make_state(groups=4) -> MetricState:
     s.agent_errors = {"comm": 1}
     s.grad_nonfinite_poisoned_steps_total, s.grad_norm_mismatch_total = 2, 1
     s.stall_threshold_seconds, s.strategy = 300.0, "ddp"
+    s.attempt = 1
+    s.apply_checkpoint("load", 30, 2.5, 1700000001.0, None)
+    s.apply_checkpoint("save", 40, 12.0, 1700000040.0, 5 << 20)
     return s
 
 

@@ -1,0 +1,516 @@
+"""The daemon's HTTP front: a small asyncio HTTP/1.1 server that runs the FastAPI app directly.
+
+Why not uvicorn: it has no deadline for reading a request head, and idle connections count
+against ``limit_concurrency``, so a few dozen silent sockets answer every Prometheus scrape
+with 503. Here each connection gets one deadline from accept that covers the TLS handshake and
+the request head (bytes trickling in do not extend it); at the connection cap a newcomer
+evicts the oldest connection that has not sent a full request, so idle clients can never lock
+scrapes out; only requests being handled count against ``max_in_flight``. Parsing is h11's
+(strict, bounded head size); bodies are bounded and read under their own deadline; responses
+are buffered (the app's answers are small) and written under a write deadline.
+
+With a web config (exporter-toolkit format, ``ddpmon.export.webconfig``) the listener serves
+TLS (optionally mTLS) and basic auth guards every path, except that job routes also accept the
+daemon's bearer token instead (job mutations always need the token; the app checks it) and rank
+registration is left to the app's same-host check (agents hold no scrape credentials).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+import h11
+
+from ..export.webconfig import WebConfig
+
+log = logging.getLogger("ddpmon.daemon.server")
+
+__all__ = ["DaemonServer", "Limits"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Limits:
+    """Bounds that keep slow or hostile clients from holding the daemon."""
+
+    max_connections: int = 128
+    """Open connections; at the cap a newcomer evicts the oldest one without a full request."""
+    max_in_flight: int = 32
+    """Requests being handled at once; beyond, 503 (idle connections do not count)."""
+    request_timeout: float = 5.0
+    """Seconds from accept to a complete request head, TLS handshake included."""
+    idle_timeout: float = 5.0
+    """Keep-alive: seconds from the end of a response to the next complete request head."""
+    body_timeout: float = 10.0
+    """Seconds to receive a request body once its head is in."""
+    write_timeout: float = 10.0
+    """Seconds a client may take to read a response."""
+    max_header_bytes: int = 16 * 1024
+    """Request line plus headers (431 beyond)."""
+    max_body_bytes: int = 1024 * 1024
+    """Request body (413 beyond)."""
+    max_auth_pending: int = 16
+    """Uncached bcrypt checks at once; beyond, 503 (cached credentials pass)."""
+    max_requests_per_connection: int = 1000
+
+
+@dataclass(eq=False, slots=True)
+class _Conn:
+    accepted: float
+    task: asyncio.Task[Any] | None = None
+    transport: asyncio.BaseTransport | None = None
+    busy: bool = False
+    """A full request is in; the connection may not be evicted."""
+    tls: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+class _Close(Exception):
+    """End this connection without a response (deadline, eviction, client gone)."""
+
+
+class DaemonServer:
+    """Serve an ASGI ``app`` on ``bind:port``; ``run()`` blocks until SIGTERM/SIGINT."""
+
+    def __init__(
+        self,
+        app: Callable[..., Any],
+        *,
+        bind: str,
+        port: int,
+        token: str,
+        web_config: WebConfig | None = None,
+        limits: Limits | None = None,
+        extra_listeners: list[tuple[str, int]] | None = None,
+    ) -> None:
+        self.app = app
+        self.bind, self.port = bind, port
+        self.token = token.encode()
+        self.web = web_config
+        self.limits = limits or Limits()
+        self.extra = list(extra_listeners or [])
+        """Plain loopback listeners that serve only rank registration (for agents on the node
+        when the main listener speaks TLS)."""
+        self._conns: list[_Conn] = []
+        self._in_flight = 0
+        self._auth_pending = 0
+        self._servers: list[asyncio.base_events.Server] = []
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stats: dict[str, int] = {
+            "accepted": 0, "evicted": 0, "timed_out": 0, "tls_failed": 0, "requests": 0,
+            "rejected_busy": 0, "errors": 0,
+        }
+
+    @property
+    def tls(self) -> bool:
+        return self.web is not None and self.web.ssl_context is not None
+
+    # lifecycle ------------------------------------------------------------------------------
+
+    def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        asyncio.run(self.serve(on_ready))
+
+    async def serve(self, on_ready: Callable[[], None] | None = None) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._stop.set)
+        self._servers.append(
+            await asyncio.start_server(
+                lambda r, w: self._accept(r, w, registration_only=False),
+                self.bind, self.port, backlog=256, reuse_address=True,
+            )
+        )
+        if self.port == 0:
+            self.port = int(self._servers[0].sockets[0].getsockname()[1])
+        for host, port in self.extra:
+            try:
+                self._servers.append(
+                    await asyncio.start_server(
+                        lambda r, w: self._accept(r, w, registration_only=True),
+                        host, port, backlog=64, reuse_address=True,
+                    )
+                )
+            except OSError as exc:
+                log.warning("ddpmon daemon: no registration listener on %s:%d: %s",
+                            host, port, exc.strerror or exc)
+        if on_ready is not None:
+            on_ready()
+        await self._stop.wait()
+        for server in self._servers:
+            server.close()
+        for conn in list(self._conns):
+            self._drop(conn)
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 2.0)
+
+    def stop(self) -> None:
+        """Stop serving; callable from any thread."""
+        if self._stop is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    # connections ----------------------------------------------------------------------------
+
+    def _drop(self, conn: _Conn) -> None:
+        if conn.transport is not None:
+            conn.transport.abort()
+        if conn.task is not None and conn.task is not asyncio.current_task():
+            conn.task.cancel()
+
+    def _admit(self, conn: _Conn) -> bool:
+        if len(self._conns) >= self.limits.max_connections:
+            idle = [c for c in self._conns if not c.busy]
+            if not idle:
+                self.stats["rejected_busy"] += 1
+                return False
+            victim = min(idle, key=lambda c: c.accepted)
+            self._conns.remove(victim)
+            self.stats["evicted"] += 1
+            self._drop(victim)
+        self._conns.append(conn)
+        return True
+
+    async def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, registration_only: bool
+    ) -> None:
+        conn = _Conn(accepted=time.monotonic(), task=asyncio.current_task(),
+                     transport=writer.transport)
+        self.stats["accepted"] += 1
+        if not self._admit(conn):
+            writer.transport.abort()
+            return
+        deadline = conn.accepted + self.limits.request_timeout
+        graceful = False
+        try:
+            if self.tls and not registration_only:
+                assert self.web is not None and self.web.ssl_context is not None
+                try:
+                    async with asyncio.timeout_at(self._loop_time(deadline)):
+                        await writer.start_tls(self.web.ssl_context)
+                except (TimeoutError, ssl.SSLError, ConnectionError, OSError):
+                    self.stats["tls_failed"] += 1
+                    return
+                conn.transport, conn.tls = writer.transport, True
+            await self._serve_connection(conn, reader, writer, deadline, registration_only)
+            graceful = True
+        except (_Close, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # a bug here must cost one connection, never the daemon
+            self.stats["errors"] += 1
+            log.exception("ddpmon daemon: connection handler failed")
+        finally:
+            if conn in self._conns:
+                self._conns.remove(conn)
+        if graceful:  # let buffered response bytes (and TLS close_notify) go out first
+            writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), self.limits.write_timeout)
+        if conn.transport is not None:
+            conn.transport.abort()
+
+    @staticmethod
+    def _loop_time(monotonic_deadline: float) -> float:
+        loop = asyncio.get_running_loop()
+        return loop.time() + (monotonic_deadline - time.monotonic())
+
+    async def _serve_connection(
+        self,
+        conn: _Conn,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        deadline: float,
+        registration_only: bool,
+    ) -> None:
+        h = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+        for _ in range(self.limits.max_requests_per_connection):
+            try:
+                event = await self._next(h, reader, deadline)
+            except h11.RemoteProtocolError as exc:
+                # A malformed request is the client's fault: 4xx, never 5xx (h11 hints 501 for
+                # an unknown Transfer-Encoding and 505 for odd versions).
+                hint = exc.error_status_hint
+                status = hint if hint in (413, 414, 431) else 400
+                await self._raw_error(writer, status, deadline)
+                return
+            if not isinstance(event, h11.Request):
+                return  # ConnectionClosed: the client went away between requests
+            if _head_size(event) > self.limits.max_header_bytes:
+                # h11 bounds a head only while it is incomplete; one that arrives whole in a
+                # single read is measured here.
+                await self._raw_error(writer, 431, deadline)
+                return
+            conn.busy = True
+            self.stats["requests"] += 1
+            status, headers, body = await self._handle(
+                h, event, reader, writer, conn, registration_only
+            )
+            await self._respond(h, writer, event, status, headers, body)
+            conn.busy = False
+            if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                return
+            h.start_next_cycle()
+            deadline = time.monotonic() + self.limits.idle_timeout
+
+    async def _next(self, h: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> Any:
+        try:
+            async with asyncio.timeout_at(self._loop_time(deadline)):
+                while True:
+                    event = h.next_event()
+                    if event is not h11.NEED_DATA:
+                        return event
+                    h.receive_data(await reader.read(65536))
+        except TimeoutError:
+            self.stats["timed_out"] += 1
+            raise _Close from None
+
+    async def _raw_error(self, writer: asyncio.StreamWriter, status: int, deadline: float) -> None:
+        body = f'{{"error": "{_reason(status).lower()}", "status": {status}}}'.encode()
+        head = (
+            f"HTTP/1.1 {status} {_reason(status)}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        ).encode()
+        writer.write(head + body)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+        self.stats[f"status_{status}"] = self.stats.get(f"status_{status}", 0) + 1
+
+    # requests -------------------------------------------------------------------------------
+
+    async def _handle(
+        self,
+        h: h11.Connection,
+        req: h11.Request,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: _Conn,
+        registration_only: bool,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        headers = [(k.lower(), v) for k, v in req.headers]
+        target = req.target
+        raw_path, _, query = target.partition(b"?")
+        if not raw_path.startswith(b"/"):
+            return _json_error(400, "request target must be an absolute path")
+        try:
+            path = unquote(raw_path.decode("ascii"), errors="strict")
+        except (UnicodeDecodeError, UnicodeEncodeError):
+            return _json_error(400, "request path is not valid")
+        length = _content_length(headers)
+        if length is not None and length > self.limits.max_body_bytes:
+            return _json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
+        registration = path.startswith("/api/v1/ranks")
+        if registration_only and not (registration or path == "/healthz"):
+            return _json_error(404, "this listener serves rank registration only")
+        if not registration_only and not registration:
+            denied = await self._authorize(path, headers)
+            if denied is not None:
+                return denied
+        try:
+            body = await self._body(h, reader)
+        except _TooLarge:
+            return _json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
+        if self._in_flight >= self.limits.max_in_flight:
+            self.stats["rejected_busy"] += 1
+            return _json_error(503, "too many requests in flight", retry=True)
+        self._in_flight += 1
+        try:
+            return await self._call_app(req, path, raw_path, query, headers, body, writer, conn.tls)
+        finally:
+            self._in_flight -= 1
+
+    async def _authorize(
+        self, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        auth = self.web.auth if self.web is not None else None
+        if auth is None:
+            return None
+        value = _header(headers, b"authorization")
+        if path.startswith("/api/v1/jobs") and value is not None:
+            scheme, _, cred = value.decode("latin-1").strip().partition(" ")
+            given = cred.strip().encode()
+            if scheme.lower() == "bearer" and hmac.compare_digest(given, self.token):
+                return None
+        parsed = auth.parse_header(value.decode("latin-1") if value is not None else None)
+        if parsed is not None:
+            if auth.cached(*parsed):
+                return None
+            if self._auth_pending >= self.limits.max_auth_pending:
+                return _json_error(503, "too many authentication checks pending", retry=True)
+            self._auth_pending += 1
+            try:
+                ok = await asyncio.get_running_loop().run_in_executor(None, auth.check, *parsed)
+            finally:
+                self._auth_pending -= 1
+            if ok:
+                return None
+        status, hdrs, body = _json_error(401, "basic authentication required")
+        hdrs.append((b"www-authenticate", b'Basic realm="ddpmon daemon"'))
+        return status, hdrs, body
+
+    async def _body(self, h: h11.Connection, reader: asyncio.StreamReader) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.limits.body_timeout
+        while True:
+            try:
+                event = await self._next(h, reader, deadline)
+            except h11.RemoteProtocolError:
+                raise _Close from None
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > self.limits.max_body_bytes:
+                    raise _TooLarge
+                chunks.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage):
+                return b"".join(chunks)
+            else:
+                raise _Close
+
+    async def _call_app(
+        self,
+        req: h11.Request,
+        path: str,
+        raw_path: bytes,
+        query: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        writer: asyncio.StreamWriter,
+        tls: bool,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        peer = writer.get_extra_info("peername") or ("", 0)
+        sock = writer.get_extra_info("sockname") or ("", 0)
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": req.http_version.decode("ascii", "replace"),
+            "method": req.method.decode("ascii", "replace"),
+            "scheme": "https" if tls else "http",
+            "path": path,
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": (str(peer[0]), int(peer[1])),
+            "server": (str(sock[0]), int(sock[1])),
+        }
+        sent = False
+        done = asyncio.Event()
+        response: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await done.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                response["status"] = int(message["status"])
+                response["headers"] = list(message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                response["body"].append(bytes(message.get("body", b"")))
+
+        try:
+            await self.app(scope, receive, send)
+        except Exception:
+            self.stats["errors"] += 1
+            log.exception("ddpmon daemon: request %s %s failed", scope["method"], path)
+            return _json_error(500, "internal error")
+        finally:
+            done.set()
+        return response["status"], response["headers"], b"".join(response["body"])
+
+    async def _respond(
+        self,
+        h: h11.Connection,
+        writer: asyncio.StreamWriter,
+        req: h11.Request,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        drop = {b"content-length", b"transfer-encoding", b"connection"}
+        out = [(k, v) for k, v in headers if k.lower() not in drop]
+        if self.web is not None:
+            out += [(k.encode(), v.encode()) for k, v in self.web.headers.items()]
+        out.append((b"content-length", str(len(body)).encode()))
+        if status >= 400 and status not in (401, 404, 409):
+            out.append((b"connection", b"close"))
+        self.stats[f"status_{status}"] = self.stats.get(f"status_{status}", 0) + 1
+        try:
+            data = h.send(h11.Response(status_code=status, headers=out, reason=_reason(status)))
+            if req.method != b"HEAD" and body:
+                data += h.send(h11.Data(data=body))
+            data += h.send(h11.EndOfMessage())
+        except h11.LocalProtocolError:
+            raise _Close from None
+        writer.write(data)
+        try:
+            await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
+        except TimeoutError:
+            self.stats["timed_out"] += 1
+            raise _Close from None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _head_size(req: h11.Request) -> int:
+    return len(req.method) + len(req.target) + 12 + sum(
+        len(k) + len(v) + 4 for k, v in req.headers.raw_items()
+    )
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    value = _header(headers, b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _json_error(
+    status: int, message: str, *, retry: bool = False
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    import json
+
+    headers = [(b"content-type", b"application/json")]
+    if retry:
+        headers.append((b"retry-after", b"1"))
+    return status, headers, json.dumps({"error": message, "status": status}).encode()
+
+
+_REASONS = {
+    200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
+    401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 409: "Conflict", 413: "Content Too Large", 414: "URI Too Long",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
+}
+
+
+def _reason(status: int) -> str:
+    return _REASONS.get(status, "Status")

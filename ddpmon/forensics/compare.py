@@ -1,0 +1,301 @@
+"""Compare the numerics of two runs step by step: where do they first part, and in which group?
+
+The standard way to debug distributed numerics is a single-card baseline compared with the
+multi-card run, step by step and layer by layer, before blaming communication. Runs are aligned
+by optimizer step (the ``step`` column of each rank's history). Series compared:
+
+- ``loss``: the mean over ranks of each rank's loss (equal shards: the global-batch loss);
+- ``grad_norm`` and ``group:<name>``: reduced (post all-reduce) norms, the same on every rank
+  of a data-parallel run, taken from the lowest rank that has the step;
+- ``loss_scale`` and ``skipped`` (a GradScaler that skips in one run and not the other).
+
+Tolerance, from the runs themselves: two runs of the same model, data and global batch over a
+different number of ranks differ only by reduction order (summing in another order rounds
+differently), which shows from the very first step. For each series the noise is the largest
+relative difference ``|a - b| / max(|a|, |b|)`` over the first ``NOISE_STEPS`` common steps;
+the tolerance is ``NOISE_FACTOR`` (100) times that, never below ``TOL_FLOOR`` and never above
+``TOL_CAP``. The factor leaves room for the drift: the difference grows as the trajectories part
+(over 60 steps of the demo, 1 rank vs 2, up to 12x the first steps' noise), so comparisons are
+sharpest over the first hundreds of steps. The bugs this is for are far above it: a rank's
+gradients x2 moves the norms by ~34%, a duplicated data shard by 10-30% from its first step. A series whose first steps already differ by more than the cap is not noise: it
+diverges at its first step above the cap. A step diverges when any series exceeds its
+tolerance; one non-finite value against a finite one always diverges.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..rundir import RunDir
+from .annotations import read_annotations
+from .history import History, read_run_histories
+
+NOISE_STEPS = 8
+NOISE_FACTOR = 100.0
+TOL_FLOOR = 1e-3
+TOL_CAP = 5e-2
+
+
+class CompareError(Exception):
+    """A run cannot be read for comparison; the message says which and why."""
+
+
+@dataclass(slots=True)
+class RunNumerics:
+    """What one run contributes: per-step series aligned on ``steps`` plus its facts."""
+
+    path: Path
+    steps: np.ndarray
+    series: dict[str, np.ndarray]
+    groups: list[str]
+    facts: dict[str, Any]
+
+
+@dataclass(slots=True)
+class SeriesResult:
+    name: str
+    noise: float
+    tolerance: float
+    first_step: int | None
+    value_a: float | None = None
+    value_b: float | None = None
+    rel_diff: float | None = None
+    max_rel_before: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: _clean(getattr(self, k)) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class Comparison:
+    run_a: Path
+    run_b: Path
+    comparable: bool
+    reasons: list[str]
+    warnings: list[str]
+    facts: dict[str, dict[str, Any]]
+    common_steps: int
+    first_step: int | None
+    first_group: str | None
+    first_series: list[str] = field(default_factory=list)
+    series: list[SeriesResult] = field(default_factory=list)
+
+    @property
+    def diverged(self) -> bool:
+        return self.first_step is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_a": str(self.run_a),
+            "run_b": str(self.run_b),
+            "comparable": self.comparable,
+            "reasons": self.reasons,
+            "warnings": self.warnings,
+            "facts": self.facts,
+            "common_steps": self.common_steps,
+            "diverged": self.diverged,
+            "first_divergent_step": self.first_step,
+            "first_divergent_group": self.first_group,
+            "first_divergent_series": self.first_series,
+            "tolerance": {
+                "noise_steps": NOISE_STEPS,
+                "noise_factor": NOISE_FACTOR,
+                "floor": TOL_FLOOR,
+                "cap": TOL_CAP,
+            },
+            "series": [s.to_json() for s in self.series],
+        }
+
+
+def load_run(path: Path | str) -> RunNumerics:
+    """Read a run's histories and facts; :class:`CompareError` when there is nothing to read."""
+    from .timeline import RunDirError, resolve_run_path
+
+    try:
+        run_path = resolve_run_path(path)
+    except RunDirError as exc:
+        raise CompareError(str(exc)) from exc
+    try:
+        hists = read_run_histories(RunDir(run_path))
+    except (OSError, ValueError) as exc:
+        raise CompareError(f"{run_path}: unreadable history: {exc}") from exc
+    hists = {r: h for r, h in hists.items() if len(h)}
+    if not hists:
+        raise CompareError(
+            f"{run_path}: no numerics history (history.rank<R>.arrow); was the run made with "
+            "pyarrow installed and a writable run dir?"
+        )
+    return RunNumerics(run_path, *_series(hists), facts=run_facts(run_path, len(hists)))
+
+
+def _series(hists: dict[int, History]) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
+    ranks = sorted(hists)
+    steps = np.unique(np.concatenate([hists[r].columns["step"] for r in ranks]))
+    groups = hists[ranks[0]].groups
+    n = len(steps)
+
+    def aligned(h: History, values: np.ndarray) -> np.ndarray:
+        out = np.full(n, np.nan)
+        out[np.searchsorted(steps, h.columns["step"])] = values
+        return out
+
+    def first_rank(get) -> np.ndarray:
+        out = np.full(n, np.nan)
+        for r in reversed(ranks):  # lowest rank wins
+            h = hists[r]
+            vals = aligned(h, get(h))
+            have = ~np.isnan(aligned(h, np.zeros(len(h))))
+            out[have] = vals[have]
+        return out
+
+    losses = np.vstack([aligned(hists[r], hists[r].columns["loss"]) for r in ranks])
+    with np.errstate(all="ignore"):
+        loss = np.nanmean(losses, axis=0) if len(ranks) > 1 else losses[0]
+        bad = ~np.isfinite(losses).all(axis=0) & ~np.isnan(losses).all(axis=0)
+    loss = np.where(bad, np.nan, loss)  # any non-finite rank loss makes the step's loss NaN
+    series = {
+        "loss": loss,
+        "grad_norm": first_rank(lambda h: h.columns["grad_norm"]),
+        "loss_scale": first_rank(lambda h: h.columns["loss_scale"]),
+        "skipped": first_rank(lambda h: h.columns["amp_skipped"].astype(float)),
+    }
+    for g in groups:
+        series[f"group:{g}"] = first_rank(lambda h, g=g: h.group(g) if g in h.groups else
+                                          np.full(len(h), np.nan))
+    return steps, series, groups
+
+
+def run_facts(run_path: Path, ranks_seen: int) -> dict[str, Any]:
+    """Effective batch, seed and model facts from ``annotations.json`` and ``manifest.json``."""
+    import json
+
+    facts: dict[str, Any] = {"ranks_with_history": ranks_seen}
+    try:
+        manifest = json.loads(RunDir(run_path).manifest().read_text())
+    except (OSError, ValueError):
+        manifest = {}
+    extra = manifest.get("extra") or {}
+    facts["world_size"] = (manifest.get("topology") or {}).get("world_size")
+    facts["precision"] = manifest.get("precision")
+    facts["data_version"] = manifest.get("data_version")
+    facts["param_count"] = extra.get("param_count")
+    facts["group_names"] = extra.get("group_names")
+    ann = read_annotations(run_path)
+    for key in ("global_batch", "micro_batch", "accumulation", "seed"):
+        facts[key] = ann.get(key)
+    return facts
+
+
+def comparability(fa: dict[str, Any], fb: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(reasons the runs are not comparable, warnings)."""
+    reasons, warnings = [], []
+    for key, label in (
+        ("global_batch", "global batch"),
+        ("seed", "seed"),
+        ("precision", "precision"),
+        ("param_count", "parameter count"),
+        ("data_version", "data version"),
+    ):
+        a, b = fa.get(key), fb.get(key)
+        if a is None or b is None:
+            if key in ("global_batch", "seed"):
+                which = "A" if a is None else "B"
+                warnings.append(
+                    f"{label} not recorded for run {which} (mon.annotate({key}=...)); "
+                    "comparability assumed"
+                )
+        elif a != b:
+            reasons.append(f"{label} differs: {a} vs {b}")
+    for tag, f in (("A", fa), ("B", fb)):
+        parts = [f.get(k) for k in ("micro_batch", "accumulation", "world_size", "global_batch")]
+        if all(isinstance(p, int) for p in parts) and parts[0] * parts[1] * parts[2] != parts[3]:
+            reasons.append(
+                f"run {tag}: micro batch {parts[0]} x accumulation {parts[1]} x world size "
+                f"{parts[2]} = {parts[0] * parts[1] * parts[2]}, not the global batch {parts[3]}"
+            )
+    ga, gb = fa.get("group_names"), fb.get("group_names")
+    if ga and gb and ga != gb:
+        reasons.append(f"parameter groups differ: {ga} vs {gb}")
+    return reasons, warnings
+
+
+def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
+    a, b = load_run(path_a), load_run(path_b)
+    reasons, warnings = comparability(a.facts, b.facts)
+    steps = np.intersect1d(a.steps, b.steps)
+    if not len(steps):
+        raise CompareError(f"{a.path} and {b.path} have no optimizer step in common")
+    only = len(a.steps) + len(b.steps) - 2 * len(steps)
+    if only:
+        warnings.append(f"{only} step(s) are in one run only; compared the {len(steps)} common")
+    ia, ib = np.searchsorted(a.steps, steps), np.searchsorted(b.steps, steps)
+    results = []
+    names = [n for n in a.series if n in b.series]
+    for name in names:
+        results.append(_compare_series(name, steps, a.series[name][ia], b.series[name][ib]))
+    hits = [r for r in results if r.first_step is not None]
+    first = min((r.first_step for r in hits), default=None)
+    at_first = [r for r in hits if r.first_step == first]
+    groups = [r for r in at_first if r.name.startswith("group:")]
+    worst = max(groups, key=lambda r: _excess(r), default=None)
+    return Comparison(
+        run_a=a.path,
+        run_b=b.path,
+        comparable=not reasons,
+        reasons=reasons,
+        warnings=warnings,
+        facts={"a": a.facts, "b": b.facts},
+        common_steps=len(steps),
+        first_step=first,
+        first_group=worst.name.split(":", 1)[1] if worst else None,
+        first_series=sorted((r.name for r in at_first), key=lambda n: -_excess(
+            next(r for r in at_first if r.name == n))),
+        series=results,
+    )
+
+
+def relative_diff(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``|x - y| / max(|x|, |y|)``: 0 where both are the same non-finite value (NaN and NaN,
+    inf and inf), inf where only one of them is finite."""
+    with np.errstate(all="ignore"):
+        scale = np.maximum(np.abs(x), np.abs(y))
+        rel = np.abs(x - y) / np.where(scale > 0, scale, 1.0)
+    fx, fy = np.isfinite(x), np.isfinite(y)
+    same_nonfinite = (~fx & ~fy) & ((np.isnan(x) & np.isnan(y)) | (x == y))
+    rel = np.where(fx & fy, rel, np.inf)
+    return np.where(same_nonfinite, 0.0, rel)
+
+
+def _compare_series(name: str, steps: np.ndarray, x: np.ndarray, y: np.ndarray) -> SeriesResult:
+    rel = relative_diff(x, y)
+    window = rel[:NOISE_STEPS]
+    finite = window[np.isfinite(window)]
+    noise = float(finite.max()) if len(finite) else 0.0
+    tol = min(TOL_CAP, max(TOL_FLOOR, NOISE_FACTOR * noise))
+    over = np.nonzero(rel > tol)[0]
+    result = SeriesResult(name, noise, tol, None)
+    if len(over):
+        i = int(over[0])
+        result.first_step = int(steps[i])
+        result.value_a, result.value_b, result.rel_diff = float(x[i]), float(y[i]), float(rel[i])
+        result.max_rel_before = float(rel[:i].max()) if i else 0.0
+    else:
+        result.max_rel_before = float(rel.max()) if len(rel) else 0.0
+    return result
+
+
+def _excess(r: SeriesResult) -> float:
+    if r.rel_diff is None:
+        return 0.0
+    return math.inf if not math.isfinite(r.rel_diff) else r.rel_diff / r.tolerance
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v

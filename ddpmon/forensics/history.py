@@ -1,0 +1,464 @@
+"""Per-rank numerics history (``history.rank<R>.arrow``): one row per optimizer step.
+
+What ``ddpmon compare`` and ``ddpmon report`` read. The training thread only appends one tuple
+to a deque (:class:`HistorySink`); a background thread turns rows into Arrow record batches.
+
+Format: the Arrow IPC *stream* format (pyarrow), zstd-compressed buffers. Why:
+- columnar and typed (float32 norms, bit-packed flags, one fixed-size list for the group norms),
+  so 100k steps of a 32-group model take a few MB and a reader loads one column without parsing;
+- a stream is a sequence of self-contained messages with no footer: a writer killed mid-write
+  leaves complete batches followed by a torn one, which the reader drops. Parquet and the Arrow
+  *file* format both need a footer written at close, so a SIGKILL would lose everything.
+
+Crash safety without one tiny batch per second in the main file (each Arrow batch carries ~1 KB
+of metadata, which would dominate a slow run): rows are first appended, at least every
+``flush_seconds``, as small batches to a journal ``history.rank<R>.tail.arrow`` (written and
+flushed to the OS, so a SIGKILL loses at most the last ``flush_seconds``). Every ``seal_rows``
+rows (or ``seal_seconds``) they are written as one large batch to the main file, fsynced, and
+the journal starts over. Readers merge both and keep the last row of each step, so a crash
+between the two writes loses nothing. ``close`` seals and removes the journal.
+
+Bounded: the first ``full_rows`` steps (default 100,000) are kept at every step; after that the
+stride doubles every ``segment_rows`` kept rows (every 2nd step, then every 4th...), so rows grow
+with the logarithm of the step count. Notable steps (non-finite, origin, poisoned, skipped) are
+always kept, up to ``notable_max`` of them beyond the stride.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..rundir import RunDir
+from ..state import StepRecord
+
+log = logging.getLogger("ddpmon")
+
+SKIPPED_CODES = {None: 0, "scaler": 1, "policy": 2, "loop": 3}
+"""``skipped_by`` as a small integer column; the mapping is also in the schema metadata."""
+SKIPPED_NAMES = {v: k for k, v in SKIPPED_CODES.items()}
+
+SCALAR_COLUMNS = (
+    # name, arrow type name
+    ("step", "int64"),
+    ("wall_time", "float64"),
+    ("loss", "float32"),
+    ("grad_norm", "float32"),
+    ("grad_local_norm", "float32"),
+    ("grad_nonfinite", "bool_"),
+    ("local_nonfinite", "bool_"),
+    ("origin", "bool_"),
+    ("poisoned", "bool_"),
+    ("loss_scale", "float32"),
+    ("amp_skipped", "bool_"),
+    ("skipped_by", "uint8"),
+    ("duration_seconds", "float32"),
+    ("data_wait_seconds", "float32"),
+    ("allreduce_count", "int32"),
+    ("allreduce_mean_seconds", "float32"),
+    ("allreduce_max_seconds", "float32"),
+    ("memory_bytes", "int64"),
+)
+"""The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
+GROUPS_COLUMN = "group_norms"
+ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN,)
+
+
+def journal_path(history: Path) -> Path:
+    """The journal beside ``history.rank<R>.arrow``: ``history.rank<R>.tail.arrow``."""
+    return history.with_name(history.name[: -len(".arrow")] + ".tail.arrow")
+
+
+def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> tuple:
+    """The history row of one step record (a plain tuple in :data:`ROW_FIELDS` order)."""
+    ar = record.allreduce_seconds
+    norms = record.group_norms
+    return (
+        record.step,
+        record.wall_time,
+        record.loss,
+        record.grad_norm,
+        record.grad_local_norm,
+        record.grad_nonfinite,
+        record.local_nonfinite,
+        record.origin,
+        record.poisoned,
+        record.loss_scale,
+        record.amp_skipped,
+        SKIPPED_CODES.get(record.skipped_by, 0),
+        record.duration_seconds,
+        record.data_wait_seconds,
+        len(ar),
+        (sum(ar) / len(ar)) if ar else None,
+        max(ar) if ar else None,
+        memory,
+        tuple(norms.get(g) for g in groups),
+    )
+
+
+def _notable(row: tuple) -> bool:
+    loss = row[2]
+    nonfinite_loss = loss is not None and not math.isfinite(loss)
+    return bool(row[5] or row[6] or row[7] or row[8] or row[10] or row[11] or nonfinite_loss)
+
+
+@dataclass(slots=True)
+class Downsampler:
+    """Which rows to keep: every step for ``full_rows`` rows, then a stride doubling every
+    ``segment_rows`` kept rows; notable rows always (up to ``notable_max`` extra)."""
+
+    full_rows: int = 100_000
+    segment_rows: int = 25_000
+    notable_max: int = 10_000
+    kept: int = 0
+    stride: int = 1
+    since_change: int = 0
+    extra_notable: int = 0
+
+    def keep(self, row: tuple) -> bool:
+        if self.kept >= self.full_rows and self.since_change >= (
+            self.segment_rows if self.stride > 1 else 0
+        ):
+            self.stride *= 2
+            self.since_change = 0
+        on_stride = self.stride == 1 or row[0] % self.stride == 0
+        if not on_stride:
+            if not _notable(row) or self.extra_notable >= self.notable_max:
+                return False
+            self.extra_notable += 1
+        self.kept += 1
+        if self.stride > 1:
+            self.since_change += 1
+        return True
+
+
+def schema_for(groups: tuple[str, ...], meta: dict[str, str] | None = None):
+    import json
+
+    import pyarrow as pa
+
+    fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCALAR_COLUMNS]
+    fields.append(pa.field(GROUPS_COLUMN, pa.list_(pa.float32(), len(groups))))
+    metadata = {
+        "ddpmon.history": "1",
+        "groups": json.dumps(list(groups)),
+        "skipped_by": json.dumps({str(v): k for k, v in SKIPPED_CODES.items()}),
+        **(meta or {}),
+    }
+    return pa.schema(fields, metadata=metadata)
+
+
+def batch_of(rows: list[tuple], schema) -> Any:
+    import pyarrow as pa
+
+    columns = list(zip(*rows, strict=True))
+    arrays = []
+    for (_name, kind), values in zip(SCALAR_COLUMNS, columns, strict=False):
+        arrays.append(pa.array(values, type=getattr(pa, kind)(), from_pandas=False))
+    width = schema.field(GROUPS_COLUMN).type.list_size
+    flat = [v for norms in columns[-1] for v in norms]
+    child = pa.array(flat, type=pa.float32()) if flat else pa.array([], pa.float32())
+    arrays.append(pa.FixedSizeListArray.from_arrays(child, width))
+    return pa.record_batch(arrays, schema=schema)
+
+
+@dataclass
+class HistoryWriter:
+    """Background writer of one rank's history. ``put(row)`` is the only training-thread call."""
+
+    path: Path
+    groups: tuple[str, ...]
+    meta: dict[str, str] = field(default_factory=dict)
+    flush_seconds: float = 1.0
+    seal_rows: int = 4096
+    seal_seconds: float = 300.0
+    memory: Any = None
+    """Optional callable giving a memory reading (bytes) for rows that carry none (process RSS
+    on CPU); called on the writer thread."""
+    downsampler: Downsampler = field(default_factory=Downsampler)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        self.journal = journal_path(self.path)
+        self._queue: collections.deque[tuple] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._pending: list[tuple] = []
+        self._journaled = 0
+        self._sealed_at = time.monotonic()
+        self.rows_written = 0
+        self.errors = 0
+        self._schema = schema_for(self.groups, self.meta)
+        self._main = None
+        self._journal_writer = None
+        self._thread = threading.Thread(target=self._run, name="ddpmon-history", daemon=True)
+        self._thread.start()
+
+    def put(self, row: tuple) -> None:
+        self._queue.append(row)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------------- writer thread
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop
+            try:
+                self._drain()
+                if stopping:
+                    self._seal()
+                    self._finish()
+                    return
+                if time.monotonic() - self._sealed_at >= self.seal_seconds or (
+                    len(self._pending) >= self.seal_rows
+                ):
+                    self._seal()
+                else:
+                    self._write_journal()
+            except Exception as exc:  # never let the thread die silently; never raise
+                self.errors += 1
+                if self.errors <= 3:
+                    log.error("ddpmon: history %s: %s", self.path, exc)
+                if stopping:
+                    return
+            self._wake.wait(self.flush_seconds)
+            self._wake.clear()
+
+    def _drain(self) -> None:
+        mem = None
+        while self._queue:
+            row = self._queue.popleft()
+            if not self.downsampler.keep(row):
+                continue
+            if row[17] is None and self.memory is not None:
+                if mem is None:
+                    mem = self.memory()
+                row = row[:17] + (mem,) + row[18:]
+            self._pending.append(row)
+
+    def _write_journal(self) -> None:
+        new = self._pending[self._journaled :]
+        if not new:
+            return
+        if self._journal_writer is None:
+            self._journal_writer = self._open(self.journal, "wb")
+        self._journal_writer.write_batch(batch_of(new, self._schema))
+        self._journal_writer.sink.flush()
+        self._journaled = len(self._pending)
+
+    def _seal(self) -> None:
+        self._sealed_at = time.monotonic()
+        if not self._pending:
+            return
+        if self._main is None:
+            self._main = self._open(self.path, "ab" if self.path.exists() else "wb")
+        self._main.write_batch(batch_of(self._pending, self._schema))
+        self._main.sink.flush()
+        os.fsync(self._main.sink.fileno())
+        self.rows_written += len(self._pending)
+        self._pending, self._journaled = [], 0
+        if self._journal_writer is not None:  # start the journal over (its rows are sealed)
+            self._journal_writer.close()
+            self._journal_writer = None
+            self.journal.unlink(missing_ok=True)
+
+    def _finish(self) -> None:
+        if self._main is not None:
+            self._main.close()
+        if self._journal_writer is not None:
+            self._journal_writer.close()
+        self.journal.unlink(missing_ok=True)
+
+    def _open(self, path: Path, mode: str):
+        import pyarrow.ipc as ipc
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, mode)  # noqa: SIM115 - owned by the stream writer
+        writer = ipc.new_stream(
+            handle, self._schema, options=ipc.IpcWriteOptions(compression="zstd")
+        )
+        writer.sink = handle
+        return writer
+
+
+class HistorySink:
+    """The agent's sink: one tuple per step record onto the writer's queue, nothing else."""
+
+    probe = "history"
+
+    def __init__(self, writer: HistoryWriter, memory: Any = None) -> None:
+        self.writer = writer
+        self._groups = writer.groups
+        self._memory = memory
+        """Cheap host-side reading (CUDA allocator counters); None on CPU (the writer fills
+        the process RSS instead)."""
+
+    @classmethod
+    def open(
+        cls, run_dir: RunDir, rank: int, groups: list[str], device: str
+    ) -> HistorySink | None:
+        """The sink for one rank, or None (one log line) when pyarrow is not installed."""
+        import importlib.util
+
+        if importlib.util.find_spec("pyarrow") is None:
+            log.warning("ddpmon: pyarrow is not installed (pip install 'ddpmon[history]'); "
+                        "the numerics history (compare, report) is off")
+            return None
+        memory, kind = None, "rss"
+        if str(device).startswith("cuda"):
+            import torch
+
+            index = torch.device(device).index or 0
+            memory, kind = (lambda: torch.cuda.memory_allocated(index)), "cuda_allocated"
+        writer = HistoryWriter(
+            run_dir.history(rank),
+            tuple(groups),
+            meta={"rank": str(rank), "memory_kind": kind},
+            memory=None if memory is not None else process_rss,
+        )
+        return cls(writer, memory)
+
+    def on_record(self, record: StepRecord) -> None:
+        mem = self._memory() if self._memory is not None else None
+        self.writer.put(row_of(record, self._groups, mem))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def process_rss() -> int | None:
+    """Resident set size of this process (Linux ``/proc/self/statm``), None elsewhere."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# -------------------------------------------------------------------- reading back
+@dataclass(slots=True)
+class History:
+    """One rank's history as numpy columns, sorted by step, one row per step."""
+
+    rank: int
+    groups: list[str]
+    columns: dict[str, Any]
+    """``name -> numpy array``; ``group_norms`` is a (rows, groups) float array (NaN: none)."""
+    memory_kind: str | None = None
+    torn: bool = False
+    """The file ended in a torn message (the writer was killed mid-write); rows before it kept."""
+
+    def __len__(self) -> int:
+        return len(self.columns["step"])
+
+    def group(self, name: str):
+        return self.columns[GROUPS_COLUMN][:, self.groups.index(name)]
+
+
+def read_history(path: Path | str, rank: int | None = None) -> History:
+    """Read ``history.rank<R>.arrow`` and its journal (if a crash left one): the union of their
+    complete batches, the last row of each step kept.
+
+    Raises ``FileNotFoundError`` (no file) or ``ValueError`` (not a ddpmon history)."""
+    import json
+
+    import numpy as np
+    import pyarrow as pa
+
+    path = Path(path)
+    batches: list = []
+    schema = None
+    torn = False
+    found = False
+    for p in (path, journal_path(path)):
+        if not p.exists():
+            continue
+        found = True
+        got, s, t = _read_streams(p)
+        batches += got
+        schema = schema or s
+        torn = torn or t
+    if not found:
+        raise FileNotFoundError(f"{path}: no such history file")
+    if schema is None:
+        raise ValueError(f"{path}: not an Arrow IPC stream written by ddpmon (no schema)")
+    meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    groups = json.loads(meta.get("groups", "[]"))
+    table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
+    cols: dict[str, Any] = {}
+    for name, _ in SCALAR_COLUMNS:
+        arr = table.column(name)
+        if pa.types.is_floating(arr.type):
+            cols[name] = arr.to_numpy(zero_copy_only=False).astype("float64")
+        elif pa.types.is_boolean(arr.type):
+            cols[name] = arr.fill_null(False).to_numpy(zero_copy_only=False)
+        else:
+            filled = arr.fill_null(-1 if name == "memory_bytes" else 0)
+            cols[name] = filled.to_numpy(zero_copy_only=False)
+    flat = table.column(GROUPS_COLUMN).combine_chunks().flatten()
+    cols[GROUPS_COLUMN] = flat.to_numpy(zero_copy_only=False).astype("float64").reshape(
+        len(table), len(groups)
+    )
+    # last row of each step wins (journal rows re-read after a seal), sorted by step
+    steps = cols["step"]
+    order = np.lexsort((np.arange(len(steps)), steps))
+    last = np.ones(len(order), dtype=bool)
+    if len(order):
+        last[:-1] = steps[order][1:] != steps[order][:-1]
+    keep = order[last]
+    cols = {k: v[keep] for k, v in cols.items()}
+    r = rank if rank is not None else int(meta.get("rank", "-1"))
+    return History(r, groups, cols, meta.get("memory_kind"), torn)
+
+
+def _read_streams(path: Path):
+    """Complete record batches of every stream in ``path`` (a file reopened for append holds
+    several), the first schema, and whether it ended in a torn message."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    data = pa.BufferReader(pa.py_buffer(path.read_bytes()))
+    batches, first_schema, schema, torn = [], None, None, False
+    while True:
+        reader = ipc.MessageReader.open_stream(data)
+        try:
+            message = reader.read_next_message()
+        except StopIteration:
+            if data.tell() >= data.size():
+                break
+            continue  # an end-of-stream marker; another stream may follow
+        except (pa.ArrowInvalid, OSError):
+            torn = True
+            break
+        try:
+            while True:
+                if message.type == "schema":
+                    schema = ipc.read_schema(message)
+                    first_schema = first_schema or schema
+                elif message.type == "record batch" and schema is not None:
+                    batches.append(ipc.read_record_batch(message, schema))
+                message = reader.read_next_message()
+        except StopIteration:
+            if data.tell() >= data.size():
+                break
+        except (pa.ArrowInvalid, OSError):
+            torn = True
+            break
+    return batches, first_schema, torn
+
+
+def read_run_histories(run: RunDir) -> dict[int, History]:
+    """rank -> history of every rank that left one."""
+    from ..rundir import HISTORY_RE
+
+    return {rank: read_history(p, rank) for rank, p in run.ranked(HISTORY_RE).items()}

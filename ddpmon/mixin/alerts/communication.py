@@ -1,0 +1,115 @@
+"""Communication alerts: hangs, lost ranks, ranks that drift apart, stragglers, slow all-reduce.
+
+One killed rank makes its peers hang in the next all-reduce: RankDown (the cause) pages, and
+Alertmanager inhibits the run's TrainingStalled, RankDesync, Straggler and AllReduceSlow. Stall
+and slow all-reduce are run-wide symptoms: one alert per run naming the worst ranks.
+"""
+
+from __future__ import annotations
+
+from ddpmon import metrics as m
+from ddpmon.metrics import Layer
+from ddpmon.mixin import names as n
+from ddpmon.mixin.alerts import RANK, RUN, Alert, rank_list
+from ddpmon.mixin.config import MixinConfig
+from ddpmon.mixin.rules import sel
+
+L = Layer.COMMUNICATION
+BY_RUN = 'run="%s"'
+
+
+def alerts(c: MixinConfig) -> list[Alert]:
+    gw = c.gauge_window
+
+    def stepped(run: str = "") -> str:
+        return f"max_over_time({sel(c, m.STEPS.name, run)}[{gw}])"
+
+    def stalled(run: str = "") -> str:
+        r = f"{{{run}}}" if run else ""
+        return f"{n.HEARTBEAT_AGE}{r} > {n.STALL_THRESHOLD}{r}\nand {stepped(run)} > 0"
+
+    def no_first_step(run: str = "") -> str:
+        r = f"{{{run}}}" if run else ""
+        return f"{n.HEARTBEAT_AGE}{r} > {c.first_step_seconds:g}\nand {stepped(run)} == 0"
+
+    def slow(run: str = "") -> str:
+        p99 = f"{n.ALLREDUCE_P99}{{{run}}}" if run else n.ALLREDUCE_P99
+        return (
+            f"{p99}\n>\n{c.allreduce_slow_factor:g} * quantile_over_time(0.5, "
+            f"{p99}[{c.allreduce_slow_baseline}])\nand\n{p99} > {c.allreduce_slow_min_seconds:g}"
+        )
+
+    missing = (
+        f"group by (rank) (last_over_time({sel(c, m.WORLD_SIZE.name, BY_RUN)}"
+        f"[{c.missing_lookback}])) unless on (rank) "
+        f"group by (rank) ({sel(c, m.WORLD_SIZE.name, BY_RUN)})"
+    )
+    return [
+        Alert(
+            "DdpmonTrainingStalled", L, "critical",
+            # The agent exports its stall_seconds (rank:...:stall_threshold falls back to the
+            # config's where it does not); only after a first step (see NoFirstStep).
+            f"max {c.by_run} (\n{stalled()}\n)",
+            c.stall_for,
+            "Training has not completed a step for too long; it is probably hung.",
+            f"{RUN} has not completed a step for {{{{ $value | humanizeDuration }}}} on its "
+            "most stalled rank, past the agent's stall threshold. Stalled ranks, oldest first: "
+            f"{rank_list(stalled(BY_RUN), c)}.",
+        ),
+        Alert(
+            "DdpmonNoFirstStep", L, "warning",
+            f"max {c.by_run} (\n{no_first_step()}\n)",
+            c.first_step_for,
+            "A rank attached ddpmon long ago and has not completed a step.",
+            f"{RUN}: a rank attached {{{{ $value | humanizeDuration }}}} ago and has not "
+            "completed a step yet (stuck in initialisation, rendezvous, compilation or the "
+            "first collective). Ranks without a step, longest waiting first: "
+            f"{rank_list(no_first_step(BY_RUN), c)}.",
+        ),
+        Alert(
+            "DdpmonRankDown", L, "critical",
+            f"{sel(c, 'up')} == 0",
+            c.rank_down_for,
+            "A training rank cannot be scraped.",
+            f"{RANK} ({{{{ $labels.instance }}}}) cannot be scraped: the process died, hung "
+            "hard or is unreachable.",
+        ),
+        Alert(
+            "DdpmonRanksMissing", L, "critical",
+            f"{n.WORLD_SIZE} - {n.RANKS_REPORTING} > 0",
+            c.ranks_missing_for,
+            "Fewer ranks report than the run's world size.",
+            f"{RUN}: {{{{ $value }}}} rank(s) of its world size are not reporting. "
+            f"Ranks seen in the last {c.missing_lookback} that stopped: "
+            f"{rank_list(missing, c, worst_first=False)}.",
+        ),
+        Alert(
+            "DdpmonRankDesync", L, "warning",
+            f"{n.STEP_LEADER}\n- {c.on_run} group_right\n"
+            f"{sel(c, m.STEP.name)}\n> {c.rank_desync_steps:g}",
+            c.rank_desync_for,
+            "Ranks of a run are at very different steps.",
+            f"{RANK} is {{{{ $value }}}} steps behind the most advanced rank of the run.",
+        ),
+        Alert(
+            "DdpmonStraggler", L, "warning",
+            f"{n.COMPUTE_MEAN}\n> {c.on_run} group_left ()\n"
+            f"({c.straggler_ratio:g} * {n.COMPUTE_RUN_MEDIAN})\n"
+            f"and\n{n.COMPUTE_MEAN}\n- {c.on_run} group_left ()\n{n.COMPUTE_RUN_MEDIAN}\n"
+            f"> {c.straggler_min_seconds:g}",
+            c.straggler_for,
+            "A rank computes much slower than the others and holds the run back.",
+            f"{RANK} spends {{{{ $value | humanizeDuration }}}} per step outside the all-reduce "
+            f"and data loading, more than {c.straggler_ratio:g}x the run's median rank and "
+            f"{c.straggler_min_seconds:g}s above it.",
+        ),
+        Alert(
+            "DdpmonAllReduceSlow", L, "warning",
+            f"max {c.by_run} (\n{slow()}\n)",
+            c.allreduce_slow_for,
+            "All-reduce latency is far above its baseline.",
+            f"{RUN}: all-reduce p99 reached {{{{ $value | humanizeDuration }}}}, more than "
+            f"{c.allreduce_slow_factor:g}x its {c.allreduce_slow_baseline} median. Slowest "
+            f"ranks: {rank_list(slow(BY_RUN), c)}.",
+        ),
+    ]

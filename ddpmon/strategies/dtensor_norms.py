@@ -1,0 +1,277 @@
+"""Global gradient norms over sharded (DTensor) gradients without gathering a gradient.
+
+Squared L2 norms add over disjoint pieces, so the global norm of a sharded gradient is the sum of
+its shards' squared norms over the mesh dimensions it is *sharded* on. A dimension on which it is
+replicated must be counted once. Both rules fit one SUM all-reduce of a per-parameter vector:
+
+- the groups to reduce over are the mesh-dimension groups on which at least one parameter is
+  ``Shard``-placed (FSDP2: the shard dim; HSDP: the shard dim only, never replicate; TP: the TP
+  dim; FSDP2+TP: both), fixed at attach from the parameters' placements, so every rank issues the
+  same collectives;
+- on each of those groups, a parameter not sharded on it (``Replicate``, a plain tensor, or a
+  parameter on another mesh) contributes only from the group's rank 0 (``mask``): adding exact
+  zeros elsewhere keeps the sum exact and counts replicas once;
+- a ``Partial`` gradient is reduced first (one all-reduce of that gradient, as torch's own
+  ``clip_grad_norm_`` does), then treated as ``Replicate``.
+
+The result is the same on every rank of a reduction span (replicas compute it independently).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..probes.grads import ParamIndex, per_param_norms
+from .base import NormVector
+
+try:  # DTensor is public since torch 2.5
+    from torch.distributed.tensor import DTensor, Replicate
+except ImportError:  # pragma: no cover - torch without DTensor: nothing is sharded
+    DTensor = None  # type: ignore[assignment,misc]
+    Replicate = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(tensor: object) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def _group_key(group: dist.ProcessGroup) -> str:
+    name = getattr(group, "group_name", None)
+    return str(name) if name else f"id{id(group)}"
+
+
+def is_sharded(placement: Any) -> bool:
+    """Shard-like: each rank holds a disjoint piece. ``_StridedShard`` (FSDP2 over TP) is not a
+    ``Shard`` for ``is_shard()`` in recent torch, so the test is "neither replicated nor
+    partial"."""
+    return not (placement.is_replicate() or placement.is_partial())
+
+
+def _shard_groups(param: torch.Tensor) -> list[dist.ProcessGroup]:
+    """Process groups of the mesh dimensions on which ``param`` is sharded."""
+    if not is_dtensor(param):
+        return []
+    mesh = param.device_mesh
+    return [mesh.get_group(d) for d, pl in enumerate(param.placements) if is_sharded(pl)]
+
+
+def reduction_device(params: Sequence[torch.Tensor]) -> torch.device:
+    """Where the partial-squares vector lives: the mesh's device type (a CPU-offloaded gradient is
+    still reduced over the accelerator's process group)."""
+    for p in params:
+        if is_dtensor(p):
+            kind = p.device_mesh.device_type
+            if kind == "cpu":
+                return torch.device("cpu")
+            module = getattr(torch, kind, None)
+            index = module.current_device() if module is not None else 0
+            return torch.device(kind, index)
+    return params[0].device if params else torch.device("cpu")
+
+
+@dataclass(slots=True)
+class ReductionPlan:
+    """The fixed reduction of one list of parameters (same on every rank)."""
+
+    groups: list[dist.ProcessGroup]
+    """Groups to SUM over, in a fixed order."""
+    mask: torch.Tensor
+    """float64 per parameter: 1 where this rank contributes the parameter's partial square."""
+    device: torch.device
+
+    @property
+    def needs_comm(self) -> bool:
+        return bool(self.groups)
+
+
+def build_plan(params: Sequence[torch.Tensor]) -> ReductionPlan:
+    """The groups and the count-once mask for ``params`` (see the module doc)."""
+    per_param = [_shard_groups(p) for p in params]
+    groups: dict[str, dist.ProcessGroup] = {}
+    for shard_groups in per_param:
+        for g in shard_groups:
+            groups.setdefault(_group_key(g), g)
+    first_rank = {key: dist.get_rank(g) == 0 for key, g in groups.items()}
+    mask = []
+    for shard_groups in per_param:
+        own = {_group_key(g) for g in shard_groups}
+        mask.append(float(all(key in own or first_rank[key] for key in groups)))
+    device = reduction_device(params)
+    return ReductionPlan(
+        groups=list(groups.values()),
+        mask=torch.tensor(mask, dtype=torch.float64, device=device),
+        device=device,
+    )
+
+
+def complete_local(grad: torch.Tensor) -> torch.Tensor:
+    """The local tensor whose squared norm is this rank's share: ``Partial`` dims reduced first."""
+    if not is_dtensor(grad):
+        return grad
+    placements = grad.placements
+    if any(pl.is_partial() for pl in placements):
+        fixed = [Replicate() if pl.is_partial() else pl for pl in placements]
+        grad = grad.redistribute(grad.device_mesh, fixed)
+    return grad.to_local()
+
+
+def raw_local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's own piece of a gradient, as it holds it (no communication)."""
+    return grad.to_local() if is_dtensor(grad) else grad
+
+
+def has_partial(grad: torch.Tensor) -> bool:
+    return is_dtensor(grad) and any(pl.is_partial() for pl in grad.placements)
+
+
+def grads_of(params: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """(indices into ``params``, detached gradients) of the parameters that have one."""
+    idx, grads = [], []
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is not None:
+            idx.append(i)
+            grads.append(g.detach())
+    return idx, grads
+
+
+def scatter_squares(
+    norms: torch.Tensor, idx: Sequence[int], size: int, device: torch.device
+) -> torch.Tensor:
+    """float64 vector of length ``size``: ``norms[k]**2`` at ``idx[k]``, zero elsewhere."""
+    out = torch.zeros(size, dtype=torch.float64, device=device)
+    if len(idx):
+        where = torch.tensor(list(idx), dtype=torch.long, device=device)
+        norms = norms.to(device=device, dtype=torch.float64)
+        out.index_copy_(0, where, norms * norms)
+    return out
+
+
+def reduce_async(vector: torch.Tensor, plan: ReductionPlan) -> Any:
+    """Start the SUM of ``vector`` over the plan's groups in place; returns the work to wait on
+    (None without communication). One collective when the groups span the whole world (FSDP2,
+    TP, FSDP2+TP on a dp x tp world); otherwise one per group, the earlier ones waited on."""
+    groups = plan.groups
+    if not groups:
+        return None
+    if len(groups) > 1 and math.prod(g.size() for g in groups) == dist.get_world_size():
+        groups = [None]  # masked sums over orthogonal mesh dims = one sum over the world
+    work = None
+    for group in groups:
+        if work is not None:
+            work.wait()
+        work = dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work
+
+
+def all_reduce_sum(vector: torch.Tensor, plan: ReductionPlan) -> torch.Tensor:
+    """``reduce_async`` and wait (a stream wait on NCCL, not a host sync)."""
+    work = reduce_async(vector, plan)
+    if work is not None:
+        work.wait()
+    return vector
+
+
+def global_squares(params: Sequence[torch.Tensor], plan: ReductionPlan) -> torch.Tensor:
+    """Per-parameter global squared gradient norms of ``params`` (one fused pass over the local
+    pieces plus the plan's reduction); a parameter without a gradient counts zero."""
+    idx, grads = grads_of(params)
+    locals_ = [complete_local(g) for g in grads]
+    norms = per_param_norms(locals_) if locals_ else torch.zeros(0, dtype=torch.float64)
+    sq = scatter_squares(norms, idx, len(params), plan.device)
+    return all_reduce_sum(sq * plan.mask, plan)
+
+
+class ShardedNorms:
+    """The global (reduced) norms of one step: measured and reduced at backward end, waited on
+    and handed over at collect.
+
+    The reduction is issued at ``measure`` because backward passes are collective (the same
+    count on every rank) while the step pipeline's ``collect`` calls need not be. It is always
+    issued, even when this rank's measurement failed: that rank then contributes zeros and a
+    *missing* mark, and every rank of the span reports zeros for that step (never NaN, which
+    would read as a non-finite gradient and could trigger the skip/raise policy).
+    """
+
+    def __init__(self, index: ParamIndex) -> None:
+        self.index = index
+        self.plan = build_plan(index.params)
+        self._positions = list(range(len(index)))
+        self._pending: tuple[Any, torch.Tensor, bool] | None = None
+
+    def measure(self, scaled: bool) -> tuple[list[int], torch.Tensor | None]:
+        """One fused pass over this rank's pieces of the current gradients, then the async
+        reduction. Returns (positions, norms of the raw local pieces) for reuse as a local
+        summary; raises after issuing the reduction if the pass failed."""
+        n = len(self.index)
+        vec = torch.zeros(n + 1, dtype=torch.float64, device=self.plan.device)
+        failure: BaseException | None = None
+        idx: list[int] = []
+        norms = None
+        try:
+            idx, grads = grads_of(self.index.params)
+            raw = [raw_local(g) for g in grads]
+            norms = per_param_norms(raw) if raw else None
+            complete = norms
+            partial = [k for k, g in enumerate(grads) if has_partial(g)]
+            if partial and norms is not None:  # rare: reduce those gradients first
+                complete = norms.clone()
+                fixed = per_param_norms([complete_local(grads[k]) for k in partial])
+                complete[torch.tensor(partial, dtype=torch.long)] = fixed.to(complete)
+            if complete is not None:
+                vec[:n] = scatter_squares(complete, idx, n, self.plan.device) * self.plan.mask
+        except Exception as exc:  # still take part in the reduction below
+            failure = exc
+            vec.zero_()
+            vec[n] = 1.0
+        self.wait()  # a previous reducing backward of the same step (rare)
+        self._pending = (reduce_async(vec, self.plan), vec, scaled)
+        if failure is not None:
+            raise failure
+        return idx, norms
+
+    def wait(self) -> torch.Tensor | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        work, vec, _ = pending
+        if work is not None:
+            work.wait()
+        return vec
+
+    def take(self) -> NormVector | None:
+        """The step's reduced norms (device), or None when no backward reduced since the last
+        call. Waits on the reduction (a stream wait on NCCL, not a host sync)."""
+        if self._pending is None:
+            return None
+        scaled = self._pending[2]
+        vec = self.wait()
+        assert vec is not None
+        n = len(self.index)
+        norms = torch.where(vec[n] > 0, torch.zeros_like(vec[:n]), vec[:n].sqrt())
+        return NormVector(norms, self._positions, scaled)
+
+
+class ClipNormHelper:
+    """``clip_norm`` for sharded strategies: plans cached per distinct parameter list."""
+
+    def __init__(self, max_plans: int = 8) -> None:
+        self._plans: dict[tuple[int, ...], ReductionPlan] = {}
+        self._max = max_plans
+
+    def norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        params = list(params)
+        key = tuple(id(p) for p in params)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= self._max:
+                self._plans.clear()
+            plan = self._plans[key] = build_plan(params)
+        with torch.no_grad():
+            return global_squares(params, plan).sum().sqrt()

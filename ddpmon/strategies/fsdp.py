@@ -1,0 +1,279 @@
+"""Gradient source for FSDP2 ``fully_shard``, HSDP and FSDP2 + tensor parallel.
+
+Where each number comes from (why: see the Parallelism section of the docs):
+
+- ``local`` (this rank's gradients before the reduction): a thin wrapper around each unit's
+  reduce-scatter, installed with FSDP2's public ``set_custom_reduce_scatter``. Its input is the
+  flat buffer FSDP2 builds from this rank's unsharded gradients (accumulated over
+  ``set_requires_gradient_sync(False)`` micro-steps, already in the reduce dtype). One strided
+  norm per parameter over that buffer gives exact per-parameter norms and the origin FQN; it is
+  the only pass over full-size local gradients, and it runs while the gradients are hot.
+- ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
+  one fused norm pass over this rank's sharded gradients (1/shards of the data); ``collect``
+  then SUMs the per-parameter partial squares over the shard dim(s) (``dtensor_norms``) with one
+  small all-reduce per group. The user's clipping comes after ``on_backward_end``, so the
+  numbers are unclipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..probes.grads import per_param_norms
+from .base import GradientSource, GradSummaries, NormVector, SourceEnv
+from .dtensor_norms import ClipNormHelper, ShardedNorms
+from .kinds import detect_sharded, fsdp_modules
+
+log = logging.getLogger("ddpmon")
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # pragma: no cover - torch without FSDP2
+    FSDPModule = None  # type: ignore[assignment,misc]
+    ReduceScatter = object  # type: ignore[assignment,misc]
+    DefaultReduceScatter = None  # type: ignore[assignment,misc]
+
+# Reduce dtypes FSDP2 does not pre-divide (it pre-divides fp16 to avoid overflow).
+_UNSCALED_REDUCE_DTYPES = (torch.float32, torch.bfloat16)
+_MAX_PIECES_PER_UNIT = 64
+
+
+@dataclass(slots=True)
+class _Unit:
+    """One FSDP2 parameter group: its parameters' positions and per-rank padded shard sizes,
+    in the order FSDP2 lays them out in the reduce-scatter input."""
+
+    positions: list[int]
+    columns: list[int]
+    reductions: int = 0
+
+    @property
+    def row_numel(self) -> int:
+        return sum(self.columns)
+
+
+@dataclass(slots=True)
+class _LocalPiece:
+    norms: torch.Tensor
+    positions: list[int]
+
+
+class _ProbedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
+    """FSDP2's reduce-scatter, unchanged, with a look at its input first."""
+
+    def __init__(self, inner: Any, unit: _Unit, source: FSDPSource) -> None:
+        self.inner = inner
+        self.unit = unit
+        self.source = source
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self.source.observe_reduce_input(self.unit, input_tensor, group)
+        return self.inner(
+            output_tensor=output_tensor,
+            input_tensor=input_tensor,
+            group=group,
+            op=op,
+            async_op=async_op,
+        )
+
+
+def _param_groups(module: torch.nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of one module (private state; [] when unreadable)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.12: one group at most
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _columns(fsdp_param: Any) -> int:
+    size = getattr(fsdp_param, "padded_sharded_param_size", None)
+    if size is None:
+        raise AttributeError("FSDPParam.padded_sharded_param_size")
+    return int(torch.Size(size).numel())
+
+
+class FSDPSource(GradientSource):
+    """FSDP2, HSDP, FSDP2+TP: the parameters' placements decide the reduction, the instance's
+    ``name`` says which of them it is."""
+
+    name: ClassVar[str] = "fsdp2"
+
+    def __init__(self, env: SourceEnv) -> None:
+        super().__init__(env)
+        self.name = detect_sharded(env.model) or "fsdp2"  # type: ignore[misc]
+        self.local_is_partial = self.name.endswith("+tp")
+        """The pre-reduction gradients are themselves TP shards: their norm is partial."""
+        self._norms: ShardedNorms | None = None
+        self._clip = ClipNormHelper()
+        self._units: list[_Unit] = []
+        self._restore: list[tuple[torch.nn.Module, Any]] = []
+        self._all_probed = False
+        self._reduced_since_end = 0
+        self._pieces: list[_LocalPiece] = []
+        self._local_exact = True
+        self._scaled = False
+
+    # ---------------------------------------------------------------- install / close
+    def install(self) -> None:
+        self._norms = ShardedNorms(self.index)
+        probed = 0
+        modules = fsdp_modules(self.env.model)
+        for module in modules:
+            try:
+                if self._probe_module(module):
+                    probed += 1
+            except Exception as exc:  # older/newer torch internals: reduced norms still work
+                log.warning(
+                    "ddpmon: no pre-reduce-scatter gradients for %s (%s); local numbers "
+                    "for it are not measured",
+                    type(module).__name__,
+                    exc,
+                )
+        with_params = sum(1 for m in modules if self._has_params(m))
+        self._all_probed = probed == with_params and probed > 0
+
+    @staticmethod
+    def _has_params(module: torch.nn.Module) -> bool:
+        try:
+            return any(g.fsdp_params for g in _param_groups(module))
+        except Exception:
+            return True
+
+    def _probe_module(self, module: torch.nn.Module) -> bool:
+        groups = _param_groups(module)
+        if not groups or not any(g.fsdp_params for g in groups):
+            return False
+        if len(groups) != 1:
+            raise ValueError("several parameter groups (shard_placement_fn with several meshes)")
+        group = groups[0]
+        positions, columns = [], []
+        for fsdp_param in group.fsdp_params:
+            pos = self.index.position.get(id(fsdp_param.sharded_param))
+            if pos is None:  # frozen: FSDP2 reduces no gradient for it
+                continue
+            positions.append(pos)
+            columns.append(_columns(fsdp_param))
+        inner = getattr(group, "_reduce_scatter_comm", None) or DefaultReduceScatter()
+        unit = _Unit(positions=positions, columns=columns)
+        module.set_custom_reduce_scatter(_ProbedReduceScatter(inner, unit, self))
+        self._restore.append((module, inner))
+        self._units.append(unit)
+        return True
+
+    def close(self) -> None:
+        for module, inner in self._restore:
+            try:
+                module.set_custom_reduce_scatter(inner)
+            except Exception:
+                pass
+        self._restore.clear()
+        if self._norms is not None:
+            try:
+                self._norms.wait()
+            except Exception:
+                pass
+        super().close()
+
+    # ---------------------------------------------------------------- measurement
+    def observe_reduce_input(
+        self, unit: _Unit, flat: torch.Tensor, group: dist.ProcessGroup
+    ) -> None:
+        """Per-parameter norms of this rank's pre-reduction gradients (the reduce-scatter input,
+        ``world`` rows of concatenated padded per-rank chunks). Never raises."""
+        self._reduced_since_end += 1
+        if len(self._pieces) > _MAX_PIECES_PER_UNIT * max(1, len(self._units)):
+            self._pieces.clear()  # collect() is not being called: stay bounded
+            self._local_exact = False
+        try:
+            unit.reductions += 1
+            with torch.no_grad():
+                world = group.size()
+                if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
+                    self._local_exact = False  # pre-divided: the flag holds, the norm does not
+                if unit.positions and flat.numel() == world * unit.row_numel:
+                    rows = flat.view(world, -1)
+                    views, start = [], 0
+                    for width in unit.columns:
+                        views.append(rows[:, start : start + width])
+                        start += width
+                    norms = per_param_norms(views)
+                    self._pieces.append(_LocalPiece(norms, list(unit.positions)))
+                else:
+                    # Some parameter of the unit had no gradient: the layout is ambiguous, so
+                    # the unit is judged as a whole and named by its first parameter.
+                    self._local_exact = False
+                    first = unit.positions[:1] or [0]
+                    self._pieces.append(_LocalPiece(per_param_norms([flat]), first))
+        except Exception as exc:
+            self._local_exact = False
+            self.env.on_error("grads", exc)
+
+    def on_backward_end(self) -> None:
+        reduced = self._reduced_since_end > 0 or not self._all_probed
+        self._reduced_since_end = 0
+        if not reduced or self._norms is None:  # a no-sync micro-step: shards unchanged
+            return
+        self._scaled = self.env.grads_scaled_now()
+        try:
+            with torch.no_grad():
+                self._norms.measure(self._scaled)
+        except Exception as exc:
+            self.env.on_error("grads", exc)
+
+    def collect(self) -> GradSummaries:
+        out = GradSummaries()
+        try:
+            out.local, out.local_complete = self._local_vector()
+        except Exception as exc:
+            self.env.on_error("grads", exc)
+        if self._norms is not None:
+            try:
+                out.reduced = self._norms.take()
+            except Exception as exc:
+                self.env.on_error("grads", exc)
+        return out
+
+    def _local_vector(self) -> tuple[NormVector | None, bool]:
+        pieces, self._pieces = self._pieces, []
+        exact, self._local_exact = self._local_exact, True
+        twice = any(u.reductions > 1 for u in self._units)
+        for unit in self._units:
+            unit.reductions = 0
+        if not pieces:
+            return None, True
+        device = pieces[0].norms.device
+        norms = torch.cat([_on(p.norms, device) for p in pieces])
+        positions = [pos for p in pieces for pos in p.positions]
+        complete = exact and self._all_probed and not twice and not self.local_is_partial
+        return NormVector(norms, positions, self._scaled), complete
+
+    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._clip.norm(params)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    _record_current_stream(tensor)
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
+
+
+def _record_current_stream(tensor: torch.Tensor) -> None:
+    """A tensor made on FSDP2's reduce-scatter stream is read on the current stream: keep the
+    allocator from reusing it early (CUDA only; ordering comes from FSDP2's own event waits)."""
+    if tensor.is_cuda:
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+
+
+__all__ = ["FSDPSource", "detect_sharded", "fsdp_modules"]

@@ -1,0 +1,76 @@
+"""Gradient source for tensor parallel (``parallelize_module``; DTensor gradients, no FSDP2).
+
+TP has no data-parallel reduction of gradients: each rank's gradient pieces are final when the
+backward ends. So one fused norm pass over the local pieces at ``on_backward_end`` serves both
+numbers:
+
+- ``local``: the raw pieces this rank holds (its non-finite flag and first position name the
+  origin parameter; its norm is of shards, so ``local_complete`` is False);
+- ``reduced``: the same per-parameter squares, SUMmed over the TP dim for ``Shard`` placements,
+  counted once for ``Replicate`` and plain parameters, ``Partial`` reduced first
+  (``dtensor_norms``), with one small all-reduce at ``collect``.
+
+Nothing tells a TP model's backward apart from a gradient-accumulation micro-step, so every
+backward is measured (the last one, taken before the user's clip, is reported): with k
+micro-steps that is k passes over 1/tp of the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from .base import GradientSource, GradSummaries, NormVector, SourceEnv
+from .dtensor_norms import ClipNormHelper, ShardedNorms
+
+
+class TensorParallelSource(GradientSource):
+    name: ClassVar[str] = "tp"
+
+    def __init__(self, env: SourceEnv) -> None:
+        super().__init__(env)
+        self._norms: ShardedNorms | None = None
+        self._clip = ClipNormHelper()
+        self._local: NormVector | None = None
+
+    def install(self) -> None:
+        self._norms = ShardedNorms(self.index)
+
+    def on_backward_end(self) -> None:
+        if self._norms is None:
+            return
+        self._local = None
+        try:
+            scaled = self.env.grads_scaled_now()
+            with torch.no_grad():
+                positions, norms = self._norms.measure(scaled)
+            if norms is not None:
+                self._local = NormVector(norms, positions, scaled)
+        except Exception as exc:
+            self.env.on_error("grads", exc)
+
+    def collect(self) -> GradSummaries:
+        local, self._local = self._local, None
+        out = GradSummaries(local=local, local_complete=False)
+        if self._norms is not None:
+            try:
+                out.reduced = self._norms.take()
+            except Exception as exc:
+                self.env.on_error("grads", exc)
+        return out
+
+    def close(self) -> None:
+        if self._norms is not None:
+            try:
+                self._norms.wait()
+            except Exception:
+                pass
+        super().close()
+
+    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._clip.norm(params)
+
+
+__all__ = ["TensorParallelSource"]

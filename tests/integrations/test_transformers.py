@@ -1,0 +1,67 @@
+"""DdpmonCallback in a real Transformers ``Trainer`` run: torchrun, 2 gloo ranks on CPU, a tiny
+GPT-2 from a config, gradient_accumulation_steps=2, grad norm logged every step.
+
+The reported norm is scaled by 1.5 at step 2 (a test-only callback); rank 1 gets a NaN in one
+local gradient at step 5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.demo import free_port_pair
+from tests.support.integrations import (
+    WorkerRun,
+    check_mismatch,
+    check_nan_origin,
+    check_norms,
+    check_steps,
+    python,
+    run_worker,
+)
+
+pytestmark = pytest.mark.integration
+
+WORKER = Path(__file__).with_name("transformers_worker.py")
+STEPS, ACCUMULATE, WRONG_STEP, NAN_STEP, NAN_RANK = 6, 2, 2, 5, 1
+NAN_PARAM = "transformer.h.0.mlp.c_fc.weight"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
+    out = tmp_path_factory.mktemp("transformers")
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(WORKER), "--out", str(out), "--port", str(free_port_pair())]
+    cmd += ["--steps", str(STEPS), "--accumulate", str(ACCUMULATE)]
+    cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
+    cmd += ["--nan-rank", str(NAN_RANK)]
+    result = run_worker(cmd, out, timeout=240)
+    assert result.rc == 0, result.output[-4000:]
+    return result
+
+
+def test_attaches_to_the_prepared_ddp_model(run: WorkerRun) -> None:
+    for rank in (0, 1):
+        res = run.result(rank)
+        assert res["attached"], res["monitor_error"]
+        assert res["http_ok"] is True, f"/metrics did not answer during training: {res['http_ok']}"
+        # The DDP comm hook saw the all-reduces: the callback found the DDP wrapper.
+        assert (run.sample(rank, "ddpmon_allreduce_bytes_total") or 0) > 0
+
+
+def test_counts_optimizer_steps_not_micro_batches(run: WorkerRun) -> None:
+    check_steps(run, STEPS)
+
+
+def test_grad_norm_equals_the_trainers_logged_norm(run: WorkerRun) -> None:
+    check_norms(run, range(NAN_STEP))
+
+
+def test_nan_in_one_ranks_gradient_is_named_with_that_rank(run: WorkerRun) -> None:
+    check_nan_origin(run, NAN_RANK, NAN_STEP, NAN_PARAM)
+
+
+def test_wrong_reported_norm_fires_the_mismatch_counter_and_event(run: WorkerRun) -> None:
+    check_mismatch(run, WRONG_STEP, NAN_STEP)

@@ -1,0 +1,119 @@
+"""One rank of the attach-level FSDP2 check: ``ddpmon.attach`` on a ``fully_shard``-ed model in a
+plain training loop (clip, accumulation, a NaN on one rank), scraped over real HTTP after every
+step. Writes what it saw to --out; the assertions live in the test.
+
+Run as: ``python _attach_worker.py --out DIR --port BASE`` with RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT set (rank r serves BASE + r).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import ddpmon
+from tests.parallel._worker import NAN_PARAM, D, Net, _full, _poison_next_grad
+
+CLEAN_STEPS = 4  # torch's clip on 0-1, ddpmon.clip_grad_norm_ on 2-3
+ACCUM_STEPS = 2  # two micro-steps each, sync on the last
+NAN_AT = CLEAN_STEPS + ACCUM_STEPS
+AFTER = 2  # steps after the NaN was applied: every rank's gradients are NaN (poisoned)
+MAX_NORM = 0.05
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def samples(text: str, name: str) -> list[tuple[str, float]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line.rsplit(" ", 1)
+            out.append((labels, float(value)))
+    return out
+
+
+def value(text: str, name: str) -> float | None:
+    found = samples(text, name)
+    return found[0][1] if found else None
+
+
+def pre_clip_norm(params: list[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(_full(p.grad).double().norm()) ** 2 for p in params))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = ddpmon.attach(
+        model,
+        opt,
+        port=args.port,
+        bind="127.0.0.1",
+        run_dir=os.path.join(args.out, "runs"),
+        run_id="test-fsdp2",
+    )
+    params = list(model.parameters())
+    gen = torch.Generator().manual_seed(1000 + rank)
+    steps = []
+    for step in range(NAN_AT + 1 + AFTER):
+        micro = 2 if CLEAN_STEPS <= step < NAN_AT else 1
+        if step == NAN_AT and rank == 1:
+            _poison_next_grad(model.get_submodule(NAN_PARAM.rsplit(".", 1)[0]))
+        for m in range(micro):
+            model.set_requires_gradient_sync(m == micro - 1)
+            loss = model(torch.randn(4, D, generator=gen)).square().mean()
+            mon.observe_loss(loss)
+            loss.backward()
+        reference = pre_clip_norm(params)
+        if step in (2, 3):
+            returned = float(_full(ddpmon.clip_grad_norm_(params, MAX_NORM)))
+        else:
+            returned = float(_full(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        text = scrape(mon.port)
+        steps.append(
+            {
+                "step": step,
+                "reference": reference,
+                "clip_returned": returned,
+                "grad_norm": value(text, "ddpmon_grad_norm"),
+                "grad_local_norm": value(text, "ddpmon_grad_local_norm"),
+                "steps_total": value(text, "ddpmon_steps_total"),
+            }
+        )
+    text = scrape(mon.port)
+    Path(args.out, f"rank{rank}.metrics").write_text(text)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+    mon.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

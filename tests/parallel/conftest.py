@@ -1,0 +1,83 @@
+"""Launch real gloo ranks on 127.0.0.1 for the sharded-strategy tests; one launch per strategy,
+shared by the tests of a module. Every rank is killed on timeout or failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_worker.py")
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(
+    strategy: str, ranks: int, out: Path, *, args: tuple[str, ...] = (), worker: Path = WORKER
+) -> list[dict]:
+    """Run ``worker`` on ``ranks`` gloo ranks; returns each rank's ``rank<R>.json`` from ``out``."""
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        )
+        cmd = [sys.executable, str(worker), "--out", str(out), *args]
+        if strategy:
+            cmd += ["--strategy", strategy]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    logs = []
+    try:
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=TIMEOUT_S)
+            logs.append(stdout.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{log[-4000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def ranks_of(tmp_path_factory):
+    """``ranks_of(strategy, n)``: the per-rank results of one launch, cached per module."""
+    cache: dict[tuple[str, int], list[dict]] = {}
+
+    def get(strategy: str, n: int) -> list[dict]:
+        key = (strategy, n)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(strategy.replace("+", "_"))
+            cache[key] = launch(strategy, n, out)
+        return cache[key]
+
+    return get

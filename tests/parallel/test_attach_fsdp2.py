@@ -1,0 +1,73 @@
+"""``ddpmon.attach`` on an FSDP2 model, 2 real gloo ranks, scraped over HTTP after every step:
+the exported norm is torch's pre-clip norm, ``ddpmon.clip_grad_norm_`` agrees with torch,
+accumulation counts optimizer steps, and a NaN on one rank is an origin on that rank only."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.parallel._attach_worker import AFTER, NAN_AT
+from tests.parallel._worker import NAN_PARAM, NAN_RANK
+from tests.parallel.conftest import launch
+from tests.support.demo import free_port_pair
+
+WORKER = Path(__file__).with_name("_attach_worker.py")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("attach_fsdp2")
+    results = launch("", 2, out, args=("--port", str(free_port_pair())), worker=WORKER)
+    for rank in results:
+        rank["metrics"] = (out / f"rank{rank['rank']}.metrics").read_text()
+    return results
+
+
+def _metric(text: str, name: str) -> list[tuple[str, float]]:
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out.append((labels, float(value)))
+    return out
+
+
+def test_exported_norm_is_pre_clip_and_clip_agrees(run):
+    for rank in run:
+        clean = [s for s in rank["steps"] if s["step"] < NAN_AT]
+        assert len(clean) == NAN_AT
+        for s in clean:
+            assert s["reference"] > 0.1  # the clip to 0.05 really changed the gradients
+            assert math.isclose(s["grad_norm"], s["reference"], rel_tol=1e-5), s
+            assert math.isclose(s["clip_returned"], s["reference"], rel_tol=1e-5), s
+
+
+def test_local_norm_is_per_rank_and_steps_are_optimizer_steps(run):
+    first = [rank["steps"][0]["grad_local_norm"] for rank in run]
+    assert all(v is not None and v > 0 for v in first)
+    assert first[0] != first[1]
+    for rank in run:
+        assert [s["steps_total"] for s in rank["steps"]] == [
+            float(i + 1) for i in range(NAN_AT + 1 + AFTER)
+        ]
+
+
+def test_nan_origin_names_rank_param_and_step(run):
+    for rank in run:
+        text = rank["metrics"]
+        assert 'strategy="fsdp2"' in _metric(text, "ddpmon_rank_info")[0][0]
+        origin = _metric(text, "ddpmon_grad_nonfinite_origin_steps_total")[0][1]
+        assert origin == (1.0 if rank["rank"] == NAN_RANK else 0.0)
+        assert _metric(text, "ddpmon_grad_nonfinite_steps_total")[0][1] == 1 + AFTER
+        assert _metric(text, "ddpmon_grad_nonfinite_poisoned_steps_total")[0][1] == AFTER
+        errors = [v for labels, v in _metric(text, "ddpmon_agent_errors_total")]
+        assert errors and not any(errors)
+        info = _metric(text, "ddpmon_grad_first_nonfinite_info")
+        if rank["rank"] == NAN_RANK:
+            assert len(info) == 1
+            assert f'param="{NAN_PARAM}"' in info[0][0] and f'step="{NAN_AT}"' in info[0][0]
+        else:
+            assert info == []

@@ -1,0 +1,137 @@
+"""FSDP2, HSDP, TP and FSDP2+TP gradient sources against torch's own numbers, on real gloo ranks.
+
+Each launch drives the source the way the step pipeline does (``on_backward_end`` after every
+backward, then the user's in-place clip, then ``collect``) and records torch's references: the
+value ``clip_grad_norm_`` returns (pre-clip; ``.full_tensor()`` for DTensor, per parameter where
+torch refuses the mix) and, for FSDP2/HSDP, the norm of this rank's unreduced gradients from a
+plain copy of the model fed the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.parallel._worker import NAN_PARAM, NAN_RANK, NAN_STEP, USER_MAX_NORM
+
+REL = 1e-5
+STRATEGIES = [
+    # (strategy, ranks, expected kind, local norm complete)
+    ("fsdp2", 2, "fsdp2", True),
+    ("hsdp", 4, "hsdp", True),
+    ("tp", 2, "tp", False),
+    ("fsdp2+tp", 4, "fsdp2+tp", False),
+]
+
+
+def _total(vector: dict) -> float:
+    return math.sqrt(sum(n * n for n in vector["norms"]))
+
+
+def _first_bad(vector: dict) -> int:
+    bad = [
+        p for n, p in zip(vector["norms"], vector["positions"], strict=True) if not math.isfinite(n)
+    ]
+    return min(bad) if bad else -1
+
+
+def _close(a: float, b: float, rel: float = REL) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+
+
+def _group_norms(
+    values: list[float], positions: list[int], group_of: list[int], n: int
+) -> list[float]:
+    sq = [0.0] * n
+    for value, pos in zip(values, positions, strict=True):
+        sq[group_of[pos]] += value * value
+    return [math.sqrt(v) for v in sq]
+
+
+@pytest.mark.parametrize(("strategy", "n", "kind", "_"), STRATEGIES)
+def test_detects_strategy_and_no_probe_errors(ranks_of, strategy, n, kind, _):
+    for rank in ranks_of(strategy, n):
+        for name, scenario in rank["scenarios"].items():
+            assert scenario["kind"] == kind, name
+            assert scenario["source"] == kind, name
+            assert scenario["errors"] == [], (name, scenario["errors"])
+
+
+@pytest.mark.parametrize(("strategy", "n", "kind", "_"), STRATEGIES)
+def test_reduced_norm_is_torchs_pre_clip_norm_every_step(ranks_of, strategy, n, kind, _):
+    checked = 0
+    for rank in ranks_of(strategy, n):
+        for name, scenario in rank["scenarios"].items():
+            width = len(scenario["group_names"])
+            for rec in scenario["records"]:
+                if name == "nan" and rec["step"] >= NAN_STEP:
+                    continue
+                ref = rec["ref_total"]
+                assert ref > 2 * USER_MAX_NORM  # the user's clip really changed the gradients
+                assert _close(rec["post_clip_norm"], USER_MAX_NORM, 1e-3)
+                reduced = rec["reduced"]
+                assert reduced is not None, (name, rec["step"])
+                assert _close(_total(reduced), ref), (name, rec["step"], _total(reduced), ref)
+                assert _close(rec["clip_norm"], ref), (name, rec["step"])
+                ours = _group_norms(
+                    reduced["norms"], reduced["positions"], scenario["group_of"], width
+                )
+                theirs = _group_norms(
+                    rec["ref_params"],
+                    list(range(len(rec["ref_params"]))),
+                    scenario["group_of"],
+                    width,
+                )
+                for group, a, b in zip(scenario["group_names"], ours, theirs, strict=True):
+                    assert _close(a, b), (name, rec["step"], group, a, b)
+                checked += 1
+    assert checked >= n * 12
+
+
+@pytest.mark.parametrize(("strategy", "n", "kind", "complete"), STRATEGIES)
+def test_local_pre_reduction_norms(ranks_of, strategy, n, kind, complete):
+    seen_distinct = set()
+    for rank in ranks_of(strategy, n):
+        for name, scenario in rank["scenarios"].items():
+            for rec in scenario["records"]:
+                if name == "nan" and rec["step"] >= NAN_STEP:
+                    continue
+                local = rec["local"]
+                assert local is not None, (name, rec["step"])
+                assert rec["local_complete"] is complete
+                assert _first_bad(local) == -1
+                if rec["local_ref"] is not None:
+                    # bf16 parameters compute different gradients than the fp32 reference copy
+                    rel = 2e-2 if name == "no_reshard_mp" else REL
+                    assert _close(_total(local), rec["local_ref"], rel), (name, rec["step"])
+                if name == "nested" and rec["step"] == 0:
+                    seen_distinct.add(round(_total(local), 9))
+    assert len(seen_distinct) > 1  # ranks' local gradients differ: it is not the reduced one
+
+
+@pytest.mark.parametrize(("strategy", "n", "kind", "_"), STRATEGIES)
+def test_nan_in_one_named_gradient_on_one_rank(ranks_of, strategy, n, kind, _):
+    results = ranks_of(strategy, n)
+    names = results[0]["scenarios"]["nan"]["names"]
+    target = names.index(NAN_PARAM)
+    for rank in results:
+        rec = rank["scenarios"]["nan"]["records"][NAN_STEP]
+        assert _first_bad(rec["reduced"]) == target  # everyone sees the global NaN, named
+        expected = target if rank["rank"] == NAN_RANK else -1
+        assert _first_bad(rec["local"]) == expected, rank["rank"]
+        if expected >= 0:
+            slot = rec["local"]["positions"].index(target)
+            assert math.isnan(rec["local"]["norms"][slot])
+
+
+def test_fsdp2_accumulation_measures_once_and_matches(ranks_of):
+    """Two micro-steps, sync on the last only: the no-sync backward adds no measurement and the
+    numbers are those of the accumulated gradients (checked above); local is exact."""
+    for rank in ranks_of("fsdp2", 2):
+        scenario = rank["scenarios"]["accum"]
+        assert len(scenario["records"]) >= 4
+        for rec in scenario["records"]:
+            assert rec["local_complete"] is True
+            assert _close(_total(rec["local"]), rec["local_ref"])
+            assert sorted(rec["local"]["positions"]) == list(range(len(scenario["names"])))
