@@ -17,13 +17,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from ..strategies.base import NormVector
+
+@dataclass(slots=True)
+class NormVector:
+    """Per-parameter L2 norms of one set of gradients, still on the device."""
+
+    norms: torch.Tensor
+    """1-D float tensor, one L2 norm per entry of ``positions`` (NaN/Inf where the gradient holds
+    them); for sharded gradients the norm of the *full* parameter gradient (partial squares
+    already reduced over the mesh)."""
+    positions: Sequence[int]
+    """``ParamIndex`` positions (registration order of ``model.named_parameters()``, i.e. the
+    original FQNs) of each entry, in the order of ``norms``."""
+    scaled: bool = True
+    """True when the gradients were measured as the GradScaler left them after backward (still
+    multiplied by the loss scale); the pipeline divides by the scale it recorded. False for
+    gradients already unscaled (e.g. measured by ``ddpmon.clip_grad_norm_`` after ``unscale_``).
+    Without a GradScaler the flag is ignored."""
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -200,7 +214,6 @@ def _summarize_numpy(values, positions, index: ParamIndex) -> GradSummary:
 
 def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
     """Per-parameter norms of every parameter's current ``.grad``: one fused pass."""
-    from ..strategies.base import NormVector
 
     positions: list[int] = []
     grads: list[torch.Tensor] = []

@@ -27,7 +27,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..probes.grads import ParamIndex, per_param_norms
+from ..probes.grads import NormVector, ParamIndex, per_param_norms
+
+__all__ = [
+    "CommTiming",
+    "GradSummaries",
+    "GradientSource",
+    "NormVector",
+    "SourceEnv",
+]
 
 
 @dataclass(slots=True)
@@ -39,24 +47,6 @@ class CommTiming:
     events: list[tuple[Any, Any]] = field(default_factory=list)
     """CUDA ``(start, end)`` event pairs, resolved at readback (never synchronised here)."""
     bytes: int = 0
-
-
-@dataclass(slots=True)
-class NormVector:
-    """Per-parameter L2 norms of one set of gradients, still on the device."""
-
-    norms: torch.Tensor
-    """1-D float tensor, one L2 norm per entry of ``positions`` (NaN/Inf where the gradient holds
-    them); for sharded gradients the norm of the *full* parameter gradient (partial squares
-    already reduced over the mesh)."""
-    positions: Sequence[int]
-    """``ParamIndex`` positions (registration order of ``model.named_parameters()``, i.e. the
-    original FQNs) of each entry, in the order of ``norms``."""
-    scaled: bool = True
-    """True when the gradients were measured as the GradScaler left them after backward (still
-    multiplied by the loss scale); the pipeline divides by the scale it recorded. False for
-    gradients already unscaled (e.g. measured by ``ddpmon.clip_grad_norm_`` after ``unscale_``).
-    Without a GradScaler the flag is ignored."""
 
 
 @dataclass(slots=True)
