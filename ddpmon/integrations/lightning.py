@@ -70,9 +70,13 @@ class _DdpmonLightning:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.monitor = attach_monitor(model, optimizers[0], scaler, None, self.options)
         self._scaler = scaler
-        self._forwarder = NormForwarder(self.monitor, trainer.global_step)
-        self._seen_global_step = trainer.global_step
         self._accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # A resumed run's global step is restored after on_fit_start: take ddpmon's offset here.
+        if self.monitor is not None:
+            self._forwarder = NormForwarder(self.monitor, trainer.global_step)
+            self._seen_global_step = trainer.global_step
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         close_monitor(self.monitor)

@@ -204,12 +204,7 @@ class FSDPSource(GradientSource):
                 if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
                     self._local_exact = False  # pre-divided: the flag holds, the norm does not
                 if unit.positions and flat.numel() == world * unit.row_numel:
-                    rows = flat.view(world, -1)
-                    views, start = [], 0
-                    for width in unit.columns:
-                        views.append(rows[:, start : start + width])
-                        start += width
-                    norms = per_param_norms(views)
+                    norms = _row_chunk_norms(flat, world, unit.columns)
                     self._pieces.append(_LocalPiece(norms, list(unit.positions)))
                 else:
                     # Some parameter of the unit had no gradient: the layout is ambiguous, so
@@ -262,6 +257,22 @@ class FSDPSource(GradientSource):
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._clip.norm(params)
+
+
+def _row_chunk_norms(flat: torch.Tensor, world: int, columns: list[int]) -> torch.Tensor:
+    """Per-parameter norms over a reduce-scatter input of ``world`` rows, each the concatenation
+    of every parameter's padded chunk (``columns`` wide). Contiguous 1-D slices, one per (row,
+    parameter), keep ``_foreach_norm`` on its fused path (strided 2-D views are ~2.5x slower on
+    CPU and fall off the fused CUDA kernel); the rows are then combined per parameter."""
+    row = sum(columns)
+    views = []
+    for r in range(world):
+        start = r * row
+        for width in columns:
+            views.append(flat[start : start + width])
+            start += width
+    pieces = per_param_norms(views).to(torch.float64).view(world, len(columns))
+    return (pieces * pieces).sum(dim=0).sqrt()
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

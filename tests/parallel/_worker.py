@@ -38,21 +38,23 @@ USER_MAX_NORM = 0.05  # far below the real norms: the user's clip always changes
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, spare: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(D)
         self.w_in = nn.Linear(D, 2 * D)
         self.w_out = nn.Linear(2 * D, D)
+        if spare:  # trainable but unused in forward: it never gets a gradient
+            self.spare = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.w_out(torch.relu(self.w_in(self.norm(x))))
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, spare: bool = False) -> None:
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([Block(), Block(spare)])
         self.head = nn.Linear(D, 3)  # 3 rows over 2 shards: exercises FSDP2's padding
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def build(strategy: str, scenario: str) -> tuple[nn.Module, dict]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net(spare=scenario == "unused")
     rank, world = dist.get_rank(), dist.get_world_size()
     info: dict = {"data_seed": rank}
     if strategy == "fsdp2":
@@ -170,7 +172,8 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
     source.install()
     params = list(index.params)
     opt = torch.optim.SGD(params, lr=0.05)
-    ref_model = Net() if strategy in ("fsdp2", "hsdp") else None
+    spare = scenario == "unused"
+    ref_model = Net(spare) if strategy in ("fsdp2", "hsdp") else None
     gen = torch.Generator().manual_seed(1000 + info["data_seed"])
     records = []
     fsdp = strategy != "tp"
@@ -181,7 +184,9 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
             ref_model.zero_grad()
             for x in batches:
                 ref_model(x).square().mean().backward()
-            local_ref = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in ref_model.parameters()))
+            local_ref = math.sqrt(
+                sum(float(p.grad.norm()) ** 2 for p in ref_model.parameters() if p.grad is not None)
+            )
         else:
             local_ref = None
         if scenario == "nan" and step == NAN_STEP and dist.get_rank() == NAN_RANK:
@@ -194,7 +199,9 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
             if scenario == "partial":
                 make_partial(model.get_submodule("blocks.0.w_out").bias)
             source.on_backward_end()
-        ref_params = [float(_full(p.grad).double().norm()) for p in params]
+        ref_params = [
+            float(_full(p.grad).double().norm()) if p.grad is not None else 0.0 for p in params
+        ]
         clip_norm = float(_full(source.clip_norm(params)))
         ref_total = user_clip(params, USER_MAX_NORM)
         out = source.collect()
@@ -209,7 +216,11 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
                 "ref_params": ref_params,
                 "clip_norm": clip_norm,
                 "post_clip_norm": math.sqrt(
-                    sum(float(_full(p.grad).double().norm()) ** 2 for p in params)
+                    sum(
+                        float(_full(p.grad).double().norm()) ** 2
+                        for p in params
+                        if p.grad is not None
+                    )
                 ),
             }
         )
@@ -226,8 +237,22 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
     }
 
 
+def fsdp1_kind() -> str:
+    """What attach would decide for an FSDP1-wrapped model (real FSDP1 on CPU/gloo)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = FullyShardedDataParallel(Net(), device_id=torch.device("cpu"))
+    return detect_strategy(wrapped)
+
+
 SCENARIOS = {
-    "fsdp2": [("nested", 12, 1), ("no_reshard_mp", 12, 1), ("accum", 6, 2), ("nan", 3, 1)],
+    "fsdp2": [
+        ("nested", 12, 1),
+        ("no_reshard_mp", 12, 1),
+        ("accum", 6, 2),
+        ("nan", 3, 1),
+        ("unused", 3, 1),
+    ],
     "hsdp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1)],
     "tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("partial", 3, 1)],
     "fsdp2+tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1)],
@@ -245,6 +270,8 @@ def main() -> None:
     result = {"rank": rank, "scenarios": {}}
     for name, steps, micro in SCENARIOS[args.strategy]:
         result["scenarios"][name] = run_scenario(args.strategy, name, steps, micro)
+    if args.strategy == "fsdp2":
+        result["fsdp1_kind"] = fsdp1_kind()
     dist.barrier()
     dist.destroy_process_group()
     path = Path(args.out) / f"rank{rank}.json"

@@ -94,6 +94,8 @@ def test_local_pre_reduction_norms(ranks_of, strategy, n, kind, complete):
     seen_distinct = set()
     for rank in ranks_of(strategy, n):
         for name, scenario in rank["scenarios"].items():
+            if name == "unused":
+                continue  # its own test
             for rec in scenario["records"]:
                 if name == "nan" and rec["step"] >= NAN_STEP:
                     continue
@@ -135,3 +137,20 @@ def test_fsdp2_accumulation_measures_once_and_matches(ranks_of):
             assert rec["local_complete"] is True
             assert _close(_total(rec["local"]), rec["local_ref"])
             assert sorted(rec["local"]["positions"]) == list(range(len(scenario["names"])))
+
+
+def test_fsdp2_unit_with_a_parameter_without_gradient(ranks_of):
+    """A unit whose ``spare`` parameter gets no gradient: the reduce-scatter layout is ambiguous,
+    so the unit is judged whole; its local norm is still right but flagged incomplete."""
+    for rank in ranks_of("fsdp2", 2):
+        scenario = rank["scenarios"]["unused"]
+        assert "blocks.1.spare.weight" in scenario["names"]
+        for rec in scenario["records"]:
+            assert rec["local_complete"] is False
+            assert _first_bad(rec["local"]) == -1
+            assert _close(_total(rec["local"]), rec["local_ref"])
+            assert _close(_total(rec["reduced"]), rec["ref_total"])
+
+
+def test_fsdp1_is_reported_unsupported(ranks_of):
+    assert {rank["fsdp1_kind"] for rank in ranks_of("fsdp2", 2)} == {"unsupported:fsdp1"}
