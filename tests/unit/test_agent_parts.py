@@ -1,0 +1,205 @@
+"""The agent's parts in one process, without hooks or threads: the step pipeline driven by hand
+with a scripted gradient source, the named step vector, the guard, the null monitor, and two
+monitors in one process."""
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ddpmon
+from ddpmon.agent.guard import Guard
+from ddpmon.agent.pipeline import StepPipeline
+from ddpmon.agent.policy import NonFiniteGradientError, NonFinitePolicy
+from ddpmon.agent.stepvector import STEP_SLOTS, Slot, StepVectorLayout
+from ddpmon.probes.grads import NormVector, ParamIndex
+from ddpmon.strategies.base import GradientSource, GradSummaries
+
+
+class ScriptedSource(GradientSource):
+    """Hands out the norms a test scripts, one step at a time (local = reduced)."""
+
+    name = "scripted"
+
+    def __init__(self, index, script):
+        self.index = index
+        self.script = list(script)
+        self.backward_ends = 0
+
+    def on_backward_end(self):
+        self.backward_ends += 1
+
+    def collect(self):
+        norms = self.script.pop(0)
+        vector = NormVector(torch.tensor(norms, dtype=torch.float64), list(range(len(norms))))
+        return GradSummaries(reduced=vector, local_is_reduced=True)
+
+
+class Collect:
+    probe = "test"
+
+    def __init__(self):
+        self.records = []
+
+    def on_record(self, record):
+        self.records.append(record)
+
+    def close(self):
+        pass
+
+
+def make_pipeline(script, mode="record"):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))  # 4 parameters, 2 groups
+    index = ParamIndex(model)
+    errors = []
+    guard = Guard(errors.append)
+    sink = Collect()
+    policy = NonFinitePolicy(mode, index, rank=0, emit=lambda *a, **k: None)
+    source = ScriptedSource(index, script)
+    pipe = StepPipeline(source=source, index=index, guard=guard, policy=policy, sinks=[sink])
+    return pipe, sink, errors, index
+
+
+def one_step(pipe, loss=None):
+    pipe.forward_started(())
+    if loss is not None:
+        pipe.observe_loss(loss)
+    pipe.backward_ended()
+    pipe.optimizer_pre((None,), {})
+    pipe.optimizer_post()
+
+
+def test_pipeline_turns_norms_into_records_with_global_and_group_norms():
+    pipe, sink, errors, index = make_pipeline([[3.0, 4.0, 0.0, 12.0]])
+    one_step(pipe, loss=torch.tensor(2.5))
+    (r,) = sink.records
+    assert r.step == 0 and r.loss == 2.5 and errors == []
+    assert r.grad_norm == pytest.approx(13.0)
+    assert r.group_norms == {"0": pytest.approx(5.0), "1": pytest.approx(12.0)}
+    assert r.grad_local_norm == pytest.approx(13.0) and not r.origin
+
+
+def test_origin_once_then_poisoned_steps_when_the_nan_is_applied():
+    nan = float("nan")
+    script = [[1.0, 1, 1, 1], [1.0, nan, 1, 1], [nan, nan, nan, nan], [nan] * 4]
+    pipe, sink, _, index = make_pipeline(script)
+    for _ in script:
+        one_step(pipe)
+    origin = [r.step for r in sink.records if r.origin]
+    poisoned = [r.step for r in sink.records if r.poisoned]
+    assert origin == [1] and poisoned == [2, 3]
+    assert sink.records[1].local_nonfinite_param == index.names[1]
+    assert sink.records[1].local_nonfinite_kind == "nan"
+
+
+def test_a_skipped_nonfinite_step_does_not_poison_the_weights():
+    inf = float("inf")
+    pipe, sink, _, _ = make_pipeline([[1.0, inf, 1, 1], [1.0, inf, 1, 1], [1.0, 1, 1, 1]])
+    for _ in range(2):  # the loop drops the gradients without stepping (guard and skip)
+        pipe.forward_started(())
+        pipe.backward_ended()
+        pipe.complete(skipped_by="loop")
+    one_step(pipe)
+    assert [r.origin for r in sink.records] == [True, True, False]
+    assert [r.skipped_by for r in sink.records] == ["loop", "loop", None]
+    assert all(r.local_nonfinite_kind in (None, "inf") for r in sink.records)
+
+
+def test_policy_raise_names_the_parameter_and_step():
+    pipe, _, _, index = make_pipeline([[1.0, 1.0, float("nan"), 1.0]], mode="raise")
+    pipe.forward_started(())
+    pipe.backward_ended()
+    with pytest.raises(NonFiniteGradientError, match=f"step 0 in parameter {index.names[2]}"):
+        pipe.optimizer_pre((None,), {})
+
+
+def test_closure_steps_collect_after_the_closure():
+    pipe, sink, _, _ = make_pipeline([[1.0, 0, 0, 0], [2.0, 0, 0, 0]])
+    for _ in range(2):
+        left = len(pipe.source.script)
+        pipe.optimizer_pre((None, lambda: None), {})  # closure: its backward has not run yet
+        assert len(pipe.source.script) == left  # so nothing was collected
+        pipe.forward_started(())
+        pipe.backward_ended()
+        pipe.optimizer_post()
+    assert [r.grad_norm for r in sink.records] == [1.0, 2.0]
+
+
+def test_trainer_norm_cross_check_counts_a_mismatch_on_the_readback_path():
+    pipe, sink, _, _ = make_pipeline([[3.0, 4.0, 0, 0], [3.0, 4.0, 0, 0], [3.0, 4.0, 0, 0]])
+    pipe.observe_grad_norm(5.0)  # agrees
+    one_step(pipe)
+    pipe.observe_grad_norm(torch.tensor(7.5))  # a device tensor: compared after readback
+    one_step(pipe)
+    one_step(pipe)
+    pipe.observe_grad_norm(5.0 * 2, step=2)  # late, for a step already delivered
+    assert [r.grad_norm_mismatch for r in sink.records] == [False, True, False]
+    assert sink.records[1].trainer_grad_norm == 7.5
+
+
+def test_adding_a_step_vector_slot_is_one_declaration():
+    layout = StepVectorLayout((*STEP_SLOTS, Slot("tokens", 1, "tokens this step")))
+    vector, key = layout.pack(
+        {"reduced_norms": torch.tensor([1.0, 2.0]), "tokens": torch.tensor([4096.0])}
+    )
+    values = layout.unpack(vector, key)
+    assert values == {"reduced_norms": [1.0, 2.0], "tokens": [4096.0]}
+    with pytest.raises(KeyError, match="unknown step-vector slot"):
+        StepVectorLayout().pack({"tokens": torch.tensor([1.0])})
+    with pytest.raises(ValueError, match="width 2, expected 1"):
+        layout.pack({"tokens": torch.tensor([1.0, 2.0])})
+
+
+def test_guard_counts_logs_once_and_swallows(caplog):
+    counts = []
+    guard = Guard(counts.append)
+    with caplog.at_level(logging.WARNING, logger="ddpmon"):
+        for _ in range(3):
+            with guard("probe"):
+                raise RuntimeError("boom")
+    assert counts == ["probe"] * 3
+    assert sum("boom" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(KeyboardInterrupt), guard("probe"):
+        raise KeyboardInterrupt  # never swallows what is not an Exception
+
+
+def test_disabled_or_misconfigured_agent_is_a_null_monitor(tmp_path):
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    off = ddpmon.attach(model, opt, enabled=False)
+    bad = ddpmon.attach(model, opt, port=-1)
+    for mon in (off, bad):
+        assert not mon.enabled
+        mon.observe_loss(1.0)
+        mon.observe_grad_norm(1.0)
+        mon.close()
+    assert off.error is None and "port=-1" in bad.error
+    assert not model._forward_pre_hooks  # nothing installed
+
+
+def test_two_monitors_in_one_process_each_clip_their_own_model(tmp_path):
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)) for _ in range(2)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    mons = [
+        ddpmon.attach(m, o, port=0, run_dir=str(tmp_path), run_id=f"m{i}")
+        for i, (m, o) in enumerate(zip(models, opts, strict=True))
+    ]
+    try:
+        for scale, (m, o, mon) in zip((1.0, 100.0), zip(models, opts, mons, strict=True),
+                                      strict=True):
+            loss = m(torch.randn(3, 4)).sum() * scale
+            loss.backward()
+            expected = torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item()
+            total = ddpmon.clip_grad_norm_(m.parameters(), 1.0)
+            assert total.item() == pytest.approx(expected, rel=1e-6)
+            o.step()
+            o.zero_grad()
+            assert mon.state.grad_norm == pytest.approx(expected, rel=1e-6)
+            assert mon.state.steps_total == 1
+    finally:
+        for mon in mons:
+            mon.close()
+    assert not math.isclose(mons[0].state.grad_norm, mons[1].state.grad_norm)
