@@ -51,6 +51,7 @@ class _DdpmonLightning:
         self._accumulate = 1
         self._seen_global_step = 0
         self._scaler: Any = None
+        self._last_logged: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -113,8 +114,10 @@ class _DdpmonLightning:
         if not self._forwarder.supported:
             return
         value = self._logged_norm(trainer)
-        if value is not None:
-            self._forwarder.forward(value, global_step)
+        if value is None or _same_storage(value, self._last_logged):
+            return  # nothing logged, or the value of an earlier step (not logged this step)
+        self._last_logged = value  # holding it keeps its memory from going to a newer value
+        self._forwarder.forward(value, global_step)
 
     def _logged_norm(self, trainer: Any) -> Any:
         """The norm logged during this step: a device tensor, never converted here."""
@@ -128,6 +131,17 @@ class _DdpmonLightning:
             if value is not None:
                 return value
         return None
+
+
+def _same_storage(value: Any, previous: Any) -> bool:
+    """Is ``value`` the tensor already forwarded? ``callback_metrics`` keeps a norm logged at an
+    earlier step until the next log; a new log is a new tensor with its own memory."""
+    if not isinstance(value, torch.Tensor) or not isinstance(previous, torch.Tensor):
+        return False
+    try:
+        return value.untyped_storage().data_ptr() == previous.untyped_storage().data_ptr()
+    except Exception:
+        return False
 
 
 @cache

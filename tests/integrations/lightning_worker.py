@@ -3,8 +3,9 @@
 Run as ``python lightning_worker.py --out DIR --precision 32-true ...``: Lightning's subprocess
 launcher re-runs this script for rank 1. The module logs its global gradient norm (Lightning's
 ``grad_norm`` utility) in ``on_before_optimizer_step``; at ``--wrong-step`` it logs it scaled by
-``--factor`` (a deliberately wrong reported norm). At ``--nan-step`` rank ``--nan-rank`` gets a
-NaN in one parameter's local gradient, before DDP's all-reduce.
+``--factor`` (a deliberately wrong reported norm); with ``--log-every N`` only every N-th step
+is logged (the others must not be compared with a stale value). At ``--nan-step`` rank
+``--nan-rank`` gets a NaN in one parameter's local gradient, before DDP's all-reduce.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--nan-step", type=int, default=5)
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--log-every", type=int, default=1, help="log the norm every N steps")
     a = p.parse_args()
     pl = importlib.import_module(a.package)
     grad_norm = importlib.import_module(f"{a.package}.utilities").grad_norm
@@ -73,7 +75,8 @@ def main() -> None:
             step = self.trainer.global_step
             self.true_norms[step] = total
             reported = total * a.factor if step == a.wrong_step else total
-            self.log("grad_norm", reported, on_step=True, on_epoch=False)
+            if step % a.log_every == 0:
+                self.log("grad_norm", reported, on_step=True, on_epoch=False)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
