@@ -31,6 +31,7 @@ from email.utils import formatdate
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ddpmon.export.http11 import HttpError, Limits, parse_request_head, response_head
 from ddpmon.export.webconfig import BasicAuth, WebConfig, WebConfigError, load_web_config
 
 __all__ = ["INDEX_HTML", "Limits", "MetricsServer", "PortInUseError", "WebConfigError"]
@@ -41,49 +42,8 @@ INDEX_HTML = (
     b"<!doctype html><html><head><title>ddpmon</title></head>"
     b"<body><h1>ddpmon</h1><p><a href='/metrics'>metrics</a></p></body></html>"
 )
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    413: "Content Too Large",
-    414: "URI Too Long",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-    505: "HTTP Version Not Supported",
-}
-_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-
-
 class PortInUseError(OSError):
     """The configured port is taken; the message says which option moves it."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Limits:
-    """Bounds that keep a hostile client from holding the endpoint or the training process."""
-
-    max_connections: int = 64
-    """Open connections; at the cap a newcomer evicts the oldest one without a full request."""
-    request_timeout: float = 5.0
-    """Seconds from accept (or from the end of the last response) to complete request headers,
-    TLS handshake included; bytes trickling in do not extend it."""
-    write_timeout: float = 10.0
-    """Seconds a client may take to read a response."""
-    idle_timeout: float = 60.0
-    """Keep-alive: seconds an idle connection that has completed a request may stay open."""
-    max_request_line: int = 2048
-    """Bytes in the request line (414 beyond)."""
-    max_header_bytes: int = 8192
-    """Bytes of request line plus headers (431 beyond)."""
-    max_headers: int = 64
-    """Header fields (431 beyond)."""
-    max_auth_pending: int = 16
-    """Uncached basic-auth checks queued for bcrypt; beyond, 503 (cached credentials pass)."""
-    max_requests_per_connection: int = 10_000
 
 
 @dataclass(slots=True)
@@ -433,76 +393,25 @@ class MetricsServer:
 
     def _process(self, conn: _Conn) -> None:
         """Parse one request from ``inbuf`` if complete and answer (or start auth)."""
-        lim = self.limits
-        buf = conn.inbuf
-        end, sep = _header_end(buf)
-        line_end = buf.find(b"\n")
-        if (line_end < 0 and len(buf) > lim.max_request_line) or line_end > lim.max_request_line:
-            self._error(conn, 414)
+        try:
+            request = parse_request_head(conn.inbuf, self.limits)
+        except HttpError as exc:
+            self._error(conn, exc.code)
             return
-        if end < 0:
-            if len(buf) > lim.max_header_bytes:
-                self._error(conn, 431)
-            return
-        if end + sep > lim.max_header_bytes:
-            self._error(conn, 431)
-            return
-        head = bytes(buf[:end])
-        del buf[: end + sep]
-        lines = head.replace(b"\r\n", b"\n").split(b"\n")
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or not parts[0] or not set(parts[0]) <= _TOKEN:
-            self._error(conn, 400)
-            return
-        method_b, target, version = parts
-        if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-            code = 505 if version.startswith(b"HTTP/") and len(version) == 8 else 400
-            self._error(conn, code)
-            return
-        if not target.startswith(b"/") or any(b < 0x21 or b > 0x7E for b in target):
-            self._error(conn, 400)
-            return
-        if len(lines) - 1 > lim.max_headers:
-            self._error(conn, 431)
-            return
-        headers: dict[str, str] = {}
-        for raw in lines[1:]:
-            name, colon, value = raw.partition(b":")
-            if not colon or not name or not set(name) <= _TOKEN:
-                self._error(conn, 400)
-                return
-            try:
-                text = value.strip(b" \t").decode("latin-1")
-            except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes anything
-                self._error(conn, 400)
-                return
-            if any(ch in text for ch in "\r\n\x00"):
-                self._error(conn, 400)
-                return
-            headers[name.decode("ascii").lower()] = text
-        length = headers.get("content-length", "0").strip()
-        if "transfer-encoding" in headers or not length.isdigit():
-            code = 413 if "transfer-encoding" in headers else 400
-            self._error(conn, code)
-            return
-        if int(length) > 0:
-            self._error(conn, 413)
-            return
+        if request is None:
+            return  # incomplete: wait for more bytes (within the deadline)
         self.stats["requests"] += 1
         conn.served += 1
-        connection = headers.get("connection", "").lower()
-        keep = ("close" not in connection) if version == b"HTTP/1.1" else "keep-alive" in connection
-        keep = keep and conn.served < lim.max_requests_per_connection
-        method = method_b.decode("ascii")
-        path = target.split(b"?", 1)[0].split(b"#", 1)[0].decode("ascii")
+        keep = request.keep_alive and conn.served < self.limits.max_requests_per_connection
+        method, path = request.method, request.path
         auth = self._cfg.auth if self._cfg else None
         if auth is not None:
-            creds = BasicAuth.parse_header(headers.get("authorization"))
+            creds = BasicAuth.parse_header(request.headers.get("authorization"))
             if creds is None:
                 self._respond(conn, 401, method, keep)
                 return
             if not auth.cached(*creds):
-                if self._auth_pending >= lim.max_auth_pending:
+                if self._auth_pending >= self.limits.max_auth_pending:
                     self._respond(conn, 503, method, False)
                     return
                 conn.state = "auth"
@@ -543,23 +452,10 @@ class MetricsServer:
         ctype: str = "text/plain; charset=utf-8",
         extra: dict[str, str] | None = None,
     ) -> None:
-        reason = REASONS.get(code, "Error")
-        if body is None:
-            body = f"{code} {reason}\n".encode()
-        lines = [
-            f"HTTP/1.1 {code} {reason}",
-            f"Date: {self._date()}",
-            f"Content-Type: {ctype}",
-            f"Content-Length: {len(body)}",
-            "Connection: keep-alive" if keep else "Connection: close",
-        ]
-        if code == 401:
-            lines.append('WWW-Authenticate: Basic realm="ddpmon", charset="UTF-8"')
-        for name, value in (extra or {}).items():
-            lines.append(f"{name}: {value}")
+        extra = dict(extra or {})
         if self._cfg is not None:
-            lines.extend(f"{k}: {v}" for k, v in self._cfg.headers.items())
-        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+            extra.update(self._cfg.headers)
+        head, body = response_head(code, self._date(), ctype, keep, body, extra)
         key = f"status_{code}"
         self.stats[key] = self.stats.get(key, 0) + 1
         conn.out = memoryview(head + body if method != "HEAD" else head)
@@ -673,14 +569,3 @@ class MetricsServer:
             except Exception:
                 self.stats["errors"] += 1
                 self._drop(conn)
-
-
-def _header_end(buf: bytearray) -> tuple[int, int]:
-    """Index of the blank line ending the headers and its length, or (-1, 0)."""
-    crlf = buf.find(b"\r\n\r\n")
-    lf = buf.find(b"\n\n")
-    if crlf >= 0 and (lf < 0 or crlf <= lf):
-        return crlf, 4
-    if lf >= 0:
-        return lf, 2
-    return -1, 0

@@ -19,6 +19,14 @@ from ddpmon.export.webconfig import BasicAuth
 REFUSED = (OSError, http.client.HTTPException)  # ssl.SSLError and resets are OSErrors
 
 
+def tls_failures(srv, expected: int, timeout: float = 2.0) -> int:
+    """The server thread counts a failed handshake just after the client sees it fail."""
+    deadline = time.monotonic() + timeout
+    while srv.stats["tls_failed"] < expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return srv.stats["tls_failed"]
+
+
 def write_config(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "web.yml"
     path.write_text(text)
@@ -132,7 +140,7 @@ def test_plain_http_to_tls_port_fails(make_server, tmp_path, pki):
     with pytest.raises(REFUSED):
         fetch(srv.port)
     assert fetch(srv.port, ctx=client_ctx(pki))[0] == 200
-    assert srv.stats["tls_failed"] == 1
+    assert tls_failures(srv, 1) == 1
 
 
 def test_tls_below_minimum_version_refused(make_server, tmp_path, pki):
@@ -142,7 +150,7 @@ def test_tls_below_minimum_version_refused(make_server, tmp_path, pki):
         old = client_ctx(pki, max_version=ssl.TLSVersion.TLSv1_1)
     with pytest.raises(ssl.SSLError):
         fetch(srv.port, ctx=old)
-    assert srv.stats["tls_failed"] == 1
+    assert tls_failures(srv, 1) == 1
     tls12 = client_ctx(pki, max_version=ssl.TLSVersion.TLSv1_2)
     assert fetch(srv.port, ctx=tls12)[0] == 200
 
@@ -167,7 +175,7 @@ def test_mtls_require_and_verify(make_server, tmp_path, pki):
         fetch(srv.port, ctx=client_ctx(pki))
     status, _, body = fetch(srv.port, ctx=good)
     assert (status, body) == (200, BODY)
-    assert srv.stats["tls_failed"] == 2
+    assert tls_failures(srv, 2) == 2
 
 
 def test_mtls_verify_if_given(make_server, tmp_path, pki):

@@ -1,0 +1,152 @@
+"""HTTP/1.1 request heads and response heads for ddpmon's endpoints, strictly bounded.
+
+Parsing is separate from the event loop (``server.py``) so that it can be reasoned about and
+tested as a pure function: bytes in, a ``Request``, ``None`` (incomplete) or an ``HttpError``
+carrying the status to answer. Anything not needed to serve a read-only ``/metrics`` is refused:
+request bodies, transfer codings, over-long lines and headers, odd methods and targets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    408: "Request Timeout",
+    413: "Content Too Large",
+    414: "URI Too Long",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+    505: "HTTP Version Not Supported",
+}
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+@dataclass(kw_only=True, slots=True)
+class Limits:
+    """Bounds that keep a hostile client from holding the endpoint or the training process."""
+
+    max_connections: int = 64
+    """Open connections; at the cap a newcomer evicts the oldest one without a full request."""
+    request_timeout: float = 5.0
+    """Seconds from accept (or from the end of the last response) to complete request headers,
+    TLS handshake included; bytes trickling in do not extend it."""
+    write_timeout: float = 10.0
+    """Seconds a client may take to read a response."""
+    idle_timeout: float = 60.0
+    """Keep-alive: seconds an idle connection that has completed a request may stay open."""
+    max_request_line: int = 2048
+    """Bytes in the request line (414 beyond)."""
+    max_header_bytes: int = 8192
+    """Bytes of request line plus headers (431 beyond)."""
+    max_headers: int = 64
+    """Header fields (431 beyond)."""
+    max_auth_pending: int = 16
+    """Uncached basic-auth checks queued for bcrypt; beyond, 503 (cached credentials pass)."""
+    max_requests_per_connection: int = 10_000
+
+
+class HttpError(Exception):
+    """The request cannot be served; ``code`` is the status to answer with (then close)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    headers: dict[str, str]
+    keep_alive: bool
+    """What the client asked for: HTTP/1.1 unless ``Connection: close``, HTTP/1.0 only with
+    ``Connection: keep-alive``."""
+
+
+def parse_request_head(buf: bytearray, lim: Limits) -> Request | None:
+    """Take one request head off the front of ``buf``: None while incomplete."""
+    end, sep = _header_end(buf)
+    line_end = buf.find(b"\n")
+    if (line_end < 0 and len(buf) > lim.max_request_line) or line_end > lim.max_request_line:
+        raise HttpError(414)
+    if end < 0:
+        if len(buf) > lim.max_header_bytes:
+            raise HttpError(431)
+        return None
+    if end + sep > lim.max_header_bytes:
+        raise HttpError(431)
+    head = bytes(buf[:end])
+    del buf[: end + sep]
+    lines = head.replace(b"\r\n", b"\n").split(b"\n")
+    parts = lines[0].split(b" ")
+    if len(parts) != 3 or not parts[0] or not set(parts[0]) <= _TOKEN:
+        raise HttpError(400)
+    method_b, target, version = parts
+    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
+        raise HttpError(505 if version.startswith(b"HTTP/") and len(version) == 8 else 400)
+    if not target.startswith(b"/") or any(b < 0x21 or b > 0x7E for b in target):
+        raise HttpError(400)
+    if len(lines) - 1 > lim.max_headers:
+        raise HttpError(431)
+    headers: dict[str, str] = {}
+    for raw in lines[1:]:
+        name, colon, value = raw.partition(b":")
+        if not colon or not name or not set(name) <= _TOKEN:
+            raise HttpError(400)
+        text = value.strip(b" \t").decode("latin-1")  # latin-1 decodes any byte
+        if any(ch in text for ch in "\r\n\x00"):
+            raise HttpError(400)
+        headers[name.decode("ascii").lower()] = text
+    length = headers.get("content-length", "0").strip()
+    if "transfer-encoding" in headers:
+        raise HttpError(413)
+    if not length.isdigit():
+        raise HttpError(400)
+    if int(length) > 0:
+        raise HttpError(413)
+    connection = headers.get("connection", "").lower()
+    keep = ("close" not in connection) if version == b"HTTP/1.1" else "keep-alive" in connection
+    path = target.split(b"?", 1)[0].split(b"#", 1)[0].decode("ascii")
+    return Request(method_b.decode("ascii"), path, headers, keep)
+
+
+def response_head(
+    code: int,
+    date: str,
+    ctype: str,
+    keep: bool,
+    body: bytes | None,
+    extra: dict[str, str],
+) -> tuple[bytes, bytes]:
+    """(head, body) of a response; an error without a body gets ``"<code> <reason>"``."""
+    reason = REASONS.get(code, "Error")
+    if body is None:
+        body = f"{code} {reason}\n".encode()
+    lines = [
+        f"HTTP/1.1 {code} {reason}",
+        f"Date: {date}",
+        f"Content-Type: {ctype}",
+        f"Content-Length: {len(body)}",
+        "Connection: keep-alive" if keep else "Connection: close",
+    ]
+    if code == 401:
+        lines.append('WWW-Authenticate: Basic realm="ddpmon", charset="UTF-8"')
+    lines.extend(f"{name}: {value}" for name, value in extra.items())
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), body
+
+
+def _header_end(buf: bytearray) -> tuple[int, int]:
+    """Index of the blank line ending the headers and its length, or (-1, 0)."""
+    crlf = buf.find(b"\r\n\r\n")
+    lf = buf.find(b"\n\n")
+    if crlf >= 0 and (lf < 0 or crlf <= lf):
+        return crlf, 4
+    if lf >= 0:
+        return lf, 2
+    return -1, 0
