@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Installs the Debian packages the tests and `make stack` use: promtool, prometheus, alertmanager.
+# Installs the Debian packages the tests and `make stack` use: promtool, prometheus, alertmanager,
+# and chromium (the headless browser that tests `ddpmon report`).
 set -euo pipefail
 if command -v promtool >/dev/null && command -v prometheus >/dev/null \
-   && command -v prometheus-alertmanager >/dev/null; then
+   && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null; then
   exit 0
 fi
 SUDO=""
 if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager >/dev/null
+$SUDO apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager chromium \
+  >/dev/null
 # The packages enable system services; ddpmon starts its own instances on loopback instead.

@@ -58,6 +58,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after training")
     p.add_argument("--no-progress", action="store_true", help="plain output, no live table")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="rank 0 saves a checkpoint after every K-th step (0: never)")
+    p.add_argument("--resume", action="store_true",
+                   help="each attempt resumes from the newest checkpoint in "
+                   "RUN_DIR/RUN_ID/checkpoints (if any)")
+    p.add_argument("--resume-without", action="append", default=[],
+                   choices=("optimizer", "scaler", "rng"),
+                   help="leave this state out when resuming, to see ddpmon name it (repeatable)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="torchrun restarts all ranks up to N times after a failure "
+                   "(injected faults fire on the first attempt only)")
     p.add_argument(
         "--scrape-config",
         metavar="FILE",
@@ -83,7 +94,7 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
         "--nnodes=1",
         "--master-addr=127.0.0.1",
         f"--master-port={master_port}",
-        "--max-restarts=0",
+        f"--max-restarts={args.max_restarts}",
         "--monitor-interval=0.5",
         "-m",
         "ddpmon.demo.train",
@@ -108,6 +119,12 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
         cmd += ["--global-batch", str(args.global_batch)]
     for spec in args.inject:
         cmd += ["--inject", spec]
+    if args.checkpoint_every:
+        cmd += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.resume:
+        cmd.append("--resume")
+    for state in args.resume_without:
+        cmd += ["--resume-without", state]
     for flag, value in (
         ("--sd-dir", args.sd_dir),
         ("--daemon-url", args.daemon_url),
@@ -139,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc < 1:
         console.print("[red]--nproc must be >= 1")
+        return 2
+    if args.checkpoint_every < 0 or args.max_restarts < 0:
+        console.print("[red]--checkpoint-every and --max-restarts must be >= 0")
         return 2
     if args.global_batch is not None and (
         args.global_batch < 1 or args.global_batch % args.nproc

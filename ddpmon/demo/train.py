@@ -15,6 +15,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddpmon
 
+from .checkpointing import (
+    DemoCheckpoints,
+    add_checkpoint_arguments,
+    first_attempt,
+    init_process_group,
+)
 from .faults import FaultPlan
 
 VOCAB, SEQ = 64, 32
@@ -70,19 +76,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after the last step")
     p.add_argument("--seed", type=int, default=0)
+    add_checkpoint_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    init_process_group(datetime.timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     global_batch = args.global_batch or args.batch_size * world
     if global_batch % world:
         print(f"--global-batch {global_batch} is not divisible by {world} ranks", file=sys.stderr)
         return 2
-    faults = FaultPlan(args.inject, rank)
+    faults = FaultPlan(args.inject if first_attempt() else [], rank)
     torch.manual_seed(args.seed)
     model = DistributedDataParallel(TinyTransformer())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -104,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     mon.annotate(
         global_batch=global_batch, micro_batch=global_batch // world, accumulation=1, seed=args.seed
     )
+    checkpoints = DemoCheckpoints(args, rank)
+    start = checkpoints.resume(model.module, optimizer, scaler, amp, mon)
     loss_fn = nn.CrossEntropyLoss()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         x, y = batch(step, faults.data_rank(step), world, global_batch, args.seed)
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
             logits = model(x)
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        checkpoints.after_step(step, model.module, optimizer, scaler, mon)
         if args.step_delay:
             time.sleep(args.step_delay)
     if args.hold:

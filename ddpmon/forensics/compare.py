@@ -17,8 +17,9 @@ the tolerance is ``NOISE_FACTOR`` (100) times that, never below ``TOL_FLOOR`` an
 ``TOL_CAP``. The factor leaves room for the drift: the difference grows as the trajectories part
 (over 60 steps of the demo, 1 rank vs 2, up to 12x the first steps' noise), so comparisons are
 sharpest over the first hundreds of steps. The bugs this is for are far above it: a rank's
-gradients x2 moves the norms by ~34%, a duplicated data shard by 10-30% from its first step. A series whose first steps already differ by more than the cap is not noise: it
-diverges at its first step above the cap. A step diverges when any series exceeds its
+gradients x2 moves the norms by ~34%, a duplicated data shard by 10-30% from its first step.
+A series whose first steps already differ by more than the cap is not noise: it diverges at its
+first step above the cap. A step diverges when any series exceeds its
 tolerance; one non-finite value against a finite one always diverges.
 """
 

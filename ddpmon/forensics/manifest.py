@@ -163,6 +163,8 @@ def build_manifest(
             if k not in ("extra",)
         },
         "not_applicable": not_applicable,
+        "attempt": int(extra.pop("attempt", 0) or 0),
+        "recovery": extra.pop("recovery", None),
         "extra": extra,
     }
     return manifest
@@ -204,7 +206,40 @@ def write_run_manifest(
         identity=identity, config=config, versions=versions, extra=extra, environ=environ,
         nvml=nvml,
     )
+    manifest["previous_attempts"] = previous_attempts(run_path, manifest["attempt"])
     return write_manifest(run_path, manifest)
+
+
+def previous_attempts(run_path: Path | str, attempt: int) -> list[dict[str, Any]]:
+    """What the manifest of earlier attempts said about each attempt (created, launch, recovery),
+    read from the manifest this attempt replaces: a restart reuses the run dir, and the file
+    keeps one entry per earlier attempt rather than losing it."""
+    try:
+        old = json.loads(RunDir(run_path).manifest().read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    kept = [a for a in old.get("previous_attempts") or [] if isinstance(a, dict)]
+    old_attempt = int(old.get("attempt") or 0)
+    if old_attempt < attempt:
+        kept.append({
+            "attempt": old_attempt,
+            "created": old.get("created"),
+            "recovery": old.get("recovery"),
+            "launch": {"argv": (old.get("launch") or {}).get("argv"),
+                       "torchelastic": (old.get("launch") or {}).get("torchelastic")},
+        })
+    return [a for a in kept if int(a.get("attempt") or 0) < attempt]
+
+
+def recovery_gaps(manifest: Mapping[str, Any]) -> list[str]:
+    """States a resume did not restore (or did not say it restored), from ``recovery``: why a
+    resumed run can differ from an uninterrupted one. Empty for a run that did not resume."""
+    recovery = manifest.get("recovery")
+    if not isinstance(recovery, Mapping):
+        return []
+    return [*recovery.get("not_restored", []), *recovery.get("not_stated", [])]
 
 
 def check_manifest(run_path: Path | str) -> list[str]:

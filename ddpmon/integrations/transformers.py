@@ -9,8 +9,10 @@ the calling Trainer on the call stack (``Trainer(..., callbacks=[cb])`` or
 ``trainer.add_callback(cb)``) or takes it from ``DdpmonCallback(trainer=...)``; from the Trainer
 it uses the public ``model_wrapped`` and ``accelerator`` (whose GradScaler serves fp16).
 
-Per step it adds no host read: the loss is the model output's ``loss`` tensor (a forward hook),
-and the gradient norm the Trainer logs (``grad_norm``, a Python float it already read) goes to
+Per step it adds no host read. The loss is summed on the device from the model output's ``loss``
+of each micro-batch (a forward hook), weighted as the Trainer weights it, so ``ddpmon_loss`` is
+this rank's loss of the optimizer step, the quantity whose mean over ranks the Trainer logs. The
+gradient norm the Trainer logs (``grad_norm``, a Python float it already read) goes to
 ``mon.observe_grad_norm`` for the step it belongs to.
 """
 
@@ -20,6 +22,7 @@ import logging
 import sys
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainerCallback
 
 from ._common import NormForwarder, attach_monitor, close_monitor
@@ -45,6 +48,9 @@ class DdpmonCallback(TrainerCallback):
         self._trainer = trainer
         self._forwarder: NormForwarder | None = None
         self._loss_hook: Any = None
+        self._step_loss: Any = None
+        self._token_scale = 1
+        self._accumulation: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
@@ -71,10 +77,20 @@ class DdpmonCallback(TrainerCallback):
         if self.monitor is None:
             return
         self._forwarder = NormForwarder(self.monitor, int(state.global_step))
+        # How the Trainer weights a micro-batch's loss into the step's (see _on_model_output).
+        if getattr(args, "average_tokens_across_devices", False):
+            self._token_scale = int(getattr(accelerator, "num_processes", 1) or 1)
+        steps = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        self._accumulation = lambda: getattr(trainer, "current_gradient_accumulation_steps", steps)
         try:
-            self._loss_hook = kwargs["model"].register_forward_hook(self._on_model_output)
+            self._loss_hook = kwargs["model"].register_forward_hook(
+                self._on_model_output, with_kwargs=True
+            )
         except Exception as exc:
             log.debug("ddpmon: no loss hook: %s", exc)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._step_loss = None  # a new optimizer step: its first micro-batch comes next
 
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
@@ -87,12 +103,28 @@ class DdpmonCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()
 
-    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+    def _on_model_output(self, module: Any, args: Any, kwargs: dict, output: Any) -> None:
+        """Add this micro-batch's share to the step's loss, on the device.
+
+        Given ``num_items_in_batch`` the model already divided by the window's token count (of
+        all ranks when ``average_tokens_across_devices``, which the Trainer undoes by the number
+        of processes); otherwise the Trainer divides each micro-batch's mean by the window length.
+        """
         if not module.training or self.monitor is None:
             return
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if loss is not None:
-            self.monitor.observe_loss(loss)  # kept on its device
+        if not isinstance(loss, torch.Tensor):
+            return
+        try:
+            part = loss.detach().float()
+            if kwargs.get("num_items_in_batch") is not None:
+                part = part * self._token_scale
+            elif self._accumulation is not None:
+                part = part / max(1, int(self._accumulation()))
+            self._step_loss = part if self._step_loss is None else self._step_loss + part
+            self.monitor.observe_loss(self._step_loss)  # the running sum; kept on its device
+        except Exception as exc:
+            log.debug("ddpmon: loss not observed: %s", exc)
 
     def _detach(self) -> None:
         if self._loss_hook is not None:

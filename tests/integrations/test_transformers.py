@@ -14,10 +14,12 @@ import pytest
 from tests.support.demo import free_port_pair
 from tests.support.integrations import (
     WorkerRun,
+    by_step,
     check_mismatch,
     check_nan_origin,
     check_norms,
     check_steps,
+    close,
     python,
     run_worker,
 )
@@ -57,6 +59,16 @@ def test_counts_optimizer_steps_not_micro_batches(run: WorkerRun) -> None:
 
 def test_grad_norm_equals_the_trainers_logged_norm(run: WorkerRun) -> None:
     check_norms(run, range(NAN_STEP))
+
+
+def test_loss_is_this_ranks_share_of_the_logged_step_loss(run: WorkerRun) -> None:
+    # logging_steps=1: the Trainer logs the mean over ranks of each rank's step loss.
+    logged = by_step(run.result(0)["trainer_losses"])
+    ours = [by_step(run.result(rank)["ddpmon_losses"]) for rank in (0, 1)]
+    assert set(logged) == set(range(STEPS))
+    for step in range(STEPS):
+        mean = (ours[0][step] + ours[1][step]) / 2
+        assert close(mean, logged[step], 1e-5), (step, ours[0][step], ours[1][step], logged[step])
 
 
 def test_nan_in_one_ranks_gradient_is_named_with_that_rank(run: WorkerRun) -> None:

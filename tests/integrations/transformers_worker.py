@@ -56,12 +56,14 @@ class Recorder(TrainerCallback):
     def __init__(self, ddpmon_cb: DdpmonCallback, out: Path, steps: int) -> None:
         self.cb, self.out, self.steps = ddpmon_cb, out, steps
         self.norms: dict[int, float | None] = {}
+        self.losses: dict[int, float | None] = {}
         self.http_ok = False
 
     def _sample(self) -> None:
         mon = self.cb.monitor
         if mon is not None and mon.state.step >= 0:
             self.norms[mon.state.step] = mon.state.grad_norm
+            self.losses[mon.state.step] = mon.state.loss
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         self._sample()
@@ -76,6 +78,9 @@ class Recorder(TrainerCallback):
             for entry in state.log_history
             if "grad_norm" in entry
         }
+        logged_losses = {
+            entry["step"] - 1: entry["loss"] for entry in state.log_history if "loss" in entry
+        }
         rank = int(os.environ.get("RANK", "0"))
         result = {
             "rank": rank,
@@ -87,6 +92,8 @@ class Recorder(TrainerCallback):
             "scaler": type(getattr(mon, "scaler", None)).__name__,
             "true_norms": {k: _f(v) for k, v in logged.items()},
             "ddpmon_norms": {k: _f(v) for k, v in self.norms.items()},
+            "trainer_losses": {k: _f(v) for k, v in logged_losses.items()},
+            "ddpmon_losses": {k: _f(v) for k, v in self.losses.items()},
             "http_ok": self.http_ok,
             "exposition": mon.exposition.render().decode() if mon is not None else "",
         }
