@@ -75,9 +75,10 @@ def _render(tl, show_steps: bool) -> None:
                           "stopped issuing them, the others wait for it")
     else:
         console.print("[green]No failure recorded.[/green]")
+    _render_recovery(console, tl.recovery)
 
     table = Table(show_lines=False, header_style="bold")
-    for col in ("t (s)", "rank", "step", "kind", "details"):
+    for col in ("t (s)", "attempt", "rank", "step", "kind", "details"):
         table.add_column(col, no_wrap=col != "details")
     hidden = 0
     first_event = _match(tl, ff)
@@ -86,8 +87,8 @@ def _render(tl, show_steps: bool) -> None:
             hidden += 1
             continue
         style = "red" if e is first_event else None
-        table.add_row(f"{e['t_rel']:.3f}", str(e.get("rank")), str(e.get("step")),
-                      str(e.get("kind")), escape(describe(e)), style=style)
+        table.add_row(f"{e['t_rel']:.3f}", str(e.get("attempt", 0)), str(e.get("rank")),
+                      str(e.get("step")), str(e.get("kind")), escape(describe(e)), style=style)
     console.print(table)
     if hidden:
         console.print(f"({hidden} step events hidden; --steps shows them)")
@@ -99,6 +100,48 @@ def _render(tl, show_steps: bool) -> None:
             f"  rank {rank}: {info['ended']}; last event {last.get('kind')} at step "
             f"{last.get('step')} (+{last.get('t_rel', 0):.3f}s){ev}"
         )
+
+
+def _render_recovery(console, rec: dict) -> None:
+    """Attempts on the one clock, the last good checkpoint and what a restart from it costs."""
+    attempts = rec.get("attempts") or []
+    if len(attempts) > 1 or any(a.get("resumed_from") for a in attempts):
+        console.print(f"[bold]Attempts[/bold] ({len(attempts)}, one clock):")
+        for a in attempts:
+            resumed = a.get("resumed_from")
+            how = "fresh start"
+            if resumed:
+                how = f"resumed from step {resumed['step']} ({resumed.get('path')})"
+                if resumed.get("missing"):
+                    how += "; NOT restored: " + ", ".join(resumed["missing"])
+            console.print(
+                f"  attempt {a['attempt']}: +{a['t_rel_start']:.3f}s to +{a['t_rel_end']:.3f}s, "
+                f"{how}, last step {a.get('last_step')}"
+            )
+    if "last_good_checkpoint" not in rec:
+        return
+    good, lost = rec.get("last_good_checkpoint"), rec.get("steps_lost")
+    if good:
+        console.print(
+            f"[bold]Last good checkpoint[/bold] before the first failure: step {good['step']} "
+            f"({good.get('path')}, attempt {good['attempt']}); a restart from it loses "
+            f"{lost if lost is not None else '?'} step(s)"
+        )
+    else:
+        console.print(
+            "[bold]No checkpoint[/bold] before the first failure: a restart loses "
+            f"{lost if lost is not None else 'every'} step(s)"
+        )
+    restarted = rec.get("restarted")
+    if restarted:
+        resumed = restarted.get("resumed_from")
+        where = f"resumed from step {resumed['step']}" if resumed else "started from scratch"
+        console.print(f"  restarted as attempt {restarted['attempt']}: {where}")
+        if resumed and resumed.get("missing"):
+            console.print(
+                "  [yellow]state not restored:[/yellow] " + ", ".join(resumed["missing"])
+                + " (the resumed run can differ from an uninterrupted one)"
+            )
 
 
 def _match(tl, ff):

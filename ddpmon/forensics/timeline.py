@@ -20,6 +20,11 @@ The first failure is chosen by evidence, then time:
 3. consequences: reduced-gradient ``nonfinite``, ``overflow``, ``scale_floor``, SIGTERM/SIGINT
    (the launcher tearing down survivors), communication-error exits, ``thread_exception``.
 Within a class the earliest aligned time wins.
+
+Restarts: every event carries its ``attempt`` (:mod:`ddpmon.forensics.attempts`); crash files
+belong to the attempt running at their mtime, and a rank's attempt without an exit is
+``vanished`` on its own. ``recovery`` adds the attempts, the last good checkpoint before the
+first failure and the steps a restart from it loses.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
+from . import attempts as att
 from .eventlog import read_events, read_progress
 from .watchdog import read_flight_recorder_status
 
@@ -64,12 +70,16 @@ class Timeline:
     world_size: int | None
     missing_ranks: list[int]
     warnings: list[str] = field(default_factory=list)
+    recovery: dict[str, Any] = field(default_factory=dict)
+    """``attempts`` and, after a failure, ``last_good_checkpoint``, ``steps_lost`` and
+    ``restarted`` (see :mod:`ddpmon.forensics.attempts`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "run_path": str(self.run_path),
             "world_size": self.world_size,
             "first_failure": self.first_failure,
+            **self.recovery,
             "ranks": {str(r): v for r, v in sorted(self.ranks.items())},
             "missing_ranks": self.missing_ranks,
             "partial": bool(self.missing_ranks),
@@ -107,6 +117,7 @@ def build_timeline(path: Path | str) -> Timeline:
         if bad:
             warnings.append(f"{f.name}: {bad} unreadable line(s) skipped")
         per_rank[rank] = events
+    rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
 
     ranks: dict[int, dict[str, Any]] = {}
     merged: list[dict[str, Any]] = []
@@ -138,9 +149,18 @@ def build_timeline(path: Path | str) -> Timeline:
         if p is not None:
             progress[rank] = p
 
-    def last_step(rank: int, events: list[dict[str, Any]]) -> int | None:
-        steps = [s for s in (_last_step(events), progress.get(rank, {}).get("step"))
-                 if isinstance(s, int)]
+    by_attempt = {rank: att.progress_by_attempt(rank_starts.get(rank, []), progress.get(rank))
+                  for rank in set(per_rank) | set(progress)}
+
+    def last_step(rank: int, events: list[dict[str, Any]], attempt: int | None = None
+                  ) -> int | None:
+        """Last completed step index of ``rank`` in ``attempt`` (default: its newest)."""
+        if attempt is None:
+            attempt = max((e["attempt"] for e in events if "attempt" in e), default=0)
+        mine = [e for e in events if e.get("attempt", 0) == attempt
+                and e.get("kind") not in (att.SAVE, att.LOAD)]
+        kept = by_attempt.get(rank, {}).get(attempt, {}).get("step")
+        steps = [s for s in (_last_step(mine), kept) if isinstance(s, int)]
         return max(steps) if steps else None
 
     synthetic: list[dict[str, Any]] = []
@@ -150,30 +170,24 @@ def build_timeline(path: Path | str) -> Timeline:
             if ev is not None:
                 offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
                 ev["t"] = ev["ts"] + offset
-                ev["step"] = last_step(rank, per_rank.get(rank, []))
+                ev["attempt"] = att.attempt_at(rank_starts.get(rank, []), ev["ts"])
+                ev["step"] = last_step(rank, per_rank.get(rank, []), ev["attempt"])
                 synthetic.append(ev)
                 ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
                                         "clock_rtt_seconds": None})
     merged.extend(synthetic)
 
-    # Ranks that ended without an exit event or a signal: killed from outside, or still running.
+    # Ranks (per attempt) that ended without an exit event or a signal: killed from outside,
+    # or still running.
     for rank in ranks:
-        mine = [e for e in merged if e.get("rank") == rank]
-        if not mine or any(e.get("kind") in ("exit", "signal") for e in mine):
-            continue
-        last = max(mine, key=lambda e: e["t"])
-        if last.get("kind") == "stall":
-            continue  # hung (or killed while hung): the stall event is the better story
-        ts, t = last.get("ts"), last["t"]
-        p_ts = _num(progress.get(rank, {}).get("ts"), 0.0)
-        if p_ts > _num(ts, 0.0):  # it completed steps after its last event
-            ts, t = p_ts, p_ts + ranks[rank]["clock_offset_seconds"]
-        merged.append({
-            "ts": ts, "t": t, "rank": rank, "step": last_step(rank, mine),
-            "kind": "vanished", "synthetic": True,
-            "detail": f"no exit event or signal after its last event ({last.get('kind')}): "
-                      "killed from outside (SIGKILL, OOM killer), os._exit, or still running",
-        })
+        attempts_seen = sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
+        for attempt in attempts_seen:
+            mine = [e for e in merged if e.get("rank") == rank and e.get("attempt", 0) == attempt]
+            vanished = _vanished(rank, attempt, mine, by_attempt.get(rank, {}).get(attempt, {}),
+                                 ranks[rank]["clock_offset_seconds"])
+            if vanished is not None:
+                vanished["step"] = last_step(rank, mine, attempt)
+                merged.append(vanished)
 
     merged.sort(key=lambda e: (e["t"], e.get("rank", 0)))
     t0 = merged[0]["t"] if merged else 0.0
@@ -195,7 +209,9 @@ def build_timeline(path: Path | str) -> Timeline:
         info["last_step"] = last_step(rank, mine)
         if rank in progress:
             info["progress"] = progress[rank]
-        info["ended"] = _ending(mine)
+        newest = max((e.get("attempt", 0) for e in mine), default=0)
+        info["ended"] = _ending([e for e in mine if e.get("attempt", 0) == newest])
+        info["attempts"] = newest + 1
         info["evidence"] = evidence.get(rank, [])
         if rank in fr_status:
             info["flight_recorder"] = fr_status[rank]
@@ -209,7 +225,33 @@ def build_timeline(path: Path | str) -> Timeline:
         raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
 
     first = _first_failure(merged, fr_status)
-    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings)
+    last_steps = {
+        (rank, a): last_step(rank, [e for e in merged if e.get("rank") == rank], a)
+        for rank in ranks
+        for a in sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
+    }
+    recovery = att.summarize(merged, first, last_steps)
+    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery)
+
+
+def _vanished(rank: int, attempt: int, mine: list[dict[str, Any]], progress: dict[str, Any],
+              offset: float) -> dict[str, Any] | None:
+    """A synthetic ``vanished`` event for one rank's attempt that has no exit or signal."""
+    if not mine or any(e.get("kind") in ("exit", "signal") for e in mine):
+        return None
+    last = max(mine, key=lambda e: e["t"])
+    if last.get("kind") == "stall":
+        return None  # hung (or killed while hung): the stall event is the better story
+    ts, t = last.get("ts"), last["t"]
+    p_ts = _num(progress.get("ts"), 0.0)
+    if p_ts > _num(ts, 0.0):  # it completed steps after its last event
+        ts, t = p_ts, p_ts + offset
+    return {
+        "ts": ts, "t": t, "rank": rank, "step": None, "attempt": attempt,
+        "kind": "vanished", "synthetic": True,
+        "detail": f"no exit event or signal after its last event ({last.get('kind')}): "
+                  "killed from outside (SIGKILL, OOM killer), os._exit, or still running",
+    }
 
 
 def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str, Any] | None:
@@ -234,7 +276,7 @@ def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[st
     if e.get("kind") == "stall" and fr:
         out["flight_recorder"] = {str(r): v.get("last_enqueued_collective") for r, v in fr.items()}
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
-                "exc_type", "message", "code", "idle_seconds", "detail", "frame"):
+                "exc_type", "message", "code", "idle_seconds", "detail", "frame", "attempt"):
         if key in e:
             out[key] = e[key]
     return out
@@ -380,12 +422,16 @@ def describe(e: dict[str, Any]) -> str:
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
     for key in ("param", "tensor", "nonfinite", "origin", "where", "action", "exc_type",
                 "message", "code", "reason", "idle_seconds", "loss_scale", "floor", "frame",
-                "detail"):
+                "detail", "seconds", "not_restored", "not_stated", "error", "path"):
         v = e.get(key)
         if v is None or v == "":
             continue
         if key == "message":
             v = str(v).splitlines()[0][:120] if str(v) else v
+        if isinstance(v, list):
+            if not v:
+                continue
+            v = ",".join(map(str, v))
         if isinstance(v, float):
             v = f"{v:.3g}"
         parts.append(f"{key}={v}")
