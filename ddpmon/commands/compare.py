@@ -27,6 +27,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in ('pyarrow',) if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"ddpmon compare: needs {', '.join(missing)}: pip install 'ddpmon[history]'",
+              file=sys.stderr)
+        return 2
     from ddpmon.forensics.compare import CompareError, compare_runs
 
     try:

@@ -26,6 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in ('pyarrow', 'matplotlib') if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"ddpmon report: needs {', '.join(missing)}: pip install 'ddpmon[report]'",
+              file=sys.stderr)
+        return 2
     from ddpmon.atomic import write_text_atomic
     from ddpmon.forensics.report import ReportError, build_report
 

@@ -233,7 +233,7 @@ def _plots(hists: dict[int, History], other) -> str:
         g = rp.grid({0: first.columns["step"]}, {0: first.columns["step"] * 0.0})
         norms = np.vstack([rp.grid({0: first.columns["step"]}, {0: first.group(n)}).values[0]
                            for n in first.groups])
-        fig, ax = rp.figure("Group norms (reduced), group x step", "", 0.9 + 0.22 *
+        fig, ax = rp.figure("Group norms (reduced), group x step; red: non-finite", "", 0.9 + 0.22 *
                             len(first.groups))
         rp.heatmap(ax, fig, g.x, first.groups, norms)
         out.append(_fig("groups", fig, legend=False))

@@ -85,7 +85,9 @@ def rank_lines(
 
 
 def outliers(values: np.ndarray, med: np.ndarray, k: int = OUTLIERS) -> list[int]:
-    """Indices of the ``k`` rows farthest from the median, by mean |log ratio| (or |diff|)."""
+    """Indices of at most ``k`` rows farthest from the median (mean |log ratio|, or |diff| for
+    values that can be <= 0), and only those that stand out: a score above the ranks' median
+    score plus 5 robust deviations (MAD), so a band of ordinary noise draws no extra line."""
     with np.errstate(all="ignore"), _quiet():
         if np.nanmin(values) > 0 and np.nanmin(med) > 0:
             dev = np.abs(np.log(values / med))
@@ -93,7 +95,13 @@ def outliers(values: np.ndarray, med: np.ndarray, k: int = OUTLIERS) -> list[int
             dev = np.abs(values - med)
         score = np.nanmean(np.where(np.isfinite(dev), dev, np.nan), axis=1)
     score = np.where(np.isfinite(score), score, -1.0)
-    return [int(i) for i in np.argsort(-score)[:k] if score[i] > 0]
+    valid = score[score >= 0]
+    if not len(valid):
+        return []
+    centre = float(np.median(valid))
+    mad = float(np.median(np.abs(valid - centre))) * 1.4826
+    threshold = centre + 5 * max(mad, 1e-12)
+    return [int(i) for i in np.argsort(-score)[:k] if score[i] > threshold]
 
 
 def heatmap(ax, fig, x: np.ndarray, groups: Sequence[str], norms: np.ndarray) -> None:
@@ -102,7 +110,11 @@ def heatmap(ax, fig, x: np.ndarray, groups: Sequence[str], norms: np.ndarray) ->
         data = np.log10(np.where(norms > 0, norms, np.nan))
     data = np.where(np.isfinite(data), data, np.nan)
     extent = (float(x[0]) - 0.5, float(x[-1]) + 0.5, len(groups) - 0.5, -0.5) if len(x) else None
-    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap="viridis", extent=extent)
+    import matplotlib
+
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("#d62728")  # NaN/Inf norms (and bins without data) stand out in red
+    im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, extent=extent)
     im.set_rasterized(True)
     ax.set_yticks(range(len(groups)))
     ax.set_yticklabels([g[:28] for g in groups], fontsize=7)
