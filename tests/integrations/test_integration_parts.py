@@ -21,20 +21,12 @@ def test_import_ddpmon_imports_no_framework() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
 
 
-def test_lightning_callback_subclasses_each_packages_callback() -> None:
-    import lightning.pytorch
-    import pytorch_lightning
-
+def test_lightning_callback_refuses_an_unknown_package() -> None:
+    # Both packages are exercised by the 2-rank runs (test_lightning.py); this checks the choice.
     from ddpmon.integrations import lightning as integ
-    from ddpmon.integrations import pytorch_lightning as pl_integ
 
-    assert issubclass(integ.DdpmonCallback, lightning.pytorch.Callback)
-    assert issubclass(pl_integ.DdpmonCallback, pytorch_lightning.Callback)
-    assert not issubclass(pl_integ.DdpmonCallback, lightning.pytorch.Callback)
     with pytest.raises(ValueError, match="package must be one of"):
         integ.callback_class("torch")
-    with pytest.raises(ValueError, match="grad_norm_key"):
-        integ.DdpmonCallback(grad_norm_key="")
 
 
 def test_transformers_callback_rejects_a_non_trainer() -> None:
