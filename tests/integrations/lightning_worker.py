@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--log-every", type=int, default=1, help="log the norm every N steps")
+    p.add_argument("--log-key", default="grad_norm", help="name the norm is logged under")
     a = p.parse_args()
     pl = importlib.import_module(a.package)
     grad_norm = importlib.import_module(f"{a.package}.utilities").grad_norm
@@ -76,7 +77,7 @@ def main() -> None:
             self.true_norms[step] = total
             reported = total * a.factor if step == a.wrong_step else total
             if step % a.log_every == 0:
-                self.log("grad_norm", reported, on_step=True, on_epoch=False)
+                self.log(a.log_key, reported, on_step=True, on_epoch=False)
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05)
