@@ -69,6 +69,16 @@ SCALAR_COLUMNS = (
 """The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
 GROUPS_COLUMN = "group_norms"
 ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN,)
+COL = {name: i for i, name in enumerate(ROW_FIELDS)}
+"""Position of each field in a row tuple (rows are tuples so the training thread builds them
+cheaply; everyone else indexes them by name through this table)."""
+_NOTABLE = tuple(
+    COL[n]
+    for n in (
+        "grad_nonfinite", "local_nonfinite", "origin", "poisoned", "amp_skipped", "skipped_by"
+    )
+)
+_MEM = COL["memory_bytes"]
 
 
 def journal_path(history: Path) -> Path:
@@ -104,9 +114,9 @@ def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> t
 
 
 def _notable(row: tuple) -> bool:
-    loss = row[2]
+    loss = row[COL["loss"]]
     nonfinite_loss = loss is not None and not math.isfinite(loss)
-    return bool(row[5] or row[6] or row[7] or row[8] or row[10] or row[11] or nonfinite_loss)
+    return nonfinite_loss or any(row[i] for i in _NOTABLE)
 
 
 @dataclass(slots=True)
@@ -128,7 +138,7 @@ class Downsampler:
         ):
             self.stride *= 2
             self.since_change = 0
-        on_stride = self.stride == 1 or row[0] % self.stride == 0
+        on_stride = self.stride == 1 or row[COL["step"]] % self.stride == 0
         if not on_stride:
             if not _notable(row) or self.extra_notable >= self.notable_max:
                 return False
@@ -211,6 +221,11 @@ class HistoryWriter:
 
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
+        try:
+            self._recover()
+        except Exception as exc:
+            self.errors += 1
+            log.error("ddpmon: history %s: could not recover earlier rows: %s", self.path, exc)
         while True:
             stopping = self._stop
             try:
@@ -234,16 +249,43 @@ class HistoryWriter:
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
 
+    def _recover(self) -> None:
+        """An earlier attempt of this run (a restart under the same run id) left a history,
+        maybe a journal and a torn last message: fold its complete rows into one clean stream,
+        atomically, before appending. Rows of another layout (the model changed) are dropped."""
+        if not (self.path.exists() or journal_path(self.path).exists()):
+            return
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        from ..atomic import write_bytes_atomic
+
+        batches = []
+        for p in (self.path, self.journal):
+            if p.exists():
+                got, _, _ = _read_streams(p)
+                batches += [
+                    pa.record_batch(b.columns, schema=self._schema)
+                    for b in got
+                    if b.schema.equals(self._schema, check_metadata=False)
+                ]
+        sink = pa.BufferOutputStream()
+        with ipc.new_stream(sink, self._schema, options=_ipc_options()) as w:
+            for b in batches:
+                w.write_batch(b)
+        write_bytes_atomic(self.path, sink.getvalue().to_pybytes())
+        self.journal.unlink(missing_ok=True)
+
     def _drain(self) -> None:
         mem = None
         while self._queue:
             row = self._queue.popleft()
             if not self.downsampler.keep(row):
                 continue
-            if row[17] is None and self.memory is not None:
+            if row[_MEM] is None and self.memory is not None:
                 if mem is None:
                     mem = self.memory()
-                row = row[:17] + (mem,) + row[18:]
+                row = row[:_MEM] + (mem,) + row[_MEM + 1 :]
             self._pending.append(row)
 
     def _write_journal(self) -> None:
@@ -284,11 +326,16 @@ class HistoryWriter:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, mode)  # noqa: SIM115 - owned by the stream writer
-        writer = ipc.new_stream(
-            handle, self._schema, options=ipc.IpcWriteOptions(compression="zstd")
-        )
+        writer = ipc.new_stream(handle, self._schema, options=_ipc_options())
         writer.sink = handle
         return writer
+
+
+def _ipc_options():
+    """Stream options (a function: pyarrow is imported only when a history is written)."""
+    import pyarrow.ipc as ipc
+
+    return ipc.IpcWriteOptions(compression="zstd")
 
 
 class HistorySink:

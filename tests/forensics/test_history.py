@@ -101,6 +101,21 @@ def test_sigkill_loses_at_most_the_last_flush(tmp_path, procs):
     assert steps == list(range(len(steps)))  # no gap, no duplicate (journal merged)
     assert list(h.columns["grad_norm"][:1000]) == [float(s) for s in range(1000)]
 
+    # a restarted attempt of the same run appends after what the killed one left
+    groups = ("a", "b")
+    w = HistoryWriter(path, groups, flush_seconds=0.05)
+    for s in (5, 6, 100_000):  # steps 5-6 repeated (resumed from a checkpoint), then new ones
+        w.put(row_of(StepRecord(step=s, wall_time=1.0, duration_seconds=0.0,
+                                data_wait_seconds=0.0, grad_norm=-1.0,
+                                group_norms={"a": 1.0, "b": 2.0}), groups, None))
+    w.close()
+    assert not journal_path(path).exists()
+    again = read_history(path)
+    assert not again.torn
+    assert list(again.columns["step"]) == steps + [100_000]
+    assert again.columns["grad_norm"][5] == -1.0  # the later attempt's row wins
+    assert again.columns["grad_norm"][7] == 7.0
+
 
 def test_torn_last_message_is_dropped_and_flagged(tmp_path):
     path = tmp_path / "history.rank0.arrow"
@@ -115,6 +130,18 @@ def test_torn_last_message_is_dropped_and_flagged(tmp_path):
     h = read_history(path)
     assert h.torn
     assert 2 <= len(h) < 6 and list(h.columns["step"]) == list(range(len(h)))
+
+
+def test_two_attempts_append_as_two_streams(tmp_path):
+    path = tmp_path / "history.rank0.arrow"
+    for first in (0, 3):
+        w = HistoryWriter(path, GROUPS, flush_seconds=0.05)
+        for s in range(first, first + 5):
+            w.put(row_of(record(s, loss=float(first)), GROUPS, None))
+        w.close()
+    h = read_history(path)
+    assert list(h.columns["step"]) == list(range(8)) and not h.torn
+    assert list(h.columns["loss"]) == [0.0, 0.0, 0.0, 3.0, 3.0, 3.0, 3.0, 3.0]
 
 
 def test_not_a_history_is_a_clear_error(tmp_path):
