@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test lint bench bench-dashboards stack rules dashboards debs clean
+.PHONY: demo test lint bench bench-dashboards stack rules dashboards debs clean multinode
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,11 @@ dashboards: $(STAMP)
 
 bench-dashboards: $(STAMP) debs
 	$(BIN)/python benchmarks/dashboards_scale.py --write-results
+
+# Two nodes on this machine (network namespaces, needs root): torchrun across them, a daemon
+# per node, one Prometheus; prints what each check sees (tests/multinode).
+multinode: $(STAMP) debs
+	$(BIN)/python -m pytest tests/multinode -s -v -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info ddpmon-runs
