@@ -20,6 +20,19 @@ PORT_PREFIX = "ddpmon-"
 """Container ports are named ``ddpmon-<LOCAL_RANK>`` (port ``7470 + LOCAL_RANK``)."""
 LOCAL_RANKS = 8
 """Ranks per pod the PodMonitor covers (one per GPU of an 8-GPU node)."""
+RUN_LABEL = "ddpmon.io/run"
+"""Pod label holding the run id (the agent's ``run_id``), copied to the targets' ``run``."""
+RANK_LABEL = "ddpmon.io/rank"
+"""Pod label holding the global rank of a one-rank pod; a pod of several ranks gives rank of its
+local rank ``i`` in ``ddpmon.io/rank-<i>``. Copied to the targets' ``rank``, so ``up`` (hence
+DdpmonRankDown and its inhibitions) names the run and rank even when the process is gone."""
+
+
+def _meta(pod_label: str) -> str:
+    """Prometheus' meta label for a pod label (non-alphanumerics become underscores)."""
+    return "__meta_kubernetes_pod_label_" + "".join(
+        ch if ch.isalnum() else "_" for ch in pod_label
+    )
 
 
 def _job_name(cfg: MixinConfig) -> str:
@@ -47,8 +60,31 @@ def pod_monitor(cfg: MixinConfig, *, interval: str = "15s") -> dict[str, Any]:
                     {"action": "replace", "targetLabel": "job", "replacement": job},
                     {
                         "action": "replace",
+                        "sourceLabels": [_meta(RUN_LABEL)],
+                        "regex": "(.+)",
+                        "targetLabel": "run",
+                    },
+                    {
+                        "action": "replace",
+                        "sourceLabels": [_meta(RANK_LABEL)],
+                        "regex": "(.+)",
+                        "targetLabel": "rank",
+                    },
+                    {
+                        "action": "replace",
+                        "sourceLabels": [_meta(f"{RANK_LABEL}-{local_rank}")],
+                        "regex": "(.+)",
+                        "targetLabel": "rank",
+                    },
+                    {
+                        "action": "replace",
+                        "targetLabel": "local_rank",
+                        "replacement": str(local_rank),
+                    },
+                    {
+                        "action": "replace",
                         "sourceLabels": ["__meta_kubernetes_pod_node_name"],
-                        "targetLabel": "k8s_node",
+                        "targetLabel": "node",
                     },
                     {
                         "action": "replace",

@@ -35,8 +35,10 @@ def test_benchmark_runs_every_panel_query(tmp_path: Path, capsys) -> None:
     assert "Series: " in out and "0 of " in out
     rows = [line for line in out.splitlines() if line.startswith("| Run overview |")]
     assert len(rows) >= 40
-    # Per-rank heatmaps see every rank; the rank table lists them all.
-    assert any("| Ranks | A |" in r and r.rstrip(" |").endswith("8") for r in rows), rows
+    # Distributions see every rank; the rank-health table lists them all (problems column).
+    assert any(
+        "| Rank health, worst first | A |" in r and r.rstrip(" |").endswith(" 8") for r in rows
+    ), rows
     # The synthetic duplicated shard (2 ranks) is what the identical-batch panel draws.
     assert any(
         "| Identical batches across ranks | A |" in r and r.rstrip(" |").endswith(" 2")

@@ -82,6 +82,18 @@ def test_podmonitor_matches_the_crd() -> None:
         r["replacement"] for e in endpoints for r in e["relabelings"] if r["targetLabel"] == "job"
     }
     assert {f'job="{j}"' for j in job} == {MixinConfig().job_selector}
+    # `up` of a dead rank must carry run and rank (RankDown's description, the inhibitions).
+    for i, endpoint in enumerate(endpoints):
+        sources = {
+            r["targetLabel"]: r.get("sourceLabels", []) for r in endpoint["relabelings"]
+        }
+        assert sources["run"] == ["__meta_kubernetes_pod_label_ddpmon_io_run"]
+        ranks = [r for r in endpoint["relabelings"] if r["targetLabel"] == "rank"]
+        assert [r["sourceLabels"] for r in ranks] == [
+            ["__meta_kubernetes_pod_label_ddpmon_io_rank"],
+            [f"__meta_kubernetes_pod_label_ddpmon_io_rank_{i}"],
+        ]
+        assert all(r["regex"] == "(.+)" for r in ranks)  # an absent label keeps the other
 
 
 def test_crd_validation_can_fail() -> None:

@@ -35,7 +35,9 @@ def test_identity_tags_and_variables(uid: str) -> None:
     assert doc["title"] in (d.OVERVIEW_TITLE, d.DETAIL_TITLE)
     assert doc["tags"] == MixinConfig().dashboard_tags
     variables = {v["name"]: v for v in doc["templating"]["list"]}
-    assert list(variables) == ["datasource", "run", "rank"]
+    assert list(variables) == ["datasource", "cluster", "run", "rank"]
+    assert variables["cluster"]["includeAll"] and variables["cluster"]["allValue"] == ".*"
+    assert doc["timezone"] == "utc"
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
     assert "ddpmon_rank_info" in variables["rank"]["query"]
@@ -70,7 +72,8 @@ def test_rates_use_rate_interval(uid: str) -> None:
             after = expr[m.end() :]
             assert after.startswith(" @ end()") or "last_over_time" in expr, expr
         if re.search(r"\b(rate|irate|increase)\(", expr):
-            assert "[$__rate_interval]" in expr, expr
+            # Per interval, or once over the whole range (instant stats).
+            assert "[$__rate_interval]" in expr or "[$__range] @ end()" in expr, expr
 
 
 def test_overview_rows_follow_the_layers() -> None:
@@ -85,8 +88,13 @@ def test_overview_rows_follow_the_layers() -> None:
 def test_overview_has_the_issue_panels() -> None:
     titles = {p["title"] for p in panels(BOARDS[d.OVERVIEW_UID])}
     for needed in (
+        "Rank health, worst first",
+        "Down or missing ranks",
+        "Agent probe errors",
+        "Versions",
         "Loss",
-        "Global grad norm per rank",
+        "Global grad norm",
+        "Grad-norm spread across ranks",
         "Local pre-all-reduce grad norm per rank",
         "Non-finite steps",
         "Non-finite origin ranks",
@@ -103,7 +111,9 @@ def test_overview_has_the_issue_panels() -> None:
         "All-reduce p99 across ranks",
         "All-reduce latency per rank",
         "All-reduce bytes",
-        "Step-time skew vs run median",
+        "Compute-time skew vs run median",
+        "All-reduce p99 by node",
+        "OOMs and allocator retries",
         "Step drift between ranks",
     ):
         assert needed in titles, needed
@@ -124,15 +134,17 @@ def test_overview_links_to_rank_detail() -> None:
     doc = BOARDS[d.OVERVIEW_UID]
     text = str(doc)
     assert f"/d/{d.DETAIL_UID}/" in text
-    ranks = next(p for p in panels(doc) if p["title"] == "Ranks")
-    links = ranks["fieldConfig"]["overrides"][0]["properties"][0]["value"]
+    ranks = next(p for p in panels(doc) if p["title"] == "Rank health, worst first")
+    overrides = ranks["fieldConfig"]["overrides"]
+    (override,) = [o for o in overrides if o["matcher"]["options"] == "rank"]
+    links = override["properties"][0]["value"]
     assert "var-rank=${__value.raw}" in links[0]["url"]
     linked = [p for p in panels(doc) if p["fieldConfig"]["defaults"].get("links")]
     assert len(linked) >= 10
 
 
 def test_per_rank_overview_panels_are_bounded_at_scale() -> None:
-    """At 1024 ranks a time series panel draws only top/bottom-k ranks or run aggregates."""
+    """At 1024 ranks a time series panel draws only k ranks (or nodes) or run aggregates."""
     k = MixinConfig().dashboard_topk
     spec = d.specs()[0]
     for row in spec.rows:
@@ -141,7 +153,7 @@ def test_per_rank_overview_panels_are_bounded_at_scale() -> None:
                 continue
             for q in p.queries:
                 bounded = re.search(
-                    rf" and on \(rank\) (topk|bottomk)\({k}, ", q.expr
+                    rf" and on \((rank|node)\) (topk|bottomk)\({k}, ", q.expr
                 ) or RUN_AGG.match(q.expr)
                 assert bounded, (p.title, q.expr)
 
@@ -192,3 +204,68 @@ def test_recorded_series_come_from_the_shipped_recording_rules() -> None:
         assert not re.search(r"\b(?:rank|run):ddpmon_", rules[name]), (
             f"{name} is computed from another rule"
         )
+
+
+def _panel(uid: str, title: str) -> dict:
+    return next(p for p in panels(BOARDS[uid]) if p["title"] == title)
+
+
+def _base_color(panel: dict) -> str:
+    return panel["fieldConfig"]["defaults"]["thresholds"]["steps"][0]["color"]
+
+
+def test_worst_first_rank_health_table() -> None:
+    table = _panel(d.OVERVIEW_UID, "Rank health, worst first")
+    assert table["options"]["sortBy"] == [{"displayName": "problems", "desc": True}]
+    assert [t["id"] for t in table["transformations"]][:2] == ["merge", "organize"]
+    renamed = table["transformations"][1]["options"]["renameByName"]
+    assert set(renamed.values()) >= {"problems", "up", "heartbeat age s", "steps behind",
+                                     "compute skew", "data wait share", "memory headroom",
+                                     "firing alerts"}
+    assert all(t["instant"] and t["format"] == "table" for t in table["targets"])
+    down = _panel(d.OVERVIEW_UID, "Down or missing ranks")
+    assert "up{" in down["targets"][0]["expr"] and "== 0" in down["targets"][0]["expr"]
+
+
+def test_units_and_colours() -> None:
+    """The unit and colour defects of issue 15: power in watts, XID not a percentage, no OOM
+    count on a ratio axis, red for "no" and for missing ranks, table legends with last/max."""
+    assert _panel(d.DETAIL_UID, "GPU power (NVML)")["fieldConfig"]["defaults"]["unit"] == "watt"
+    temp = _panel(d.DETAIL_UID, "GPU temperature (NVML)")
+    assert temp["fieldConfig"]["defaults"]["unit"] == "celsius" and len(temp["targets"]) == 1
+    xid = _panel(d.DETAIL_UID, "DCGM: last XID error")
+    assert xid["fieldConfig"]["defaults"]["unit"] == "none"
+    dcgm = _panel(d.DETAIL_UID, "DCGM: this rank's GPU")
+    assert not any("XID" in t["expr"] for t in dcgm["targets"])
+    headroom = _panel(d.OVERVIEW_UID, "Headroom to OOM")
+    assert not any("ooms" in t["expr"] for t in headroom["targets"])
+    for uid, title in ((d.DETAIL_UID, "Collectors"), (d.DETAIL_UID, "Up"),
+                       (d.OVERVIEW_UID, "Ranks reporting")):
+        assert _base_color(_panel(uid, title)) == "red", title
+    for doc in BOARDS.values():
+        for p in panels(doc):
+            if p["type"] == "timeseries":
+                legend = p["options"]["legend"]
+                assert legend["displayMode"] == "table", p["title"]
+                assert legend["calcs"] == ["lastNotNull", "max"], p["title"]
+
+
+def test_no_top_and_bottom_of_the_same_series() -> None:
+    for p in panels(BOARDS[d.OVERVIEW_UID]):
+        tops = {m for t in p["targets"] for m in re.findall(r"topk\(\d+, \w+\((\w+)", t["expr"])}
+        bottoms = {
+            m for t in p["targets"] for m in re.findall(r"bottomk\(\d+, \w+\((\w+)", t["expr"])
+        }
+        assert not tops & bottoms, p["title"]
+
+
+def test_distributions_not_rows_per_rank() -> None:
+    for p in panels(BOARDS[d.OVERVIEW_UID]):
+        if p["type"] == "heatmap":
+            assert p["options"]["calculate"] is True, p["title"]
+
+
+def test_alert_annotation_is_per_run_not_per_series() -> None:
+    for doc in BOARDS.values():
+        (alerts,) = [a for a in doc["annotations"]["list"] if a["name"] == "Firing ddpmon alerts"]
+        assert alerts["expr"].startswith("count by (run, alertname, severity) (ALERTS{")

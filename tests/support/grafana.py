@@ -74,6 +74,7 @@ def panel_queries(
         if v.get("includeAll") and v.get("allValue")
     }
     env = {
+        "cluster": "All",  # the dashboards' default
         "__rate_interval": rate_interval,
         "__interval": interval,
         "__range": range_,
@@ -109,9 +110,9 @@ def annotation_queries(
     dashboard: Mapping[str, Any], variables: Mapping[str, Any], *, rate_interval: str = "2m"
 ) -> list[tuple[str, str]]:
     """``(annotation name, expr)`` for every Prometheus annotation, variables resolved."""
-    env = {"__rate_interval": rate_interval, "__interval": "30s", **variables}
+    env = {"cluster": "All", "__rate_interval": rate_interval, "__interval": "30s", **variables}
     return [
-        (a["name"], resolve(a["expr"], env, all_values={"rank": ".*"}))
+        (a["name"], resolve(a["expr"], env, all_values={"rank": ".*", "cluster": ".*"}))
         for a in dashboard.get("annotations", {}).get("list", [])
         if a.get("expr")
     ]

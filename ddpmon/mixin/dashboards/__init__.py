@@ -15,6 +15,7 @@ from typing import Any
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards import detail, overview
 from ddpmon.mixin.dashboards.model import (
+    ANY,
     COVERAGES,
     DCGM,
     DETAIL_TITLE,
@@ -27,6 +28,7 @@ from ddpmon.mixin.dashboards.model import (
     GPU,
     OVERVIEW_TITLE,
     OVERVIEW_UID,
+    QUIET,
     RUN,
     Annotation,
     DashboardSpec,
@@ -36,6 +38,7 @@ from ddpmon.mixin.dashboards.model import (
 )
 
 __all__ = [
+    "ANY", "QUIET",
     "COVERAGES", "DCGM", "DETAIL_TITLE", "DETAIL_UID", "DUP_DATA", "EVERY_RANK",
     "EXEMPT_REASONS", "FAULT", "FILENAMES", "GPU", "OVERVIEW_TITLE", "OVERVIEW_UID", "RUN",
     "Annotation", "DashboardSpec", "PanelSpec", "Query", "RowSpec",

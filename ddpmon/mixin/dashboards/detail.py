@@ -10,6 +10,7 @@ from typing import Any
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards import common
 from ddpmon.mixin.dashboards.model import (
+    ANY,
     DCGM,
     DETAIL_TITLE,
     DETAIL_UID,
@@ -31,16 +32,35 @@ def _rank_row(q: Any, cfg: MixinConfig) -> RowSpec:
         "Rank",
         (
             PanelSpec(
+                "Up", "stat", "bool_yes_no",
+                (q(Q.UP, "scraped", instant=True),),
+                "Whether Prometheus can scrape this rank now (DdpmonRankDown when not).",
+                width=3, height=5, base_color="red", thresholds=((1, "green"),),
+            ),
+            PanelSpec(
                 "Identity", "table", "none",
                 (q(Q.IDENTITY, instant=True, fmt="table"),),
                 "Where this rank runs; gpu_uuid joins it to dcgm-exporter series.",
-                width=16, height=5, hide_columns=("Time", "Value"),
+                width=9, height=5, hide_columns=("Time", "Value"),
+            ),
+            PanelSpec(
+                "Build", "table", "none",
+                (q(Q.BUILD, coverage=RUN, instant=True, fmt="table"),),
+                "ddpmon, torch, CUDA, NCCL and Python versions of this rank.",
+                width=6, height=5, hide_columns=("Time", "Value"),
             ),
             PanelSpec(
                 "Collectors", "stat", "bool_yes_no",
                 (q(Q.COLLECTORS, "{{collector}}", instant=True),),
                 "Whether each live reading works here (NVML and allocator are 'no' on CPU).",
-                width=8, height=5,
+                width=6, height=5, base_color="red", thresholds=((1, "green"),),
+            ),
+            PanelSpec(
+                "Agent errors", "timeseries", "short",
+                (q(Q.AGENT_ERRORS, "{{probe}}", ANY),),
+                "Probe failures per rate interval, by probe (training goes on; the series the "
+                "probe feeds are missing). Empty when healthy.",
+                width=24, height=5,
             ),
         ),
     )
@@ -187,9 +207,10 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 "Gradient bytes all-reduced per second.",
             ),
             PanelSpec(
-                "Step time vs run median", "timeseries", "suffix:×",
-                (q(Q.STEP_SKEW, "rank {{rank}}"),),
-                "Above the red line this rank is a straggler.",
+                "Compute time vs run median", "timeseries", "suffix:×",
+                (q(Q.COMPUTE_SKEW, "rank {{rank}}"),),
+                "This rank's compute time per step (step minus all-reduce) over the run "
+                "median; above the red line it is a straggler.",
                 thresholds=((cfg.straggler_ratio, "red"),),
             ),
             PanelSpec(
@@ -213,12 +234,16 @@ def _gpu_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 width=8,
             ),
             PanelSpec(
-                "GPU temperature and power (NVML)", "timeseries", "celsius",
-                (
-                    q(Q.GPU_TEMP, "temperature gpu {{gpu}}", GPU),
-                    q(Q.GPU_POWER, "power gpu {{gpu}}", GPU),
-                ),
-                "Temperature (left axis) and power draw (watts, right axis).",
+                "GPU temperature (NVML)", "timeseries", "celsius",
+                (q(Q.GPU_TEMP, "gpu {{gpu}}", GPU),),
+                "Temperature of this rank's GPU; throttling starts in the 80s.",
+                width=8,
+            ),
+            PanelSpec(
+                "GPU power (NVML)", "timeseries", "watt",
+                (q(Q.GPU_POWER, "gpu {{gpu}}", GPU),),
+                "Power draw of this rank's GPU; a rank far below its peers is idle or "
+                "throttled.",
                 width=8,
             ),
             PanelSpec(
@@ -226,10 +251,16 @@ def _gpu_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 (
                     q(Q.dcgm("DCGM_FI_DEV_GPU_UTIL", cfg), "utilisation %", DCGM),
                     q(Q.dcgm("DCGM_FI_DEV_MEM_COPY_UTIL", cfg), "memory copy %", DCGM),
-                    q(Q.dcgm("DCGM_FI_DEV_XID_ERRORS", cfg), "last XID", DCGM),
                 ),
                 "dcgm-exporter series of the GPU this rank uses, joined by gpu_uuid = UUID.",
-                width=8,
+                width=12,
+            ),
+            PanelSpec(
+                "DCGM: last XID error", "stat", "none",
+                (q(Q.dcgm("DCGM_FI_DEV_XID_ERRORS", cfg), "last XID", DCGM),),
+                "The last XID error code the driver reported for this GPU (0: none); see "
+                "NVIDIA's XID catalogue.",
+                width=12, thresholds=((1, "red"),),
             ),
         ),
     )

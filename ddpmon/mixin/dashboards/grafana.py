@@ -17,6 +17,7 @@ def _rank_link(title: str = "Rank detail: rank ${__field.labels.rank}") -> dict[
     return {
         "title": title,
         "url": f"/d/{DETAIL_UID}/ddpmon-rank-detail?var-datasource=${{datasource}}"
+        "&var-cluster=${cluster}"
         "&var-run=${__field.labels.run}&var-rank=${__field.labels.rank}&${__url_time_range}",
     }
 
@@ -33,11 +34,23 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
 
     ds = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
     job = base_matchers(cfg)
+    cluster_var = (
+        db.QueryVariable("cluster")
+        .label("Cluster")
+        .datasource(ds)
+        .query(f"label_values(ddpmon_rank_info{{{job}}}, cluster)")
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(dm.VariableSort.ALPHABETICAL_ASC)
+        .include_all(True)
+        # Matches series without a cluster label too (a single-cluster Prometheus).
+        .all_value(".*")
+        .current(dm.VariableOption(selected=True, text="All", value="$__all"))
+    )
     run_var = (
         db.QueryVariable("run")
         .label("Run")
         .datasource(ds)
-        .query(f"label_values(ddpmon_rank_info{{{job}}}, run)")
+        .query(f'label_values(ddpmon_rank_info{{{job}, cluster=~"$cluster"}}, run)')
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dm.VariableSort.ALPHABETICAL_DESC)
     )
@@ -45,7 +58,7 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
         db.QueryVariable("rank")
         .label("Rank")
         .datasource(ds)
-        .query(f'label_values(ddpmon_rank_info{{{job}, run="$run"}}, rank)')
+        .query(f'label_values(ddpmon_rank_info{{{job}, cluster=~"$cluster", run="$run"}}, rank)')
         .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
         .sort(dm.VariableSort.NUMERICAL_ASC)
     )
@@ -67,9 +80,10 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
         .tags(list(cfg.dashboard_tags))
         .refresh(cfg.dashboard_refresh)
         .time("now-1h", "now")
-        .timezone("browser")
+        .timezone("utc")
         .tooltip(dm.DashboardCursorSync.CROSSHAIR)
         .with_variable(ds_var)
+        .with_variable(cluster_var)
         .with_variable(run_var)
         .with_variable(rank_var)
         .link(
@@ -99,8 +113,11 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                     timeseries.Panel()
                     .legend(
                         cb.VizLegendOptions()
-                        .display_mode(cm.LegendDisplayMode.LIST)
+                        .display_mode(cm.LegendDisplayMode.TABLE)
                         .placement(cm.LegendPlacement.BOTTOM)
+                        .calcs(["lastNotNull", "max"])
+                        .sort_by("Max")
+                        .sort_desc(True)
                         .show_legend(True)
                     )
                     .tooltip(
@@ -137,7 +154,7 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                 buckets = p.queries[0].fmt == "heatmap"
                 builder = (
                     heatmap.Panel()
-                    .calculate(False)
+                    .calculate(p.distribution)
                     .color(
                         heatmap.HeatmapColorOptions()
                         .mode(_heatmap_enum("HeatmapColorMode", "SCHEME"))
@@ -151,7 +168,17 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                     .show_tooltip()
                     .show_legend()
                 )
-                if buckets:
+                if p.distribution:
+                    # Grafana bins the per-rank values: y = value bucket, cells = ranks.
+                    builder = builder.calculation(
+                        cb.HeatmapCalculationOptions().y_buckets(
+                            cb.HeatmapCalculationBucketConfig().scale(
+                                cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(2)
+                            )
+                        )
+                    ).y_axis(heatmap.YAxisConfig().unit(p.unit))
+                    builder = builder.cell_values(heatmap.CellValues().unit("short"))
+                elif buckets:
                     builder = builder.rows_frame(
                         heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.LE)
                     )
@@ -161,6 +188,27 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                     )
             elif p.kind == "table":
                 builder = table.Panel()
+                if p.columns:
+                    # One row per rank: merge the per-column queries, name the value columns.
+                    builder = builder.with_transformation(
+                        dm.DataTransformerConfig(id_val="merge", options={})
+                    ).with_transformation(
+                        dm.DataTransformerConfig(
+                            id_val="organize",
+                            options={
+                                "excludeByName": {"Time": True},
+                                "renameByName": {f"Value #{r}": n for r, n in p.columns},
+                                "indexByName": {
+                                    "rank": 0,
+                                    **{n: i + 1 for i, (_r, n) in enumerate(p.columns)},
+                                },
+                            },
+                        )
+                    )
+                if p.sort_by:
+                    builder = builder.sort_by(
+                        [cb.TableSortByFieldState().display_name(p.sort_by).desc(True)]
+                    )
                 if p.hide_columns:
                     builder = builder.with_transformation(
                         dm.DataTransformerConfig(
@@ -178,7 +226,8 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                                     {
                                         "title": "Rank detail: rank ${__value.raw}",
                                         "url": f"/d/{DETAIL_UID}/ddpmon-rank-detail?"
-                                        "var-datasource=${datasource}&var-run=${run}"
+                                        "var-datasource=${datasource}&var-cluster=${cluster}"
+                                        "&var-run=${run}"
                                         "&var-rank=${__value.raw}&${__url_time_range}",
                                     }
                                 ],
@@ -198,7 +247,9 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                 .span(p.width)
                 .height(p.height)
             )
-            steps = [dm.Threshold(None, "green"), *(dm.Threshold(v, c) for v, c in p.thresholds)]
+            steps = [
+                dm.Threshold(None, p.base_color), *(dm.Threshold(v, c) for v, c in p.thresholds)
+            ]
             builder = builder.thresholds(
                 db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(steps)
             )

@@ -31,7 +31,12 @@ GPU = "gpu"
 """Needs CUDA (torch allocator) or NVML; a CPU run exposes ``ddpmon_collector_success 0``."""
 DCGM = "dcgm"
 """Needs dcgm-exporter scraped by the same Prometheus (joined on ``gpu_uuid``)."""
-COVERAGES = (EVERY_RANK, RUN, FAULT, DUP_DATA, GPU, DCGM)
+QUIET = "quiet"
+"""Has no data in a healthy run (down or missing ranks): the live test asserts it is empty."""
+ANY = "any"
+"""May be empty in a live run (per-rank alerts that take minutes to fire, norms compared at the
+same step): the live test only checks that it runs."""
+COVERAGES = (EVERY_RANK, RUN, FAULT, DUP_DATA, GPU, DCGM, QUIET, ANY)
 
 EXEMPT_REASONS = {
     GPU: "needs a CUDA device: torch allocator statistics and NVML readings do not exist on CPU",
@@ -69,6 +74,16 @@ class PanelSpec:
     rank_links: bool = False
     """Series link to the rank-detail dashboard of the rank under the cursor."""
     hide_columns: tuple[str, ...] = ()
+    base_color: str = "green"
+    """Colour below the first threshold (red for "higher is better" stats)."""
+    columns: tuple[tuple[str, str], ...] = ()
+    """Table: merge the queries into one row per rank and rename ``Value #<refId>`` columns,
+    ``(refId, name)``."""
+    sort_by: str = ""
+    """Table: the column sorted descending (worst first)."""
+    distribution: bool = False
+    """Heatmap: Grafana bins the per-rank values (y = value bucket, colour = number of ranks),
+    which stays readable at 1024 ranks where one row per rank would not."""
 
 
 @dataclass(frozen=True, slots=True)

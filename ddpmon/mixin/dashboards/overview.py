@@ -10,12 +10,14 @@ from typing import Any
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards import common
 from ddpmon.mixin.dashboards.model import (
+    ANY,
     DUP_DATA,
     EVERY_RANK,
     FAULT,
     GPU,
     OVERVIEW_TITLE,
     OVERVIEW_UID,
+    QUIET,
     RUN,
     DashboardSpec,
     PanelSpec,
@@ -27,38 +29,78 @@ from ddpmon.mixin.dashboards.queries import overview as Q
 
 
 def _run_row(q: Any, cfg: MixinConfig) -> RowSpec:
+    health = Q.rank_health(cfg)
+    coverage = {"A": EVERY_RANK, "B": EVERY_RANK, "C": EVERY_RANK, "D": EVERY_RANK,
+                "E": EVERY_RANK, "F": EVERY_RANK, "G": GPU, "H": ANY}
     return RowSpec(
         "Run",
         (
             PanelSpec(
-                "Ranks reporting", "stat", "short",
-                (q(Q.RANKS_REPORTING, "reporting", RUN), q(Q.WORLD_SIZE, "world size", RUN)),
-                "Ranks whose endpoint Prometheus scrapes, against the world size they report.",
-                width=6, height=5,
-            ),
-            PanelSpec(
-                "Latest step", "stat", "short",
-                (q(Q.STEP_LEADER, "leader", RUN), q(Q.STEP_SLOWEST, "slowest", RUN)),
-                "Step index of the most and least advanced rank.",
-                width=6, height=5,
+                "Ranks reporting", "stat", "percentunit",
+                (q(Q.REPORTING_RATIO, "of world size", RUN),),
+                "Ranks whose endpoint Prometheus scrapes, as a share of the world size they "
+                "report: red below 100%.",
+                width=4, height=5, base_color="red", thresholds=((1, "green"),),
             ),
             PanelSpec(
                 "Heartbeat age (oldest rank)", "stat", "s",
                 (q(Q.HEARTBEAT_AGE, "age", RUN),),
                 "Seconds since the least recent completed step on any rank; a hang grows it.",
-                width=6, height=5, thresholds=((cfg.stall_seconds, "red"),),
+                width=4, height=5, thresholds=((cfg.stall_seconds, "red"),),
+            ),
+            PanelSpec(
+                "Latest step", "stat", "short",
+                (q(Q.STEP_LEADER, "leader", RUN), q(Q.STEP_SLOWEST, "slowest", RUN)),
+                "Step index of the most and least advanced rank.",
+                width=4, height=5,
             ),
             PanelSpec(
                 "Firing ddpmon alerts", "stat", "short",
                 (q(Q.FIRING_ALERTS, "firing", RUN),),
                 "Alerts of this run that fire now (see the annotations on every panel).",
-                width=6, height=5, thresholds=((1, "red"),),
+                width=4, height=5, thresholds=((1, "red"),),
             ),
             PanelSpec(
-                "Ranks", "table", "none",
-                (q(Q.RANK_TABLE, coverage=EVERY_RANK, instant=True, fmt="table"),),
-                "One row per rank; click a rank for its detail dashboard.",
-                width=24, height=6, rank_links=True, hide_columns=("Time", "Value"),
+                "Agent probe errors", "stat", "short",
+                (q(Q.AGENT_ERRORS, "errors", RUN, instant=True),),
+                "Probe failures of the ddpmon agents in the time range (training goes on; the "
+                "series they feed are missing). DdpmonAgentUnhealthy fires when they keep "
+                "rising.",
+                width=4, height=5, thresholds=((1, "orange"),),
+            ),
+            PanelSpec(
+                "Versions", "table", "none",
+                (q(Q.VERSIONS, coverage=RUN, instant=True, fmt="table"),),
+                "Distinct ddpmon/torch/CUDA/NCCL/Python versions across the ranks, with the "
+                "number of ranks on each: more than one row is a mixed installation.",
+                width=4, height=5, hide_columns=("Time",),
+            ),
+            PanelSpec(
+                "Rank health, worst first", "table", "none",
+                tuple(
+                    q(expr, coverage=coverage[ref], instant=True, fmt="table")
+                    for ref, expr in health.items()
+                ),
+                "One row per rank, the ranks with most problems first: down, stalled (heartbeat "
+                "past the stall threshold), behind the leader, straggling (compute skew), "
+                "starved of data, short of memory. Click a rank for its detail dashboard.",
+                width=18, height=10, rank_links=True,
+                columns=(
+                    ("A", "problems"), ("B", "up"), ("C", "heartbeat age s"),
+                    ("D", "steps behind"), ("E", "compute skew"), ("F", "data wait share"),
+                    ("G", "memory headroom"), ("H", "firing alerts"),
+                ),
+                sort_by="problems",
+            ),
+            PanelSpec(
+                "Down or missing ranks", "table", "none",
+                (
+                    q(Q.DOWN_RANKS, coverage=QUIET, instant=True, fmt="table"),
+                    q(Q.MISSING_RANKS, coverage=QUIET, instant=True, fmt="table"),
+                ),
+                "Ranks Prometheus cannot scrape (up = 0: the process died or hangs hard) and "
+                "ranks seen in the time range that stopped reporting. Empty when healthy.",
+                width=6, height=10, rank_links=True, hide_columns=("Time", "Value"),
             ),
         ),
     )
@@ -75,18 +117,25 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 dashed_series=("run median",), rank_links=True,
             ),
             PanelSpec(
-                "Global grad norm per rank", "timeseries", "none",
-                (q(Q.GRAD_NORM_TOP, "top {{rank}}"), q(Q.GRAD_NORM_BOTTOM, "bottom {{rank}}")),
-                "L2 norm of the unscaled gradients after the all-reduce. All ranks of a "
-                "healthy DDP run agree: a gap between top and bottom is a replica desync.",
-                log_scale=True, rank_links=True,
+                "Global grad norm", "timeseries", "none",
+                (q(Q.GRAD_NORM_RUN, "largest finite", RUN),),
+                "L2 norm of the unscaled gradients after the all-reduce (identical on every "
+                "rank of a healthy DDP run): the largest finite value across ranks.",
+                log_scale=True,
+            ),
+            PanelSpec(
+                "Grad-norm spread across ranks", "timeseries", "percentunit",
+                (q(Q.GRAD_NORM_SPREAD, "spread at the same step", ANY),),
+                "(max - min) / max of the post-all-reduce norms of ranks at the same step; "
+                "DdpmonGradDesync fires above the red line. Empty when no two ranks were "
+                "scraped at the same step.",
+                thresholds=((cfg.grad_desync_relative, "red"),),
             ),
             PanelSpec(
                 "Local pre-all-reduce grad norm per rank", "timeseries", "none",
                 (
                     q(Q.LOCAL_NORM_MEDIAN, "run median", RUN),
                     q(Q.LOCAL_NORM_TOP, "top {{rank}}"),
-                    q(Q.LOCAL_NORM_BOTTOM, "bottom {{rank}}"),
                 ),
                 "This rank's own gradient norm before averaging: the rank whose data or "
                 "numerics go wrong stands out here before the all-reduce spreads it.",
@@ -112,18 +161,18 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Loss scale per rank", "timeseries", "short",
                 (
-                    q(Q.LOSS_SCALE_TOP, "top {{rank}}"),
-                    q(Q.LOSS_SCALE_BOTTOM, "bottom {{rank}}"),
+                    q(Q.LOSS_SCALE_LOWEST, "lowest {{rank}}"),
                     q(Q.LOSS_SCALE_FLOOR, "floor", RUN),
                 ),
-                "AMP GradScaler scale; the dashed red line is the configured floor, at which "
-                "DdpmonLossScaleAtFloor fires.",
+                "AMP GradScaler scale of the k ranks with the lowest scale; the dashed red "
+                "line is the configured floor, at which DdpmonLossScaleAtFloor fires.",
                 log_scale=True, dashed_series=("floor",), rank_links=True,
             ),
             PanelSpec(
                 "Skipped steps", "timeseries", "percentunit",
                 (q(Q.SKIPPED_TOP, "rank {{rank}}"),),
-                "Fraction of steps the GradScaler skipped (inf/NaN found).",
+                "Fraction of steps the GradScaler skipped (inf/NaN found and absorbed: "
+                "visible, never paged; DdpmonLossScaleCollapsing warns above the red line).",
                 thresholds=((cfg.loss_scale_collapse_ratio, "red"),), rank_links=True,
             ),
         ),
@@ -144,7 +193,9 @@ def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Data wait across ranks", "heatmap", "s",
                 (q(Q.DATA_WAIT_HEATMAP, "{{rank}}"),),
-                "One row per rank, colour = mean data wait: a starved rank is a bright row.",
+                "Distribution of the ranks' mean data wait: y = wait bucket, colour = number of "
+                "ranks; a starved rank is a lone cell far above the rest.",
+                distribution=True,
             ),
             PanelSpec(
                 "Steps/s per rank", "timeseries", "suffix: steps/s",
@@ -158,7 +209,9 @@ def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Step time p99 across ranks", "heatmap", "s",
                 (q(Q.STEP_P99_HEATMAP, "{{rank}}"),),
-                "One row per rank, colour = p99 step wall time (data wait excluded).",
+                "Distribution of the ranks' p99 step wall time (data wait excluded): y = "
+                "latency bucket, colour = number of ranks.",
+                distribution=True,
             ),
             PanelSpec(
                 "Ranks with identical batches", "stat", "short",
@@ -204,10 +257,19 @@ def _memory_row(q: Any, cfg: MixinConfig) -> RowSpec:
             ),
             PanelSpec(
                 "Headroom to OOM", "timeseries", "percentunit",
-                (q(Q.HEADROOM_TIGHTEST, "rank {{rank}}", GPU), q(Q.OOMS, "OOMs", GPU)),
-                "Free device memory of the k tightest ranks; DdpmonGpuMemoryNearlyFull fires "
-                "below the red line.",
-                thresholds=((1 - cfg.gpu_memory_full_ratio, "red"),), rank_links=True,
+                (q(Q.HEADROOM_TIGHTEST, "rank {{rank}}", GPU),),
+                "Share of the device not held by tensors (1 - allocator allocated / NVML "
+                "total) on the k tightest ranks; DdpmonGpuMemoryNearlyFull fires below the red "
+                "line. NVML used and allocator reserved include the cache and read near 100% "
+                "on a well-tuned job.",
+                base_color="red", thresholds=((1 - cfg.gpu_memory_full_ratio, "green"),),
+                rank_links=True,
+            ),
+            PanelSpec(
+                "OOMs and allocator retries", "timeseries", "short",
+                (q(Q.OOMS, "OOMs", GPU), q(Q.RETRIES, "retries", GPU)),
+                "Per rate interval, all selected ranks: an OOM is critical (DdpmonCudaOOM), "
+                "sustained retries a warning (DdpmonCudaAllocRetries).",
             ),
             PanelSpec(
                 "Host memory per rank", "timeseries", "bytes",
@@ -226,14 +288,23 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "All-reduce p50 across ranks", "heatmap", "s",
                 (q(Q.ALLREDUCE_P50_HEATMAP, "{{rank}}"),),
-                "One row per rank, colour = all-reduce median: the typical collective; a rank "
-                "or node whose every all-reduce is slow is a bright row.",
+                "Distribution of the ranks' all-reduce median: y = latency bucket, colour = "
+                "number of ranks; the bulk is the typical collective.",
+                distribution=True,
             ),
             PanelSpec(
                 "All-reduce p99 across ranks", "heatmap", "s",
                 (q(Q.ALLREDUCE_P99_HEATMAP, "{{rank}}"),),
-                "One row per rank, colour = all-reduce p99: a slow link or rank is a bright "
-                "row, a fabric-wide problem a bright column.",
+                "Distribution of the ranks' all-reduce p99: a few slow ranks are a separate "
+                "band, a fabric-wide problem moves the whole distribution up.",
+                distribution=True,
+            ),
+            PanelSpec(
+                "All-reduce p99 by node", "timeseries", "s",
+                (q(Q.ALLREDUCE_P99_BY_NODE, "{{node}}", RUN),),
+                "Worst rank's all-reduce p99 per node, the k slowest nodes: one node high is "
+                "its NIC or links; all high is the fabric.",
+                width=24,
             ),
             PanelSpec(
                 "All-reduce latency per rank", "timeseries", "s",
@@ -260,10 +331,11 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 rank_links=True,
             ),
             PanelSpec(
-                "Step-time skew vs run median", "timeseries", "suffix:×",
-                (q(Q.STEP_SKEW_TOP, "rank {{rank}}"),),
-                "Each rank's mean step time over the run median: stragglers sit above the red "
-                "line, where DdpmonStraggler fires.",
+                "Compute-time skew vs run median", "timeseries", "suffix:×",
+                (q(Q.COMPUTE_SKEW_TOP, "rank {{rank}}"),),
+                "Each rank's compute time per step (step time minus all-reduce time; DDP keeps "
+                "step times in lockstep, so they cannot show a straggler) over the run median: "
+                "stragglers sit above the red line, where DdpmonStraggler fires.",
                 thresholds=((cfg.straggler_ratio, "red"),), rank_links=True,
             ),
             PanelSpec(
@@ -288,8 +360,9 @@ def spec(cfg: MixinConfig) -> DashboardSpec:
         OVERVIEW_UID,
         OVERVIEW_TITLE,
         "Every rank of a ddpmon-monitored run on one time axis, by layer: numerics, data "
-        "supply, memory, communication. Per-rank panels show the top/bottom "
-        f"{cfg.dashboard_topk} ranks; heatmaps and run quantiles cover the rest.",
+        "supply, memory, communication; worst first: the rank-health table lists the ranks "
+        f"with most problems on top. Per-rank panels show the {cfg.dashboard_topk} worst "
+        "ranks; distributions, per-node views and run quantiles cover the rest.",
         rows,
         rank_multi=True,
         annotations=common.annotations(cfg),

@@ -20,8 +20,9 @@ def base_matchers(cfg: MixinConfig) -> str:
 
 
 def selectors(cfg: MixinConfig) -> dict[str, str]:
-    job = base_matchers(cfg)
+    job = base_matchers(cfg) + ', cluster=~"$cluster"'
     extra = f"{cfg.dashboard_selector}, " if cfg.dashboard_selector.strip() else ""
+    extra += 'cluster=~"$cluster", '
     return {
         "S": f'{{{job}, run="$run", rank=~"$rank"}}',
         "R": f'{{{job}, run="$run"}}',

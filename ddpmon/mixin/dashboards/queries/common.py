@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ddpmon.mixin.dashboards.promql import ALERT_SELECTOR
 
-ANN_ALERTS = f"ALERTS{{{ALERT_SELECTOR}}}"
+# One region per alert name and run, not per series: a stall of 1024 ranks is one region.
+ANN_ALERTS = f"count by (run, alertname, severity) (ALERTS{{{ALERT_SELECTOR}}})"
 ANN_NONFINITE = (
     "sum by (run, rank) (increase(ddpmon_grad_nonfinite_origin_steps_total{R}"
     "[$__rate_interval])) > 0"

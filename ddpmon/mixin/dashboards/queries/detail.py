@@ -12,6 +12,12 @@ IDENTITY = (
     "(ddpmon_rank_info{D})"
 )
 COLLECTORS = "ddpmon_collector_success{D}"
+UP = "max by (rank) (up{D})"
+BUILD = (
+    "max by (version, torch_version, cuda_version, nccl_version, python_version) "
+    "(ddpmon_build_info{D})"
+)
+AGENT_ERRORS = "sum by (probe) (increase(ddpmon_agent_errors_total{D}[$__rate_interval]))"
 
 # --- Numerics ---
 LOSS = "ddpmon_loss{D}"
@@ -40,8 +46,8 @@ STEP_P99_MEDIAN = f"quantile by (run) (0.5, {n.STEP_P99}{{RR}})"
 DATA_WAIT_P50 = hq(0.5, "ddpmon_data_wait_seconds", "rank", "{D}")
 DATA_WAIT_P99 = hq(0.99, "ddpmon_data_wait_seconds", "rank", "{D}")
 DATA_WAIT_MEDIAN = f"quantile by (run) (0.5, {n.DATA_WAIT_MEAN}{{RR}})"
-STEPS_RATE = "rate(ddpmon_steps_total{D}[$__rate_interval])"
-STEPS_RATE_MEDIAN = "quantile by (run) (0.5, rate(ddpmon_steps_total{R}[$__rate_interval]))"
+STEPS_RATE = f"{n.STEPS_RATE}{{DR}}"
+STEPS_RATE_MEDIAN = f"quantile by (run) (0.5, {n.STEPS_RATE}{{RR}})"
 
 # --- Memory ---
 RESERVED = "ddpmon_cuda_memory_reserved_bytes{D}"
@@ -60,10 +66,11 @@ ALLREDUCE_P50 = hq(0.5, "ddpmon_allreduce_duration_seconds", "rank", "{D}")
 ALLREDUCE_P99 = hq(0.99, "ddpmon_allreduce_duration_seconds", "rank", "{D}")
 ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
 ALLREDUCE_BYTES = "rate(ddpmon_allreduce_bytes_total{D}[$__rate_interval])"
-STEP_SKEW = (
-    f"{n.STEP_MEAN}{{DR}} / on (run) group_left quantile by (run) (0.5, {n.STEP_MEAN}{{RR}})"
+COMPUTE_SKEW = (
+    f"{n.COMPUTE_MEAN}{{DR}} / on (run) group_left "
+    f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}})"
 )
-STEPS_BEHIND = "max by (run) (ddpmon_step{R}) - on (run) group_right ddpmon_step{D}"
+STEPS_BEHIND = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right ddpmon_step{{D}}"
 
 # --- GPU ---
 GPU_UTIL = "ddpmon_gpu_utilization_ratio{D}"
