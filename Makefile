@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test lint bench bench-dashboards stack rules dashboards debs clean multinode
+.PHONY: demo test lint bench bench-dashboards bench-dashboards-4096 stack rules dashboards debs clean multinode
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,10 @@ dashboards: $(STAMP)
 
 bench-dashboards: $(STAMP) debs
 	$(BIN)/python benchmarks/dashboards_scale.py --write-results
+
+# The same at 4,096 ranks (heavy: ~4x the samples; its own section in benchmarks/RESULTS.md).
+bench-dashboards-4096: $(STAMP) debs
+	$(BIN)/python benchmarks/dashboards_scale.py --ranks 4096 --write-results
 
 # Two nodes on this machine (network namespaces, needs root): torchrun across them, a daemon
 # per node, one Prometheus; prints what each check sees (tests/multinode).
