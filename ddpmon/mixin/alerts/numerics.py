@@ -24,10 +24,18 @@ BY_RUN = 'run="%s"'
 
 def alerts(c: MixinConfig) -> list[Alert]:
     w, gw = c.nonfinite_window, c.gauge_window
-    origin = (
-        f"sum by (rank) (increase({sel(c, m.GRAD_NONFINITE_ORIGIN_STEPS.name, BY_RUN)}[{w}]))"
-        " > 0"
-    )
+    young = c.nonfinite_persistent_window
+
+    def origins(o: str, by: str) -> str:
+        # An origin counter that grew in the window, or one that was already non-zero at its
+        # first scrape (the NaN came before Prometheus first scraped the rank; increase() sees
+        # nothing there) and is younger than the persistent window.
+        return (
+            f"{by} (increase({o}[{w}])) > 0\n    or\n"
+            f"    {by} ({o}) > 0 unless {by} ({o} offset {young})"
+        )
+
+    origin = origins(sel(c, m.GRAD_NONFINITE_ORIGIN_STEPS.name, BY_RUN), "sum by (rank)")
     unabsorbed = f"increase({n.GRAD_UNABSORBED}[{w}]) > 0"
     unabsorbed_late = f"increase({n.GRAD_UNABSORBED}[{w}] offset {c.nonfinite_origin_wait}) > 0"
     persistent = (
@@ -63,7 +71,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
             # different moments. Or non-finite steps that persist, absorbed or not.
             f"(\n  count {c.by_run} ({unabsorbed})\n"
             f"  and {c.on_run} (\n"
-            f"    count {c.by_run} (increase({origin_sel}[{w}]) > 0)\n"
+            f"    count {c.by_run} ({origins(origin_sel, '')})\n"
             f"    or\n"
             f"    count {c.by_run} ({unabsorbed_late})\n  )\n)\n"
             f"or\ncount {c.by_run} ({persistent})",
