@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from ..rundir import RunDir
+from ..rundir import HISTORY_RE, RunDir
 from .annotations import read_annotations
-from .history import History, read_run_histories
+from .history import History, read_history
 
 NOISE_STEPS = 8
 NOISE_FACTOR = 100.0
@@ -114,7 +114,8 @@ class Comparison:
 
 
 def load_run(path: Path | str) -> RunNumerics:
-    """Read a run's histories and facts; :class:`CompareError` when there is nothing to read."""
+    """Read a run's histories (one rank at a time) and facts; :class:`CompareError` when there
+    is nothing to read."""
     from .timeline import RunDirError, resolve_run_path
 
     try:
@@ -122,53 +123,57 @@ def load_run(path: Path | str) -> RunNumerics:
     except RunDirError as exc:
         raise CompareError(str(exc)) from exc
     try:
-        hists = read_run_histories(RunDir(run_path))
+        got = _series(RunDir(run_path))
     except (OSError, ValueError) as exc:
         raise CompareError(f"{run_path}: unreadable history: {exc}") from exc
-    hists = {r: h for r, h in hists.items() if len(h)}
-    if not hists:
+    if got is None:
         raise CompareError(
             f"{run_path}: no numerics history (history.rank<R>.arrow); was the run made with "
             "pyarrow installed and a writable run dir?"
         )
-    return RunNumerics(run_path, *_series(hists), facts=run_facts(run_path, len(hists)))
+    steps, series, groups, ranks = got
+    return RunNumerics(run_path, steps, series, groups, facts=run_facts(run_path, ranks))
 
 
-def _series(hists: dict[int, History]) -> tuple[np.ndarray, dict[str, np.ndarray], list[str]]:
-    ranks = sorted(hists)
-    steps = np.unique(np.concatenate([hists[r].columns["step"] for r in ranks]))
-    groups = hists[ranks[0]].groups
-    n = len(steps)
-
-    def aligned(h: History, values: np.ndarray) -> np.ndarray:
-        out = np.full(n, np.nan)
-        out[np.searchsorted(steps, h.columns["step"])] = values
-        return out
-
-    def first_rank(get) -> np.ndarray:
-        out = np.full(n, np.nan)
-        for r in reversed(ranks):  # lowest rank wins
-            h = hists[r]
-            vals = aligned(h, get(h))
-            have = ~np.isnan(aligned(h, np.zeros(len(h))))
-            out[have] = vals[have]
-        return out
-
-    losses = np.vstack([aligned(hists[r], hists[r].columns["loss"]) for r in ranks])
+def _series(run: RunDir) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], int] | None:
+    """Series on the lowest rank's steps: reduced values from that rank, the loss averaged over
+    every rank (NaN at a step where any rank's loss is not finite). Memory: one rank at a time."""
+    files = run.ranked(HISTORY_RE)
+    first: History | None = None
+    total = count = nonfinite = None
+    ranks = 0
+    for rank, f in files.items():
+        h = read_history(f, rank)
+        if not len(h):
+            continue
+        ranks += 1
+        if first is None:
+            first = h
+            n = len(h.columns["step"])
+            total, count, nonfinite = np.zeros(n), np.zeros(n), np.zeros(n, dtype=bool)
+        steps = first.columns["step"]
+        idx = np.searchsorted(steps, h.columns["step"])
+        hit = idx < len(steps)
+        hit[hit] = steps[idx[hit]] == h.columns["step"][hit]
+        idx, loss = idx[hit], h.columns["loss"][hit]
+        ok = np.isfinite(loss)
+        np.add.at(total, idx[ok], loss[ok])
+        np.add.at(count, idx[ok], 1)
+        nonfinite[idx[~ok]] = True
+    if first is None:
+        return None
     with np.errstate(all="ignore"):
-        loss = np.nanmean(losses, axis=0) if len(ranks) > 1 else losses[0]
-        bad = ~np.isfinite(losses).all(axis=0) & ~np.isnan(losses).all(axis=0)
-    loss = np.where(bad, np.nan, loss)  # any non-finite rank loss makes the step's loss NaN
+        loss = np.where((count > 0) & ~nonfinite, total / np.maximum(count, 1), np.nan)
+    c = first.columns
     series = {
         "loss": loss,
-        "grad_norm": first_rank(lambda h: h.columns["grad_norm"]),
-        "loss_scale": first_rank(lambda h: h.columns["loss_scale"]),
-        "skipped": first_rank(lambda h: h.columns["amp_skipped"].astype(float)),
+        "grad_norm": c["grad_norm"],
+        "loss_scale": c["loss_scale"],
+        "skipped": c["amp_skipped"].astype(float),
     }
-    for g in groups:
-        series[f"group:{g}"] = first_rank(lambda h, g=g: h.group(g) if g in h.groups else
-                                          np.full(len(h), np.nan))
-    return steps, series, groups
+    for g in first.groups:
+        series[f"group:{g}"] = first.group(g)
+    return c["step"], series, first.groups, ranks
 
 
 def run_facts(run_path: Path, ranks_seen: int) -> dict[str, Any]:

@@ -34,25 +34,35 @@ class Grid:
     values: np.ndarray
 
 
+def edges_for(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bin edges covering steps ``lo..hi`` in at most MAX_POINTS bins, and the bins' x."""
+    nbins = max(1, min(MAX_POINTS, hi - lo + 1))
+    edges = np.linspace(lo, hi + 1, nbins + 1)
+    if nbins == hi - lo + 1:
+        return edges, np.arange(lo, hi + 1.0)
+    return edges, (edges[:-1] + edges[1:]) / 2 - 0.5
+
+
+def bin_onto(edges: np.ndarray, steps: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Mean of the finite ``values`` in each bin; NaN for a bin without one."""
+    nbins = len(edges) - 1
+    v = values.astype(float)
+    ok = np.isfinite(v)
+    idx = np.clip(np.searchsorted(edges, steps[ok], side="right") - 1, 0, nbins - 1)
+    total = np.bincount(idx, weights=v[ok], minlength=nbins)
+    count = np.bincount(idx, minlength=nbins)
+    with np.errstate(all="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
 def grid(steps_by_rank: dict[int, np.ndarray], values_by_rank: dict[int, np.ndarray]) -> Grid:
     """Bin every rank's (step, value) pairs onto at most MAX_POINTS shared bins (bin means)."""
     ranks = sorted(steps_by_rank)
     allsteps = np.concatenate([steps_by_rank[r] for r in ranks]) if ranks else np.array([])
     if not len(allsteps):
         return Grid(np.array([]), ranks, np.zeros((len(ranks), 0)))
-    lo, hi = int(allsteps.min()), int(allsteps.max())
-    nbins = min(MAX_POINTS, hi - lo + 1)
-    edges = np.linspace(lo, hi + 1, nbins + 1)
-    x = (edges[:-1] + edges[1:]) / 2 - 0.5 if nbins < hi - lo + 1 else np.arange(lo, hi + 1.0)
-    out = np.full((len(ranks), nbins), np.nan)
-    for i, r in enumerate(ranks):
-        s, v = steps_by_rank[r], values_by_rank[r].astype(float)
-        ok = np.isfinite(v)
-        idx = np.clip(np.searchsorted(edges, s[ok], side="right") - 1, 0, nbins - 1)
-        total = np.bincount(idx, weights=v[ok], minlength=nbins)
-        count = np.bincount(idx, minlength=nbins)
-        with np.errstate(all="ignore"):
-            out[i] = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    edges, x = edges_for(int(allsteps.min()), int(allsteps.max()))
+    out = np.vstack([bin_onto(edges, steps_by_rank[r], values_by_rank[r]) for r in ranks])
     return Grid(x, ranks, out)
 
 
@@ -70,7 +80,7 @@ def rank_lines(
             ax.plot(g.x[ok], g.values[i][ok], style, lw=1.1, marker="." if sparse else None,
                     ms=4, color=COLORS[(i + color) % len(COLORS)], label=f"{label} rank {r}")
     else:
-        with np.errstate(all="ignore"), _quiet():
+        with np.errstate(all="ignore"), quiet_nan_warnings():
             med = np.nanmedian(g.values, axis=0)
             p5, p95 = np.nanpercentile(g.values, [5, 95], axis=0)
             lo, hi = np.nanmin(g.values, axis=0), np.nanmax(g.values, axis=0)
@@ -88,7 +98,7 @@ def outliers(values: np.ndarray, med: np.ndarray, k: int = OUTLIERS) -> list[int
     """Indices of at most ``k`` rows farthest from the median (mean |log ratio|, or |diff| for
     values that can be <= 0), and only those that stand out: a score above the ranks' median
     score plus 5 robust deviations (MAD), so a band of ordinary noise draws no extra line."""
-    with np.errstate(all="ignore"), _quiet():
+    with np.errstate(all="ignore"), quiet_nan_warnings():
         if np.nanmin(values) > 0 and np.nanmin(med) > 0:
             dev = np.abs(np.log(values / med))
         else:
@@ -158,7 +168,7 @@ def to_svg(fig, legend: bool = True) -> str:
     return text
 
 
-class _quiet:
+class quiet_nan_warnings:  # noqa: N801 - used as a context manager, like a function
     """Silence numpy's 'All-NaN slice' RuntimeWarnings for empty bins."""
 
     def __enter__(self):

@@ -1,0 +1,95 @@
+"""What ``ddpmon report`` plots, read one rank at a time so memory stays bounded at any scale.
+
+A 1,024-rank run with 100k steps per rank holds ~100M rows; the report never keeps them. It
+keeps the lowest rank's full history (reduced norms, group norms and the loss scale are the
+same on every rank of a data-parallel run) and, for every rank, its per-rank series binned onto
+at most ``MAX_POINTS`` steps (``ranks x series x bins`` floats: ~50 MB at 1,024 ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..rundir import HISTORY_RE, PROGRESS_RE, RunDir
+from . import report_plots as rp
+from .eventlog import read_progress
+from .history import History, read_history
+
+PER_RANK = (
+    "loss",
+    "grad_local_norm",
+    "duration_seconds",
+    "data_wait_seconds",
+    "memory_bytes",
+    "allreduce_mean_seconds",
+    "allreduce_max_seconds",
+)
+"""Columns plotted per rank (binned); everything else comes from the lowest rank."""
+
+
+@dataclass(slots=True)
+class RunView:
+    path: Path
+    first: History | None
+    """The lowest rank's full history (None: no rank left one)."""
+    grids: dict[str, rp.Grid] = field(default_factory=dict)
+    origin_steps: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    """Last step + 1 of each rank with a history."""
+
+    @property
+    def ranks(self) -> int:
+        return len(self.rows)
+
+
+def load_view(path: Path) -> RunView:
+    """Read every rank's history once, keeping only what the plots need."""
+    run = RunDir(path)
+    files = run.ranked(HISTORY_RE)
+    view = RunView(path, None)
+    if not files:
+        return view
+    first_rank = min(files)
+    view.first = read_history(files[first_rank], first_rank)
+    if not len(view.first):
+        return view
+    lo = int(view.first.columns["step"][0])
+    hi = int(view.first.columns["step"][-1])
+    for p in run.ranked(PROGRESS_RE).values():  # a rank that got further than the lowest one
+        step = (read_progress(p) or {}).get("step")
+        if isinstance(step, int):
+            hi = max(hi, step)
+    edges, x = rp.edges_for(lo, hi)
+    binned: dict[str, list[np.ndarray]] = {name: [] for name in PER_RANK}
+    ranks: list[int] = []
+    origins: set[int] = set()
+    for rank, f in files.items():
+        h = view.first if rank == first_rank else read_history(f, rank)
+        if not len(h):
+            continue
+        ranks.append(rank)
+        view.rows.append(int(h.columns["step"][-1]) + 1)
+        origins.update(int(s) for s in h.columns["step"][h.columns["origin"]])
+        steps = h.columns["step"]
+        for name in PER_RANK:
+            values = h.columns[name]
+            if name == "memory_bytes":
+                values = np.where(values >= 0, values / 2**30, np.nan)
+            binned[name].append(rp.bin_onto(edges, steps, values))
+    view.grids = {name: rp.Grid(x, ranks, np.vstack(binned[name])) for name in PER_RANK}
+    view.origin_steps = sorted(origins)
+    return view
+
+
+def single(h: History, column: str) -> rp.Grid:
+    """One series of one history, binned (a one-row grid)."""
+    return rp.grid({h.rank: h.columns["step"]}, {h.rank: h.columns[column]})
+
+
+def rank_mean(g: rp.Grid) -> rp.Grid:
+    """The mean over ranks of a grid, as a one-row grid (an overlaid run is one line)."""
+    with np.errstate(all="ignore"), rp.quiet_nan_warnings():
+        return rp.Grid(g.x, [0], np.atleast_2d(np.nanmean(g.values, axis=0)))
