@@ -116,10 +116,10 @@ class Comparison:
 def load_run(path: Path | str) -> RunNumerics:
     """Read a run's histories (one rank at a time) and facts; :class:`CompareError` when there
     is nothing to read."""
-    from .timeline import RunDirError, resolve_run_path
+    from .timeline import RunDirError
 
     try:
-        run_path = resolve_run_path(path)
+        run_path = resolve_run(path)
     except RunDirError as exc:
         raise CompareError(str(exc)) from exc
     try:
@@ -133,6 +133,16 @@ def load_run(path: Path | str) -> RunNumerics:
         )
     steps, series, groups, ranks = got
     return RunNumerics(run_path, steps, series, groups, facts=run_facts(run_path, ranks))
+
+
+def resolve_run(path: Path | str) -> Path:
+    """``path`` when it holds histories (a run dir copied without its event logs still
+    compares), else what ``ddpmon timeline`` accepts (a run dir, or a parent of exactly one)."""
+    from .timeline import resolve_run_path
+
+    if Path(path).is_dir() and RunDir(Path(path)).ranked(HISTORY_RE):
+        return Path(path)
+    return resolve_run_path(path)
 
 
 def _series(run: RunDir) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], int] | None:

@@ -22,9 +22,10 @@ import numpy as np
 from ..rundir import RunDir
 from . import report_plots as rp
 from .annotations import read_annotations
+from .compare import resolve_run
 from .history import History
 from .report_data import RunView, load_view, rank_mean, single
-from .timeline import RunDirError, build_timeline, describe, resolve_run_path
+from .timeline import RunDirError, build_timeline, describe
 
 MAX_EVENTS = 300
 
@@ -49,14 +50,14 @@ class ReportError(Exception):
 def build_report(run: Path | str, compare: Path | str | None = None) -> str:
     """The report of ``run`` (optionally overlaid with run ``compare``) as one HTML string."""
     try:
-        path = resolve_run_path(run)
+        path = resolve_run(run)
     except RunDirError as exc:
         raise ReportError(str(exc)) from exc
     view = _view(path)
     other = None
     if compare is not None:
         try:
-            other = _view(resolve_run_path(compare))
+            other = _view(resolve_run(compare))
         except RunDirError as exc:
             raise ReportError(f"--compare: {exc}") from exc
     try:

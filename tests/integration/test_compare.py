@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.support.demo import free_port_pair
@@ -114,3 +115,61 @@ def test_a_directory_without_history_is_a_clear_error(tmp_path):
     (tmp_path / "manifest.json").write_text("{}")
     code, out = compare(tmp_path, tmp_path)
     assert code == 2 and "no numerics history" in out["error"]
+
+
+# -- the tolerance rule on synthetic histories (fast; the same reader and comparison code) ----
+
+
+def synthetic(path: Path, factor_from: dict[int, float], noise: float, seed: int,
+              group_b_nan_at: int | None = None) -> Path:
+    from ddpmon.forensics.history import HistoryWriter, row_of
+    from ddpmon.state import StepRecord
+
+    path.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    w = HistoryWriter(path / "history.rank0.arrow", ("a", "b"), flush_seconds=0.01)
+    for s in range(50):
+        jitter = 1 + noise * rng.standard_normal(3)
+        b = 2.0 * jitter[2] * next((f for k, f in sorted(factor_from.items()) if s >= k), 1.0)
+        if s == group_b_nan_at:
+            b = float("nan")
+        a = 1.0 * jitter[1]
+        w.put(row_of(StepRecord(step=s, wall_time=float(s), duration_seconds=0.1,
+                                data_wait_seconds=0.0, loss=3.0 * jitter[0],
+                                grad_norm=float(np.hypot(a, b)), group_norms={"a": a, "b": b},
+                                loss_scale=1024.0), ("a", "b"), None))
+    w.close()
+    return path
+
+
+def test_tolerance_comes_from_the_first_steps_noise(tmp_path):
+    from ddpmon.forensics.compare import NOISE_FACTOR, compare_runs
+
+    a = synthetic(tmp_path / "a", {}, 1e-6, 0)
+    b = synthetic(tmp_path / "b", {30: 1.5}, 1e-6, 1)  # group b x1.5 from step 30
+    c = compare_runs(a, b)
+    assert c.first_step == 30 and c.first_group == "b"
+    s = {r.name: r for r in c.series}
+    assert s["group:a"].first_step is None  # group a untouched
+    assert s["group:b"].tolerance == pytest.approx(max(1e-3, NOISE_FACTOR * s["group:b"].noise))
+    assert 0 < s["group:b"].noise < 1e-5
+
+
+def test_differences_above_the_cap_from_step_0_are_divergence_not_noise(tmp_path):
+    from ddpmon.forensics.compare import TOL_CAP, compare_runs
+
+    a = synthetic(tmp_path / "a", {}, 1e-6, 0)
+    b = synthetic(tmp_path / "b", {0: 1.2}, 1e-6, 1)
+    c = compare_runs(a, b)
+    assert c.first_step == 0 and c.first_group == "b"
+    assert {r.name: r for r in c.series}["group:b"].tolerance == TOL_CAP
+
+
+def test_a_nan_in_one_run_only_diverges(tmp_path):
+    from ddpmon.forensics.compare import compare_runs
+
+    a = synthetic(tmp_path / "a", {}, 1e-6, 0)
+    b = synthetic(tmp_path / "b", {}, 1e-6, 1, group_b_nan_at=12)
+    c = compare_runs(a, b)
+    assert c.first_step == 12 and c.first_group == "b"
+    assert "grad_norm" in c.first_series
