@@ -260,6 +260,11 @@ class DaemonServer:
             )
             await self._respond(h, writer, event, status, headers, body)
             conn.busy = False
+            if h.their_state is h11.SEND_BODY and status != 413:
+                # Answered before the body was read (401, 404): read and drop it (bounded, and
+                # evictable meanwhile) so closing with unread data does not reset the answer.
+                with contextlib.suppress(_Close, _TooLarge):
+                    await self._body(h, reader)
             if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 return
             h.start_next_cycle()
