@@ -127,6 +127,15 @@ class MixinConfig:
     agent_errors_window: str = "10m"
     agent_unhealthy_for: str = "10m"
 
+    # --- checkpoints (ranks that report them) ---
+    checkpoint_stale_seconds: float = 3600.0
+    """DdpmonCheckpointStale: no checkpoint saved for this long while steps still complete."""
+    checkpoint_stale_for: str = "5m"
+    checkpoint_slow_share: float = 0.1
+    """DdpmonCheckpointSlow: saves above this share of the wall time over the window."""
+    checkpoint_slow_window: str = "30m"
+    checkpoint_slow_for: str = "5m"
+
     # --- dashboards ---
     dashboard_topk: int = 10
     """Per-rank panels draw the top/bottom k ranks; quantiles/heatmaps show the rest."""
@@ -153,12 +162,17 @@ class MixinConfig:
         for name in ("data_duplicate_min_samples", "alert_rank_cap", "cuda_retry_min"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected >= 1")
+        if self.checkpoint_stale_seconds <= 0:
+            raise ValueError(
+                f"checkpoint_stale_seconds={self.checkpoint_stale_seconds!r}: expected > 0"
+            )
         if "run" not in self.run_labels:
             raise ValueError(f"run_labels={self.run_labels!r}: must include 'run'")
         for name in ("job_selector", "dashboard_selector", "dashboard_dcgm_selector"):
             if getattr(self, name).strip().startswith("{"):
                 raise ValueError(f"{name}: give label matchers without braces")
-        for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio", "data_starved_share"):
+        for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio", "data_starved_share",
+                     "checkpoint_slow_share"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a ratio in (0, 1]")
 

@@ -9,13 +9,11 @@ configurable.
 """
 
 # --- per rank ---
-STEP_MEAN = "rank:ddpmon_step_duration_seconds:mean"
 STEP_P99 = "rank:ddpmon_step_duration_seconds:p99"
 STEPS_RATE = "rank:ddpmon_steps:rate"
 DATA_WAIT_MEAN = "rank:ddpmon_data_wait_seconds:mean"
 DATA_WAIT_RATIO = "rank:ddpmon_data_wait_seconds:iteration_ratio"
 """Data wait over (data wait + step time): the share of each iteration spent waiting for data."""
-ALLREDUCE_PER_STEP = "rank:ddpmon_allreduce_duration_seconds:sum_per_step"
 ALLREDUCE_P50 = "rank:ddpmon_allreduce_duration_seconds:p50"
 ALLREDUCE_P99 = "rank:ddpmon_allreduce_duration_seconds:p99"
 COMPUTE_MEAN = "rank:ddpmon_step_compute_seconds:mean"

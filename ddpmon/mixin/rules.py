@@ -95,7 +95,6 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         },
     ]
     data = [
-        {"record": n.STEP_MEAN, "expr": step_mean},
         {"record": n.STEP_P99, "expr": _quantile(cfg, "0.99", m.STEP_DURATION.name)},
         {"record": n.STEPS_RATE, "expr": _rate(cfg, m.STEPS.name)},
         {"record": n.DATA_WAIT_MEAN, "expr": wait_mean},
@@ -128,7 +127,6 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         },
     ]
     communication = [
-        {"record": n.ALLREDUCE_PER_STEP, "expr": allreduce_per_step},
         {
             # The overview's per-rank p50: histogram_quantile over raw buckets of 1024 ranks
             # is too slow for a dashboard, a recorded series per rank is not.

@@ -45,6 +45,18 @@ def test_every_recording_rule_has_a_promql_expr_test() -> None:
     assert records and records <= tested, sorted(records - tested)
 
 
+def test_every_recording_rule_is_used() -> None:
+    """By an alert, a dashboard or another record: no dead records."""
+    from ddpmon.mixin import outputs, render
+
+    rules = yaml.safe_load(render.generate()[render.RULES_FILE])
+    records = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
+    consumers = [render.generate()[render.ALERTS_FILE], *records.values()]
+    consumers += [t for rel, t in outputs.generate().items() if rel.startswith("dashboards/")]
+    unused = [r for r in records if not any(r in text for text in consumers)]
+    assert unused == []
+
+
 def test_unit_tests_cover_every_alert_before_and_after_for() -> None:
     """Each alert has a case where it must not fire and one where it fires with its labels;
     RankDown and RanksMissing also have a vanished (stale) series."""

@@ -192,13 +192,14 @@ def live_stack(
     *,
     scrape_interval: str = "1s",
     evaluation_interval: str = "1s",
+    group_wait: str = "0s",
 ) -> Iterator[LiveStack]:
-    """Alertmanager (group_wait 0s, group_interval 1s) and Prometheus (1s scrape/eval, file_sd
+    """Alertmanager (``group_wait``, group_interval 1s) and Prometheus (1s scrape/eval, file_sd
     over ``sd_dir``) running the shipped configs with rules generated from ``config``."""
     workdir = Path(workdir)
     rule_files = render.write(workdir / "rules", config)
     am = Alertmanager(
-        workdir / "alertmanager", webhook_url=webhook_url, group_wait="0s",
+        workdir / "alertmanager", webhook_url=webhook_url, group_wait=group_wait,
         group_interval="1s", repeat_interval="1h",
     )
     prom = Prometheus(

@@ -75,7 +75,7 @@ def rank_list(query: str, cfg: MixinConfig, *, worst_first: bool = True) -> str:
 
 def alerts(cfg: MixinConfig) -> list[Alert]:
     """All alerts, in layer order."""
-    from ddpmon.mixin.alerts import agent, communication, data, memory, numerics
+    from ddpmon.mixin.alerts import agent, checkpoints, communication, data, memory, numerics
 
     return [
         *numerics.alerts(cfg),
@@ -83,6 +83,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         *memory.alerts(cfg),
         *communication.alerts(cfg),
         *agent.alerts(cfg),
+        *checkpoints.alerts(cfg),
     ]
 
 

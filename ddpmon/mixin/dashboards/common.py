@@ -19,4 +19,8 @@ def annotations(cfg: MixinConfig) -> tuple[Annotation, ...]:
             "Skipped steps", "yellow", expand(Q.ANN_SKIPPED, cfg),
             "optimizer steps skipped by the GradScaler",
         ),
+        Annotation("Checkpoints", "blue", expand(Q.ANN_CHECKPOINTS, cfg), "checkpoint saved"),
+        Annotation(
+            "Restarts", "purple", expand(Q.ANN_RESTARTS, cfg), "ranks restarted (new attempt)"
+        ),
     )

@@ -13,3 +13,9 @@ ANN_NONFINITE = (
 ANN_SKIPPED = (
     "max by (run) (increase(ddpmon_amp_skipped_steps_total{R}[$__rate_interval])) > 0"
 )
+ANN_CHECKPOINTS = (
+    "max by (run) (changes(ddpmon_checkpoint_last_timestamp_seconds{R}[$__rate_interval])) > 0"
+)
+"""A checkpoint save completed (any rank that reports them)."""
+ANN_RESTARTS = "max by (run) (changes(ddpmon_attempt{R}[$__rate_interval])) > 0"
+"""A restart: the ranks came back with a higher attempt number (torchelastic or a relaunch)."""
