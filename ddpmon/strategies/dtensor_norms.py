@@ -20,7 +20,7 @@ The result is the same on every rank of a reduction span (replicas compute it in
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,7 +203,7 @@ class ShardedNorms:
         self.index = index
         self.plan = build_plan(index.params)
         self._positions = list(range(len(index)))
-        self._pending: tuple[Any, torch.Tensor, bool] | None = None
+        self._pending: _Pending | None = None
 
     def measure(self, scaled: bool) -> tuple[list[int], torch.Tensor | None]:
         """One fused pass over this rank's pieces of the current gradients, then the async
@@ -214,6 +214,7 @@ class ShardedNorms:
         failure: BaseException | None = None
         idx: list[int] = []
         norms = None
+        stamp: tuple | None = None
         try:
             idx, grads = grads_of(self.index.params)
             raw = [raw_local(g) for g in grads]
@@ -226,52 +227,124 @@ class ShardedNorms:
                 complete[torch.tensor(partial, dtype=torch.long)] = fixed.to(complete)
             if complete is not None:
                 vec[:n] = scatter_squares(complete, idx, n, self.plan.device) * self.plan.mask
+            stamp = self._current_stamp(idx)
         except Exception as exc:  # still take part in the reduction below
             failure = exc
             vec.zero_()
             vec[n] = 1.0
         self.wait()  # a previous reducing backward of the same step (rare)
-        self._pending = (reduce_async(vec, self.plan), vec, scaled)
+        self._pending = _Pending(reduce_async(vec, self.plan), vec, scaled, stamp)
         if failure is not None:
             raise failure
         return idx, norms
 
-    def wait(self) -> torch.Tensor | None:
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None
-        work, vec, _ = pending
-        if work is not None:
+    def _current_stamp(self, idx: Sequence[int]) -> tuple:
+        # From the gradients themselves: a DTensor's detach() gets a fresh version counter.
+        with torch.no_grad():
+            return _stamp(idx, [self.index.params[i].grad for i in idx])
+
+    def wait(self) -> None:
+        """Wait on the reduction in flight, if any (a stream wait on NCCL)."""
+        pending = self._pending
+        if pending is not None and pending.work is not None:
+            work, pending.work = pending.work, None
             work.wait()
-        return vec
 
     def take(self) -> NormVector | None:
         """The step's reduced norms (device), or None when no backward reduced since the last
-        call. Waits on the reduction (a stream wait on NCCL, not a host sync)."""
+        call; the state is then cleared for the next step."""
         if self._pending is None:
             return None
-        scaled = self._pending[2]
-        vec = self.wait()
-        assert vec is not None
-        n = len(self.index)
+        self.wait()
+        pending, self._pending = self._pending, None
+        vec, n = pending.vector, len(self.index)
         norms = torch.where(vec[n] > 0, torch.zeros_like(vec[:n]), vec[:n].sqrt())
-        return NormVector(norms, self._positions, scaled)
+        return NormVector(norms, self._positions, pending.scaled)
+
+    def reuse_for_clip(
+        self, params: Sequence[torch.Tensor], scaled_now: bool, scale: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The global norm of ``params`` from this step's reduction, without another pass, or
+        None. Once per measurement, and only when ``params`` are exactly the measured ones and
+        no gradient changed since: the version counters catch ordinary in-place ops, and a
+        GradScaler ``unscale_`` in between is divided out (``scale``). ``_foreach_*`` in-place
+        ops on DTensor bump no counter (torch.nn.utils.clip_grad_norm_), hence once only."""
+        pending = self._pending
+        if pending is None or pending.stamp is None or pending.reused:
+            return None
+        if scaled_now and not pending.scaled:
+            return None
+        positions = self.index.positions_of(params)
+        if positions is None:
+            return None
+        idx = sorted(i for i, p in zip(positions, params, strict=True) if p.grad is not None)
+        if self._current_stamp(idx) != pending.stamp:
+            return None
+        if pending.scaled and not scaled_now:
+            if scale is None:
+                return None
+            unscale = 1.0 / scale.to(device=pending.vector.device, dtype=torch.float64)
+        else:
+            unscale = None
+        self.wait()
+        pending.reused = True
+        vec, n = pending.vector, len(self.index)
+        total = vec[:n].sum().sqrt()
+        if unscale is not None:
+            total = total * unscale
+        return torch.where(vec[n] > 0, torch.zeros_like(total), total)
+
+
+@dataclass(slots=True)
+class _Pending:
+    work: Any
+    vector: torch.Tensor
+    scaled: bool
+    stamp: tuple | None
+    """``_stamp`` of the gradients at measurement."""
+    reused: bool = False
+
+
+def _stamp(idx: Sequence[int], grads: Sequence[torch.Tensor]) -> tuple:
+    """Host-side identity of gradient contents: the local memory and the version counters of
+    the gradient and of its local piece (an in-place op on a DTensor bumps the wrapper's, one on
+    ``to_local()`` the piece's). Reading them is metadata, not a device sync."""
+    pieces = [(g, raw_local(g)) for g in grads]
+    return tuple(idx), tuple((t.data_ptr(), t._version, g._version) for g, t in pieces)
 
 
 class ClipNormHelper:
-    """``clip_norm`` for sharded strategies: plans cached per distinct parameter list."""
+    """``clip_norm`` for sharded strategies: the step's reduction reused when it covers these
+    exact, unchanged gradients (0 passes); else one pass plus the small reduction, with plans
+    cached per distinct parameter list."""
 
-    def __init__(self, max_plans: int = 8) -> None:
+    def __init__(
+        self,
+        norms: ShardedNorms | None = None,
+        scale_state: Callable[[], tuple[bool, torch.Tensor | None]] | None = None,
+        max_plans: int = 8,
+    ) -> None:
+        self.norms = norms
+        self.scale_state = scale_state
+        """() -> (gradients carry the loss scale now, the scale tensor)."""
         self._plans: dict[tuple[int, ...], ReductionPlan] = {}
         self._max = max_plans
+        self.reused = 0
+        """How many clip norms came from the step's reduction (tests, diagnostics)."""
 
     def norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         params = list(params)
-        key = tuple(id(p) for p in params)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= self._max:
-                self._plans.clear()
-            plan = self._plans[key] = build_plan(params)
         with torch.no_grad():
+            if self.norms is not None:
+                scaled_now, scale = self.scale_state() if self.scale_state else (False, None)
+                reused = self.norms.reuse_for_clip(params, scaled_now, scale)
+                if reused is not None:
+                    self.reused += 1
+                    return reused
+            key = tuple(id(p) for p in params)
+            plan = self._plans.get(key)
+            if plan is None:
+                if len(self._plans) >= self._max:
+                    self._plans.clear()
+                plan = self._plans[key] = build_plan(params)
             return global_squares(params, plan).sum().sqrt()

@@ -117,7 +117,7 @@ class FSDPSource(GradientSource):
         self.local_is_partial = self.name.endswith("+tp")
         """The pre-reduction gradients are themselves TP shards: their norm is partial."""
         self._norms: ShardedNorms | None = None
-        self._clip = ClipNormHelper()
+        self._clip = ClipNormHelper(scale_state=self._scale_state)
         self._units: list[_Unit] = []
         self._restore: list[tuple[torch.nn.Module, Any]] = []
         self._all_probed = False
@@ -129,6 +129,7 @@ class FSDPSource(GradientSource):
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:
         self._norms = ShardedNorms(self.index)
+        self._clip.norms = self._norms
         probed = 0
         modules = fsdp_modules(self.env.model)
         for module in modules:
@@ -257,6 +258,14 @@ class FSDPSource(GradientSource):
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._clip.norm(params)
+
+    def _scale_state(self) -> tuple[bool, torch.Tensor | None]:
+        return self.env.grads_scaled_now(), self.env.current_scale()
+
+    @property
+    def clip_norms_reused(self) -> int:
+        """``clip_norm`` calls answered from the step's reduction without a pass."""
+        return self._clip.reused
 
 
 def _row_chunk_norms(flat: torch.Tensor, world: int, columns: list[int]) -> torch.Tensor:

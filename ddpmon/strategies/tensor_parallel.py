@@ -32,11 +32,12 @@ class TensorParallelSource(GradientSource):
     def __init__(self, env: SourceEnv) -> None:
         super().__init__(env)
         self._norms: ShardedNorms | None = None
-        self._clip = ClipNormHelper()
+        self._clip = ClipNormHelper(scale_state=self._scale_state)
         self._local: NormVector | None = None
 
     def install(self) -> None:
         self._norms = ShardedNorms(self.index)
+        self._clip.norms = self._norms
 
     def on_backward_end(self) -> None:
         if self._norms is None:
@@ -71,6 +72,14 @@ class TensorParallelSource(GradientSource):
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._clip.norm(params)
+
+    def _scale_state(self) -> tuple[bool, torch.Tensor | None]:
+        return self.env.grads_scaled_now(), self.env.current_scale()
+
+    @property
+    def clip_norms_reused(self) -> int:
+        """``clip_norm`` calls answered from the step's reduction without a pass."""
+        return self._clip.reused
 
 
 __all__ = ["TensorParallelSource"]

@@ -34,7 +34,8 @@ D = 8
 NAN_PARAM = "blocks.1.w_in.weight"
 NAN_RANK = 1
 NAN_STEP = 2
-USER_MAX_NORM = 0.05  # far below the real norms: the user's clip always changes the gradients
+USER_MAX_NORM = 0.05
+TOUCH_STEP = 1  # far below the real norms: the user's clip always changes the gradients
 
 
 class Block(nn.Module):
@@ -202,8 +203,13 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
         ref_params = [
             float(_full(p.grad).double().norm()) if p.grad is not None else 0.0 for p in params
         ]
+        if step == TOUCH_STEP:  # an in-place op on the gradients: no reuse, a fresh pass
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(1.0)
         clip_norm = float(_full(source.clip_norm(params)))
         ref_total = user_clip(params, USER_MAX_NORM)
+        clip_after = float(_full(source.clip_norm(params)))  # reuse is once per step
         out = source.collect()
         records.append(
             {
@@ -215,6 +221,7 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
                 "ref_total": ref_total,
                 "ref_params": ref_params,
                 "clip_norm": clip_norm,
+                "clip_after": clip_after,
                 "post_clip_norm": math.sqrt(
                     sum(
                         float(_full(p.grad).double().norm()) ** 2
@@ -234,6 +241,7 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
         "group_of": index.group_of,
         "errors": errors,
         "records": records,
+        "clip_reused": source.clip_norms_reused,
     }
 
 

@@ -16,6 +16,7 @@ import pytest
 WORKER = Path(__file__).with_name("_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
+_PORT_TAKEN = "EADDRINUSE"
 
 
 def _free_port() -> int:
@@ -25,7 +26,13 @@ def _free_port() -> int:
 
 
 def launch(
-    strategy: str, ranks: int, out: Path, *, args: tuple[str, ...] = (), worker: Path = WORKER
+    strategy: str,
+    ranks: int,
+    out: Path,
+    *,
+    args: tuple[str, ...] = (),
+    worker: Path = WORKER,
+    retries: int = 2,
 ) -> list[dict]:
     """Run ``worker`` on ``ranks`` gloo ranks; returns each rank's ``rank<R>.json`` from ``out``."""
     port = _free_port()
@@ -63,8 +70,13 @@ def launch(
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{log[-4000:]}"
+    failed = [(r, p.returncode, log) for r, (p, log) in enumerate(zip(procs, logs, strict=True))]
+    failed = [f for f in failed if f[1] != 0]
+    if failed and retries > 0 and any(_PORT_TAKEN in log for _, _, log in failed):
+        # another process took the free port between our probe and the store's bind
+        return launch(strategy, ranks, out, args=args, worker=worker, retries=retries - 1)
+    for rank, code, log in failed:
+        raise AssertionError(f"rank {rank} exited {code}:\n{log[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from tests.parallel._worker import NAN_PARAM, NAN_RANK, NAN_STEP, USER_MAX_NORM
+from tests.parallel._worker import NAN_PARAM, NAN_RANK, NAN_STEP, TOUCH_STEP, USER_MAX_NORM
 
 REL = 1e-5
 STRATEGIES = [
@@ -154,3 +154,20 @@ def test_fsdp2_unit_with_a_parameter_without_gradient(ranks_of):
 
 def test_fsdp1_is_reported_unsupported(ranks_of):
     assert {rank["fsdp1_kind"] for rank in ranks_of("fsdp2", 2)} == {"unsupported:fsdp1"}
+
+
+@pytest.mark.parametrize(("strategy", "n", "kind", "_"), STRATEGIES)
+def test_clip_norm_reuses_the_reduction_only_for_unchanged_gradients(
+    ranks_of, strategy, n, kind, _
+):
+    """Before the user's clip ``clip_norm`` is answered from the step's reduction (checked equal
+    to torch above) except at TOUCH_STEP, where an in-place op changed the gradients; after the
+    clip (a second call) the changed gradients are measured again."""
+    for rank in ranks_of(strategy, n):
+        for name, scenario in rank["scenarios"].items():
+            touched = 1 if len(scenario["records"]) > TOUCH_STEP else 0
+            assert scenario["clip_reused"] == len(scenario["records"]) - touched, name
+            for rec in scenario["records"]:
+                if name == "nan" and rec["step"] >= NAN_STEP:
+                    continue
+                assert _close(rec["clip_after"], rec["post_clip_norm"]), (name, rec["step"])
