@@ -122,10 +122,13 @@ def test_overview_has_the_issue_panels() -> None:
 def test_annotations_line_up_alerts_nonfinite_and_skipped() -> None:
     for doc in BOARDS.values():
         ann = {a["name"]: a for a in doc["annotations"]["list"]}
-        assert set(ann) == {"Firing ddpmon alerts", "Non-finite steps", "Skipped steps"}
+        assert set(ann) == {"Firing ddpmon alerts", "Non-finite steps", "Skipped steps",
+                            "Checkpoints", "Restarts"}
         assert 'ALERTS{alertname=~"Ddpmon.*"' in ann["Firing ddpmon alerts"]["expr"]
         assert "ddpmon_grad_nonfinite_origin_steps_total" in ann["Non-finite steps"]["expr"]
         assert "ddpmon_amp_skipped_steps_total" in ann["Skipped steps"]["expr"]
+        assert "changes(ddpmon_checkpoint_last_timestamp_seconds" in ann["Checkpoints"]["expr"]
+        assert "changes(ddpmon_attempt" in ann["Restarts"]["expr"]
         for a in ann.values():
             assert a["enable"] and a["datasource"]["uid"] == "${datasource}"
 

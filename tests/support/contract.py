@@ -30,5 +30,8 @@ DESIGN_ALERTS = {
     "DdpmonNoFirstStep": "warning",
     "DdpmonAgentUnhealthy": "warning",
     "DdpmonGradNormMismatch": "warning",
+    # Issue 16: checkpoints.
+    "DdpmonCheckpointStale": "warning",
+    "DdpmonCheckpointSlow": "warning",
 }
 """Alert name -> severity."""
