@@ -310,15 +310,15 @@ class HistoryWriter:
         self.rows_written += len(self._pending)
         self._pending, self._journaled = [], 0
         if self._journal_writer is not None:  # start the journal over (its rows are sealed)
-            self._journal_writer.close()
+            _close(self._journal_writer)
             self._journal_writer = None
             self.journal.unlink(missing_ok=True)
 
     def _finish(self) -> None:
         if self._main is not None:
-            self._main.close()
+            _close(self._main)  # writes the end-of-stream marker
         if self._journal_writer is not None:
-            self._journal_writer.close()
+            _close(self._journal_writer)
         self.journal.unlink(missing_ok=True)
 
     def _open(self, path: Path, mode: str):
@@ -329,6 +329,14 @@ class HistoryWriter:
         writer = ipc.new_stream(handle, self._schema, options=_ipc_options())
         writer.sink = handle
         return writer
+
+
+def _close(writer: Any) -> None:
+    """Close a stream writer and the file it writes to (the writer leaves the file open)."""
+    try:
+        writer.close()
+    finally:
+        writer.sink.close()
 
 
 def _ipc_options():
