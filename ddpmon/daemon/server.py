@@ -32,6 +32,15 @@ from urllib.parse import unquote
 import h11
 
 from ..export.webconfig import WebConfig
+from .asgi import (
+    asgi_scope,
+    call_app,
+    content_length,
+    head_size,
+    header,
+    json_error,
+    reason,
+)
 
 log = logging.getLogger("ddpmon.daemon.server")
 
@@ -72,6 +81,10 @@ class _Conn:
     """A full request is in; the connection may not be evicted."""
     tls: bool = False
     stats: dict[str, int] = field(default_factory=dict)
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class _Close(Exception):
@@ -248,7 +261,7 @@ class DaemonServer:
                 return
             if not isinstance(event, h11.Request):
                 return  # ConnectionClosed: the client went away between requests
-            if _head_size(event) > self.limits.max_header_bytes:
+            if head_size(event) > self.limits.max_header_bytes:
                 # h11 bounds a head only while it is incomplete; one that arrives whole in a
                 # single read is measured here.
                 await self._raw_error(writer, 431, deadline)
@@ -283,9 +296,9 @@ class DaemonServer:
             raise _Close from None
 
     async def _raw_error(self, writer: asyncio.StreamWriter, status: int, deadline: float) -> None:
-        body = f'{{"error": "{_reason(status).lower()}", "status": {status}}}'.encode()
+        body = f'{{"error": "{reason(status).lower()}", "status": {status}}}'.encode()
         head = (
-            f"HTTP/1.1 {status} {_reason(status)}\r\ncontent-type: application/json\r\n"
+            f"HTTP/1.1 {status} {reason(status)}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         ).encode()
         writer.write(head + body)
@@ -308,17 +321,17 @@ class DaemonServer:
         target = req.target
         raw_path, _, query = target.partition(b"?")
         if not raw_path.startswith(b"/"):
-            return _json_error(400, "request target must be an absolute path")
+            return json_error(400, "request target must be an absolute path")
         try:
             path = unquote(raw_path.decode("ascii"), errors="strict")
         except (UnicodeDecodeError, UnicodeEncodeError):
-            return _json_error(400, "request path is not valid")
-        length = _content_length(headers)
+            return json_error(400, "request path is not valid")
+        length = content_length(headers)
         if length is not None and length > self.limits.max_body_bytes:
-            return _json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
+            return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
         registration = path.startswith("/api/v1/ranks")
         if registration_only and not (registration or path == "/healthz"):
-            return _json_error(404, "this listener serves rank registration only")
+            return json_error(404, "this listener serves rank registration only")
         if not registration_only and not registration:
             denied = await self._authorize(path, headers)
             if denied is not None:
@@ -326,13 +339,19 @@ class DaemonServer:
         try:
             body = await self._body(h, reader)
         except _TooLarge:
-            return _json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
+            return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
         if self._in_flight >= self.limits.max_in_flight:
             self.stats["rejected_busy"] += 1
-            return _json_error(503, "too many requests in flight", retry=True)
+            return json_error(503, "too many requests in flight", retry=True)
         self._in_flight += 1
         try:
-            return await self._call_app(req, path, raw_path, query, headers, body, writer, conn.tls)
+            scope = asgi_scope(req, path, raw_path, query, headers, writer, conn.tls)
+            try:
+                return await call_app(self.app, scope, body)
+            except Exception:
+                self.stats["errors"] += 1
+                log.exception("ddpmon daemon: request %s %s failed", scope["method"], path)
+                return json_error(500, "internal error")
         finally:
             self._in_flight -= 1
 
@@ -342,7 +361,7 @@ class DaemonServer:
         auth = self.web.auth if self.web is not None else None
         if auth is None:
             return None
-        value = _header(headers, b"authorization")
+        value = header(headers, b"authorization")
         if path.startswith("/api/v1/jobs") and value is not None:
             scheme, _, cred = value.decode("latin-1").strip().partition(" ")
             given = cred.strip().encode()
@@ -353,7 +372,7 @@ class DaemonServer:
             if auth.cached(*parsed):
                 return None
             if self._auth_pending >= self.limits.max_auth_pending:
-                return _json_error(503, "too many authentication checks pending", retry=True)
+                return json_error(503, "too many authentication checks pending", retry=True)
             self._auth_pending += 1
             try:
                 ok = await asyncio.get_running_loop().run_in_executor(None, auth.check, *parsed)
@@ -361,7 +380,7 @@ class DaemonServer:
                 self._auth_pending -= 1
             if ok:
                 return None
-        status, hdrs, body = _json_error(401, "basic authentication required")
+        status, hdrs, body = json_error(401, "basic authentication required")
         hdrs.append((b"www-authenticate", b'Basic realm="ddpmon daemon"'))
         return status, hdrs, body
 
@@ -384,62 +403,6 @@ class DaemonServer:
             else:
                 raise _Close
 
-    async def _call_app(
-        self,
-        req: h11.Request,
-        path: str,
-        raw_path: bytes,
-        query: bytes,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-        writer: asyncio.StreamWriter,
-        tls: bool,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        peer = writer.get_extra_info("peername") or ("", 0)
-        sock = writer.get_extra_info("sockname") or ("", 0)
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": req.http_version.decode("ascii", "replace"),
-            "method": req.method.decode("ascii", "replace"),
-            "scheme": "https" if tls else "http",
-            "path": path,
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": headers,
-            "client": (str(peer[0]), int(peer[1])),
-            "server": (str(sock[0]), int(sock[1])),
-        }
-        sent = False
-        done = asyncio.Event()
-        response: dict[str, Any] = {"status": 500, "headers": [], "body": []}
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await done.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                response["status"] = int(message["status"])
-                response["headers"] = list(message.get("headers", []))
-            elif message["type"] == "http.response.body":
-                response["body"].append(bytes(message.get("body", b"")))
-
-        try:
-            await self.app(scope, receive, send)
-        except Exception:
-            self.stats["errors"] += 1
-            log.exception("ddpmon daemon: request %s %s failed", scope["method"], path)
-            return _json_error(500, "internal error")
-        finally:
-            done.set()
-        return response["status"], response["headers"], b"".join(response["body"])
-
     async def _respond(
         self,
         h: h11.Connection,
@@ -458,7 +421,7 @@ class DaemonServer:
             out.append((b"connection", b"close"))
         self.stats[f"status_{status}"] = self.stats.get(f"status_{status}", 0) + 1
         try:
-            data = h.send(h11.Response(status_code=status, headers=out, reason=_reason(status)))
+            data = h.send(h11.Response(status_code=status, headers=out, reason=reason(status)))
             if req.method != b"HEAD" and body:
                 data += h.send(h11.Data(data=body))
             data += h.send(h11.EndOfMessage())
@@ -470,52 +433,3 @@ class DaemonServer:
         except TimeoutError:
             self.stats["timed_out"] += 1
             raise _Close from None
-
-
-class _TooLarge(Exception):
-    pass
-
-
-def _head_size(req: h11.Request) -> int:
-    return len(req.method) + len(req.target) + 12 + sum(
-        len(k) + len(v) + 4 for k, v in req.headers.raw_items()
-    )
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for k, v in headers:
-        if k == name:
-            return v
-    return None
-
-
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    value = _header(headers, b"content-length")
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _json_error(
-    status: int, message: str, *, retry: bool = False
-) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    import json
-
-    headers = [(b"content-type", b"application/json")]
-    if retry:
-        headers.append((b"retry-after", b"1"))
-    return status, headers, json.dumps({"error": message, "status": status}).encode()
-
-
-_REASONS = {
-    200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
-    401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-    408: "Request Timeout", 409: "Conflict", 413: "Content Too Large", 414: "URI Too Long",
-    431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
-}
-
-
-def _reason(status: int) -> str:
-    return _REASONS.get(status, "Status")

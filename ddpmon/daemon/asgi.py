@@ -1,0 +1,113 @@
+"""The daemon front's HTTP pieces: the ASGI call (one buffered request in, one buffered
+response out), JSON error bodies, and header helpers. Kept apart from the connection handling
+in ``server.py`` so each stays small."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import h11
+
+Response = tuple[int, list[tuple[bytes, bytes]], bytes]
+
+
+def asgi_scope(
+    req: h11.Request,
+    path: str,
+    raw_path: bytes,
+    query: bytes,
+    headers: list[tuple[bytes, bytes]],
+    writer: asyncio.StreamWriter,
+    tls: bool,
+) -> dict[str, Any]:
+    """The ASGI HTTP scope; ``client`` and ``server`` are the socket's real addresses (the
+    app's same-host check for rank registration compares them)."""
+    peer = writer.get_extra_info("peername") or ("", 0)
+    sock = writer.get_extra_info("sockname") or ("", 0)
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": req.http_version.decode("ascii", "replace"),
+        "method": req.method.decode("ascii", "replace"),
+        "scheme": "https" if tls else "http",
+        "path": path,
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": (str(peer[0]), int(peer[1])),
+        "server": (str(sock[0]), int(sock[1])),
+    }
+
+
+async def call_app(app: Any, scope: dict[str, Any], body: bytes) -> Response:
+    """Run ``app`` on one request whose body is already read; collect the whole response."""
+    sent = False
+    done = asyncio.Event()
+    response: dict[str, Any] = {"status": 500, "headers": [], "body": []}
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await done.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            response["status"] = int(message["status"])
+            response["headers"] = list(message.get("headers", []))
+        elif message["type"] == "http.response.body":
+            response["body"].append(bytes(message.get("body", b"")))
+
+    try:
+        await app(scope, receive, send)
+    finally:
+        done.set()
+    return response["status"], response["headers"], b"".join(response["body"])
+
+
+def head_size(req: h11.Request) -> int:
+    return len(req.method) + len(req.target) + 12 + sum(
+        len(k) + len(v) + 4 for k, v in req.headers.raw_items()
+    )
+
+
+def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
+
+
+def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    value = header(headers, b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def json_error(
+    status: int, message: str, *, retry: bool = False
+) -> Response:
+    headers = [(b"content-type", b"application/json")]
+    if retry:
+        headers.append((b"retry-after", b"1"))
+    return status, headers, json.dumps({"error": message, "status": status}).encode()
+
+
+REASONS = {
+    200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
+    401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    408: "Request Timeout", 409: "Conflict", 413: "Content Too Large", 414: "URI Too Long",
+    431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
+}
+
+
+def reason(status: int) -> str:
+    return REASONS.get(status, "Status")
