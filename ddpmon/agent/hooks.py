@@ -29,13 +29,16 @@ class StepHooks:
         self.pipeline = pipeline
         self.amp = amp
         self.closed = False
-        self._handles: list[Any] = [
-            model.register_forward_pre_hook(self._on_forward),
-            model.register_forward_hook(self._after_forward),
-        ]
-        if amp is None:
-            self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
-            self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
+        self._handles: list[Any] = []
+        try:
+            self._handles.append(model.register_forward_pre_hook(self._on_forward))
+            self._handles.append(model.register_forward_hook(self._after_forward))
+            if amp is None:
+                self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))
+                self._handles.append(optimizer.register_step_post_hook(self._on_step_post))
+        except BaseException:
+            self.close()  # all or nothing
+            raise
 
     # Hook bodies stay tiny: the pipeline guards its own work.
     def _on_forward(self, module: Any, args: tuple) -> None:

@@ -9,6 +9,7 @@ misconfigured agent is a ``NullMonitor``: same methods, does nothing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import threading
@@ -70,11 +71,17 @@ def attach(
         return NullMonitor(str(exc))
     if not config.enabled:
         return NullMonitor(None)
-    if accelerator is not None and scaler is None:
-        from ..integrations.accelerate import parts_from_accelerator
+    try:
+        if accelerator is not None:
+            from ..integrations.accelerate import parts_from_accelerator, unwrap_optimizer
 
-        scaler = parts_from_accelerator(accelerator).get("scaler")
-    return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state)
+            optimizer = unwrap_optimizer(optimizer)
+            if scaler is None:
+                scaler = parts_from_accelerator(accelerator).get("scaler")
+        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state)
+    except Exception as exc:  # never into training: an agent that cannot start stays off
+        log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
+        return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")
 
 
 def monitor_for(params: Sequence[torch.Tensor]) -> Monitor | None:
@@ -154,8 +161,16 @@ class Monitor:
         state = MetricState(
             loss_scale_floor=config.loss_scale_floor, stall_threshold_seconds=config.stall_seconds
         )
-        guard = Guard(state.count_error)
-        self = cls(config, state, guard)
+        self = cls(config, state, Guard(state.count_error))
+        try:
+            self._assemble(model, optimizer, scaler, comm_hook, comm_state)
+        except BaseException:
+            self._abort()  # leave no hook, thread or server behind
+            raise
+        return self
+
+    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state) -> None:
+        config, state, guard = self.config, self.state, self.guard
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.ctx = ctx = RunContext.establish(model, config, guard)
         self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
@@ -267,7 +282,6 @@ class Monitor:
             attempt_source=self.attempt.source,
             previous_progress=self.attempt.previous_progress,
         )
-        return self
 
     # ------------------------------------------------------------------ public API
     @property
@@ -346,6 +360,7 @@ class Monitor:
         _live.discard(self)
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
+            self.pipeline.flush_trainer_norm()
         self.hooks.close()
         self.dcp.uninstall()
         self.source.close()
@@ -359,6 +374,25 @@ class Monitor:
             atexit.unregister(self.close)
         except Exception:
             pass
+
+    def _abort(self) -> None:
+        """Undo a build that failed half-way: close whatever parts exist."""
+        self._closed = True
+        _live.discard(self)
+        for name, method in (
+            ("hooks", "close"),
+            ("amp", "detach"),
+            ("dcp", "uninstall"),
+            ("source", "close"),
+            ("forensics", "close"),
+            ("endpoint", "close"),
+        ):
+            close = getattr(getattr(self, name, None), method, None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
 
     def __enter__(self) -> Monitor:
         return self

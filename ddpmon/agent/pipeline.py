@@ -319,13 +319,26 @@ class StepPipeline:
             theirs = None
         late = self._late_trainer.pop(record.step, None)
         theirs = late if theirs is None else theirs
-        if theirs is None:
-            return
-        record.trainer_grad_norm = theirs
-        record.grad_norm_mismatch = norm_mismatch(record.grad_norm, theirs, self.tolerance)
-        pending = [s for s in self._late_trainer if s in self._norms_by_step]
-        for step in pending:
+        if theirs is not None:
+            record.trainer_grad_norm = theirs
+            record.grad_norm_mismatch = norm_mismatch(record.grad_norm, theirs, self.tolerance)
+        self.compare_pending()
+
+    def compare_pending(self) -> None:
+        """Compare trainer norms whose step's record has arrived (kept until it does)."""
+        for step in [s for s in self._late_trainer if s in self._norms_by_step]:
             self._compare_late(step, self._late_trainer.pop(step))
+
+    def flush_trainer_norm(self) -> None:
+        """At close: a trainer norm reported after the last step is read now (one read, once)."""
+        if self._trainer is None:
+            return
+        value, step = self._trainer
+        self._trainer = None
+        number = as_float(value.item() if isinstance(value, torch.Tensor) else value)
+        if number is not None:
+            self._late_trainer[step] = number
+            self.compare_pending()
 
     def _compare_late(self, step: int, theirs: float) -> None:
         """A trainer norm for a step whose record was already delivered."""

@@ -42,9 +42,13 @@ class Collect:
 
     def __init__(self):
         self.records = []
+        self.late = []
 
     def on_record(self, record):
         self.records.append(record)
+
+    def on_late_cross_check(self, step, ours, theirs, mismatch):
+        self.late.append((step, ours, theirs, mismatch))
 
     def close(self):
         pass
@@ -137,6 +141,27 @@ def test_trainer_norm_cross_check_counts_a_mismatch_on_the_readback_path():
     pipe.observe_grad_norm(5.0 * 2, step=2)  # late, for a step already delivered
     assert [r.grad_norm_mismatch for r in sink.records] == [False, True, False]
     assert sink.records[1].trainer_grad_norm == 7.5
+
+
+def test_a_device_norm_for_an_earlier_step_is_compared_there():
+    pipe, sink, _, _ = make_pipeline([[3.0, 4.0, 0, 0]] * 3)
+    one_step(pipe)
+    pipe.observe_grad_norm(torch.tensor(6.0), step=0)  # rides on step 1's vector
+    one_step(pipe)
+    pipe.observe_grad_norm(torch.tensor(9.0), step=1)  # after the last step: read at close
+    pipe.flush_trainer_norm()
+    late = [c for c in sink.late]
+    assert late == [(0, 5.0, 6.0, True), (1, 5.0, 9.0, True)]
+
+
+def test_attach_that_cannot_start_leaves_nothing_behind_and_training_goes_on(tmp_path, caplog):
+    model = nn.Linear(2, 1)
+    with caplog.at_level(logging.ERROR, logger="ddpmon"):
+        mon = ddpmon.attach(model, object(), port=0, run_dir=str(tmp_path))  # not an optimizer
+    assert not mon.enabled and "could not attach" in mon.error
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert any("could not attach" in r.getMessage() for r in caplog.records)
+    model(torch.randn(3, 2)).sum().backward()  # the model still trains
 
 
 def test_adding_a_step_vector_slot_is_one_declaration():
