@@ -91,20 +91,21 @@ def worker(args: argparse.Namespace) -> None:
         )
     )
     source.install()
-    inside = [0.0]  # seconds spent in the source's own code during the current step
+    parts = ("observe_reduce_input", "on_backward_end", "collect")
+    inside = dict.fromkeys(parts, 0.0)  # seconds in the source's own code, this step
 
-    def timed(fn):
+    def timed(name, fn):
         def wrapper(*a, **kw):
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
             finally:
-                inside[0] += time.perf_counter() - t0
+                inside[name] += time.perf_counter() - t0
 
         return wrapper
 
-    for name in ("observe_reduce_input", "on_backward_end", "collect"):
-        setattr(source, name, timed(getattr(source, name)))
+    for name in parts:
+        setattr(source, name, timed(name, getattr(source, name)))
     with tempfile.TemporaryDirectory() as run_dir:
         mon = ddpmon.attach(
             *replicas["agent"], port=args.port, bind="127.0.0.1", run_dir=run_dir, run_id="bench"
@@ -135,9 +136,10 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.rounds):
             order = list(MODES)
             schedule.shuffle(order)
-            inside[0] = 0.0
+            inside.update(dict.fromkeys(parts, 0.0))
             times = {mode: step(mode) for mode in order}
-            times["inside"] = inside[0]
+            times.update(inside)
+            times["inside"] = sum(inside.values())
             rounds.append(times)
         mon.close()
     source.close()
@@ -182,8 +184,12 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"Time inside the source's own code per step (wrapped reduce-scatter look, end of "
             f"backward, collect): median {imed * 1000:.2f} ms (quartiles {i1 * 1000:.2f}-"
             f"{i3 * 1000:.2f} ms), i.e. {smed * 100:.1f}% of the unmonitored step (quartiles "
-            f"{s1 * 100:.1f}-{s3 * 100:.1f}%). On a shared 2-core box the step ratios below are "
-            f"noisier than this direct figure.",
+            f"{s1 * 100:.1f}-{s3 * 100:.1f}%): look at the reduce-scatter input "
+            f"{statistics.median(r['observe_reduce_input'] for r in rounds) * 1000:.2f} ms, end "
+            f"of backward (shard pass, all-reduce issued) "
+            f"{statistics.median(r['on_backward_end'] for r in rounds) * 1000:.2f} ms, collect "
+            f"(wait) {statistics.median(r['collect'] for r in rounds) * 1000:.2f} ms (medians). "
+            f"On a shared 2-core box the step ratios below are noisier than this direct figure.",
             "",
             "| ratio | median | q1 | q3 | rounds |",
             "|---|---|---|---|---|",

@@ -5,14 +5,14 @@ Where each number comes from (why: see the Parallelism section of the docs):
 - ``local`` (this rank's gradients before the reduction): a thin wrapper around each unit's
   reduce-scatter, installed with FSDP2's public ``set_custom_reduce_scatter``. Its input is the
   flat buffer FSDP2 builds from this rank's unsharded gradients (accumulated over
-  ``set_requires_gradient_sync(False)`` micro-steps, already in the reduce dtype). One strided
-  norm per parameter over that buffer gives exact per-parameter norms and the origin FQN; it is
-  the only pass over full-size local gradients, and it runs while the gradients are hot.
+  ``set_requires_gradient_sync(False)`` micro-steps, already in the reduce dtype). One fused
+  norm pass over it, per (rank row, parameter) slice, gives exact per-parameter norms and the
+  origin FQN; it is the only pass over full-size local gradients, run while they are hot.
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
-  one fused norm pass over this rank's sharded gradients (1/shards of the data); ``collect``
-  then SUMs the per-parameter partial squares over the shard dim(s) (``dtensor_norms``) with one
-  small all-reduce per group. The user's clipping comes after ``on_backward_end``, so the
-  numbers are unclipped.
+  one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
+  async all-reduce of the per-parameter partial squares over the shard dim(s)
+  (``dtensor_norms``), waited on at ``collect``. The user's clipping comes after
+  ``on_backward_end``, so the numbers are unclipped.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _param_groups(module: torch.nn.Module) -> list[Any]:
     """FSDP2's parameter groups of one module (private state; [] when unreadable)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.12: one group at most
+    if groups is None:  # older torch: one group at most
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
