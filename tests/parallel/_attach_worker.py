@@ -29,6 +29,7 @@ ACCUM_STEPS = 2  # two micro-steps each, sync on the last
 NAN_AT = CLEAN_STEPS + ACCUM_STEPS
 AFTER = 2  # steps after the NaN was applied: every rank's gradients are NaN (poisoned)
 MAX_NORM = 0.05
+SCALER_STEPS = 4
 
 
 def scrape(port: int) -> str:
@@ -54,10 +55,38 @@ def pre_clip_norm(params: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(_full(p.grad).double().norm()) ** 2 for p in params))
 
 
+def scaled_steps(model, opt, scaler, mon, params, gen) -> list[dict]:
+    """GradScaler loop: scale, unscale_, ddpmon.clip_grad_norm_, step, update."""
+    steps = []
+    for step in range(SCALER_STEPS):
+        loss = model(torch.randn(4, D, generator=gen)).square().mean()
+        mon.observe_loss(loss)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        reference = pre_clip_norm(params)
+        returned = float(_full(ddpmon.clip_grad_norm_(params, MAX_NORM)))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        text = scrape(mon.port)
+        steps.append(
+            {
+                "step": step,
+                "reference": reference,
+                "clip_returned": returned,
+                "grad_norm": value(text, "ddpmon_grad_norm"),
+                "grad_local_norm": value(text, "ddpmon_grad_local_norm"),
+                "clip_reused": mon.source.clip_norms_reused,
+            }
+        )
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--scaler", action="store_true", help="GradScaler run (clean steps)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -69,9 +98,11 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
     mon = ddpmon.attach(
         model,
         opt,
+        scaler,
         port=args.port,
         bind="127.0.0.1",
         run_dir=os.path.join(args.out, "runs"),
@@ -79,6 +110,13 @@ def main() -> None:
     )
     params = list(model.parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
+    if scaler is not None:
+        steps = scaled_steps(model, opt, scaler, mon, params, gen)
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+        mon.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     steps = []
     for step in range(NAN_AT + 1 + AFTER):
         micro = 2 if CLEAN_STEPS <= step < NAN_AT else 1

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel._attach_worker import AFTER, NAN_AT
+from tests.parallel._attach_worker import AFTER, NAN_AT, SCALER_STEPS
 from tests.parallel._worker import NAN_PARAM, NAN_RANK
 from tests.parallel.conftest import launch
 from tests.support.demo import free_port_pair
@@ -71,3 +71,22 @@ def test_nan_origin_names_rank_param_and_step(run):
             assert f'param="{NAN_PARAM}"' in info[0][0] and f'step="{NAN_AT}"' in info[0][0]
         else:
             assert info == []
+
+
+@pytest.fixture(scope="module")
+def scaled_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("attach_fsdp2_scaler")
+    args = ("--port", str(free_port_pair()), "--scaler")
+    return launch("", 2, out, args=args, worker=WORKER)
+
+
+def test_gradscaler_norms_are_unscaled_and_clip_reuses_them(scaled_run):
+    """Loss scale 2**10: the exported norm and ``ddpmon.clip_grad_norm_`` (after ``unscale_``,
+    answered from the step's reduction with the scale divided out) equal torch's unscaled norm."""
+    for rank in scaled_run:
+        assert len(rank["steps"]) == SCALER_STEPS
+        for s in rank["steps"]:
+            assert math.isclose(s["grad_norm"], s["reference"], rel_tol=1e-5), s
+            assert math.isclose(s["clip_returned"], s["reference"], rel_tol=1e-5), s
+            assert s["grad_local_norm"] is not None and s["grad_local_norm"] < 100
+            assert s["clip_reused"] == s["step"] + 1
