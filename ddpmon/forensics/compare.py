@@ -34,7 +34,7 @@ import numpy as np
 
 from ..rundir import HISTORY_RE, RunDir
 from .annotations import read_annotations
-from .history import History, read_history
+from .history_read import History, read_history
 
 NOISE_STEPS = 8
 NOISE_FACTOR = 100.0

@@ -23,7 +23,7 @@ from ..rundir import RunDir
 from . import report_plots as rp
 from .annotations import read_annotations
 from .compare import resolve_run
-from .history import History
+from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .timeline import RunDirError, build_timeline, describe
 

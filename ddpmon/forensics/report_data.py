@@ -16,7 +16,7 @@ import numpy as np
 from ..rundir import HISTORY_RE, PROGRESS_RE, RunDir
 from . import report_plots as rp
 from .eventlog import read_progress
-from .history import History, read_history
+from .history_read import History, read_history
 
 PER_RANK = (
     "loss",

@@ -17,9 +17,9 @@ from ddpmon.forensics.history import (  # noqa: E402
     Downsampler,
     HistoryWriter,
     journal_path,
-    read_history,
     row_of,
 )
+from ddpmon.forensics.history_read import read_history  # noqa: E402
 from ddpmon.state import StepRecord  # noqa: E402
 
 GROUPS = ("embed", "encoder", "head")
