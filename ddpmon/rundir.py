@@ -35,6 +35,15 @@ SUMMARY_RE = re.compile(r"^summary\.rank(\d+)\.json$")
 CRASH_RE = re.compile(r"^crash\.rank(\d+)\.txt$")
 SIGTERM_RE = re.compile(r"^sigterm\.rank(\d+)\.txt$")
 HISTORY_RE = re.compile(r"^history\.rank(\d+)\.arrow$")
+HISTORY_JOURNAL_RE = re.compile(r"^history\.rank(\d+)\.tail\.arrow$")
+ANNOTATIONS = "annotations.json"
+"""Run facts the user declares (global batch, accumulation, seed), written by rank 0."""
+
+
+def history_journal_of(history: Path) -> Path:
+    """The journal beside ``history.rank<R>.arrow``: ``history.rank<R>.tail.arrow`` (rows not yet
+    sealed into the main file; present while a rank runs, or after it crashed)."""
+    return history.with_name(history.name[: -len(".arrow")] + ".tail.arrow")
 MANIFEST = "manifest.json"
 LEGACY_MANIFEST_RE = re.compile(r"^manifest\.rank(\d+)\.json$")
 
@@ -119,6 +128,12 @@ class RunDir:
 
     def history(self, rank: int) -> Path:
         return self.path / f"history.rank{_rank(rank)}.arrow"
+
+    def history_journal(self, rank: int) -> Path:
+        return history_journal_of(self.history(rank))
+
+    def annotations(self) -> Path:
+        return self.path / ANNOTATIONS
 
     def manifest(self) -> Path:
         return self.path / MANIFEST

@@ -230,7 +230,11 @@ class Monitor:
                 from ..forensics.history import HistorySink
 
                 history = HistorySink.open(
-                    ctx.run_dir, ctx.identity.rank, self.index.group_names, ctx.identity.device
+                    ctx.run_dir,
+                    ctx.identity.rank,
+                    self.index.group_names,
+                    ctx.identity.device,
+                    on_error=guard.error,
                 )
                 if history is not None:
                     sinks.append(history)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..rundir import RunDir
+from ..rundir import RunDir, history_journal_of
 from ..state import StepRecord
 
 log = logging.getLogger("ddpmon")
@@ -83,9 +83,7 @@ _NOTABLE = tuple(
 _MEM = COL["memory_bytes"]
 
 
-def journal_path(history: Path) -> Path:
-    """The journal beside ``history.rank<R>.arrow``: ``history.rank<R>.tail.arrow``."""
-    return history.with_name(history.name[: -len(".arrow")] + ".tail.arrow")
+journal_path = history_journal_of
 
 
 def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> tuple:
@@ -195,6 +193,8 @@ class HistoryWriter:
     """Optional callable giving a memory reading (bytes) for rows that carry none (process RSS
     on CPU); called on the writer thread."""
     downsampler: Downsampler = field(default_factory=Downsampler)
+    on_error: Any = None
+    """``on_error(probe, exc)``: counts writer-thread failures in ddpmon_agent_errors_total."""
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -226,8 +226,7 @@ class HistoryWriter:
         try:
             self._recover()
         except Exception as exc:
-            self.errors += 1
-            log.error("ddpmon: history %s: could not recover earlier rows: %s", self.path, exc)
+            self._failed(exc, "could not recover earlier rows")
         while True:
             stopping = self._stop
             try:
@@ -243,13 +242,18 @@ class HistoryWriter:
                 else:
                     self._write_journal()
             except Exception as exc:  # never let the thread die silently; never raise
-                self.errors += 1
-                if self.errors <= 3:
-                    log.error("ddpmon: history %s: %s", self.path, exc)
+                self._failed(exc, "write failed")
                 if stopping:
                     return
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        self.errors += 1
+        if self.on_error is not None:
+            self.on_error("history", exc)  # counted, logged once
+        elif self.errors <= 3:
+            log.error("ddpmon: history %s: %s: %s", self.path, what, exc)
 
     def _recover(self) -> None:
         """An earlier attempt of this run (a restart under the same run id) left a history,
@@ -363,7 +367,7 @@ class HistorySink:
 
     @classmethod
     def open(
-        cls, run_dir: RunDir, rank: int, groups: list[str], device: str
+        cls, run_dir: RunDir, rank: int, groups: list[str], device: str, on_error: Any = None
     ) -> HistorySink | None:
         """The sink for one rank, or None (one log line) when pyarrow is not installed."""
         import importlib.util
@@ -383,6 +387,7 @@ class HistorySink:
             tuple(groups),
             meta={"rank": str(rank), "memory_kind": kind},
             memory=None if memory is not None else process_rss,
+            on_error=on_error,
         )
         return cls(writer, memory)
 
