@@ -14,7 +14,7 @@ import re
 import time
 
 import pytest
-from harness import AGENT_PORT, CONFIG, Stack, launch, timeline
+from harness import AGENT_PORT, CONFIG, DAEMON_PORT, Stack, launch, timeline
 
 from ddpmon.mixin import dashboards as d
 from ddpmon.mixin import names
@@ -46,6 +46,10 @@ def check_identity(stack: Stack, run: str) -> None:
     for m in seen.values():
         port = AGENT_PORT + int(m["local_rank"])
         assert m["instance"] == f"{addr[m['node']]}:{port}", m
+    # The daemons themselves, scraped over TLS + basic auth on the node addresses.
+    daemons = {s["metric"]["instance"]: s["value"][1]
+               for s in stack.prometheus.query('up{job="ddpmon-node"}')}
+    assert daemons == {f"{a}:{DAEMON_PORT}": "1" for a in addr.values()}, daemons
 
 
 def check_overview(stack: Stack, run: str, since: float, coverages: tuple[str, ...]) -> None:
