@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ddpmon
-from tests.parallel._worker import NAN_PARAM, D, Net, _full, _poison_next_grad
+from tests.parallel._worker import NAN_PARAM, D, Net, _full, _poison_next_grad, build
 
 CLEAN_STEPS = 4  # torch's clip on 0-1, ddpmon.clip_grad_norm_ on 2-3
 ACCUM_STEPS = 2  # two micro-steps each, sync on the last
@@ -82,21 +82,48 @@ def scaled_steps(model, opt, scaler, mon, params, gen) -> list[dict]:
     return steps
 
 
+def plain_steps(model, opt, mon, params, gen) -> list[dict]:
+    """A plain loop without clipping (TP and the other strategies)."""
+    steps = []
+    for step in range(SCALER_STEPS):
+        loss = model(torch.randn(4, D, generator=gen)).square().mean()
+        mon.observe_loss(loss)
+        loss.backward()
+        reference = pre_clip_norm(params)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        text = scrape(mon.port)
+        steps.append(
+            {
+                "step": step,
+                "reference": reference,
+                "grad_norm": value(text, "ddpmon_grad_norm"),
+                "grad_local_norm": value(text, "ddpmon_grad_local_norm"),
+            }
+        )
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--scaler", action="store_true", help="GradScaler run (clean steps)")
+    parser.add_argument("--strategy", default="fsdp2", help="fsdp2 (full loop) or another kind")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = Net()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if args.strategy != "fsdp2":
+        model, info = build(args.strategy, "nested")
+    else:
+        torch.manual_seed(0)
+        model = Net()
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        info = {"data_seed": rank}
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
     mon = ddpmon.attach(
@@ -109,9 +136,14 @@ def main() -> None:
         run_id="test-fsdp2",
     )
     params = list(model.parameters())
-    gen = torch.Generator().manual_seed(1000 + rank)
-    if scaler is not None:
-        steps = scaled_steps(model, opt, scaler, mon, params, gen)
+    gen = torch.Generator().manual_seed(1000 + info["data_seed"])
+    if scaler is not None or args.strategy != "fsdp2":
+        if scaler is not None:
+            steps = scaled_steps(model, opt, scaler, mon, params, gen)
+        else:
+            steps = plain_steps(model, opt, mon, params, gen)
+        text = scrape(mon.port)
+        Path(args.out, f"rank{rank}.metrics").write_text(text)
         Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
         mon.close()
         dist.barrier()

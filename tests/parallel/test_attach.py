@@ -1,4 +1,4 @@
-"""``ddpmon.attach`` on an FSDP2 model, 2 real gloo ranks, scraped over HTTP after every step:
+"""``ddpmon.attach`` on FSDP2 (and TP) models, 2 real gloo ranks, scraped over HTTP after every step:
 the exported norm is torch's pre-clip norm, ``ddpmon.clip_grad_norm_`` agrees with torch,
 accumulation counts optimizer steps, and a NaN on one rank is an origin on that rank only."""
 
@@ -90,3 +90,23 @@ def test_gradscaler_norms_are_unscaled_and_clip_reuses_them(scaled_run):
             assert math.isclose(s["clip_returned"], s["reference"], rel_tol=1e-5), s
             assert s["grad_local_norm"] is not None and s["grad_local_norm"] < 100
             assert s["clip_reused"] == s["step"] + 1
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("attach_tp")
+    results = launch("tp", 2, out, args=("--port", str(free_port_pair())), worker=WORKER)
+    for rank in results:
+        rank["metrics"] = (out / f"rank{rank['rank']}.metrics").read_text()
+    return results
+
+
+def test_tensor_parallel_through_attach(tp_run):
+    """TP (DTensor and plain parameters mixed): label ``tp``, exported norm equals torch's
+    (per parameter, ``.full_tensor()``), the local norm (of this rank's shards) is not exported
+    as a complete local norm."""
+    for rank in tp_run:
+        assert 'strategy="tp"' in _metric(rank["metrics"], "ddpmon_rank_info")[0][0]
+        for s in rank["steps"]:
+            assert math.isclose(s["grad_norm"], s["reference"], rel_tol=1e-5), s
+            assert s["grad_local_norm"] is None
