@@ -36,27 +36,16 @@ from typing import Any
 
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
+from .crash_files import crash_event, sigterm_event
 from .eventlog import read_events, read_progress
 from .watchdog import read_flight_recorder_status
 
-SIGNALS = {
-    "Segmentation fault": ("SIGSEGV", 11),
-    "Aborted": ("SIGABRT", 6),
-    "Bus error": ("SIGBUS", 7),
-    "Floating-point exception": ("SIGFPE", 8),
-    "Floating point exception": ("SIGFPE", 8),
-    "Illegal instruction": ("SIGILL", 4),
-}
 SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
 COMM_ERROR = re.compile(
     r"gloo|nccl|connection|timed out|timeout|peer|socket|processgroup|distbackenderror|"
     r"distnetworkerror|broken pipe",
     re.IGNORECASE,
 )
-_FATAL_RE = re.compile(r"Fatal Python error: (.+)")
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
-
-
 class RunDirError(Exception):
     """The directory is not a run, or holds no events; the message says what was found."""
 
@@ -164,7 +153,7 @@ def build_timeline(path: Path | str) -> Timeline:
         return max(steps) if steps else None
 
     synthetic: list[dict[str, Any]] = []
-    for regex, parser in ((CRASH_RE, _crash_event), (SIGTERM_RE, _sigterm_event)):
+    for regex, parser in ((CRASH_RE, crash_event), (SIGTERM_RE, sigterm_event)):
         for rank, f in run.ranked(regex).items():
             ev = parser(f, rank)
             if ev is not None:
@@ -342,41 +331,6 @@ def _ending(events: list[dict[str, Any]]) -> str:
 def _brief(e: dict[str, Any]) -> dict[str, Any]:
     skip = {"traceback", "stacks", "records"}
     return {k: v for k, v in e.items() if k not in skip}
-
-
-def _crash_event(path: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-        mtime = path.stat().st_mtime
-    except OSError:
-        return None
-    matches = _FATAL_RE.findall(text)
-    if not matches:
-        return None
-    what = matches[-1].strip()
-    name, num = SIGNALS.get(what, (what, None))
-    return {"ts": mtime, "rank": rank, "kind": "signal", "signal": name, "signum": num,
-            "synthetic": True, "source": path.name, "detail": f"Fatal Python error: {what}",
-            "frame": _top_frame(text[text.rfind("Fatal Python error"):])}
-
-
-def _sigterm_event(path: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-        mtime = path.stat().st_mtime
-    except OSError:
-        return None
-    if not text.strip():
-        return None
-    return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
-            "synthetic": True, "source": path.name, "frame": _top_frame(text),
-            "detail": "terminated (SIGTERM, usually the launcher stopping survivors)"}
-
-
-def _top_frame(text: str) -> str | None:
-    """Innermost frame of the first (current) thread in a faulthandler dump."""
-    m = _FRAME_RE.search(text)
-    return f"{m.group(3)} ({m.group(1)}:{m.group(2)})" if m else None
 
 
 def _flight_recorder(run: RunDir) -> dict[int, dict[str, Any]]:
