@@ -1,5 +1,5 @@
-"""``ddpmon.attach`` on FSDP2 (and TP) models, 2 real gloo ranks, scraped over HTTP after every step:
-the exported norm is torch's pre-clip norm, ``ddpmon.clip_grad_norm_`` agrees with torch,
+"""``ddpmon.attach`` on FSDP2 (and TP) models, 2 real gloo ranks, scraped over HTTP after every
+step: the exported norm is torch's pre-clip norm, ``ddpmon.clip_grad_norm_`` agrees with torch,
 accumulation counts optimizer steps, and a NaN on one rank is an origin on that rank only."""
 
 from __future__ import annotations
