@@ -11,8 +11,8 @@ replicated must be counted once. Both rules fit one SUM all-reduce of a per-para
 - on each of those groups, a parameter not sharded on it (``Replicate``, a plain tensor, or a
   parameter on another mesh) contributes only from the group's rank 0 (``mask``): adding exact
   zeros elsewhere keeps the sum exact and counts replicas once;
-- a ``Partial`` gradient is reduced first (one all-reduce of that gradient, as torch's own
-  ``clip_grad_norm_`` does), then treated as ``Replicate``.
+- a ``Partial`` gradient is reduced first (one all-reduce of that gradient; rare), then treated
+  as ``Replicate``.
 
 The result is the same on every rank of a reduction span (replicas compute it independently).
 """
