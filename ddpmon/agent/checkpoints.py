@@ -315,3 +315,22 @@ def tag_attempt(emit: Callable[..., None], attempt: int) -> Callable[..., None]:
         emit(kind, step, **fields)
 
     return tagged
+
+
+class AttemptEvidence:
+    """The rank's evidence writer with ``attempt`` added to every bundle's info, so bundles of
+    a restarted attempt (which may repeat the steps of the one before) stay apart."""
+
+    def __init__(self, writer: Any, attempt: int) -> None:
+        self._writer = writer
+        self._attempt = attempt
+
+    def write(self, kind: str, step: int | None, info: dict[str, Any], **kw: Any) -> Any:
+        return self._writer.write(kind, step, {**info, "attempt": self._attempt}, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
+
+
+def tag_evidence(writer: Any, attempt: int) -> Any:
+    return None if writer is None else AttemptEvidence(writer, attempt)

@@ -32,6 +32,7 @@ from .checkpoints import (
     NullTimer,
     detect_attempt,
     tag_attempt,
+    tag_evidence,
 )
 from .context import RunContext
 from .endpoint import Endpoint
@@ -206,7 +207,7 @@ class Monitor:
             self.source.install()
         self.incidents = IncidentSink(
             emit=emit,
-            evidence=self.forensics.evidence,
+            evidence=tag_evidence(self.forensics.evidence, self.attempt.number),
             rank=ctx.identity.rank,
             loss_scale_floor=config.loss_scale_floor,
             param_grad=self._param_grad,

@@ -152,3 +152,15 @@ def test_attempt_from_torchelastic_or_from_earlier_starts(tmp_path):
     assert (elastic.number, elastic.source) == (2, "torchelastic")
     bad = detect_attempt(rd.events(0), rd.progress(0), {"TORCHELASTIC_RESTART_COUNT": "x"})
     assert bad.number == 1
+
+
+def test_evidence_bundles_carry_the_attempt(run, tmp_path):
+    model, opt, mon, _port, rd = run
+    train(model, opt, 1)
+    handle = model.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    train(model, opt, 1)  # a local NaN on this rank: an origin, with an evidence bundle
+    handle.remove()
+    mon.close()
+    (bundle,) = rd.bundles()
+    info = json.loads((bundle / "info.json").read_text())
+    assert info["info"]["attempt"] == 0 and info["step"] == 1 and info["kind"] == "nonfinite"
