@@ -145,29 +145,33 @@ class CheckpointObserver:
                     fields["contains"] = stated
                 self.emit("checkpoint_save", step, ok=True, bytes=size, **fields, **extra)
                 return
-            recovery = recovery_conditions(step, path, restored, source)
+            # A captured DCP load only knows the step in progress, not the step it resumes at.
+            explicit = source == "explicit"
+            recovery = recovery_conditions(step if explicit else None, path, restored, source)
             self.recovery = recovery
             self.emit(
-                "checkpoint_load", step, ok=True, restored=recovery["restored"],
-                not_restored=recovery["not_restored"], not_stated=recovery["not_stated"],
-                **fields, **extra,
+                "checkpoint_load", step, ok=True, resume_step=recovery["resume_step"],
+                restored=recovery["restored"], not_restored=recovery["not_restored"],
+                not_stated=recovery["not_stated"], **fields, **extra,
             )
             if recovery["not_restored"] or recovery["not_stated"]:
                 log.warning(
-                    "ddpmon: resumed from step %d (%s) without restoring %s; the resumed run "
+                    "ddpmon: resumed from step %s (%s) without restoring %s; the resumed run "
                     "may differ from an uninterrupted one",
-                    step, path,
+                    recovery["resume_step"], path,
                     ", ".join(recovery["not_restored"] + recovery["not_stated"]),
                 )
-            self.on_load(step)
+            if explicit:
+                self.on_load(step)
 
 
 def recovery_conditions(
-    step: int, path: str | None, restored: Mapping[str, bool | None], source: str
+    step: int | None, path: str | None, restored: Mapping[str, bool | None], source: str
 ) -> dict[str, Any]:
-    """What a resume restored: the manifest's ``recovery`` entry and the load event's fields."""
+    """What a resume restored: the manifest's ``recovery`` entry and the load event's fields.
+    ``step`` None: not known (a captured DCP load; call ``observe_checkpoint`` to state it)."""
     return {
-        "resume_step": int(step),
+        "resume_step": None if step is None else int(step),
         "path": path,
         "source": source,
         "restored": [k for k in RESTORABLE if restored.get(k) is True],

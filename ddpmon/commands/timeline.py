@@ -111,7 +111,8 @@ def _render_recovery(console, rec: dict) -> None:
             resumed = a.get("resumed_from")
             how = "fresh start"
             if resumed:
-                how = f"resumed from step {resumed['step']} ({resumed.get('path')})"
+                at = "an unstated step" if resumed["step"] is None else f"step {resumed['step']}"
+                how = f"resumed from {at} ({resumed.get('path')})"
                 if resumed.get("missing"):
                     how += "; NOT restored: " + ", ".join(resumed["missing"])
             console.print(

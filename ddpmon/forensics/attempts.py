@@ -81,7 +81,7 @@ def summarize(
             a.setdefault("source", e.get("attempt_source"))
         if e.get("kind") == LOAD and e.get("ok") is not False and a["resumed_from"] is None:
             a["resumed_from"] = {
-                "step": e.get("step"), "path": e.get("path"),
+                "step": e.get("resume_step", e.get("step")), "path": e.get("path"),
                 "restored": e.get("restored") or [],
                 "not_restored": e.get("not_restored") or [],
                 "not_stated": e.get("not_stated") or [],

@@ -118,6 +118,8 @@ def test_dcp_save_and_load_are_captured_once(run, tmp_path):
     assert [(e["source"], e["step"]) for e in saves] == [("dcp.save", 2), ("explicit", 2)]
     assert saves[0]["path"] == str(tmp_path / "dcp2") and saves[0]["bytes"] > 0
     assert [e["source"] for e in loads] == ["dcp.load"]
+    assert loads[0]["resume_step"] is None  # a captured load cannot know it
+    assert mon.step == 2  # and does not renumber the steps
     assert loads[0]["not_stated"] == ["model", "optimizer", "scaler", "rng", "data_loader"]
     m = scrape(port)
     assert m[("ddpmon_checkpoint_duration_seconds_count", (("kind", "save"),))] == 2
