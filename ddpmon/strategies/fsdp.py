@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - torch without FSDP2
 # Reduce dtypes FSDP2 does not pre-divide (it pre-divides fp16 to avoid overflow).
 _UNSCALED_REDUCE_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_PIECES_PER_UNIT = 64
+_MAX_SLICES = 512
 
 
 @dataclass(slots=True)
@@ -272,8 +273,17 @@ def _row_chunk_norms(flat: torch.Tensor, world: int, columns: list[int]) -> torc
     """Per-parameter norms over a reduce-scatter input of ``world`` rows, each the concatenation
     of every parameter's padded chunk (``columns`` wide). Contiguous 1-D slices, one per (row,
     parameter), keep ``_foreach_norm`` on its fused path (strided 2-D views are ~2.5x slower on
-    CPU and fall off the fused CUDA kernel); the rows are then combined per parameter."""
+    CPU and fall off the fused CUDA kernel); the rows are then combined per parameter. Beyond
+    ``_MAX_SLICES`` slices the host cost of building them wins, so one strided view per
+    parameter is used instead."""
     row = sum(columns)
+    if world * len(columns) > _MAX_SLICES:  # large worlds: fewer, strided views (less host work)
+        rows = flat.view(world, row)
+        views, start = [], 0
+        for width in columns:
+            views.append(rows[:, start : start + width])
+            start += width
+        return per_param_norms(views).to(torch.float64)
     views = []
     for r in range(world):
         start = r * row
