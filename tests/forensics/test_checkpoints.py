@@ -166,3 +166,12 @@ def test_evidence_bundles_carry_the_attempt(run, tmp_path):
     (bundle,) = rd.bundles()
     info = json.loads((bundle / "info.json").read_text())
     assert info["info"]["attempt"] == 0 and info["step"] == 1 and info["kind"] == "nonfinite"
+
+
+def test_dcp_async_save_counts_once_with_its_blocking_time(run, tmp_path):
+    model, opt, mon, _port, rd = run
+    train(model, opt, 1)
+    dcp.async_save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "a1")).result()
+    (save,) = events(rd, "checkpoint_save")  # the background writer's own save is not counted
+    assert save["source"] == "dcp.async_save" and save["async_write"] is True
+    assert save["step"] == 1 and save["bytes"] is None  # not sized while still being written
