@@ -42,7 +42,7 @@ def clip_grad_norm_(
     if float(norm_type) != 2.0:
         raise ValueError(f"ddpmon.clip_grad_norm_: norm_type={norm_type!r}; only 2.0 is supported")
     if monitor is None and not sharded:
-        from .agent.monitor import monitor_for
+        from .agent.registry import monitor_for
 
         monitor = monitor_for(params)
     if monitor not in (None, False) and getattr(monitor, "enabled", False) and not sharded:

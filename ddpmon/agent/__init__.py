@@ -1,8 +1,10 @@
 """The per-rank agent, as small parts: see ``monitor`` for how they fit together."""
 
 from ..clip import clip_grad_norm_
-from .monitor import Monitor, NullMonitor, attach, monitor_for
+from .api import NullMonitor, attach
+from .monitor import Monitor
 from .policy import NonFiniteGradientError
+from .registry import monitor_for
 
 __all__ = [
     "Monitor",

@@ -1,9 +1,9 @@
-"""``ddpmon.attach`` and the ``Monitor`` it returns: builds the parts, starts them, closes them.
+"""The ``Monitor`` that ``ddpmon.attach`` returns: builds the parts, starts them, closes them.
 
 The parts (each in its own module): the run context (who and which run), the gradient source
 (per parallelism strategy), the step pipeline and its hooks, the sinks (metrics, progress,
-incidents, summary, manifest), the forensics files and the /metrics endpoint. A disabled or
-misconfigured agent is a ``NullMonitor``: same methods, does nothing.
+incidents, summary, manifest, history), checkpoints, the forensics files and the /metrics
+endpoint. ``attach`` and the ``NullMonitor`` of a disabled agent live in ``api.py``.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ import contextlib
 import logging
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import Config
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..state import MetricState
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
+from . import registry
 from .checkpoints import (
     CheckpointObserver,
     CheckpointTimer,
@@ -44,96 +44,6 @@ from .policy import NonFinitePolicy
 from .sinks import IncidentSink, ManifestSink, MetricSink, ProgressSink, SummarySink
 
 log = logging.getLogger("ddpmon")
-
-_live: weakref.WeakSet[Monitor] = weakref.WeakSet()
-
-
-def attach(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: Any = None,
-    *,
-    comm_hook: Callable | None = None,
-    comm_state: Any = None,
-    accelerator: Any = None,
-    **options: Any,
-) -> Monitor | NullMonitor:
-    """Monitor this rank. Options as in ``ddpmon.Config`` (also ``DDPMON_*`` variables).
-
-    A bad option never stops training: the error is logged precisely and a disabled monitor is
-    returned (``mon.enabled`` is False, ``mon.error`` says why).
-    ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
-    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
-    """
-    try:
-        config = Config.from_sources(options)
-    except ConfigError as exc:
-        log.error("ddpmon disabled: invalid configuration: %s", exc)
-        return NullMonitor(str(exc))
-    if not config.enabled:
-        return NullMonitor(None)
-    try:
-        if accelerator is not None:
-            from ..integrations.accelerate import parts_from_accelerator, unwrap_optimizer
-
-            optimizer = unwrap_optimizer(optimizer)
-            if scaler is None:
-                scaler = parts_from_accelerator(accelerator).get("scaler")
-        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state)
-    except Exception as exc:  # never into training: an agent that cannot start stays off
-        log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
-        return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")
-
-
-def monitor_for(params: Sequence[torch.Tensor]) -> Monitor | None:
-    """The live monitor whose model owns ``params`` (for ``ddpmon.clip_grad_norm_``)."""
-    if not params:
-        return None
-    for mon in list(_live):
-        if mon.owns(params):
-            return mon
-    return None
-
-
-class NullMonitor:
-    """What ``attach`` returns when the agent is off: every call is accepted and ignored."""
-
-    enabled = False
-    step = 0
-    port = None
-    state = None
-    exposition = None
-    identity = None
-    run_id = None
-    run_path = None
-
-    def __init__(self, error: str | None) -> None:
-        self.error = error
-
-    def observe_loss(self, loss: Any) -> None:
-        pass
-
-    def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
-        pass
-
-    def annotate(self, **fields: Any) -> None:
-        pass
-
-    def owns(self, params: Sequence[torch.Tensor]) -> bool:
-        return False
-
-    def observe_checkpoint(self, step: int, path: Any, kind: str = "save", **_: Any) -> NullTimer:
-        return NullTimer()
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> NullMonitor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
 
 class Monitor:
     """One rank's agent. Create it with ``ddpmon.attach``."""
@@ -270,7 +180,7 @@ class Monitor:
             guard=guard,
         )
         atexit.register(self.close)
-        _live.add(self)
+        registry.add(self)
         emit(
             "start",
             None,
@@ -362,7 +272,7 @@ class Monitor:
             if self._closed:
                 return
             self._closed = True
-        _live.discard(self)
+        registry.discard(self)
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
             self.pipeline.flush_trainer_norm()
@@ -383,7 +293,7 @@ class Monitor:
     def _abort(self) -> None:
         """Undo a build that failed half-way: close whatever parts exist."""
         self._closed = True
-        _live.discard(self)
+        registry.discard(self)
         for name, method in (
             ("hooks", "close"),
             ("amp", "detach"),
@@ -413,8 +323,7 @@ class Monitor:
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the
         resumed attempt's steps line up with the attempt it continues."""
-        if self.state.steps_total == 0 and self.pipeline.step == 0:
-            self.pipeline.step = step
+        if self.state.steps_total == 0 and self.pipeline.resume_at(step):
             self.state.step = step - 1
             self.state.version += 1
 

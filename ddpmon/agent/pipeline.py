@@ -93,6 +93,13 @@ class StepPipeline:
         self._norms_by_step: OrderedDict[int, float] = OrderedDict()
         self._late_trainer: OrderedDict[int, float] = OrderedDict()
 
+    def resume_at(self, step: int) -> bool:
+        """Count steps from ``step`` (a resume from a checkpoint) if none has started yet."""
+        if self.step != 0 or self._backward_pending:
+            return False
+        self.step = step
+        return True
+
     # ------------------------------------------------------------------ user-facing inputs
     def observe_loss(self, loss: Any) -> None:
         with self.guard("loss"):

@@ -1,0 +1,96 @@
+"""``ddpmon.attach``, and the ``NullMonitor`` it returns when the agent is off or cannot start.
+
+``attach`` never raises into training: a bad option or a failure while building the agent is
+logged precisely and gives a ``NullMonitor`` whose ``error`` says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..config import Config, ConfigError
+from .checkpoints import NullTimer
+from .monitor import Monitor
+
+log = logging.getLogger("ddpmon")
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any = None,
+    *,
+    comm_hook: Callable | None = None,
+    comm_state: Any = None,
+    accelerator: Any = None,
+    **options: Any,
+) -> Monitor | NullMonitor:
+    """Monitor this rank. Options as in ``ddpmon.Config`` (also ``DDPMON_*`` variables).
+
+    A bad option never stops training: the error is logged precisely and a disabled monitor is
+    returned (``mon.enabled`` is False, ``mon.error`` says why).
+    ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
+    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
+    """
+    try:
+        config = Config.from_sources(options)
+    except ConfigError as exc:
+        log.error("ddpmon disabled: invalid configuration: %s", exc)
+        return NullMonitor(str(exc))
+    if not config.enabled:
+        return NullMonitor(None)
+    try:
+        if accelerator is not None:
+            from ..integrations.accelerate import parts_from_accelerator, unwrap_optimizer
+
+            optimizer = unwrap_optimizer(optimizer)
+            if scaler is None:
+                scaler = parts_from_accelerator(accelerator).get("scaler")
+        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state)
+    except Exception as exc:  # never into training: an agent that cannot start stays off
+        log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
+        return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")
+
+
+class NullMonitor:
+    """What ``attach`` returns when the agent is off: every call is accepted and ignored."""
+
+    enabled = False
+    step = 0
+    port = None
+    state = None
+    exposition = None
+    identity = None
+    run_id = None
+    run_path = None
+
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def observe_loss(self, loss: Any) -> None:
+        pass
+
+    def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
+        pass
+
+    def annotate(self, **fields: Any) -> None:
+        pass
+
+    def owns(self, params: Sequence[torch.Tensor]) -> bool:
+        return False
+
+    def observe_checkpoint(self, step: int, path: Any, kind: str = "save", **_: Any) -> NullTimer:
+        return NullTimer()
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
