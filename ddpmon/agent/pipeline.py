@@ -192,6 +192,11 @@ class StepPipeline:
         if self._collected is None:
             self._collected = GradSummaries()
             with self.guard("grads"):
+                if not self._backward_pending:
+                    # No end of backward seen: the loop does not call the model's forward
+                    # (Lightning's training_step, model.loss(...)). Measure the gradients as
+                    # they are now; clipping in between cannot be seen then.
+                    self.source.on_backward_end()
                 self._collected = self.source.collect()
         return self._collected
 

@@ -164,6 +164,31 @@ def test_attach_that_cannot_start_leaves_nothing_behind_and_training_goes_on(tmp
     model(torch.randn(3, 2)).sum().backward()  # the model still trains
 
 
+def test_a_loop_that_never_calls_forward_still_gets_its_norms(tmp_path):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 1)
+
+        def loss(self, x):  # what Lightning's training_step and many scripts do
+            return self.lin(x).pow(2).mean()
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = ddpmon.attach(model, opt, port=0, run_dir=str(tmp_path))
+    try:
+        for _ in range(3):
+            model.loss(torch.randn(5, 4)).backward()
+            expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+            assert mon.state.grad_norm == pytest.approx(expected.item(), rel=1e-6)
+    finally:
+        mon.close()
+    assert mon.state.steps_total == 3
+
+
 def test_adding_a_step_vector_slot_is_one_declaration():
     layout = StepVectorLayout((*STEP_SLOTS, Slot("tokens", 1, "tokens this step")))
     vector, key = layout.pack(
