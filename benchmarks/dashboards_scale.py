@@ -120,13 +120,20 @@ class RankModel:
         self.duplicate = rank in (world // 3, world // 3 + 1)
 
 
-def series_labels(t: Template, m: RankModel, world: int) -> str:
-    labels = {
-        "job": "ddpmon",
+def target_labels(m: RankModel) -> dict[str, str]:
+    """What Prometheus attaches to every series of a rank's target: ``instance`` and the file_sd
+    labels the agent publishes (``run``, ``rank``, ``node``, ``local_rank``), ``up`` included."""
+    return {
         "instance": f"node-{m.node:04d}:{DEFAULT_PORT + m.local}",
         "run": RUN,
         "rank": str(m.rank),
+        "node": f"node-{m.node:04d}",
+        "local_rank": str(m.local),
     }
+
+
+def series_labels(t: Template, m: RankModel, world: int) -> str:
+    labels = {"job": "ddpmon", **target_labels(m)}
     for k, v in t.labels:
         if t.family == "ddpmon_rank_info":
             v = {
@@ -258,10 +265,11 @@ def write_openmetrics(
                 samples += len(lines)
         # `up`, one per target, as Prometheus records it for every scrape.
         out.write("# TYPE up gauge\n")
-        ups = [
-            f'up{{instance="node-{m.node:04d}:{DEFAULT_PORT + m.local}",job="ddpmon"}} 1 '
-            for m in models
-        ]
+        def up_labels(m: RankModel) -> str:
+            labels = sorted({"job": "ddpmon", **target_labels(m)}.items())
+            return ",".join(f'{k}="{v}"' for k, v in labels)
+
+        ups = [f"up{{{up_labels(m)}}} 1 " for m in models]
         series += len(ups)
         for i in range(points):
             ts = start + i * interval
@@ -339,7 +347,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "scrape intervals every rate window reads the same number of samples as at a 15 s "
         "scrape), the agent's series "
         f"set from `tests/golden/exposition.txt` with {meta['groups']} gradient groups (the "
-        "default cap), target labels `job`/`instance` and `up`. "
+        "default cap), target labels `job`/`instance` (and, from the benchmark version after this "
+        "table, the file_sd labels `run`/`rank`/`node`/`local_rank` on every series and `up`) "
+        "and `up`. "
         f"Written in {meta['gen_s']:.0f} s, `promtool tsdb create-blocks-from openmetrics` "
         f"{meta['promtool_s']:.0f} s; the shipped recording rules (`ddpmon-rules.yml`, which "
         "the dashboards read for per-rank histogram quantiles and means) backfilled with "
