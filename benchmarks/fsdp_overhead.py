@@ -213,6 +213,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--write", default=None, help="append/replace the section in this file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -258,7 +259,13 @@ def main() -> None:
                     proc.wait()
         if any(proc.returncode for proc in procs):
             raise SystemExit("a rank failed")
-        print(summarize(json.loads(out.read_text()), args))
+        section = summarize(json.loads(out.read_text()), args)
+    print(section)
+    if args.write:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from overhead import write_section
+
+        write_section(Path(args.write), section)
 
 
 if __name__ == "__main__":
