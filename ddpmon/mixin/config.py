@@ -124,7 +124,9 @@ class MixinConfig:
     cuda_retry_for: str = "15m"
 
     # --- the agent itself ---
-    agent_errors_window: str = "10m"
+    agent_errors_window: str = "5m"
+    """DdpmonAgentUnhealthy: probe errors in every window of this length for
+    ``agent_unhealthy_for`` (errors that keep coming; one failure does not page)."""
     agent_unhealthy_for: str = "10m"
 
     # --- checkpoints (ranks that report them) ---
