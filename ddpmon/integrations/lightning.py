@@ -15,6 +15,7 @@ one explicitly. Lightning is imported when the class is first used, never by ``i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 from functools import cache
@@ -71,6 +72,7 @@ class _DdpmonLightning:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.monitor = attach_monitor(model, optimizers[0], scaler, None, self.options)
         self._scaler = scaler
+        _time_checkpoints(trainer, self.monitor)
         self._accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -78,6 +80,24 @@ class _DdpmonLightning:
         if self.monitor is not None:
             self._forwarder = NormForwarder(self.monitor, trainer.global_step)
             self._seen_global_step = trainer.global_step
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
+        """A resume (``fit(ckpt_path=...)``): record what it restored, for the manifest and the
+        timeline (Lightning restores model, optimizer, scaler and loop state; RNG only with
+        its own callback). Loads happen before ``on_fit_start``: nothing to time then."""
+        if self.monitor is None or not isinstance(checkpoint, dict):
+            return
+        step = int(checkpoint.get("global_step", 0) or 0)
+        path = getattr(trainer, "ckpt_path", None) or "<lightning checkpoint>"
+        with contextlib.suppress(Exception):
+            self.monitor.observe_checkpoint(
+                step,
+                path,
+                "load",
+                model="state_dict" in checkpoint,
+                optimizer=bool(checkpoint.get("optimizer_states")),
+                data_loader="loops" in checkpoint,
+            ).done()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         close_monitor(self.monitor)
@@ -131,6 +151,37 @@ class _DdpmonLightning:
             if value is not None:
                 return value
         return None
+
+
+def _time_checkpoints(trainer: Any, monitor: Any) -> None:
+    """Time every checkpoint save through the strategy's CheckpointIO (a public plugin slot):
+    ``mon.observe_checkpoint`` around the real write, on the ranks that write."""
+    if monitor is None or not getattr(monitor, "enabled", False):
+        return
+    strategy = trainer.strategy
+    try:
+        inner = strategy.checkpoint_io
+        if isinstance(inner, _TimedCheckpointIO):
+            return
+        strategy.checkpoint_io = _TimedCheckpointIO(inner, monitor)
+    except Exception as exc:  # a strategy without a settable CheckpointIO: saves untimed
+        log.warning("ddpmon: Lightning checkpoint saves are not timed (%s)", exc)
+
+
+class _TimedCheckpointIO:
+    """Delegates to the strategy's CheckpointIO; times ``save_checkpoint``."""
+
+    def __init__(self, inner: Any, monitor: Any) -> None:
+        self._inner = inner
+        self._monitor = monitor
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        step = int(checkpoint.get("global_step", 0) or 0) if isinstance(checkpoint, dict) else 0
+        with self._monitor.observe_checkpoint(step, path, "save"):
+            self._inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def _same_storage(value: Any, previous: Any) -> bool:

@@ -25,6 +25,9 @@ from tests.support.integrations import agent_options
 NAN_PARAM = "net.0.weight"
 
 
+CHECKPOINT_EVERY = 2
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -142,9 +145,16 @@ def main() -> None:
         **precision,
         max_steps=a.steps,
         accumulate_grad_batches=a.accumulate,
-        callbacks=[ddpmon_cb, Recorder(ddpmon_cb)],
+        callbacks=[
+            ddpmon_cb,
+            Recorder(ddpmon_cb),
+            # a checkpoint every CHECKPOINT_EVERY steps: ddpmon times the saves
+            importlib.import_module(f"{a.package}.callbacks").ModelCheckpoint(
+                dirpath=str(out / "ckpt"), every_n_train_steps=CHECKPOINT_EVERY, save_top_k=-1
+            ),
+        ],
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=True,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

@@ -83,5 +83,12 @@ def test_nan_in_one_ranks_gradient_is_named_with_that_rank(run: WorkerRun) -> No
     check_nan_origin(run, NAN_RANK, NAN_STEP, NAN_PARAM)
 
 
+def test_checkpoint_saves_are_timed_on_the_rank_that_writes(run: WorkerRun) -> None:
+    # ModelCheckpoint(every_n_train_steps=2) saves at global steps 2, 4, 6 on rank 0 only.
+    assert run.sample(0, "ddpmon_checkpoint_last_step") == STEPS
+    assert run.sample(0, "ddpmon_checkpoint_duration_seconds_count", kind="save") == STEPS // 2
+    assert run.sample(1, "ddpmon_checkpoint_duration_seconds_count", kind="save") in (None, 0)
+
+
 def test_wrong_reported_norm_fires_the_mismatch_counter_and_event(run: WorkerRun) -> None:
     check_mismatch(run, WRONG_STEP, NAN_STEP)

@@ -49,12 +49,12 @@ class WorkerRun:
         assert path.exists(), f"rank {rank} wrote no ddpmon summary; output:\n{self.output[-4000:]}"
         return json.loads(path.read_text())
 
-    def sample(self, rank: int, name: str) -> float | None:
-        """Value of an unlabelled-beyond-run/rank sample in rank's final exposition."""
+    def sample(self, rank: int, name: str, **labels: str) -> float | None:
+        """Value of a sample in rank's final exposition (its labels include ``labels``)."""
         text = self.result(rank).get("exposition") or ""
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name:
+                if sample.name == name and labels.items() <= sample.labels.items():
                     return sample.value
         return None
 
