@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ddpmon import metrics as m
 from ddpmon.mixin import names as n
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards.promql import hq
@@ -9,73 +10,73 @@ from ddpmon.mixin.dashboards.promql import hq
 # --- Rank ---
 IDENTITY = (
     "max by (rank, local_rank, world_size, node, backend, device, gpu_uuid, pid) "
-    "(ddpmon_rank_info{D})"
+    f"({m.RANK_INFO.name}{{D}})"
 )
-COLLECTORS = "ddpmon_collector_success{D}"
+COLLECTORS = f"{m.COLLECTOR_SUCCESS.name}{{D}}"
 UP = "max by (rank) (up{D})"
 BUILD = (
     "max by (version, torch_version, cuda_version, nccl_version, python_version) "
-    "(ddpmon_build_info{D})"
+    f"({m.BUILD_INFO.name}{{D}})"
 )
-AGENT_ERRORS = "sum by (probe) (increase(ddpmon_agent_errors_total{D}[$__rate_interval]))"
+AGENT_ERRORS = f"sum by (probe) (increase({m.AGENT_ERRORS.name}{{D}}[$__rate_interval]))"
 
 # --- Numerics ---
-LOSS = "ddpmon_loss{D}"
-LOSS_MEDIAN = "quantile by (run) (0.5, ddpmon_loss{R})"
-GRAD_NORM = "ddpmon_grad_norm{D}"
-LOCAL_NORM = "ddpmon_grad_local_norm{D}"
+LOSS = f"{m.LOSS.name}{{D}}"
+LOSS_MEDIAN = f"quantile by (run) (0.5, {m.LOSS.name}{{R}})"
+GRAD_NORM = f"{m.GRAD_NORM.name}{{D}}"
+LOCAL_NORM = f"{m.GRAD_LOCAL_NORM.name}{{D}}"
 GROUP_NORM_TOP = (
-    "ddpmon_grad_group_norm{D} and on (group) topk({K}, "
-    "max_over_time(ddpmon_grad_group_norm{D}[$__range] @ end()))"
+    f"{m.GRAD_GROUP_NORM.name}{{D}} and on (group) topk({{K}}, "
+    f"max_over_time({m.GRAD_GROUP_NORM.name}{{D}}[$__range] @ end()))"
 )
-LOSS_SCALE = "ddpmon_amp_loss_scale{D}"
-LOSS_SCALE_FLOOR = "ddpmon_amp_loss_scale_floor{D}"
-NONFINITE_REDUCED = "increase(ddpmon_grad_nonfinite_steps_total{D}[$__rate_interval])"
-NONFINITE_ORIGIN = "increase(ddpmon_grad_nonfinite_origin_steps_total{D}[$__rate_interval])"
-NONFINITE_LOSS = "increase(ddpmon_loss_nonfinite_total{D}[$__rate_interval])"
-SKIPPED = "increase(ddpmon_amp_skipped_steps_total{D}[$__rate_interval])"
+LOSS_SCALE = f"{m.AMP_LOSS_SCALE.name}{{D}}"
+LOSS_SCALE_FLOOR = f"{m.AMP_LOSS_SCALE_FLOOR.name}{{D}}"
+NONFINITE_REDUCED = f"increase({m.GRAD_NONFINITE_STEPS.name}{{D}}[$__rate_interval])"
+NONFINITE_ORIGIN = f"increase({m.GRAD_NONFINITE_ORIGIN_STEPS.name}{{D}}[$__rate_interval])"
+NONFINITE_LOSS = f"increase({m.LOSS_NONFINITE.name}{{D}}[$__rate_interval])"
+SKIPPED = f"increase({m.AMP_SKIPPED_STEPS.name}{{D}}[$__rate_interval])"
 FIRST_NONFINITE = (
     "max by (rank, step, param, kind) "
-    "(last_over_time(ddpmon_grad_first_nonfinite_info{D}[$__range]))"
+    f"(last_over_time({m.GRAD_FIRST_NONFINITE_INFO.name}{{D}}[$__range]))"
 )
 
 # --- Data supply ---
-STEP_P50 = hq(0.5, "ddpmon_step_duration_seconds", "rank", "{D}")
-STEP_P99 = hq(0.99, "ddpmon_step_duration_seconds", "rank", "{D}")
+STEP_P50 = hq(0.5, f"{m.STEP_DURATION.name}", "rank", "{D}")
+STEP_P99 = hq(0.99, f"{m.STEP_DURATION.name}", "rank", "{D}")
 STEP_P99_MEDIAN = f"quantile by (run) (0.5, {n.STEP_P99}{{RR}})"
-DATA_WAIT_P50 = hq(0.5, "ddpmon_data_wait_seconds", "rank", "{D}")
-DATA_WAIT_P99 = hq(0.99, "ddpmon_data_wait_seconds", "rank", "{D}")
+DATA_WAIT_P50 = hq(0.5, f"{m.DATA_WAIT.name}", "rank", "{D}")
+DATA_WAIT_P99 = hq(0.99, f"{m.DATA_WAIT.name}", "rank", "{D}")
 DATA_WAIT_MEDIAN = f"quantile by (run) (0.5, {n.DATA_WAIT_MEAN}{{RR}})"
 STEPS_RATE = f"{n.STEPS_RATE}{{DR}}"
 STEPS_RATE_MEDIAN = f"quantile by (run) (0.5, {n.STEPS_RATE}{{RR}})"
 
 # --- Memory ---
-RESERVED = "ddpmon_cuda_memory_reserved_bytes{D}"
-ALLOCATED = "ddpmon_cuda_memory_allocated_bytes{D}"
-PEAK = "ddpmon_cuda_memory_peak_allocated_bytes{D}"
-DEVICE_TOTAL = "ddpmon_gpu_memory_total_bytes{D}"
-DEVICE_USED = "ddpmon_gpu_memory_used_bytes{D}"
-ALLOC_RETRIES = "increase(ddpmon_cuda_alloc_retries_total{D}[$__rate_interval])"
-OOMS = "increase(ddpmon_cuda_ooms_total{D}[$__rate_interval])"
-RSS = "ddpmon_process_resident_memory_bytes{D}"
-RSS_MEDIAN = "quantile by (run) (0.5, ddpmon_process_resident_memory_bytes{R})"
-CPU = "rate(ddpmon_process_cpu_seconds_total{D}[$__rate_interval])"
+RESERVED = f"{m.CUDA_MEMORY_RESERVED.name}{{D}}"
+ALLOCATED = f"{m.CUDA_MEMORY_ALLOCATED.name}{{D}}"
+PEAK = f"{m.CUDA_MEMORY_PEAK_ALLOCATED.name}{{D}}"
+DEVICE_TOTAL = f"{m.GPU_MEMORY_TOTAL.name}{{D}}"
+DEVICE_USED = f"{m.GPU_MEMORY_USED.name}{{D}}"
+ALLOC_RETRIES = f"increase({m.CUDA_ALLOC_RETRIES.name}{{D}}[$__rate_interval])"
+OOMS = f"increase({m.CUDA_OOMS.name}{{D}}[$__rate_interval])"
+RSS = f"{m.PROCESS_RESIDENT_MEMORY.name}{{D}}"
+RSS_MEDIAN = f"quantile by (run) (0.5, {m.PROCESS_RESIDENT_MEMORY.name}{{R}})"
+CPU = f"rate({m.PROCESS_CPU_SECONDS.name}{{D}}[$__rate_interval])"
 
 # --- Communication ---
-ALLREDUCE_P50 = hq(0.5, "ddpmon_allreduce_duration_seconds", "rank", "{D}")
-ALLREDUCE_P99 = hq(0.99, "ddpmon_allreduce_duration_seconds", "rank", "{D}")
+ALLREDUCE_P50 = hq(0.5, f"{m.ALLREDUCE_DURATION.name}", "rank", "{D}")
+ALLREDUCE_P99 = hq(0.99, f"{m.ALLREDUCE_DURATION.name}", "rank", "{D}")
 ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
-ALLREDUCE_BYTES = "rate(ddpmon_allreduce_bytes_total{D}[$__rate_interval])"
+ALLREDUCE_BYTES = f"rate({m.ALLREDUCE_BYTES.name}{{D}}[$__rate_interval])"
 COMPUTE_SKEW = (
     f"{n.COMPUTE_MEAN}{{DR}} / on (run) group_left "
     f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}})"
 )
-STEPS_BEHIND = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right ddpmon_step{{D}}"
+STEPS_BEHIND = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{D}}"
 
 # --- GPU ---
-GPU_UTIL = "ddpmon_gpu_utilization_ratio{D}"
-GPU_TEMP = "ddpmon_gpu_temperature_celsius{D}"
-GPU_POWER = "ddpmon_gpu_power_watts{D}"
+GPU_UTIL = f"{m.GPU_UTILIZATION.name}{{D}}"
+GPU_TEMP = f"{m.GPU_TEMPERATURE.name}{{D}}"
+GPU_POWER = f"{m.GPU_POWER.name}{{D}}"
 
 
 def dcgm(metric: str, cfg: MixinConfig) -> str:
@@ -84,5 +85,5 @@ def dcgm(metric: str, cfg: MixinConfig) -> str:
     matchers = f"{{{cfg.dashboard_dcgm_selector}}}" if cfg.dashboard_dcgm_selector.strip() else ""
     return (
         f"{metric}{matchers} * on (UUID) group_left (run, rank) "
-        'label_replace(ddpmon_rank_info{D}, "UUID", "$1", "gpu_uuid", "(.+)")'
+        f'label_replace({m.RANK_INFO.name}{{D}}, "UUID", "$1", "gpu_uuid", "(.+)")'
     )

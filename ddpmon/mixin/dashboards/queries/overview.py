@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+from ddpmon import metrics as m
 from ddpmon.mixin import names as n
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards.promql import ALERT_SELECTOR, gauge_top, ranked, rate_top
 
 # --- Run ---
-REPORTING_RATIO = "count by (run) (ddpmon_rank_info{R}) / max by (run) (ddpmon_world_size{R})"
+REPORTING_RATIO = (
+    f"count by (run) ({m.RANK_INFO.name}{{R}}) / max by (run) ({m.WORLD_SIZE.name}{{R}})"
+)
 DOWN_RANKS = 'max by (rank, instance) (up{R}) == 0'
 MISSING_RANKS = (
-    "group by (rank) (last_over_time(ddpmon_world_size{R}[$__range])) "
-    "unless on (rank) group by (rank) (ddpmon_world_size{R})"
+    f"group by (rank) (last_over_time({m.WORLD_SIZE.name}{{R}}[$__range])) "
+    f"unless on (rank) group by (rank) ({m.WORLD_SIZE.name}{{R}})"
 )
-AGENT_ERRORS = "sum(increase(ddpmon_agent_errors_total{R}[$__range] @ end())) or vector(0)"
+AGENT_ERRORS = f"sum(increase({m.AGENT_ERRORS.name}{{R}}[$__range] @ end())) or vector(0)"
 VERSIONS = (
     "count by (version, torch_version, cuda_version, nccl_version, python_version) "
-    "(ddpmon_build_info{R})"
+    f"({m.BUILD_INFO.name}{{R}})"
 )
 STEP_LEADER = f"max by (run) ({n.STEP_LEADER}{{RR}})"
-STEP_SLOWEST = "min by (run) (ddpmon_step{R})"
+STEP_SLOWEST = f"min by (run) ({m.STEP.name}{{R}})"
 HEARTBEAT_AGE = f"max by (run) ({n.HEARTBEAT_AGE}{{RR}})"
 FIRING_ALERTS = f"count(ALERTS{{{ALERT_SELECTOR}}}) or vector(0)"
 
@@ -30,7 +33,7 @@ def _problem(name: str, expr: str) -> str:
 
 def rank_health(cfg: MixinConfig) -> dict[str, str]:
     """Instant queries of the rank-health table, one value per rank each (refId -> query)."""
-    behind = f"max by (rank) ({n.STEP_LEADER}{{RR}} - on (run) group_right ddpmon_step{{S}})"
+    behind = f"max by (rank) ({n.STEP_LEADER}{{RR}} - on (run) group_right {m.STEP.name}{{S}})"
     skew = (
         f"max by (rank) ({n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
         f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}}))"
@@ -53,7 +56,7 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
         )
     )
     return {
-        "A": f"count by (rank) ({problems}) or max by (rank) (ddpmon_step{{S}}) * 0",
+        "A": f"count by (rank) ({problems}) or max by (rank) ({m.STEP.name}{{S}}) * 0",
         "B": up,
         "C": age,
         "D": behind,
@@ -64,25 +67,25 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
     }
 
 # --- Numerics ---
-LOSS_MEDIAN = "quantile by (run) (0.5, ddpmon_loss{R})"
-LOSS_TOP = gauge_top("topk", "ddpmon_loss")
+LOSS_MEDIAN = f"quantile by (run) (0.5, {m.LOSS.name}{{R}})"
+LOSS_TOP = gauge_top("topk", f"{m.LOSS.name}")
 GRAD_NORM_RUN = f"{n.GRAD_NORM_RUN_MAX}{{RR}}"
 GRAD_NORM_SPREAD = f"{n.GRAD_NORM_RUN_SPREAD}{{RR}}"
-LOCAL_NORM_MEDIAN = "quantile by (run) (0.5, ddpmon_grad_local_norm{R})"
-LOCAL_NORM_TOP = gauge_top("topk", "ddpmon_grad_local_norm")
+LOCAL_NORM_MEDIAN = f"quantile by (run) (0.5, {m.GRAD_LOCAL_NORM.name}{{R}})"
+LOCAL_NORM_TOP = gauge_top("topk", f"{m.GRAD_LOCAL_NORM.name}")
 NONFINITE_REDUCED = (
-    "max by (run) (increase(ddpmon_grad_nonfinite_steps_total{S}[$__rate_interval]))"
+    f"max by (run) (increase({m.GRAD_NONFINITE_STEPS.name}{{S}}[$__rate_interval]))"
 )
 NONFINITE_ORIGIN = (
-    "sum by (run) (increase(ddpmon_grad_nonfinite_origin_steps_total{S}[$__rate_interval]))"
+    f"sum by (run) (increase({m.GRAD_NONFINITE_ORIGIN_STEPS.name}{{S}}[$__rate_interval]))"
 )
-NONFINITE_LOSS = "sum by (run) (increase(ddpmon_loss_nonfinite_total{S}[$__rate_interval]))"
+NONFINITE_LOSS = f"sum by (run) (increase({m.LOSS_NONFINITE.name}{{S}}[$__rate_interval]))"
 ORIGIN_TABLE = (
     "max by (rank, step, param, kind) "
-    "(last_over_time(ddpmon_grad_first_nonfinite_info{S}[$__range]))"
+    f"(last_over_time({m.GRAD_FIRST_NONFINITE_INFO.name}{{S}}[$__range]))"
 )
-LOSS_SCALE_LOWEST = gauge_top("bottomk", "ddpmon_amp_loss_scale")
-LOSS_SCALE_FLOOR = "min by (run) (ddpmon_amp_loss_scale_floor{R})"
+LOSS_SCALE_LOWEST = gauge_top("bottomk", f"{m.AMP_LOSS_SCALE.name}")
+LOSS_SCALE_FLOOR = f"min by (run) ({m.AMP_LOSS_SCALE_FLOOR.name}{{R}})"
 SKIPPED_TOP = gauge_top("topk", n.SKIPPED_RATIO, "{SR}")
 
 # --- Data supply ---
@@ -93,30 +96,30 @@ STEPS_RATE_MEDIAN = f"quantile by (run) (0.5, {n.STEPS_RATE}{{RR}})"
 STEPS_RATE_SLOWEST = gauge_top("bottomk", n.STEPS_RATE, "{SR}")
 STEP_P99_HEATMAP = f"{n.STEP_P99}{{SR}}"
 IDENTICAL_RANKS = (
-    "count by (run) (changes(ddpmon_data_identical_batches_total{R}[$__range] @ end()) > 0) "
+    f"count by (run) (changes({m.DATA_IDENTICAL_BATCHES.name}{{R}}[$__range] @ end()) > 0) "
     "or vector(0)"
 )
 IDENTICAL_TOP = ranked(
     "topk",
-    "increase(ddpmon_data_identical_batches_total{S}[$__rate_interval])",
-    "increase(ddpmon_data_identical_batches_total{S}[$__range] @ end()) > 0",
+    f"increase({m.DATA_IDENTICAL_BATCHES.name}{{S}}[$__rate_interval])",
+    f"increase({m.DATA_IDENTICAL_BATCHES.name}{{S}}[$__range] @ end()) > 0",
 )
 
 # --- Memory ---
-RESERVED_TOP = gauge_top("topk", "ddpmon_cuda_memory_reserved_bytes")
-ALLOCATED_TOP = gauge_top("topk", "ddpmon_cuda_memory_allocated_bytes")
-PEAK_TOP = gauge_top("topk", "ddpmon_cuda_memory_peak_allocated_bytes")
-DEVICE_TOTAL = "max by (run) (ddpmon_gpu_memory_total_bytes{S})"
-DEVICE_USED_TOP = gauge_top("topk", "ddpmon_gpu_memory_used_bytes")
+RESERVED_TOP = gauge_top("topk", f"{m.CUDA_MEMORY_RESERVED.name}")
+ALLOCATED_TOP = gauge_top("topk", f"{m.CUDA_MEMORY_ALLOCATED.name}")
+PEAK_TOP = gauge_top("topk", f"{m.CUDA_MEMORY_PEAK_ALLOCATED.name}")
+DEVICE_TOTAL = f"max by (run) ({m.GPU_MEMORY_TOTAL.name}{{S}})"
+DEVICE_USED_TOP = gauge_top("topk", f"{m.GPU_MEMORY_USED.name}")
 HEADROOM_TIGHTEST = ranked(
     "bottomk",
     f"1 - {n.GPU_ALLOCATED_RATIO}{{SR}}",
     f"1 - max_over_time({n.GPU_ALLOCATED_RATIO}{{SR}}[$__range] @ end())",
 )
-OOMS = "sum by (run) (increase(ddpmon_cuda_ooms_total{S}[$__rate_interval]))"
-RETRIES = "sum by (run) (increase(ddpmon_cuda_alloc_retries_total{S}[$__rate_interval]))"
-RSS_MEDIAN = "quantile by (run) (0.5, ddpmon_process_resident_memory_bytes{R})"
-RSS_TOP = gauge_top("topk", "ddpmon_process_resident_memory_bytes")
+OOMS = f"sum by (run) (increase({m.CUDA_OOMS.name}{{S}}[$__rate_interval]))"
+RETRIES = f"sum by (run) (increase({m.CUDA_ALLOC_RETRIES.name}{{S}}[$__rate_interval]))"
+RSS_MEDIAN = f"quantile by (run) (0.5, {m.PROCESS_RESIDENT_MEMORY.name}{{R}})"
+RSS_TOP = gauge_top("topk", f"{m.PROCESS_RESIDENT_MEMORY.name}")
 
 # --- Communication ---
 ALLREDUCE_P50_HEATMAP = f"{n.ALLREDUCE_P50}{{SR}}"
@@ -130,17 +133,17 @@ ALLREDUCE_P99_MEDIAN = f"quantile by (run) (0.5, {n.ALLREDUCE_P99}{{RR}})"
 ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
 ALLREDUCE_P99_TOP = gauge_top("topk", n.ALLREDUCE_P99, "{SR}")
 ALLREDUCE_P50_TOP = gauge_top("topk", n.ALLREDUCE_P50, "{SR}")
-ALLREDUCE_BYTES = "sum by (run) (rate(ddpmon_allreduce_bytes_total{S}[$__rate_interval]))"
-ALLREDUCE_BYTES_TOP = rate_top("topk", "rate(ddpmon_allreduce_bytes_total{S}[$__rate_interval])")
+ALLREDUCE_BYTES = f"sum by (run) (rate({m.ALLREDUCE_BYTES.name}{{S}}[$__rate_interval]))"
+ALLREDUCE_BYTES_TOP = rate_top("topk", f"rate({m.ALLREDUCE_BYTES.name}{{S}}[$__rate_interval])")
 COMPUTE_SKEW_TOP = ranked(
     "topk",
     f"{n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
     f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}})",
     f"max_over_time({n.COMPUTE_MEAN}{{SR}}[$__range] @ end())",
 )
-STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) (ddpmon_step{{R}})"
+STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({m.STEP.name}{{R}})"
 STEP_BEHIND_TOP = ranked(
     "bottomk",
-    f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right ddpmon_step{{S}}",
-    "last_over_time(ddpmon_step{S}[$__range] @ end())",
+    f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{S}}",
+    f"last_over_time({m.STEP.name}{{S}}[$__range] @ end())",
 )
