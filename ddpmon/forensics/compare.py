@@ -55,6 +55,9 @@ class RunNumerics:
     series: dict[str, np.ndarray]
     groups: list[str]
     facts: dict[str, Any]
+    loss_complete: np.ndarray | None = None
+    """Per step: every rank of the run contributed a loss (False where a killed rank lost its
+    last unflushed rows): the cross-rank mean is comparable only there."""
 
 
 @dataclass(slots=True)
@@ -131,8 +134,10 @@ def load_run(path: Path | str) -> RunNumerics:
             f"{run_path}: no numerics history (history.rank<R>.arrow); was the run made with "
             "pyarrow installed and a writable run dir?"
         )
-    steps, series, groups, ranks = got
-    return RunNumerics(run_path, steps, series, groups, facts=run_facts(run_path, ranks))
+    steps, series, groups, ranks, complete = got
+    return RunNumerics(
+        run_path, steps, series, groups, facts=run_facts(run_path, ranks), loss_complete=complete
+    )
 
 
 def resolve_run(path: Path | str) -> Path:
@@ -145,7 +150,9 @@ def resolve_run(path: Path | str) -> Path:
     return resolve_run_path(path)
 
 
-def _series(run: RunDir) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], int] | None:
+def _series(
+    run: RunDir,
+) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], int, np.ndarray] | None:
     """Series on the lowest rank's steps: reduced values from that rank, the loss averaged over
     every rank (NaN at a step where any rank's loss is not finite). Memory: one rank at a time."""
     files = run.ranked(HISTORY_RE)
@@ -174,6 +181,7 @@ def _series(run: RunDir) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], 
         return None
     with np.errstate(all="ignore"):
         loss = np.where((count > 0) & ~nonfinite, total / np.maximum(count, 1), np.nan)
+    complete = nonfinite | (count == ranks)
     c = first.columns
     series = {
         "loss": loss,
@@ -183,7 +191,7 @@ def _series(run: RunDir) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], 
     }
     for g in first.groups:
         series[f"group:{g}"] = first.group(g)
-    return c["step"], series, first.groups, ranks
+    return c["step"], series, first.groups, ranks, complete
 
 
 def run_facts(run_path: Path, ranks_seen: int) -> dict[str, Any]:
@@ -252,8 +260,19 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
     ia, ib = np.searchsorted(a.steps, steps), np.searchsorted(b.steps, steps)
     results = []
     names = [n for n in a.series if n in b.series]
+    both = np.ones(len(steps), dtype=bool)
+    for run, idx in ((a, ia), (b, ib)):
+        if run.loss_complete is not None:
+            both &= run.loss_complete[idx]
+    if not both.all():
+        warnings.append(
+            f"loss compared on {int(both.sum())} of {len(steps)} steps: at the others a rank's "
+            "history ends early (killed before its last flush), so the mean over ranks differs"
+        )
     for name in names:
-        results.append(_compare_series(name, steps, a.series[name][ia], b.series[name][ib]))
+        keep = both if name == "loss" else slice(None)
+        x, y = a.series[name][ia][keep], b.series[name][ib][keep]
+        results.append(_compare_series(name, steps[keep], x, y))
     hits = [r for r in results if r.first_step is not None]
     first = min((r.first_step for r in hits), default=None)
     at_first = [r for r in hits if r.first_step == first]
