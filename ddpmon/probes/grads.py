@@ -99,16 +99,18 @@ def _groups(names: list[str], depth: int, max_groups: int) -> tuple[list[str], l
 
 
 def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Vector of L2 norms, one per tensor, computed in one fused pass (see module doc):
-    float32 on CPU (exact: overflowed entries re-checked), float64 elsewhere."""
+    """float64 vector of L2 norms, one per tensor, computed in one fused pass (see module doc;
+    on CPU accumulated in float32 with overflowed entries re-checked in float64)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     device = tensors[0].device
     if device.type == "cpu":
         wide = all(t.dtype in (torch.float32, torch.float64) for t in tensors)
         norms = torch.stack(_foreach_norm_grouped(tensors, None if wide else torch.float32))
+        # Always float64 out: the same dtype on every rank, whatever its values (collectives
+        # over these vectors, like the duplicated-data fingerprint, need identical layouts).
+        norms = norms.to(torch.float64)
         if np.isinf(norms.numpy()).any():  # CPU memory: reading it is not a device sync
-            norms = norms.to(torch.float64)
             for i in torch.nonzero(torch.isinf(norms)).flatten().tolist():
                 norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float64)
         return norms

@@ -116,7 +116,8 @@ class CommProbe:
         asynchronous, read back lazily with the step vector."""
         import torch.distributed as dist
 
-        mine = (local_norms * local_norms).sum().reshape(1)
+        wide = local_norms.to(torch.float64)  # one dtype on every rank, whatever happened
+        mine = (wide * wide).sum().reshape(1)
         gathered = torch.empty(dist.get_world_size(), dtype=mine.dtype, device=mine.device)
         # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.10).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

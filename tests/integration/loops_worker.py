@@ -22,13 +22,13 @@ def reference_norm(params) -> float:
     return torch.nn.utils.get_total_norm(grads).item()
 
 
-def poison_next_backward(param):
+def poison_next_backward(param, value=float("nan")):
     handle = None
 
     def hook(grad):
         handle.remove()
         grad = grad.clone()
-        grad.view(-1)[0] = float("nan")
+        grad.view(-1)[0] = value
         return grad
 
     handle = param.register_hook(hook)
@@ -60,9 +60,14 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     import ddpmon
 
+    # inf_one_rank: rank 1's gradients overflow on every step from --at; a GradScaler absorbs it
+    scaler = None
+    if args.scenario == "inf_one_rank":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     mon = ddpmon.attach(
         model,
         opt,
+        scaler,
         port=args.port,
         bind="127.0.0.1",
         run_dir=str(Path(args.out) / "runs"),
@@ -99,12 +104,14 @@ def main():
             last = micro == accum - 1
             if args.scenario == "propagate" and step == args.at and rank == 1:
                 poison_next_backward(poison_param)
+            if args.scenario == "inf_one_rank" and step >= args.at and rank == 1:
+                poison_next_backward(poison_param, float("inf"))
             ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else _null()
             with ctx:
                 loss = model(x).pow(2).mean() / accum
                 if micro == 0:
                     mon.observe_loss(loss)
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         entry["ref"] = reference_norm(params)
         if args.scenario == "guard":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -114,6 +121,12 @@ def main():
         elif args.scenario == "clip_plain":
             entry["clip_returned"] = torch.nn.utils.clip_grad_norm_(params, 0.01).item()
             opt.step()
+            opt.zero_grad()
+        elif scaler is not None:
+            scaler.unscale_(opt)
+            entry["ref"] = reference_norm(params)
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad()
         else:
             opt.step()
@@ -140,6 +153,7 @@ def main():
         ),
         "agent_errors": {k: v for k, v in s.agent_errors.items() if v},
         "strategy": s.strategy,
+        "skipped": s.amp_skipped_steps_total,
     }
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, default=_nan))
     dist.destroy_process_group()

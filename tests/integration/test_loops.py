@@ -59,6 +59,19 @@ def test_guard_and_skip_loop_counts_the_skipped_step_and_its_nan_loss(tmp_path):
     assert r1["first_nonfinite"]["step"] == 4
 
 
+def test_one_rank_overflowing_every_step_keeps_the_collectives_in_step(tmp_path):
+    # Only rank 1's local norms are inf from step 3; the duplicated-data check's all-gather
+    # (every 3 steps) must keep one layout on both ranks. The GradScaler absorbs every overflow.
+    r0, r1 = run(tmp_path, "inf_one_rank", steps=12, at=3)
+    for r in (r0, r1):
+        assert r["steps_total"] == 12 and r["skipped"] == 9
+        assert r["agent_errors"] == {}
+        for e in r["steps"][:3]:  # unscaled, pre-clip, as torch reports after unscale_
+            assert e["ddpmon"] == pytest.approx(e["ref"], rel=1e-5), e
+    assert r1["origin_steps"] == 9 and r0["origin_steps"] == 0
+    assert r0["poisoned_steps"] == r1["poisoned_steps"] == 0  # never applied
+
+
 def test_closure_step_is_analysed_with_the_closures_gradients(tmp_path):
     (r,) = run(tmp_path, "closure_plain", steps=10, world=1)
     assert r["steps_total"] == 10
