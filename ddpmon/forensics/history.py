@@ -40,40 +40,18 @@ from typing import Any
 
 from ..rundir import RunDir, history_journal_of
 from ..state import StepRecord
+from .history_read import read_streams
+from .history_schema import (  # noqa: F401  (re-exported: the history's public names)
+    COL,
+    GROUPS_COLUMN,
+    ROW_FIELDS,
+    SCALAR_COLUMNS,
+    SKIPPED_CODES,
+    SKIPPED_NAMES,
+)
 
 log = logging.getLogger("ddpmon")
 
-SKIPPED_CODES = {None: 0, "scaler": 1, "policy": 2, "loop": 3}
-"""``skipped_by`` as a small integer column; the mapping is also in the schema metadata."""
-SKIPPED_NAMES = {v: k for k, v in SKIPPED_CODES.items()}
-
-SCALAR_COLUMNS = (
-    # name, arrow type name
-    ("step", "int64"),
-    ("wall_time", "float64"),
-    ("loss", "float32"),
-    ("grad_norm", "float32"),
-    ("grad_local_norm", "float32"),
-    ("grad_nonfinite", "bool_"),
-    ("local_nonfinite", "bool_"),
-    ("origin", "bool_"),
-    ("poisoned", "bool_"),
-    ("loss_scale", "float32"),
-    ("amp_skipped", "bool_"),
-    ("skipped_by", "uint8"),
-    ("duration_seconds", "float32"),
-    ("data_wait_seconds", "float32"),
-    ("allreduce_count", "int32"),
-    ("allreduce_mean_seconds", "float32"),
-    ("allreduce_max_seconds", "float32"),
-    ("memory_bytes", "int64"),
-)
-"""The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
-GROUPS_COLUMN = "group_norms"
-ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN,)
-COL = {name: i for i, name in enumerate(ROW_FIELDS)}
-"""Position of each field in a row tuple (rows are tuples so the training thread builds them
-cheaply; everyone else indexes them by name through this table)."""
 _NOTABLE = tuple(
     COL[n]
     for n in (
@@ -265,8 +243,6 @@ class HistoryWriter:
         import pyarrow.ipc as ipc
 
         from ..atomic import write_bytes_atomic
-        from .history_read import read_streams
-
         batches = []
         for p in (self.path, self.journal):
             if p.exists():

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..rundir import HISTORY_RE, RunDir
-from .history import GROUPS_COLUMN, SCALAR_COLUMNS, journal_path
+from ..rundir import history_journal_of as journal_path
+from .history_schema import GROUPS_COLUMN, SCALAR_COLUMNS
 
 
 @dataclass(slots=True)
