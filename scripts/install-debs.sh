@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests and `make stack` use: promtool, prometheus, alertmanager,
-# and chromium (the headless browser that tests `ddpmon report`).
+# chromium (the headless browser that tests `ddpmon report`) and iproute2 (`ip netns` for the
+# two-node test).
 set -euo pipefail
 if command -v promtool >/dev/null && command -v prometheus >/dev/null \
-   && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null; then
+   && command -v prometheus-alertmanager >/dev/null && command -v chromium >/dev/null \
+   && command -v ip >/dev/null; then
   exit 0
 fi
 SUDO=""
@@ -11,5 +13,5 @@ if [ "$(id -u)" != 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends prometheus prometheus-alertmanager chromium \
-  >/dev/null
+  iproute2 >/dev/null
 # The packages enable system services; ddpmon starts its own instances on loopback instead.
