@@ -33,7 +33,7 @@ ORDER = (
 EXTRAS = {
     "grafana_foundation_sdk": "dashboards",
     "fastapi": "daemon",
-    "uvicorn": "daemon",
+    "h11": "daemon",
     "httpx": "daemon",
     "bcrypt": "auth",
 }
