@@ -151,12 +151,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return q[0], statistics.median(values), q[2]
-
-
 def summarize(data: dict, args: argparse.Namespace) -> str:
+    from overhead import quartiles
+
     rounds = data["rounds"]
     rows = []
     for mode in ("source", "agent"):
@@ -262,11 +259,11 @@ def main() -> None:
         section = summarize(json.loads(out.read_text()), args)
     print(section)
     if args.write:
-        sys.path.insert(0, str(Path(__file__).parent))
         from overhead import write_section
 
         write_section(Path(args.write), section)
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/overhead.py: shared helpers
     main()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..probes.grads import ParamIndex, per_param_norms
-from .base import NormVector
+from .base import GradientSource, NormVector, SourceEnv
 
 try:  # DTensor is public since torch 2.5
     from torch.distributed.tensor import DTensor, Replicate
@@ -348,3 +348,22 @@ class ClipNormHelper:
                     self._plans.clear()
                 plan = self._plans[key] = build_plan(params)
             return global_squares(params, plan).sum().sqrt()
+
+
+class ShardedSource(GradientSource):
+    """What the sharded sources (FSDP2/HSDP, TP) share: clipping by the step's reduction."""
+
+    def __init__(self, env: SourceEnv) -> None:
+        super().__init__(env)
+        self._clip = ClipNormHelper(scale_state=self._scale_state)
+
+    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self._clip.norm(params)
+
+    def _scale_state(self) -> tuple[bool, torch.Tensor | None]:
+        return self.env.grads_scaled_now(), self.env.current_scale()
+
+    @property
+    def clip_norms_reused(self) -> int:
+        """``clip_norm`` calls answered from the step's reduction without a pass."""
+        return self._clip.reused

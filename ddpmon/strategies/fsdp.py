@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..probes.grads import per_param_norms
-from .base import GradientSource, GradSummaries, NormVector, SourceEnv
-from .dtensor_norms import ClipNormHelper, ShardedNorms
+from .base import GradSummaries, NormVector, SourceEnv
+from .dtensor_norms import ShardedNorms, ShardedSource
 from .kinds import detect_sharded, fsdp_modules
 
 log = logging.getLogger("ddpmon")
@@ -106,7 +106,7 @@ def _columns(fsdp_param: Any) -> int:
     return int(torch.Size(size).numel())
 
 
-class FSDPSource(GradientSource):
+class FSDPSource(ShardedSource):
     """FSDP2, HSDP, FSDP2+TP: the parameters' placements decide the reduction, the instance's
     ``name`` says which of them it is."""
 
@@ -118,7 +118,6 @@ class FSDPSource(GradientSource):
         self.local_is_partial = self.name.endswith("+tp")
         """The pre-reduction gradients are themselves TP shards: their norm is partial."""
         self._norms: ShardedNorms | None = None
-        self._clip = ClipNormHelper(scale_state=self._scale_state)
         self._units: list[_Unit] = []
         self._restore: list[tuple[torch.nn.Module, Any]] = []
         self._all_probed = False
@@ -256,17 +255,6 @@ class FSDPSource(GradientSource):
         positions = [pos for p in pieces for pos in p.positions]
         complete = exact and self._all_probed and not twice and not self.local_is_partial
         return NormVector(norms, positions, self._scaled), complete
-
-    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self._clip.norm(params)
-
-    def _scale_state(self) -> tuple[bool, torch.Tensor | None]:
-        return self.env.grads_scaled_now(), self.env.current_scale()
-
-    @property
-    def clip_norms_reused(self) -> int:
-        """``clip_norm`` calls answered from the step's reduction without a pass."""
-        return self._clip.reused
 
 
 def _row_chunk_norms(flat: torch.Tensor, world: int, columns: list[int]) -> torch.Tensor:

@@ -17,22 +17,20 @@ micro-steps that is k passes over 1/tp of the gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
-from .base import GradientSource, GradSummaries, NormVector, SourceEnv
-from .dtensor_norms import ClipNormHelper, ShardedNorms
+from .base import GradSummaries, NormVector, SourceEnv
+from .dtensor_norms import ShardedNorms, ShardedSource
 
 
-class TensorParallelSource(GradientSource):
+class TensorParallelSource(ShardedSource):
     name: ClassVar[str] = "tp"
 
     def __init__(self, env: SourceEnv) -> None:
         super().__init__(env)
         self._norms: ShardedNorms | None = None
-        self._clip = ClipNormHelper(scale_state=self._scale_state)
         self._local: NormVector | None = None
 
     def install(self) -> None:
@@ -69,17 +67,6 @@ class TensorParallelSource(GradientSource):
             except Exception:
                 pass
         super().close()
-
-    def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
-        return self._clip.norm(params)
-
-    def _scale_state(self) -> tuple[bool, torch.Tensor | None]:
-        return self.env.grads_scaled_now(), self.env.current_scale()
-
-    @property
-    def clip_norms_reused(self) -> int:
-        """``clip_norm`` calls answered from the step's reduction without a pass."""
-        return self._clip.reused
 
 
 __all__ = ["TensorParallelSource"]
