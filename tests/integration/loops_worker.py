@@ -19,7 +19,8 @@ POISON = "layers.1.weight"
 def reference_norm(params) -> float:
     """What the user's own tools report: torch's clip_grad_norm_ (pre-clip, nothing clipped)."""
     grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads).item()
+    total = torch.nn.utils.get_total_norm(grads)
+    return (total.full_tensor() if hasattr(total, "full_tensor") else total).item()
 
 
 def poison_next_backward(param, value=float("nan")):
@@ -41,6 +42,7 @@ def main():
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--at", type=int, default=4)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true", help="fully_shard instead of DDP")
     args = p.parse_args()
     if args.scenario == "quiet":  # ddpmon's own warnings become errors
         warnings.filterwarnings("error", module=r"ddpmon(\..*)?$")
@@ -55,6 +57,14 @@ def main():
         model = DistributedDataParallel(torch.compile(inner, backend="aot_eager"))
     elif plain:
         model = inner
+    elif args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in inner.layers:
+            fully_shard(layer, mesh=mesh)
+        model = fully_shard(inner, mesh=mesh)
     else:
         model = DistributedDataParallel(inner, bucket_cap_mb=0.002)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -75,6 +85,7 @@ def main():
         data_check_interval=3,
         local_norm_every=2,
         announce=args.scenario == "quiet",
+        on_nonfinite="skip" if args.scenario == "skip_policy" else "record",
     )
     params = list(inner.parameters())
     poison_param = dict(inner.named_parameters())[POISON]
@@ -99,8 +110,9 @@ def main():
             continue
         for micro in range(accum):
             x = torch.randn(8, 16, generator=g)
-            if args.scenario == "guard" and step == args.at and rank == 1:
-                x[0, 0] = float("nan")  # this rank's batch holds a NaN
+            nan_batch = args.scenario in ("guard", "skip_policy")
+            if nan_batch and step == args.at and rank == 1:
+                x[0, 0] = float("nan")  # this rank's batch holds a NaN (FSDP2: no tensor hooks)
             last = micro == accum - 1
             if args.scenario == "propagate" and step == args.at and rank == 1:
                 poison_next_backward(poison_param)
@@ -115,6 +127,7 @@ def main():
         entry["ref"] = reference_norm(params)
         if args.scenario == "guard":
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             if torch.isfinite(norm):
                 opt.step()
             opt.zero_grad()
@@ -154,6 +167,9 @@ def main():
         "agent_errors": {k: v for k, v in s.agent_errors.items() if v},
         "strategy": s.strategy,
         "skipped": s.amp_skipped_steps_total,
+        "params_finite": all(
+            bool(torch.isfinite(getattr(p, "full_tensor", lambda p=p: p)()).all()) for p in params
+        ),
     }
     (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, default=_nan))
     dist.destroy_process_group()

@@ -11,11 +11,11 @@ from tests.support.ranks import run_ranks
 WORKER = Path(__file__).with_name("loops_worker.py")
 
 
-def run(tmp_path: Path, scenario: str, steps: int = 12, at: int = 4, world: int = 2) -> list:
-    return run_ranks(
-        WORKER, tmp_path, ["--scenario", scenario, "--steps", str(steps), "--at", str(at)],
-        world=world,
-    )
+def run(
+    tmp_path: Path, scenario: str, steps: int = 12, at: int = 4, world: int = 2, fsdp=False
+) -> list:
+    args = ["--scenario", scenario, "--steps", str(steps), "--at", str(at)]
+    return run_ranks(WORKER, tmp_path, [*args, *(["--fsdp"] if fsdp else [])], world=world)
 
 
 def assert_norms_match(result: dict, steps: int) -> None:
@@ -100,3 +100,28 @@ def test_healthy_run_is_quiet_apart_from_the_start_line(tmp_path):
         assert len(lines) == 1, r["stderr"]
         assert lines[0].startswith(f"ddpmon: rank {rank} serves")
         assert r["agent_errors"] == {}
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_on_nonfinite_skip_decides_alike_on_every_rank(tmp_path, fsdp):
+    # rank 1's batch holds a NaN at step 4; the policy drops the step on both ranks alike,
+    # so the weights stay finite and the run goes on.
+    r0, r1 = run(tmp_path, "skip_policy", steps=8, at=4, fsdp=fsdp)
+    for r in (r0, r1):
+        assert r["params_finite"], r
+        assert r["steps_total"] == 8 and r["nonfinite_steps"] == 1 and r["poisoned_steps"] == 0
+        assert r["strategy"] == ("fsdp2" if fsdp else "ddp")
+    assert r1["origin_steps"] == 1 and r0["origin_steps"] == 0
+
+
+def test_fsdp2_guard_and_skip_loop_and_accumulation(tmp_path):
+    r0, r1 = run(tmp_path, "guard", steps=8, at=4, fsdp=True)
+    for r in (r0, r1):
+        assert r["steps_total"] == 8 and r["nonfinite_steps"] == 1 and r["poisoned_steps"] == 0
+        for e in r["steps"]:
+            if e["step"] != 4:
+                assert e["ddpmon"] == pytest.approx(e["ref"], rel=1e-5), e
+    assert r1["origin_steps"] == 1 and r0["origin_steps"] == 0
+    for r in run(tmp_path / "accum", "accum", steps=6, fsdp=True):
+        assert r["steps_total"] == 6
+        assert_norms_match(r, 6)
