@@ -10,11 +10,9 @@ records outcomes. No shell is involved: every command is an argv list.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +24,9 @@ from typing import Any
 import psutil
 
 from . import outcome, summary
+from .processes import free_port as _free_port
+from .processes import port_free as _port_free
+from .processes import process_start_time, same_process
 from .settings import DaemonSettings
 from .store import DuplicateJobError, JobRecord, Store
 
@@ -69,41 +70,6 @@ class _Handle:
     @property
     def pid(self) -> int:
         return self.popen.pid if self.popen is not None else self.proc.pid  # type: ignore[union-attr]
-
-
-def process_start_time(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, ValueError):
-        return None
-
-
-def same_process(pid: int | None, create_time: float | None) -> bool:
-    """True when ``pid`` is alive and started at ``create_time`` (not a reused PID)."""
-    if not pid or create_time is None:
-        return False
-    started = process_start_time(pid)
-    if started is None or abs(started - create_time) > 0.05:
-        return False
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return exc.errno not in (errno.EADDRINUSE, errno.EACCES)
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class JobManager:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .jobs import process_start_time, same_process
+from .processes import process_start_time, same_process
 from .store import Store
 
 
