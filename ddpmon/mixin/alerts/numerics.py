@@ -86,7 +86,11 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "DdpmonNonFiniteLoss", L, "critical",
             # delta, not increase: an overflow the scaler absorbed without a non-finite loss
             # moves the record down, which is no counter reset.
-            f"delta({n.LOSS_UNABSORBED}[{w}]) > 0.5",
+            # or: the series began already non-zero (a NaN before Prometheus' first samples,
+            # where delta() has nothing to compare) and is younger than the persistent window.
+            f"delta({n.LOSS_UNABSORBED}[{w}]) > 0.5\nor\n"
+            f"min_over_time({n.LOSS_UNABSORBED}[{young}]) > 0.5\n"
+            f"  unless {n.LOSS_UNABSORBED} offset {young}",
             c.nonfinite_for,
             "The training loss became NaN/Inf and no GradScaler absorbed it.",
             f"{RANK}: the observed loss was non-finite in the last {w} on a step the "
