@@ -51,6 +51,7 @@ class DdpmonCallback(TrainerCallback):
         self._step_loss: Any = None
         self._token_scale = 1
         self._accumulation: Any = None
+        self._save_timer: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
@@ -92,13 +93,40 @@ class DdpmonCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_loss = None  # a new optimizer step: its first micro-batch comes next
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._arm_save_timer(args, state, control)
+
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
     ) -> None:
         """The Trainer logs ``grad_norm`` right after the optimizer step it measured."""
+        self._arm_save_timer(args, state, control)  # logging comes before the save
         if self._forwarder is None or not logs or "grad_norm" not in logs:
             return
         self._forwarder.forward(logs["grad_norm"], int(state.global_step))
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._arm_save_timer(args, state, control)  # so does evaluation
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer calls this right after it wrote ``checkpoint-<step>``: the save is timed
+        from the last callback before it (step end, log or evaluation), i.e. the save itself."""
+        timer, self._save_timer = self._save_timer, None
+        if timer is not None:
+            try:
+                timer.done()
+            except Exception as exc:
+                log.debug("ddpmon: checkpoint not recorded: %s", exc)
+
+    def _arm_save_timer(self, args: Any, state: Any, control: Any) -> None:
+        if self.monitor is None or not getattr(control, "should_save", False):
+            return
+        step = int(state.global_step)
+        path = f"{args.output_dir}/checkpoint-{step}"
+        try:
+            self._save_timer = self.monitor.observe_checkpoint(step, path, "save")
+        except Exception as exc:
+            log.debug("ddpmon: checkpoint not timed: %s", exc)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._detach()

@@ -75,5 +75,15 @@ def test_nan_in_one_ranks_gradient_is_named_with_that_rank(run: WorkerRun) -> No
     check_nan_origin(run, NAN_RANK, NAN_STEP, NAN_PARAM)
 
 
+def test_checkpoint_saves_are_recorded_with_their_step(run: WorkerRun) -> None:
+    # save_steps=2 over 6 steps: checkpoint-2, -4, -6; every rank reaches on_save.
+    for rank in (0, 1):
+        assert run.sample(rank, "ddpmon_checkpoint_last_step") == STEPS
+        assert run.sample(rank, "ddpmon_checkpoint_duration_seconds_count", kind="save") == 3
+    saves = [e for e in run.events(0) if e.get("kind") == "checkpoint_save"]
+    assert [e["step"] for e in saves] == [2, 4, 6]
+    assert all(e["path"].endswith(f"checkpoint-{e['step']}") for e in saves)
+
+
 def test_wrong_reported_norm_fires_the_mismatch_counter_and_event(run: WorkerRun) -> None:
     check_mismatch(run, WRONG_STEP, NAN_STEP)

@@ -133,7 +133,9 @@ def main() -> None:
         learning_rate=1e-3,
         max_grad_norm=1.0,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps",  # checkpoint-2, -4, -6: ddpmon times each save
+        save_steps=2,
+        save_only_model=True,
         report_to="none",
         use_cpu=True,
         ddp_backend="gloo",
