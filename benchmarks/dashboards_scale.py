@@ -360,7 +360,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"**Series: {meta['series']:,} from the agents** (target <= "
         f"{target_series(meta['ranks']):,}; "
         f"{meta['series'] / meta['ranks']:.0f} per rank), {meta['tsdb_series']:,} in the TSDB "
-        "with the recorded series. "
+        f"with the recorded series; **TSDB on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB** (blocks "
+        "of the hour, recording rules included). "
         f"**Slowest query: {max(r['median_s'] for r in rows):.3f} s** (target <= "
         f"{TARGET_LATENCY_S:g} s); {len(slow)} of {len(rows)} queries over the target.",
         "",
@@ -472,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         for block in backfill.iterdir():
             if block.is_dir():
                 shutil.move(str(block), data / block.name)
+        meta["tsdb_bytes"] = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+        print(f"TSDB on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB", flush=True)
         prom = Prometheus(prom_dir, sd_dir=sd)
         prom.start(timeout=120)
         try:
