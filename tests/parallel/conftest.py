@@ -75,6 +75,12 @@ def launch(
     if failed and retries > 0 and any(_PORT_TAKEN in log for _, _, log in failed):
         # another process took the free port between our probe and the store's bind
         return launch(strategy, ranks, out, args=args, worker=worker, retries=retries - 1)
+    if failed and retries > 1 and all(code == -signal.SIGSEGV for _, code, _ in failed):
+        # Seen once in ~20 full runs (CI, fsdp2 sources): a rank died of SIGSEGV with no output
+        # and has not reproduced in 16 reruns. Retried once so a rare crash inside torch/gloo on
+        # CPU does not fail the suite; one that repeats still fails the test below.
+        print(f"retrying {strategy}: rank(s) {[r for r, _, _ in failed]} died of SIGSEGV")
+        return launch(strategy, ranks, out, args=args, worker=worker, retries=1)
     for rank, code, log in failed:
         raise AssertionError(f"rank {rank} exited {code}:\n{log[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
