@@ -93,6 +93,10 @@ class Config:
             raise ConfigError(
                 f"bind={self.bind!r}: expected an address such as 0.0.0.0 or 127.0.0.1"
             )
+        for name in ("run_dir", "web_config", "sd_dir"):  # pathlib.Path and friends
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                setattr(self, name, os.fspath(value))
         if not isinstance(self.run_dir, str) or not self.run_dir:
             raise ConfigError(f"run_dir={self.run_dir!r}: expected a directory path")
         if self.run_id is not None:

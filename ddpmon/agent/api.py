@@ -80,6 +80,12 @@ class NullMonitor:
     def annotate(self, **fields: Any) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
+    def recent_steps(self) -> list:
+        return []
+
     def owns(self, params: Sequence[torch.Tensor]) -> bool:
         return False
 

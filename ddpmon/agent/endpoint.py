@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,9 +30,17 @@ class Endpoint:
 
     @classmethod
     def open(
-        cls, state: MetricState, identity: RankIdentity, run_id: str, config: Config, guard: Guard
+        cls,
+        state: MetricState,
+        identity: RankIdentity,
+        run_id: str,
+        config: Config,
+        guard: Guard,
+        catch_up: Callable[[], None] | None = None,
     ) -> Endpoint:
-        endpoint = cls(Exposition(_collector(state, identity, run_id, config, guard)))
+        """``catch_up``: delivers pending step records before each scrape."""
+        collector = _collector(state, identity, run_id, config, guard)
+        endpoint = cls(Exposition(collector, catch_up))
         endpoint._serve(identity, config, state)
         endpoint._publish(identity, run_id, config, guard)
         return endpoint

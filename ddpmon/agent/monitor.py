@@ -35,6 +35,7 @@ from .checkpoints import (
     tag_evidence,
 )
 from .context import RunContext
+from .drainer import RecordThread
 from .endpoint import Endpoint
 from .forensics import Forensics, manifest_writer
 from .guard import Guard
@@ -53,8 +54,9 @@ class Monitor:
 
     def __init__(self, config: Config, state: MetricState, guard: Guard) -> None:
         self.config = config
-        self.state = state
+        self._state = state
         self.guard = guard
+        self.records: RecordThread | None = None
         self._closed = False
         self._lock = threading.Lock()
 
@@ -81,7 +83,7 @@ class Monitor:
         return self
 
     def _assemble(self, model, optimizer, scaler, comm_hook, comm_state) -> None:
-        config, state, guard = self.config, self.state, self.guard
+        config, state, guard = self.config, self._state, self.guard
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.ctx = ctx = RunContext.establish(model, config, guard)
         self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
@@ -159,11 +161,15 @@ class Monitor:
             grad_norm_tolerance=config.grad_norm_tolerance,
         )
         self.hooks = StepHooks(model, optimizer, self.pipeline, self.amp)
+        self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
+        self.pipeline.background = True
         self.checkpoints = CheckpointObserver(state, emit, guard, on_load=self._resume_at)
         self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
         with guard("checkpoint"):
             self.dcp.install()
-        self.endpoint = Endpoint.open(state, ctx.identity, ctx.run_id, config, guard)
+        self.endpoint = Endpoint.open(
+            state, ctx.identity, ctx.run_id, config, guard, catch_up=self.flush
+        )
         self.exposition = self.endpoint.exposition
         self.port = self.endpoint.port
         if config.announce:
@@ -199,6 +205,19 @@ class Monitor:
         )
 
     # ------------------------------------------------------------------ public API
+    @property
+    def state(self) -> MetricState:
+        """The metric state, with every step whose values are on the host already applied
+        (records are derived on the agent's record thread; reading here catches up first)."""
+        self.flush()
+        return self._state
+
+    def flush(self) -> None:
+        """Deliver every step whose values have arrived (on CPU: all completed steps) to the
+        metric state, events, progress and history now. Never waits for a device."""
+        if not self._closed:
+            self.pipeline.drain(wait=False)
+
     @property
     def step(self) -> int:
         """Number of steps completed so far (host counter, no sync)."""
@@ -256,6 +275,7 @@ class Monitor:
 
     def recent_steps(self) -> list:
         """The last (up to 64) step records, oldest first: plain host values."""
+        self.flush()
         return list(self.incidents.recent)
 
     def owns(self, params: Sequence[torch.Tensor]) -> bool:
@@ -273,6 +293,9 @@ class Monitor:
                 return
             self._closed = True
         registry.discard(self)
+        if self.records is not None:
+            self.records.stop()
+        self.pipeline.background = False
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
             self.pipeline.flush_trainer_norm()
@@ -280,7 +303,7 @@ class Monitor:
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
-        self._emit("exit", self.state.step, reason="close", steps=self.state.steps_total)
+        self._emit("exit", self._state.step, reason="close", steps=self._state.steps_total)
         for sink in self.pipeline.sinks:
             with self.guard(sink.probe):
                 sink.close()
@@ -295,6 +318,7 @@ class Monitor:
         self._closed = True
         registry.discard(self)
         for name, method in (
+            ("records", "stop"),
             ("hooks", "close"),
             ("amp", "detach"),
             ("dcp", "uninstall"),
@@ -323,9 +347,9 @@ class Monitor:
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the
         resumed attempt's steps line up with the attempt it continues."""
-        if self.state.steps_total == 0 and self.pipeline.resume_at(step):
-            self.state.step = step - 1
-            self.state.version += 1
+        if self._state.steps_total == 0 and self.pipeline.resume_at(step):
+            self._state.step = step - 1
+            self._state.version += 1
 
     def _on_stall(self, idle_seconds: float) -> None:
         step = self.pipeline.step
@@ -337,7 +361,7 @@ class Monitor:
         )
         with self.guard("evidence"):
             self.incidents.write_evidence(
-                "stall", step, None, idle_seconds=idle_seconds, last_step=self.state.step
+                "stall", step, None, idle_seconds=idle_seconds, last_step=self._state.step
             )
         with self.guard("watchdog"):
             from ..forensics.watchdog import request_flight_recorder_dump
@@ -370,7 +394,7 @@ class Monitor:
             "run_id": self.run_id,
             "batch_shapes": self.pipeline.batch_shapes,
             "precision": precision,
-            "strategy": self.state.strategy,
+            "strategy": self._state.strategy,
             "data_version": self.config.data_version,
             "param_count": sum(p.numel() for p in self.index.params),
             "hosts": self.ctx.hosts,

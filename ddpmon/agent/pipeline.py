@@ -1,10 +1,12 @@
-"""The step pipeline: step boundaries -> gradient norms -> step vector -> readback -> step record.
+"""The step pipeline: step boundaries -> gradient norms -> step values -> readback -> step record.
 
-Hot path (training thread, per optimizer step): ask the gradient source for its device norms,
-pack them with the loss and scaler tensors into one vector, queue it for lazy readback. Nothing
-here reads a device value, except the ``skip``/``raise`` policies (one flag, documented).
-Everything derived (global and group norms, origin, mismatch, events) happens when a vector's
-values arrive (``drain``), and flows to the sinks.
+Hot path (training thread, per optimizer step): ask the gradient source for its device norms and
+queue them, with the loss and scaler tensors, for lazy readback (``Readback.push``: on CPU the
+tensors are queued as they are; on CUDA packed into one vector and copied asynchronously).
+Nothing here reads a device value, except the ``skip``/``raise`` policies (one flag, documented).
+Everything derived (the record: global and group norms, origin, mismatch; then the sinks: metric
+state, events, progress, history) happens when the values are drained (``drain``), on the
+agent's record thread (``drainer.RecordThread``) when one runs, else right after each step.
 
 What counts as a step (DESIGN §3): one optimizer step, whoever decides it:
 - ``optimizer.step()`` (post-hook), or ``scaler.update()`` when a GradScaler is given (so a step
@@ -18,6 +20,8 @@ What counts as a step (DESIGN §3): one optimizer step, whoever decides it:
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -28,12 +32,12 @@ from typing import Any
 import torch
 
 from ..probes.grads import ParamIndex, summarize_host
-from ..readback import Readback
 from ..state import StepRecord
 from ..strategies.base import CommTiming, GradientSource, GradSummaries, NormVector
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
-from .stepvector import Packed, StepVectorLayout
+from .readback import Arrived, Readback
+from .stepvector import StepVectorLayout
 
 
 @dataclass(slots=True)
@@ -44,7 +48,6 @@ class StepMeta:
     wall_time: float
     duration: float | None
     data_wait: float | None
-    packed: Packed
     reduced: NormVector | None
     local: NormVector | None
     local_complete: bool
@@ -76,7 +79,11 @@ class StepPipeline:
         self.sinks = list(sinks)
         self.tolerance = grad_norm_tolerance
         self.layout = layout or StepVectorLayout()
-        self.readback = readback or Readback()
+        self.readback = readback or Readback(self.layout)
+        self.background = False
+        """True while a record thread drains; the hot path then only queues."""
+        self._records_lock = threading.RLock()
+        """Held while records are derived and handed to the sinks (one drainer at a time)."""
         self.tracker = OriginTracker()
         self.step = 0
         """Index of the step in progress (host counter)."""
@@ -115,14 +122,16 @@ class StepPipeline:
             number = as_float(value)
             if number is None:
                 return
-            if step < self.step and step in self._norms_by_step:
-                self._compare_late(step, number)
-            elif step < self.step:
-                self._late_trainer[step] = number  # its record is still in flight
-                while len(self._late_trainer) > 64:
-                    self._late_trainer.popitem(last=False)
-            else:
+            if step >= self.step:
                 self._trainer = (number, step)
+                return
+            with self._records_lock:
+                if step in self._norms_by_step:
+                    self._compare_late(step, number)
+                else:
+                    self._late_trainer[step] = number  # its record is still in flight
+                    while len(self._late_trainer) > 64:
+                        self._late_trainer.popitem(last=False)
 
     # ------------------------------------------------------------------ boundaries (hooks)
     def forward_started(self, args: tuple) -> None:
@@ -168,14 +177,15 @@ class StepPipeline:
         grad_scale: Any = None,
         scale_after: Any = None,
     ) -> None:
-        """Close the step in progress: package its device values for readback."""
+        """Close the step in progress: queue its device values for readback."""
+        urgent = False
         try:
             with self.guard("step"):
                 summaries = self._collect()
                 if self.policy.reads and (self._closure_step or found is not None):
                     # closure or scaler steps: the update already happened; raise still can
                     self.policy.before_step(summaries.reduced, self.step, skip_allowed=False)
-                self._package(summaries, skipped_by, found, grad_scale, scale_after)
+                urgent = self._package(summaries, skipped_by, found, grad_scale, scale_after)
         finally:
             self.step += 1
             self._step_start = None
@@ -185,7 +195,7 @@ class StepPipeline:
             self._closure_step = self._policy_skipped = False
             self._backward_pending = False
             self._sentinel = None
-        with self.guard("readback"):
+        if not self.background or urgent or self.readback.full:
             self.drain(wait=False)
 
     def _collect(self) -> GradSummaries:
@@ -200,7 +210,9 @@ class StepPipeline:
                 self._collected = self.source.collect()
         return self._collected
 
-    def _package(self, s: GradSummaries, skipped_by, found, grad_scale, scale_after) -> None:
+    def _package(self, s: GradSummaries, skipped_by, found, grad_scale, scale_after) -> bool:
+        """Queue the step's tensors and host facts; True when its gradients are known (host
+        memory) to be non-finite, so the caller drains now and the evidence holds them."""
         end_perf, end_wall = time.perf_counter(), time.time()
         start = self._step_start if self._step_start is not None else self._last_end
         data_wait = None
@@ -209,32 +221,33 @@ class StepPipeline:
         loss, loss_host = self._loss, None
         if not isinstance(loss, torch.Tensor):
             loss, loss_host = None, loss
+        elif loss.numel() != 1:
+            loss = loss.reshape(-1)[:1]
         trainer, trainer_host, trainer_step = None, None, None
         if self._trainer is not None:
             value, trainer_step = self._trainer
             self._trainer = None
             if isinstance(value, torch.Tensor):
-                trainer = value
+                trainer = value if value.numel() == 1 else value.reshape(-1)[:1]
             else:
                 trainer_host = value
-        vector, packed = self.layout.pack(
-            {
-                "reduced_norms": s.reduced.norms if s.reduced is not None else None,
-                "local_norms": s.local.norms if s.local is not None else None,
-                "loss": loss.reshape(-1)[:1] if loss is not None else None,
-                "grad_scale": grad_scale,
-                "loss_scale": scale_after,
-                "found_inf": found,
-                "identical_ranks": s.identical_ranks,
-                "trainer_norm": trainer.reshape(-1)[:1] if trainer is not None else None,
-            }
-        )
+        reduced = s.reduced.norms if s.reduced is not None else None
+        local = s.local.norms if s.local is not None else None
+        values = {
+            "reduced_norms": reduced,
+            "local_norms": local,
+            "loss": loss,
+            "grad_scale": grad_scale,
+            "loss_scale": scale_after,
+            "found_inf": found,
+            "identical_ranks": s.identical_ranks,
+            "trainer_norm": trainer,
+        }
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
             duration=end_perf - start if start is not None else None,
             data_wait=data_wait,
-            packed=packed,
             reduced=s.reduced,
             local=s.local,
             local_complete=s.local_complete,
@@ -245,7 +258,8 @@ class StepPipeline:
             trainer_norm_step=trainer_step,
             skipped_by=skipped_by,
         )
-        self.readback.push(vector, meta)
+        self.readback.push(values, meta)
+        return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
 
     # ------------------------------------------------------------------ dropped gradients
     def _take_sentinel(self) -> tuple[torch.Tensor, Any, int] | None:
@@ -265,15 +279,28 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ readback side
     def drain(self, wait: bool) -> None:
-        for values, meta in self.readback.poll(wait=wait):
-            record = self._record(values, meta)
+        """Turn every step whose values are on the host into a record and hand it to the
+        sinks, oldest first. Any thread; one at a time. Never raises."""
+        with self._records_lock, self.guard("readback"):
+            arrived = self.readback.poll(wait=wait)
+            for entry in arrived:
+                self._deliver(entry)
+            if arrived:
+                for sink in self.sinks:
+                    batch_end = getattr(sink, "on_batch_end", None)
+                    if batch_end is not None:
+                        with self.guard(sink.probe):
+                            batch_end()
+
+    def _deliver(self, entry: Arrived) -> None:
+        with self.guard("readback"):
+            record = self._record(entry.parts(), entry.meta)
             self.tracker.classify(record)
             for sink in self.sinks:
                 with self.guard(sink.probe):
                     sink.on_record(record)
 
-    def _record(self, values: list[float], meta: StepMeta) -> StepRecord:
-        parts = self.layout.unpack(values, meta.packed)
+    def _record(self, parts: dict[str, list[float]], meta: StepMeta) -> StepRecord:
         record = StepRecord(
             step=meta.step,
             wall_time=meta.wall_time,
@@ -349,8 +376,9 @@ class StepPipeline:
         self._trainer = None
         number = as_float(value.item() if isinstance(value, torch.Tensor) else value)
         if number is not None:
-            self._late_trainer[step] = number
-            self.compare_pending()
+            with self._records_lock:
+                self._late_trainer[step] = number
+                self.compare_pending()
 
     def _compare_late(self, step: int, theirs: float) -> None:
         """A trainer norm for a step whose record was already delivered."""
@@ -361,3 +389,10 @@ class StepPipeline:
             if handler is not None:
                 with self.guard(sink.probe):
                     handler(step, ours, theirs, mismatch)
+
+
+def _host_nonfinite(norms: torch.Tensor | None) -> bool:
+    """Non-finite per-parameter norms that are already in host memory (no device read)."""
+    if norms is None or norms.device.type != "cpu":
+        return False
+    return not math.isfinite(float(norms.numpy().sum()))  # NaN/Inf propagate through the sum

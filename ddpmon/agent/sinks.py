@@ -45,17 +45,25 @@ class MetricSink:
 
 
 class ProgressSink:
-    """``progress.rank<R>.json``: the last completed step survives a SIGKILL."""
+    """``progress.rank<R>.json``: the last completed step survives a SIGKILL. Written once per
+    drained batch (the newest record), not once per step."""
 
     probe = "forensics"
 
     def __init__(self, progress: Any) -> None:
         self.progress = progress
+        self._latest: StepRecord | None = None
 
     def on_record(self, record: StepRecord) -> None:
-        self.progress.update(record.step, record.wall_time)
+        self._latest = record
+
+    def on_batch_end(self) -> None:
+        latest, self._latest = self._latest, None
+        if latest is not None:
+            self.progress.update(latest.step, latest.wall_time)
 
     def close(self) -> None:
+        self.on_batch_end()
         self.progress.close()
 
 
@@ -144,14 +152,15 @@ class IncidentSink:
             if grad is not None:
                 # The local gradient is gone after the reduction; this is the current one.
                 tensors[f"{param}.grad(reduced)"] = grad.detach()
-        latest = self.recent[-1].as_dict() if self.recent else None
+        recent = list(self.recent)  # one copy: the watchdog thread writes evidence too
+        latest = recent[-1].as_dict() if recent else None
         head = {"kind": kind, "rank": self._rank, "step": step, "param": param, "record": latest}
         self._evidence.write(
             kind,
             step,
             {**head, **info},
             tensors=tensors,
-            records=[r.as_dict() for r in self.recent],
+            records=[r.as_dict() for r in recent],
             extra={"scaler": self._scaler_state()},
         )
 

@@ -265,9 +265,13 @@ def _family(metric: m.Metric, base: list[str], samples: Samples) -> Metric:
 
 
 class Exposition:
-    """ddpmon's own registry plus a cache of the rendered text format."""
+    """ddpmon's own registry plus a cache of the rendered text format. ``catch_up``: called
+    before each render, so a scrape sees every step whose values have arrived."""
 
-    def __init__(self, collector: DdpmonCollector) -> None:
+    def __init__(
+        self, collector: DdpmonCollector, catch_up: Callable[[], None] | None = None
+    ) -> None:
+        self._catch_up = catch_up
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(collector)
         self._collector = collector
@@ -277,6 +281,8 @@ class Exposition:
         self.renders = 0
 
     def render(self) -> bytes:
+        if self._catch_up is not None:
+            self._catch_up()
         with self._lock:
             live = self._collector.live
             live_version = live.refresh_if_stale().version if live is not None else 0

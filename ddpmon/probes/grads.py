@@ -62,6 +62,7 @@ class ParamIndex:
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.position = {id(p): i for i, p in enumerate(self.params)}
+        self.all_positions: tuple[int, ...] = tuple(range(len(self.params)))
         self.group_names, self.group_of = _groups(self.names, group_depth, max_groups)
         self._group_array = np.asarray(self.group_of, dtype=np.int64)
 
@@ -103,18 +104,26 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     on CPU accumulated in float32 with overflowed entries re-checked in float64)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    device = tensors[0].device
-    if device.type == "cpu":
-        wide = all(t.dtype in (torch.float32, torch.float64) for t in tensors)
+    first = tensors[0]
+    if not first.is_cpu:
+        return torch.stack(_foreach_norm_grouped(tensors, torch.float64))
+    dtype = first.dtype
+    if dtype in _WIDE and all(t.dtype is dtype and t.is_cpu for t in tensors):
+        norms = torch.stack(_foreach_norm(list(tensors), None))  # the common case: one call
+    else:
+        wide = all(t.dtype in _WIDE for t in tensors)
         norms = torch.stack(_foreach_norm_grouped(tensors, None if wide else torch.float32))
-        # Always float64 out: the same dtype on every rank, whatever its values (collectives
-        # over these vectors, like the duplicated-data fingerprint, need identical layouts).
-        norms = norms.to(torch.float64)
-        if np.isinf(norms.numpy()).any():  # CPU memory: reading it is not a device sync
-            for i in torch.nonzero(torch.isinf(norms)).flatten().tolist():
-                norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float64)
-        return norms
-    return torch.stack(_foreach_norm_grouped(tensors, torch.float64))
+    # Always float64 out: the same dtype on every rank, whatever its values (collectives over
+    # these vectors, like the duplicated-data fingerprint, need identical layouts).
+    norms = norms.to(torch.float64)
+    values = norms.numpy()  # CPU memory: reading it is not a device sync
+    if not math.isfinite(values.sum()) and np.isinf(values).any():  # the sum: one cheap test
+        for i in np.flatnonzero(np.isinf(values)).tolist():
+            norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float64)
+    return norms
+
+
+_WIDE = (torch.float32, torch.float64)
 
 
 def _foreach_norm_grouped(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list:
@@ -216,16 +225,17 @@ def _summarize_numpy(values, positions, index: ParamIndex) -> GradSummary:
 
 def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
     """Per-parameter norms of every parameter's current ``.grad``: one fused pass."""
-
+    grads = [p.grad for p in index.params]
+    if all(g is not None and not g.is_sparse for g in grads):  # the common case
+        return NormVector(per_param_norms(grads), index.all_positions, scaled) if grads else None
     positions: list[int] = []
-    grads: list[torch.Tensor] = []
-    for i, p in enumerate(index.params):
-        g = p.grad
+    present: list[torch.Tensor] = []
+    for i, g in enumerate(grads):
         if g is not None:
             if g.is_sparse:
                 g = g.coalesce()._values()
             positions.append(i)
-            grads.append(g)  # .grad never requires grad: no detach needed
-    if not grads:
+            present.append(g)  # .grad never requires grad: no detach needed
+    if not present:
         return None
-    return NormVector(per_param_norms(grads), positions, scaled)
+    return NormVector(per_param_norms(present), positions, scaled)

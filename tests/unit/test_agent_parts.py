@@ -4,6 +4,8 @@ monitors in one process."""
 
 import logging
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -253,3 +255,73 @@ def test_two_monitors_in_one_process_each_clip_their_own_model(tmp_path):
         for mon in mons:
             mon.close()
     assert not math.isclose(mons[0].state.grad_norm, mons[1].state.grad_norm)
+
+
+class ThreadOf(Collect):
+    """Records which thread delivered each step."""
+
+    def on_record(self, record):
+        self.records.append((record.step, threading.current_thread().name))
+
+
+def test_in_background_the_hot_path_only_queues_and_a_drain_delivers_in_order():
+    nan = float("nan")
+    pipe, _, errors, _ = make_pipeline([[1.0, 2, 2, 4]] * 3 + [[1.0, nan, 1, 1]])
+    sink = ThreadOf()
+    pipe.sinks = [sink]
+    pipe.background = True
+    for _ in range(3):
+        one_step(pipe, loss=torch.tensor(1.0))
+    assert sink.records == [] and len(pipe.readback) == 3  # queued, nothing derived yet
+    worker = threading.Thread(target=pipe.drain, args=(False,), name="drainer")
+    worker.start()
+    worker.join()
+    assert sink.records == [(0, "drainer"), (1, "drainer"), (2, "drainer")]
+    # Non-finite gradients already in host memory: delivered at once, on the step's thread,
+    # so the evidence it triggers still sees that step's gradients.
+    one_step(pipe)
+    assert sink.records[-1] == (3, threading.current_thread().name) and errors == []
+
+
+def test_a_full_queue_is_drained_on_the_training_thread_so_memory_stays_bounded():
+    pipe, _, _, _ = make_pipeline([[1.0, 1, 1, 1]] * 5)
+    sink = ThreadOf()
+    pipe.sinks = [sink]
+    pipe.background = True
+    pipe.readback.max_pending = 2
+    for _ in range(5):
+        one_step(pipe)
+        assert len(pipe.readback) < 2
+    assert {name for _, name in sink.records} == {threading.current_thread().name}
+    pipe.drain(wait=True)
+    assert [step for step, _ in sink.records] == [0, 1, 2, 3, 4]  # nothing dropped
+
+
+def test_monitor_runs_records_on_its_thread_and_readers_catch_up(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = ddpmon.attach(model, opt, port=0, run_dir=tmp_path, run_id="records")
+    assert mon.enabled, mon.error
+    sink = ThreadOf()
+    mon.pipeline.sinks.append(sink)
+    try:
+        for _ in range(4):
+            loss = model(torch.randn(3, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        deadline = time.monotonic() + 10
+        while len(sink.records) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # no reader: the record thread delivers on its own
+        assert [s for s, _ in sink.records] == [0, 1, 2, 3]
+        assert {name for _, name in sink.records} == {"ddpmon-records"}
+        # A reader right after a step sees it: mon.state catches up first.
+        loss = model(torch.randn(3, 4)).pow(2).mean()
+        loss.backward()
+        expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+        opt.step()
+        assert mon.state.steps_total == 5
+        assert mon.state.grad_norm == pytest.approx(expected, rel=1e-6)
+    finally:
+        mon.close()
+    assert not mon.records.alive

@@ -71,3 +71,14 @@ def test_enabled_false_installs_nothing(tmp_path):
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     assert not list(tmp_path.iterdir())
     mon.close()
+
+
+def test_path_options_take_pathlib_paths(tmp_path):
+    config = Config(run_dir=tmp_path / "runs", sd_dir=tmp_path / "sd", web_config=tmp_path / "w")
+    assert (config.run_dir, config.sd_dir, config.web_config) == (
+        str(tmp_path / "runs"),
+        str(tmp_path / "sd"),
+        str(tmp_path / "w"),
+    )
+    with pytest.raises(ConfigError, match="run_dir=3"):
+        Config(run_dir=3)

@@ -1,0 +1,97 @@
+"""Lazy device->host readback of per-step values.
+
+The training thread hands over one step's tensors by slot name (``push``); whoever drains the
+queue later (the agent's record thread, or ``close``) takes the host values (``poll``).
+
+- CPU: the tensors are already host memory, so nothing is done on the training thread: they are
+  queued as they are and packed, read and split by name when polled.
+- CUDA: the slots are packed into one float64 device vector and copied into pinned memory with
+  ``non_blocking=True``, and a CUDA event is recorded; the values are taken only once
+  ``event.query()`` says the copy is done.
+
+Nothing here waits on the device, except ``poll(wait=True)`` at close and a full queue on CUDA
+(GPU far behind: the oldest copy is waited for, counted in ``forced_waits``). A full queue of CPU
+entries is the caller's cue to drain on its own thread (``full``), so memory stays bounded and
+nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .stepvector import Packed, StepVectorLayout
+
+
+@dataclass(slots=True)
+class Arrived:
+    """One step's values, on the host now; ``parts()`` splits them by slot name."""
+
+    meta: Any
+    layout: StepVectorLayout
+    host: Mapping[str, torch.Tensor | None] | list[float]
+    key: Packed | None
+
+    def parts(self) -> dict[str, list[float]]:
+        if self.key is None:  # CPU tensors queued as they were: pack them now, off the hot path
+            flat, key = self.layout.pack(self.host)  # type: ignore[arg-type]
+            return self.layout.unpack(flat or [], key)
+        return self.layout.unpack(self.host, self.key)  # type: ignore[arg-type]
+
+
+class Readback:
+    def __init__(self, layout: StepVectorLayout | None = None, max_pending: int = 1024) -> None:
+        self.layout = layout or StepVectorLayout()
+        self._pending: deque[tuple[Any, Any, Packed | None, Any]] = deque()
+        self.max_pending = max_pending
+        self.forced_waits = 0
+        """How often the queue was full and the oldest entry was waited for (GPU far behind)."""
+
+    def push(self, values: Mapping[str, torch.Tensor | None], meta: Any) -> None:
+        """Queue one step's slot tensors (``None``: absent). Training thread: no device read."""
+        device = None
+        for t in values.values():
+            if t is not None and t.device.type != "cpu":
+                device = t.device
+                break
+        if device is None:
+            self._pending.append((values, None, None, meta))
+            return
+        vector, key = self.layout.pack(values)
+        host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
+        host.copy_(vector, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((host, event, key, meta))
+        if len(self._pending) > self.max_pending:
+            oldest = self._pending[0][1]
+            if oldest is not None:
+                oldest.synchronize()
+                self.forced_waits += 1
+
+    @property
+    def full(self) -> bool:
+        return len(self._pending) >= self.max_pending
+
+    def poll(self, wait: bool = False) -> list[Arrived]:
+        """Entries whose values are on the host, in push order; with ``wait``, all of them.
+        One consumer at a time (the caller serialises)."""
+        ready: list[Arrived] = []
+        while self._pending:
+            host, event, key, meta = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    break
+                event.synchronize()
+            self._pending.popleft()
+            if key is not None:
+                host = host.tolist()
+            ready.append(Arrived(meta, self.layout, host, key))
+        return ready
+
+    def __len__(self) -> int:
+        return len(self._pending)
