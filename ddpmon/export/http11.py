@@ -1,6 +1,6 @@
 """HTTP/1.1 request heads and response heads for ddpmon's endpoints, strictly bounded.
 
-Parsing is separate from the event loop (``server.py``) so that it can be reasoned about and
+Parsing is separate from the event loop (``connections.py``) so that it can be reasoned about and
 tested as a pure function: bytes in, a ``Request``, ``None`` (incomplete) or an ``HttpError``
 carrying the status to answer. Anything not needed to serve a read-only ``/metrics`` is refused:
 request bodies, transfer codings, over-long lines and headers, odd methods and targets.
