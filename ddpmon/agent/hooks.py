@@ -48,8 +48,11 @@ class StepHooks:
     def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
         if self.closed or not torch.is_grad_enabled():
             return
-        if isinstance(output, torch.Tensor):  # the common case: one cheap tensor hook
-            if output.requires_grad:
+        if isinstance(output, torch.Tensor):  # the common case: one cheap node pre-hook
+            node = output.grad_fn
+            if node is not None:
+                node.register_prehook(self._on_output_grad)
+            elif output.requires_grad:
                 output.register_hook(self._on_output_grad)
             return
         tensors = _grad_outputs(output)
@@ -57,6 +60,7 @@ class StepHooks:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._on_output_grad, mode="any")
 
     def _on_output_grad(self, grad: Any) -> None:
+        """Backward reached the model's output (a tensor hook or its node's pre-hook)."""
         engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self._on_backward_end))
 

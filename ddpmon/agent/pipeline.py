@@ -20,7 +20,6 @@ What counts as a step (DESIGN §3): one optimizer step, whoever decides it:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import weakref
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..probes.grads import ParamIndex, summarize_host
+from ..probes.grads import ParamIndex, host_finite, summarize_host
 from ..state import StepRecord
 from ..strategies.base import CommTiming, GradientSource, GradSummaries, NormVector
 from .guard import Guard
@@ -153,7 +152,8 @@ class StepPipeline:
 
     def optimizer_pre(self, args: tuple, kwargs: dict) -> None:
         """``args`` as torch passes them to step pre-hooks: ``(optimizer, *step_args)``."""
-        if (kwargs or {}).get("closure") is not None or any(callable(a) for a in args[1:]):
+        closure = kwargs.get("closure") if kwargs else None
+        if closure is not None or (len(args) > 1 and any(callable(a) for a in args[1:])):
             self._closure_step = True  # its backward has not run yet: collect after the step
             return
         self._collect()
@@ -393,6 +393,4 @@ class StepPipeline:
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:
     """Non-finite per-parameter norms that are already in host memory (no device read)."""
-    if norms is None or norms.device.type != "cpu":
-        return False
-    return not math.isfinite(float(norms.numpy().sum()))  # NaN/Inf propagate through the sum
+    return norms is not None and norms.is_cpu and not host_finite(norms)

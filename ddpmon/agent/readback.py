@@ -53,12 +53,7 @@ class Readback:
 
     def push(self, values: Mapping[str, torch.Tensor | None], meta: Any) -> None:
         """Queue one step's slot tensors (``None``: absent). Training thread: no device read."""
-        device = None
-        for t in values.values():
-            if t is not None and t.device.type != "cpu":
-                device = t.device
-                break
-        if device is None:
+        if all(t is None or t.is_cpu for t in values.values()):
             self._pending.append((values, None, None, meta))
             return
         vector, key = self.layout.pack(values)

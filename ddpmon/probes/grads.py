@@ -116,11 +116,19 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     # Always float64 out: the same dtype on every rank, whatever its values (collectives over
     # these vectors, like the duplicated-data fingerprint, need identical layouts).
     norms = norms.to(torch.float64)
-    values = norms.numpy()  # CPU memory: reading it is not a device sync
-    if not math.isfinite(values.sum()) and np.isinf(values).any():  # the sum: one cheap test
+    if not host_finite(norms):  # CPU memory: reading it is not a device sync
+        values = norms.numpy()
         for i in np.flatnonzero(np.isinf(values)).tolist():
             norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float64)
     return norms
+
+
+def host_finite(norms: torch.Tensor) -> bool:
+    """No NaN/Inf in a CPU vector (they propagate through the sum; a huge finite sum only
+    costs a closer look). A Python sum of a short list beats numpy's per-call cost."""
+    if norms.numel() <= 256:
+        return math.isfinite(sum(norms.tolist()))
+    return bool(math.isfinite(norms.numpy().sum()))
 
 
 _WIDE = (torch.float32, torch.float64)
