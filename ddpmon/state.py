@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -188,6 +189,8 @@ class MetricState:
     checkpoint_size_bytes: int | None = None
     checkpoint_duration: dict[str, Histogram] = field(default_factory=dict)
     """``save``/``load`` -> histogram, created at the first observation of that kind."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Writers run on several threads (records, checkpoints, probe errors): one at a time."""
 
     def apply_checkpoint(
         self, kind: str, step: int, seconds: float, finished: float, size: int | None
@@ -195,6 +198,12 @@ class MetricState:
         """Fold one completed checkpoint save or load into the state (any thread)."""
         if kind not in CHECKPOINT_KINDS:
             raise ValueError(f"checkpoint kind={kind!r}: expected one of {CHECKPOINT_KINDS}")
+        with self._lock:
+            self._apply_checkpoint(kind, step, seconds, finished, size)
+
+    def _apply_checkpoint(
+        self, kind: str, step: int, seconds: float, finished: float, size: int | None
+    ) -> None:
         hist = self.checkpoint_duration.get(kind)
         if hist is None:
             hist = self.checkpoint_duration[kind] = Histogram(CHECKPOINT_SECONDS_BUCKETS)
@@ -207,7 +216,11 @@ class MetricState:
         self.version += 1
 
     def apply(self, record: StepRecord) -> None:
-        """Fold one step record into the state (training thread)."""
+        """Fold one step record into the state (the agent's record thread)."""
+        with self._lock:
+            self._apply(record)
+
+    def _apply(self, record: StepRecord) -> None:
         self.step = record.step
         self.steps_total += 1
         self.last_step_timestamp = record.wall_time
@@ -251,5 +264,18 @@ class MetricState:
         self.version += 1
 
     def count_error(self, probe: str) -> None:
-        self.agent_errors[probe] = self.agent_errors.get(probe, 0) + 1
-        self.version += 1
+        with self._lock:
+            self.agent_errors[probe] = self.agent_errors.get(probe, 0) + 1
+            self.version += 1
+
+    def count_mismatch(self) -> None:
+        """A trainer norm that disagreed, found after its step's record was applied."""
+        with self._lock:
+            self.grad_norm_mismatch_total += 1
+            self.version += 1
+
+    def resume_at(self, step: int) -> None:
+        """Steps count from ``step`` (a resume from a checkpoint, before the first step)."""
+        with self._lock:
+            self.step = step - 1
+            self.version += 1

@@ -348,8 +348,7 @@ class Monitor:
         """A checkpoint load before the first step: count steps from the resume step, so the
         resumed attempt's steps line up with the attempt it continues."""
         if self._state.steps_total == 0 and self.pipeline.resume_at(step):
-            self._state.step = step - 1
-            self._state.version += 1
+            self._state.resume_at(step)
 
     def _on_stall(self, idle_seconds: float) -> None:
         step = self.pipeline.step

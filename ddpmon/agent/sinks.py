@@ -37,8 +37,7 @@ class MetricSink:
 
     def on_late_cross_check(self, step: int, ours: Any, theirs: float, mismatch: bool) -> None:
         if mismatch:
-            self.state.grad_norm_mismatch_total += 1
-            self.state.version += 1
+            self.state.count_mismatch()
 
     def close(self) -> None:
         pass
