@@ -9,6 +9,7 @@ MASTER_ADDR, MASTER_PORT set.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -253,6 +254,42 @@ def fsdp1_kind() -> str:
     return detect_strategy(wrapped)
 
 
+def destroy_process_group_now() -> None:
+    """``destroy_process_group`` that really ends gloo's threads here, not in interpreter exit.
+
+    destroy only drops torch's own references; the group, its gloo worker and transport threads
+    and rank 0's TCPStore server live on while anything else holds it. DTensor's caches do
+    (DTensorSpec / redistribute planner -> DeviceMesh -> ProcessGroup; the C++ fast-path
+    sharding cache invisibly to ``gc``), so after any DTensor work those threads ran on into
+    interpreter finalization and ``exit()``, where a rank rarely died of a signal after its
+    results were written. Clearing the caches and collecting the models' cycles first lets
+    destroy join them; ``comm_threads`` checks it.
+    """
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+
+    dist.barrier()
+    debug._clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def comm_threads() -> list[str] | None:
+    """Names of this process's gloo / TCPStore threads (None where /proc is not there)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended while listed
+            continue
+    return sorted(n for n in names if "gloo" in n or "tcpstore" in n)
+
+
 SCENARIOS = {
     "fsdp2": [
         ("nested", 12, 1),
@@ -280,8 +317,8 @@ def main() -> None:
         result["scenarios"][name] = run_scenario(args.strategy, name, steps, micro)
     if args.strategy == "fsdp2":
         result["fsdp1_kind"] = fsdp1_kind()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group_now()
+    result["comm_threads_after_destroy"] = comm_threads()
     path = Path(args.out) / f"rank{rank}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))

@@ -152,6 +152,18 @@ def test_fsdp2_unit_with_a_parameter_without_gradient(ranks_of):
             assert _close(_total(rec["reduced"]), rec["ref_total"])
 
 
+@pytest.mark.parametrize(("strategy", "n", "kind", "_"), STRATEGIES)
+def test_no_comm_thread_outlives_destroy(ranks_of, strategy, n, kind, _):
+    """After ``destroy_process_group_now`` no gloo or TCPStore thread is left to run into
+    interpreter exit, where one crashed a rank (rarely, after its results were written). A new
+    torch cache that keeps a process group alive fails here, every time."""
+    for rank in ranks_of(strategy, n):
+        threads = rank["comm_threads_after_destroy"]
+        if threads is None:
+            pytest.skip("no /proc/self/task to list threads")
+        assert threads == [], (rank["rank"], threads)
+
+
 def test_fsdp1_is_reported_unsupported(ranks_of):
     assert {rank["fsdp1_kind"] for rank in ranks_of("fsdp2", 2)} == {"unsupported:fsdp1"}
 
