@@ -63,6 +63,7 @@ class ParamIndex:
         self.names = [n for n, _ in named]
         self.position = {id(p): i for i, p in enumerate(self.params)}
         self.all_positions: tuple[int, ...] = tuple(range(len(self.params)))
+        self.stack_plan = StackPlan.for_shapes([p.shape for p in self.params])
         self.group_names, self.group_of = _groups(self.names, group_depth, max_groups)
         self._group_array = np.asarray(self.group_of, dtype=np.int64)
 
@@ -104,22 +105,80 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     on CPU accumulated in float32 with overflowed entries re-checked in float64)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    first = tensors[0]
-    if not first.is_cpu:
+    if not tensors[0].is_cpu:
         return torch.stack(_foreach_norm_grouped(tensors, torch.float64))
-    dtype = first.dtype
-    if dtype in _WIDE and all(t.dtype is dtype and t.is_cpu for t in tensors):
+    if _uniform_cpu(tensors):
         norms = torch.stack(_foreach_norm(list(tensors), None))  # the common case: one call
     else:
         wide = all(t.dtype in _WIDE for t in tensors)
         norms = torch.stack(_foreach_norm_grouped(tensors, None if wide else torch.float32))
+    return _widen_checked(norms, tensors)
+
+
+_WIDE = (torch.float32, torch.float64)
+
+SMALL_NUMEL = 8192
+"""Up to this many elements per tensor, a CPU norm costs more in per-call dispatch than in
+arithmetic (and a copy of it is cheap), so same-shaped small gradients are stacked and reduced
+in one call: 16 tensors of an 8 x Linear(64) MLP take half the time of ``_foreach_norm``."""
+
+
+@dataclass(frozen=True, slots=True)
+class StackPlan:
+    """How to take the norms of a model's dense CPU gradients in few calls: tensors of one small
+    shape are stacked and reduced together, the rest go through ``_foreach_norm``. Built once
+    from the parameter shapes (a gradient has its parameter's shape)."""
+
+    stacks: tuple[tuple[int, ...], ...]
+    rest: tuple[int, ...]
+    order: tuple[int, ...]
+    """Tensor index of each entry of the result."""
+
+    @classmethod
+    def for_shapes(cls, shapes: Sequence[Sequence[int]]) -> StackPlan | None:
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            if math.prod(shape) <= SMALL_NUMEL:
+                groups.setdefault(tuple(shape), []).append(i)
+        stacks = tuple(tuple(g) for g in groups.values() if len(g) > 1)
+        if not stacks:
+            return None
+        stacked = {i for g in stacks for i in g}
+        rest = tuple(i for i in range(len(shapes)) if i not in stacked)
+        return cls(stacks, rest, tuple(i for g in stacks for i in g) + rest)
+
+    def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """float64 norms in ``order`` (same checks as ``per_param_norms``)."""
+        parts = [
+            torch.linalg.vector_norm(
+                torch.stack([tensors[i] for i in group]).reshape(len(group), -1), dim=1
+            )
+            for group in self.stacks
+        ]
+        if self.rest:
+            parts.append(torch.stack(_foreach_norm([tensors[i] for i in self.rest], None)))
+        return _widen_checked(torch.cat(parts), tensors, self.order)
+
+
+def _uniform_cpu(tensors: Sequence[torch.Tensor]) -> bool:
+    """Plain CPU tensors of one float32/float64 dtype (no subclass such as DTensor)."""
+    dtype = tensors[0].dtype
+    return dtype in _WIDE and all(
+        type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu for t in tensors
+    )
+
+
+def _widen_checked(
+    norms: torch.Tensor, tensors: Sequence[torch.Tensor], order: Sequence[int] | None = None
+) -> torch.Tensor:
+    """CPU norms to float64, with float32 overflows (inf) re-measured in float64."""
     # Always float64 out: the same dtype on every rank, whatever its values (collectives over
     # these vectors, like the duplicated-data fingerprint, need identical layouts).
     norms = norms.to(torch.float64)
     if not host_finite(norms):  # CPU memory: reading it is not a device sync
-        values = norms.numpy()
-        for i in np.flatnonzero(np.isinf(values)).tolist():
-            norms[i] = torch.linalg.vector_norm(tensors[i], dtype=torch.float64)
+        for i in np.flatnonzero(np.isinf(norms.numpy())).tolist():
+            source = tensors[order[i] if order is not None else i]
+            norms[i] = torch.linalg.vector_norm(source, dtype=torch.float64)
     return norms
 
 
@@ -129,9 +188,6 @@ def host_finite(norms: torch.Tensor) -> bool:
     if norms.numel() <= 256:
         return math.isfinite(sum(norms.tolist()))
     return bool(math.isfinite(norms.numpy().sum()))
-
-
-_WIDE = (torch.float32, torch.float64)
 
 
 def _foreach_norm_grouped(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None) -> list:
@@ -235,7 +291,12 @@ def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
     """Per-parameter norms of every parameter's current ``.grad``: one fused pass."""
     grads = [p.grad for p in index.params]
     if all(g is not None and not g.is_sparse for g in grads):  # the common case
-        return NormVector(per_param_norms(grads), index.all_positions, scaled) if grads else None
+        if not grads:
+            return None
+        plan = index.stack_plan
+        if plan is not None and _uniform_cpu(grads):
+            return NormVector(plan.norms(grads), plan.order, scaled)
+        return NormVector(per_param_norms(grads), index.all_positions, scaled)
     positions: list[int] = []
     present: list[torch.Tensor] = []
     for i, g in enumerate(grads):

@@ -89,3 +89,30 @@ def test_params_without_grad_are_skipped():
         .item()
     )
     assert summary.norm == pytest.approx(expected, rel=1e-6)
+
+
+def test_stacked_small_gradients_give_the_same_norms_per_parameter():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(2, 2))
+    model.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    model.register_parameter("shift", nn.Parameter(torch.tensor(0.5)))  # 0-dim, stacked too
+    _grads(model, seed=3)
+    index = ParamIndex(model)
+    plan = index.stack_plan
+    assert plan is not None and sorted(plan.order) == list(range(len(index)))
+    assert any(len(group) > 1 for group in plan.stacks)
+    vector = full_pass(index)
+    ours = dict(zip(vector.positions, vector.norms.tolist(), strict=True))
+    grads = [p.grad for p in index.params]
+    theirs = per_param_norms(grads).tolist()
+    assert ours == {i: pytest.approx(theirs[i], rel=1e-6) for i in range(len(grads))}
+    # An overflow inside a stacked group is re-measured for that tensor only.
+    model[1].weight.grad.fill_(1e20)
+    vector = full_pass(index)
+    ours = dict(zip(vector.positions, vector.norms.tolist(), strict=True))
+    assert ours[index.names.index("1.weight")] == pytest.approx(8e20, rel=1e-6)
+    assert all(math.isfinite(v) for v in ours.values())
+
+
+def test_no_stack_plan_without_repeated_small_shapes():
+    assert ParamIndex(nn.Linear(8, 4)).stack_plan is None  # weight and bias differ
+    assert ParamIndex(nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))).stack_plan.rest
