@@ -22,7 +22,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import ddpmon
-from tests.parallel._worker import NAN_PARAM, D, Net, _full, _poison_next_grad, build
+from tests.parallel._worker import (
+    NAN_PARAM,
+    D,
+    Net,
+    _full,
+    _poison_next_grad,
+    build,
+    destroy_process_group_now,
+)
 
 CLEAN_STEPS = 4  # torch's clip on 0-1, ddpmon.clip_grad_norm_ on 2-3
 ACCUM_STEPS = 2  # two micro-steps each, sync on the last
@@ -146,8 +154,7 @@ def main() -> None:
         Path(args.out, f"rank{rank}.metrics").write_text(text)
         Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
         mon.close()
-        dist.barrier()
-        dist.destroy_process_group()
+        destroy_process_group_now()
         return
     steps = []
     for step in range(NAN_AT + 1 + AFTER):
@@ -181,8 +188,7 @@ def main() -> None:
     Path(args.out, f"rank{rank}.metrics").write_text(text)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
     mon.close()
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_process_group_now()
 
 
 if __name__ == "__main__":

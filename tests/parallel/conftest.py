@@ -17,11 +17,6 @@ WORKER = Path(__file__).with_name("_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 150
 _PORT_TAKEN = "EADDRINUSE"
-# Workers that still exit with gloo threads alive (they do not end with
-# _worker.destroy_process_group_now): a rank of theirs can die of a signal in interpreter teardown
-# after writing its results. Only that case is retried, once; drop an entry once its worker ends so.
-_TEARDOWN_CRASH_RETRY = frozenset({WORKER.with_name("_attach_worker.py")})
-_TEARDOWN_SIGNALS = frozenset({-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS})
 
 
 def _free_port() -> int:
@@ -81,16 +76,6 @@ def launch(
     if failed and retries > 0 and any(_PORT_TAKEN in log for _, _, log in failed):
         # another process took the free port between our probe and the store's bind
         return launch(strategy, ranks, out, args=args, worker=worker, retries=retries - 1)
-    if (
-        failed
-        and retries > 1
-        and worker in _TEARDOWN_CRASH_RETRY
-        and all(
-            code in _TEARDOWN_SIGNALS and (out / f"rank{r}.json").exists() for r, code, _ in failed
-        )
-    ):
-        print(f"retrying {strategy}: rank(s) {[r for r, _, _ in failed]} died in teardown")
-        return launch(strategy, ranks, out, args=args, worker=worker, retries=1)
     for rank, code, log in failed:
         raise AssertionError(f"rank {rank} exited {code}:\n{log[-4000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
