@@ -1,8 +1,9 @@
 """Where a step record goes once its values are on the host.
 
 Each sink has one job and the same small protocol (``probe`` name for the guard, ``on_record``,
-``close``); the pipeline calls every sink inside ``guard(sink.probe)``, so a failing sink is
-counted and the others still run.
+``close``; optionally ``on_batch_end`` after each drained batch and ``on_late_cross_check``).
+The pipeline calls every sink inside ``guard(sink.probe)``, on the agent's record thread, so a
+failing sink is counted and the others still run.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The per-step device vector: named slots declared once, pack and unpack derived from them.
 
-Each step the pipeline hands over a device tensor per slot (or None: absent this step). Present
-slots are concatenated into one float64 vector, copied to the host lazily, and split back by name
-with the widths recorded at pack time. Adding a measurement is one ``Slot`` in ``STEP_SLOTS``.
-On CPU no vector is built at all: the values are already in host memory.
+Each step the pipeline hands over a tensor per slot (or None: absent this step). On CUDA the
+present slots are concatenated into one float64 vector on the training thread, copied to the
+host lazily (``readback.Readback``), and split back by name with the widths recorded at pack
+time. On CPU no vector is built: the tensors are queued as they are and packed into a host list
+when the record thread drains them. Adding a measurement is one ``Slot`` in ``STEP_SLOTS``.
 """
 
 from __future__ import annotations
