@@ -147,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
 
     from ..demo.faults import Fault, FaultSpecError
 
-    console = Console()
+    # Without a terminal (CI logs, a pipe) rich would assume 80 columns and cut numbers to "…":
+    # the tables below are laid out to fit 80 columns, and lines never wrap mid-command.
+    console = Console(highlight=False)
     try:
         for spec in args.inject:
             Fault.parse(spec)
@@ -199,15 +201,42 @@ def run(args: argparse.Namespace) -> int:
         _stop(proc)
     _print_summary(run_path, args.nproc, console)
     console.print(("[green]" if code == 0 else "[red]") + f"training exited with code {code}")
+    _print_next_steps(args, run_path, console)
     return code
+
+
+def next_steps(args: argparse.Namespace, run_path: Path) -> list[tuple[str, str]]:
+    """The commands to run next on the run just made: ``(command, what it shows)``."""
+    report = run_path / "report.html"
+    steps = [
+        (f"ddpmon timeline {run_path}", "what happened, every rank on one clock"),
+        (f"ddpmon report {run_path} -o {report}", "every step's numbers as one HTML page"),
+    ]
+    live = f"--sd-dir {args.sd_dir}" if args.sd_dir else "--targets " + " ".join(
+        f"127.0.0.1:{args.port + r}" for r in range(args.nproc)
+    )
+    run_filter = f" --run {run_path.name}" if args.sd_dir else ""
+    steps.append((f"ddpmon top {live}{run_filter}",
+                  "every rank live (while a run trains; --hold N keeps one serving)"))
+    if args.sd_dir:
+        steps.append((f"ddpmon stack --sd-dir {args.sd_dir}",
+                      "Prometheus + Alertmanager with the shipped rules; run a demo beside it"))
+    return steps
+
+
+def _print_next_steps(args: argparse.Namespace, run_path: Path, console) -> None:
+    console.print("\n[bold]Next[/], for this run:")
+    for command, what in next_steps(args, run_path):
+        console.print(f"  {command}", soft_wrap=True)
+        console.print(f"      [dim]{what}[/]", soft_wrap=True)
 
 
 LIVE_COLUMNS = (
     ("loss", metrics.LOSS, "{:.4g}"),
-    ("grad norm", metrics.GRAD_NORM, "{:.4g}"),
-    ("local norm", metrics.GRAD_LOCAL_NORM, "{:.4g}"),
-    ("NaN origin steps", metrics.GRAD_NONFINITE_ORIGIN_STEPS, "{:.0f}"),
-    ("loss scale", metrics.AMP_LOSS_SCALE, "{:.0f}"),
+    ("grad\nnorm", metrics.GRAD_NORM, "{:.4g}"),
+    ("local\nnorm", metrics.GRAD_LOCAL_NORM, "{:.4g}"),
+    ("NaN\norigin", metrics.GRAD_NONFINITE_ORIGIN_STEPS, "{:.0f}"),
+    ("loss\nscale", metrics.AMP_LOSS_SCALE, "{:.0f}"),
     ("skipped", metrics.AMP_SKIPPED_STEPS, "{:.0f}"),
 )
 """Live-table columns after rank and step: (header, catalogue metric, format)."""
@@ -225,7 +254,7 @@ def _progress(
     def table() -> Table:
         t = Table(title="live (scraped from /metrics)", expand=False)
         for col in ("rank", "step", *(header for header, _, _ in LIVE_COLUMNS)):
-            t.add_column(col, justify="right")
+            t.add_column(col, justify="right", overflow="fold")
         for rank, port in enumerate(ports):
             try:
                 m, style = scrape(client, port), ""
@@ -243,10 +272,23 @@ def _progress(
             )
         return t
 
+    if not console.is_terminal:  # CI logs and pipes: a line now and then, one table at the end
+        next_line = time.monotonic() + 5.0
+        while proc.poll() is None:
+            time.sleep(0.5)
+            table()  # keeps each rank's last answer
+            if time.monotonic() >= next_line and last:
+                next_line += 5.0
+                done = [int(m.get(metrics.STEP.name, -1)) + 1 for m in last.values()]
+                console.print(f"progress: step {min(done)}/{steps} on the slowest of "
+                              f"{len(done)} ranks answering")
+        console.print(table())
+        return proc.returncode
     with Live(table(), console=console, refresh_per_second=4, transient=False) as live:
         while proc.poll() is None:
             time.sleep(0.5)
             live.update(table())
+    console.print()
     return proc.returncode
 
 
@@ -290,14 +332,15 @@ def _print_summary(run_path: Path, nproc: int, console) -> None:
     for col in (
         "rank",
         "steps",
-        "grad norm",
-        "NaN origin",
-        "loss scale",
+        "grad\nnorm",
+        "NaN\norigin\nstep",
+        "loss\nscale",
         "skipped",
-        "all-reduce p50",
-        "all-reduce p99",
+        "all-reduce\np50",
+        "all-reduce\np99",
     ):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")
+    origins: list[str] = []
     for rank in range(nproc):
         path = run_path / f"summary.rank{rank}.json"
         try:
@@ -306,18 +349,22 @@ def _print_summary(run_path: Path, nproc: int, console) -> None:
             t.add_row(str(rank), "[red]no summary (rank died?)", *[""] * 6)
             continue
         first = s.get("first_nonfinite")
-        origin = f"step {first['step']} {first['param']} ({first['kind']})" if first else "-"
+        if first:
+            origins.append(f"NaN origin: rank {rank}, step {first['step']}, "
+                           f"{first['param']} ({first['kind']})")
         t.add_row(
             str(rank),
             str(s.get("steps")),
             _fmt(_num(s.get("grad_norm"))),
-            origin,
+            str(first["step"]) if first else "-",
             _fmt(_num(s.get("loss_scale")), "{:.0f}"),
             str(s.get("amp_skipped_steps")),
             _ms(s.get("allreduce_p50_seconds")),
             _ms(s.get("allreduce_p99_seconds")),
         )
     console.print(t)
+    for line in origins:
+        console.print(line, soft_wrap=True)
 
 
 def _num(value: object) -> float | None:

@@ -11,9 +11,9 @@ rank's ``start`` event to get rank 0's clock), ``rank``, ``step`` (``null`` when
 step), ``kind`` and the caller's fields. Non-JSON values are stringified; NaN and +/-Inf become
 the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is strict JSON.
 
-Kinds written by ddpmon: ``start``, ``step``, ``nonfinite``, ``overflow``, ``scale_floor``,
-``stall``, ``oom``, ``exit``, ``signal``, ``thread_exception``. ``emit`` never raises into
-training: an I/O failure is logged once and later events are dropped silently.
+The kinds ddpmon writes and their fields are declared in :mod:`ddpmon.forensics.event_kinds`
+(the reference page ``docs/reference/events.md`` is generated from it). ``emit`` never raises
+into training: an I/O failure is logged once and later events are dropped silently.
 """
 
 from __future__ import annotations
@@ -28,21 +28,11 @@ from typing import Any
 
 from ..atomic import json_safe
 from ..rundir import RunDir
+from .event_kinds import EVENT_KINDS
 
 log = logging.getLogger("ddpmon.eventlog")
 
-KINDS = (
-    "start",
-    "step",
-    "nonfinite",
-    "overflow",
-    "scale_floor",
-    "stall",
-    "oom",
-    "exit",
-    "signal",
-    "thread_exception",
-)
+KINDS = tuple(k.name for k in EVENT_KINDS)
 """Event kinds ddpmon writes; other kinds are allowed and shown as they are."""
 
 

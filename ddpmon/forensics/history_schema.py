@@ -34,3 +34,30 @@ ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN,)
 COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 """Position of each field in a row tuple (rows are tuples so the training thread builds them
 cheaply; everyone else indexes them by name through this table)."""
+
+COLUMN_DOCS = {
+    "step": "optimizer step (the loop's own counter)",
+    "wall_time": "`time.time()` when the step completed",
+    "loss": "this rank's loss of the step (`observe_loss`, an integration), unscaled; null "
+    "when not reported",
+    "grad_norm": "global L2 norm of the reduced, unscaled gradients, before clipping",
+    "grad_local_norm": "this rank's norm before the reduction (null when not measured that step)",
+    "grad_nonfinite": "the reduced gradients held NaN/Inf",
+    "local_nonfinite": "this rank's local gradients held NaN/Inf",
+    "origin": "this rank was an origin of non-finite gradients at this step",
+    "poisoned": "non-finite only because an earlier non-finite step was applied",
+    "loss_scale": "AMP loss scale (null without a loss scaler)",
+    "amp_skipped": "the GradScaler skipped the step",
+    "skipped_by": "who skipped the step: 0 none, 1 scaler, 2 policy (`on_nonfinite=skip`), "
+    "3 loop",
+    "duration_seconds": "step time",
+    "data_wait_seconds": "end of the previous step to the first forward of this one",
+    "allreduce_count": "all-reduce buckets timed in the step",
+    "allreduce_mean_seconds": "mean bucket all-reduce time (null without timed buckets)",
+    "allreduce_max_seconds": "slowest bucket all-reduce time",
+    "memory_bytes": "CUDA allocated bytes on a GPU, process RSS on CPU (the kind is in the "
+    "schema metadata)",
+    GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "
+    "metadata",
+}
+"""What each column holds: the reference page ``docs/reference/files.md`` is generated from it."""

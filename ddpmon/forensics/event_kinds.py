@@ -1,0 +1,159 @@
+"""Every event ``kind`` ddpmon writes to ``events.rank<R>.jsonl``, with its fields, declared once.
+
+Why a catalogue: the event log is a contract (``ddpmon timeline``, the daemon's first-failure
+reader and users' own scripts parse it), yet its writers are spread over the agent, the crash
+hooks and the checkpoint observer. The reference page ``docs/reference/events.md`` is generated
+from this table, and a test scans the source for every ``emit("<kind>", ...)`` call, so a new
+kind or field cannot appear without being declared here.
+
+Every event also carries the common fields of :data:`COMMON_FIELDS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["COMMON_FIELDS", "EVENT_KINDS", "EventKind", "by_name"]
+
+COMMON_FIELDS: dict[str, str] = {
+    "ts": "`time.time()` of this rank; add the `start` event's `clock_offset_seconds` for "
+    "rank 0's clock",
+    "rank": "global rank of the writer",
+    "step": "optimizer step the event belongs to (`null` when not tied to a step)",
+    "kind": "one of the kinds below",
+    "attempt": "restart attempt (0 for the first); see Checkpoints and restarts",
+}
+"""Fields of every event."""
+
+
+@dataclass(frozen=True, slots=True)
+class EventKind:
+    name: str
+    meaning: str
+    fields: dict[str, str] = field(default_factory=dict)
+    """Field -> meaning; a field may be absent when it does not apply."""
+    failure: bool = False
+    """True when ``ddpmon timeline`` may pick this kind as a first failure."""
+
+
+EVENT_KINDS: tuple[EventKind, ...] = (
+    EventKind(
+        "start",
+        "The agent attached on this rank.",
+        {
+            "run_id": "the run id all ranks agreed on",
+            "world_size": "ranks in the job",
+            "local_rank": "rank on this node",
+            "node": "node name label",
+            "pid": "process id",
+            "device": "the rank's device (`cpu`, `cuda:0`)",
+            "port": "the /metrics port (null: no endpoint)",
+            "strategy": "detected parallelism (`plain`, `ddp`, `fsdp2`, ...)",
+            "clock_offset_seconds": "rank 0's clock minus this rank's, measured at attach",
+            "clock_rtt_seconds": "width of the narrowest measurement round (uncertainty x2)",
+            "attempt_source": "where the attempt number came from (`torchelastic` or `events`)",
+            "previous_progress": "last step the previous attempt of this rank completed",
+        },
+    ),
+    EventKind(
+        "nonfinite",
+        "NaN/Inf in this rank's gradients (or loss) at a step.",
+        {
+            "param": "first non-finite parameter (original FQN)",
+            "tensor": "`loss` when the loss itself was non-finite",
+            "nonfinite": "`nan` or `inf`",
+            "origin": "true when this rank's *local* gradients were non-finite first",
+            "poisoned": "true when only an earlier applied non-finite step caused it",
+            "grad_local_norm": "this rank's local norm at that step",
+            "skipped_by": "who skipped the step (`scaler`, `policy`, `loop`), if anyone",
+            "action": "`skip` or `raise` under `on_nonfinite`",
+        },
+        failure=True,
+    ),
+    EventKind(
+        "overflow",
+        "The GradScaler skipped the step (inf/NaN it absorbed).",
+        {"loss_scale": "the scale at that step", "absorbed": "always true"},
+    ),
+    EventKind(
+        "scale_floor",
+        "The loss scale reached `loss_scale_floor`.",
+        {"loss_scale": "the scale", "floor": "the configured floor"},
+        failure=True,
+    ),
+    EventKind("step_skipped", "The loop skipped the optimizer step.", {"by": "`loop`"}),
+    EventKind(
+        "identical_data",
+        "Another rank's local gradients were bit-identical to this rank's (duplicated shard).",
+        {"other_ranks": "the ranks with identical gradients"},
+    ),
+    EventKind(
+        "grad_norm_mismatch",
+        "The norm the trainer reported differs from ddpmon's beyond `grad_norm_tolerance`.",
+        {"grad_norm": "ddpmon's norm", "trainer_grad_norm": "the trainer's"},
+    ),
+    EventKind(
+        "stall",
+        "No step completed for `stall_seconds` (once per stall episode).",
+        {"idle_seconds": "seconds since the last step", "stall_seconds": "the threshold"},
+        failure=True,
+    ),
+    EventKind(
+        "checkpoint_save",
+        "A checkpoint save ended (`ok=false`: it failed and is not a checkpoint).",
+        {
+            "ok": "true when the save completed",
+            "path": "the checkpoint path",
+            "seconds": "time spent",
+            "bytes": "size on disk",
+            "source": "`explicit` (observe_checkpoint) or `dcp.save`/`dcp.async_save`",
+            "contains": "states the save said it holds",
+            "async_write": "true for `async_save` (only staging is timed)",
+            "error": "the exception, when `ok=false`",
+        },
+    ),
+    EventKind(
+        "checkpoint_load",
+        "A checkpoint load (a resume) ended.",
+        {
+            "ok": "true when the load completed",
+            "path": "the checkpoint path",
+            "seconds": "time spent",
+            "source": "`explicit` or `dcp.load`",
+            "resume_step": "the step the resumed run starts at",
+            "restored": "states restored",
+            "not_restored": "states said not restored",
+            "not_stated": "states nobody said anything about",
+            "error": "the exception, when `ok=false`",
+        },
+    ),
+    EventKind(
+        "exit",
+        "The rank ended: `close()`, a normal exit, an uncaught exception or Ctrl-C.",
+        {
+            "reason": "`close`, `normal`, `exception` or `keyboard_interrupt`",
+            "code": "exit code",
+            "steps": "steps completed (at `close`)",
+            "exc_type": "exception class, for `reason=exception`",
+            "message": "exception message (2,000 characters at most)",
+            "traceback": "formatted traceback (last 20,000 characters)",
+        },
+        failure=True,
+    ),
+    EventKind(
+        "thread_exception",
+        "An uncaught exception in another thread of the rank.",
+        {
+            "thread": "thread name",
+            "exc_type": "exception class",
+            "message": "exception message",
+            "traceback": "formatted traceback",
+        },
+    ),
+)
+
+_BY_NAME = {k.name: k for k in EVENT_KINDS}
+
+
+def by_name(name: str) -> EventKind | None:
+    return _BY_NAME.get(name)
