@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test lint bench bench-dashboards bench-dashboards-4096 stack rules dashboards debs clean multinode
+.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 stack rules dashboards debs clean multinode
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,14 @@ demo: $(STAMP)
 test: $(STAMP) debs
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The docs site (MkDocs + Material) into site/; the tests build it with --strict too.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Regenerate docs/reference/*.md and docs/index.md from the code (the tests fail when stale).
+reference: $(STAMP)
+	$(BIN)/python -m ddpmon.reference --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -62,4 +70,4 @@ multinode: $(STAMP) debs
 	$(BIN)/python -m pytest tests/multinode -s -v -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info ddpmon-runs
+	rm -rf $(VENV) build *.egg-info ddpmon-runs site

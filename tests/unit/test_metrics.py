@@ -1,47 +1,11 @@
-"""The metric catalogue: consistent entries, and the README table in step with it."""
+"""The metric catalogue: consistent entries (its docs page is generated from it: tests/docs)."""
 
 import re
-from pathlib import Path
 
 import pytest
 
 from ddpmon import metrics
 from ddpmon.metrics import CATALOGUE, Layer, MetricType
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-NAME = re.compile(r"`(ddpmon_[a-z0-9_]+)(?:\{([a-z_,]*)\})?`")
-
-
-def readme_table() -> dict[str, dict[str, tuple[str, ...] | None]]:
-    """``{layer: {metric: labels or None}}`` from the "What is measured" table."""
-    text = README.read_text()
-    start = text.index("### What is measured")
-    rows: dict[str, dict[str, tuple[str, ...] | None]] = {}
-    for line in text[start:].splitlines()[1:]:
-        if line.startswith("#"):
-            break
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 2 or cells[0] in ("layer", "---"):
-            continue
-        rows[cells[0]] = {
-            name: tuple(labels.split(",")) if labels else None
-            for name, labels in NAME.findall(cells[1])
-        }
-    return rows
-
-
-def test_readme_table_names_every_catalogue_metric_in_its_layer_and_nothing_else():
-    table = readme_table()
-    assert list(table) == [layer.value for layer in Layer]
-    for layer in Layer:
-        documented = table[layer.value]
-        declared = {m.name: m for m in metrics.by_layer(layer)}
-        assert set(documented) == set(declared), (
-            f"{layer}: missing from README {sorted(set(declared) - set(documented))}, "
-            f"not in the catalogue {sorted(set(documented) - set(declared))}"
-        )
-        for name, labels in documented.items():
-            assert labels == (declared[name].labels or None), f"{name}: labels differ"
 
 
 def test_entries_follow_prometheus_naming():
