@@ -100,7 +100,7 @@ Each rank appends one JSON object per line to `events.rank<R>.jsonl` in its run 
 not apply. *Failure* kinds are the ones `ddpmon timeline` can name as a run's first failure.
 
 `ddpmon timeline` also shows rows it derives from other files: `signal` (from
-`crash.rank<R>.txt`), `sigterm` (from `sigterm.rank<R>.txt`) and `vanished` (a rank with no
+`crash.rank<R>.txt`, or SIGTERM from `sigterm.rank<R>.txt`) and `vanished` (a rank with no
 exit event or signal after its last event or progress update, e.g. SIGKILL).
 """,
         ),
