@@ -200,6 +200,9 @@ class EvidenceWriter:
             try:
                 path = self._write(kind, step, info, tensors or {}, records, extra, inputs)
             except Exception as exc:
+                # A lost bundle counts toward the bound too: on a full disk every step may
+                # want one, and each attempt costs tensors saved and stacks dumped.
+                self._counts[kind] = self._counts.get(kind, 0) + 1
                 if self.health is not None:
                     self.health.failed("evidence", exc, lost=1, steps=(step,))
                 else:
