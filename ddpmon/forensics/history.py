@@ -203,14 +203,18 @@ class HistoryWriter:
         """Steps of rows lost since the last failure report: first and last only."""
         self._unreported_lost = 0
         self.errors = 0
-        self._schema = schema_for(self.groups, self.meta)
+        self._schema: Any = None
+        """Built on the writer thread: pyarrow is imported there, not by ``attach``."""
+        self._dead = False
+        """The thread could not start (pyarrow unusable): rows are no longer queued."""
         self._main = None
         self._journal_writer = None
         self._thread = threading.Thread(target=self._run, name="ddpmon-history", daemon=True)
         self._thread.start()
 
     def put(self, row: tuple) -> None:
-        self._queue.append(row)
+        if not self._dead:
+            self._queue.append(row)
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -219,6 +223,13 @@ class HistoryWriter:
 
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
+        try:
+            self._schema = schema_for(self.groups, self.meta)
+        except Exception as exc:
+            self._dead = True
+            self._queue.clear()
+            self._failed(exc, "cannot start")
+            return
         try:
             self._recover()
         except Exception as exc:
@@ -378,12 +389,13 @@ class HistorySink:
         on_error: Any = None,
         health: Any = None,
     ) -> HistorySink | None:
-        """The sink for one rank, or None (one log line) when pyarrow is not installed."""
+        """The sink for one rank, or None (one log line) when pyarrow is missing: a dependency
+        of ddpmon, so only a broken install lacks it. Nothing imports pyarrow here."""
         import importlib.util
 
         if importlib.util.find_spec("pyarrow") is None:
-            log.warning("ddpmon: pyarrow is not installed (pip install 'ddpmon[history]'); "
-                        "the numerics history (compare, report) is off")
+            log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
+                        "pyarrow); the numerics history (compare, report) is off")
             return None
         memory, kind = None, "rss"
         if str(device).startswith("cuda"):
