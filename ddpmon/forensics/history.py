@@ -249,8 +249,12 @@ class HistoryWriter:
                 else:
                     self._write_journal()
             except Exception as exc:  # never let the thread die silently; never raise
+                if stopping:  # no later try: rows not in the journal are lost, say so
+                    for row in self._pending[self._journaled :]:
+                        self._lose(row[COL["step"]])
                 self._failed(exc, "write failed")
                 if stopping:
+                    self._abandon()
                     return
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
@@ -355,6 +359,15 @@ class HistoryWriter:
         if self._journal_writer is not None:
             self._journal_writer.close()
         self.journal.unlink(missing_ok=True)
+
+    def _abandon(self) -> None:
+        """Close the files after a failed final seal; the journal stays for readers."""
+        for appender in (self._main, self._journal_writer):
+            if appender is not None:
+                try:
+                    appender.close()
+                except Exception:
+                    pass
 
     def _open(self, path: Path, *, truncate: bool) -> StreamAppender:
         return StreamAppender(path, self._schema, _ipc_options(), truncate=truncate)

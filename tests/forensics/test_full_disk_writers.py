@@ -183,3 +183,23 @@ def wait_for(cond, timeout: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(0.02)
+
+
+def test_history_closed_on_a_full_disk_keeps_its_journal_and_counts_the_rest(tmp_path):
+    pytest.importorskip("pyarrow")
+    from ddpmon.forensics.history import HistoryWriter, journal_path, row_of
+    from tests.forensics.test_history import GROUPS, record
+
+    with small_tmpfs(tmp_path / "disk", "256k") as disk:
+        health = WriteHealth(Counter())
+        path = disk.path / "history.rank0.arrow"
+        w = HistoryWriter(path, GROUPS, flush_seconds=0.02, health=health)
+        for step in range(20):
+            w.put(row_of(record(step), GROUPS, 1))
+        wait_for(lambda: rows(path) == 20)
+        disk.fill()
+        for step in range(20, 30):
+            w.put(row_of(record(step), GROUPS, 1))
+        w.close()  # the final seal fails: the journal's rows stay, the rest are lost
+        assert health.failing and journal_path(path).exists()
+        assert rows(path) == 20 and w.rows_lost == 10
