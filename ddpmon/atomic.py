@@ -111,6 +111,23 @@ def write_json_atomic(
     return write_text_atomic(path, dumps(obj, indent=indent, sort_keys=sort_keys) + "\n", mode=mode)
 
 
+def append_whole(fd: int, data: bytes) -> None:
+    """Append ``data`` to the ``O_APPEND`` descriptor ``fd`` whole, or not at all: a write cut
+    short (a full disk) is truncated back to where it began, then the error is raised. Only
+    for files with one writing process (a rank's event log or history, under their locks)."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        written = os.write(fd, data)
+        while written < len(data):  # a short write: the disk filled, or a signal
+            written += os.write(fd, data[written:])
+    except BaseException:
+        try:
+            os.ftruncate(fd, start)  # shrinking needs no space
+        except OSError:
+            pass
+        raise
+
+
 # -- directories: build privately, then publish with one rename --------------------------------
 
 

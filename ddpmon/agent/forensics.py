@@ -43,11 +43,11 @@ class Forensics:
         with guard("forensics"):
             from ..forensics.eventlog import EventLog
 
-            out.events = EventLog(ctx.run_path, rank)
+            out.events = EventLog(ctx.run_path, rank, health=guard.writes)
         with guard("forensics"):
             from ..forensics.eventlog import ProgressFile
 
-            out.progress = ProgressFile(ctx.run_path, rank)
+            out.progress = ProgressFile(ctx.run_path, rank, health=guard.writes)
         with guard("forensics"):
             from ..forensics.evidence import EvidenceWriter
 
@@ -58,6 +58,7 @@ class Forensics:
                 tensor_max_elements=cfg.evidence_tensor_max_elements,
                 include_tensors=cfg.evidence_include_tensors,
                 include_inputs=cfg.evidence_include_inputs,
+                health=guard.writes,
             )
         with guard("forensics"):
             from ..forensics.crash import CrashCapture

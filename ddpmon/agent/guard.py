@@ -2,7 +2,9 @@
 
 ``with guard("grads"): ...`` replaces a try/except around every probe: the failure increments
 ``ddpmon_agent_errors_total{probe="grads"}``, is logged once per probe (later ones are only
-counted) and the training loop goes on.
+counted) and the training loop goes on. A failure to write to the run dir (a full disk, see
+:mod:`ddpmon.writes`) goes to the rank's :class:`~ddpmon.writes.WriteHealth` instead, which
+counts it the same way but logs one line per rank for all writers together.
 """
 
 from __future__ import annotations
@@ -10,12 +12,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ..writes import WriteHealth, is_write_error
+
 log = logging.getLogger("ddpmon")
 
 
 class Guard:
     def __init__(self, count: Callable[[str], None]) -> None:
         self._count = count
+        self.writes = WriteHealth(count)
+        """Where run-dir write failures of every writer of this rank are counted and told."""
         self._logged: set[str] = set()
         self._scopes: dict[str, _Scope] = {}
 
@@ -31,6 +37,9 @@ class Guard:
 
     def error(self, probe: str, exc: BaseException) -> None:
         """Count and log (once per probe) a failure; never re-raise into training."""
+        if is_write_error(exc):
+            self.writes.failed(probe, exc)
+            return
         self._count(probe)
         if probe not in self._logged:
             self._logged.add(probe)

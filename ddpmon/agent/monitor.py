@@ -94,6 +94,7 @@ class Monitor:
         state.attempt = self.attempt.number
         emit = tag_attempt(self.forensics.emit(guard), self.attempt.number)
         self._emit = emit
+        guard.writes.connect(rank=rank, run_path=ctx.run_path, emit=emit)
         self.amp = None
         if scaler is not None:
             self.amp = ScalerProbe(
@@ -148,6 +149,7 @@ class Monitor:
                     self.index.group_names,
                     ctx.identity.device,
                     on_error=guard.error,
+                    health=guard.writes,
                 )
                 if history is not None:
                     sinks.append(history)

@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     missing = [m for m in ('pyarrow',) if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"ddpmon compare: needs {', '.join(missing)}: pip install 'ddpmon[history]'",
+        print(f"ddpmon compare: needs {', '.join(missing)}: pip install pyarrow",
               file=sys.stderr)
         return 2
     from ddpmon.forensics.compare import CompareError, compare_runs

@@ -2,8 +2,13 @@
 
 ``dashboards/*.json`` and ``deploy/kubernetes/*.yaml`` are outputs of ``ddpmon/mixin``, written
 under ``--dir`` (default: the checkout's root). The test suite runs the check, so a config
-change that was not regenerated fails loudly. Needs the ``dashboards`` extra
-(grafana-foundation-sdk).
+change that was not regenerated fails loudly.
+
+Generating needs the ``dashboards`` extra (grafana-foundation-sdk). Writing the files that ship
+does not: ``--write --dir DIR`` without ``--config`` copies the packaged outputs (generated from
+the default config, and checked against the generator in CI) when the SDK is absent. A
+``--config``, ``--check`` or a rewrite of the checkout itself generates, and says in one line
+which extra to install when it is missing.
 """
 
 from __future__ import annotations
@@ -27,9 +32,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.mixin import outputs, shipped
+    import importlib.util
+
+    from ddpmon.mixin import shipped
 
     from ._generated import load, target_dir, write_or_check
+
+    sdk = importlib.util.find_spec("grafana_foundation_sdk") is not None
+    if args.write and not args.config and not sdk:
+        root = target_dir(args, checkout_default=shipped.checkout_root())
+        if root is None:
+            return 2
+        if root.resolve() != shipped.root().resolve():  # not a rewrite of the shipped files
+            from ddpmon.mixin.files import write_files
+
+            for path in write_files(root, shipped.generated_outputs()):
+                print(f"wrote {path}")
+            return 0
+    from ddpmon.mixin import outputs
 
     cfg = load(args)
     return write_or_check(

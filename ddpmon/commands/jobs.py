@@ -1,4 +1,11 @@
-"""``ddpmon jobs submit|status|list|cancel|logs``: talk to a ``ddpmon daemon`` over HTTP."""
+"""``ddpmon jobs submit|status|list|cancel|logs``: talk to a ``ddpmon daemon`` over HTTP(S).
+
+A daemon behind TLS (``ddpmon daemon --web-config``) is reached with ``--ca FILE`` (the CA that
+signed its certificate) or ``--client-config FILE``: the same Prometheus-style client config as
+``ddpmon top --scrape-config`` (``tls_config`` with ``ca_file``, a client certificate for mTLS,
+``server_name``; ``basic_auth`` for reads when the daemon asks for it). Without either, Python's
+default trust store is used, which ``SSL_CERT_FILE`` still overrides.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +28,11 @@ STATE_STYLE = {
 }
 
 
-def _default_url() -> str:
+def _default_url(tls: bool = False) -> str:
     from ..config import DEFAULT_PORT
 
-    return os.environ.get("DDPMON_DAEMON_URL") or f"http://127.0.0.1:{DEFAULT_PORT - 1}"
+    scheme = "https" if tls else "http"
+    return os.environ.get("DDPMON_DAEMON_URL") or f"{scheme}://127.0.0.1:{DEFAULT_PORT - 1}"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +44,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="bearer token for submit/cancel (default: $DDPMON_DAEMON_TOKEN_FILE, "
         "else the daemon's default state dir)",
+    )
+    tls = p.add_mutually_exclusive_group()
+    tls.add_argument(
+        "--ca",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle that signed the daemon's TLS certificate (default URL becomes https)",
+    )
+    tls.add_argument(
+        "--client-config",
+        "--scrape-config",
+        dest="client_config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="client config as for `ddpmon top --scrape-config`: tls_config (ca_file, "
+        "cert_file/key_file for mTLS, server_name), basic_auth for reads; metrics_path unused",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON answer")
     sub = p.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
@@ -89,8 +115,21 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console()
     err = Console(stderr=True)
-    url = (args.url or _default_url()).rstrip("/")
+    try:
+        client_config = _client_config(args)
+        verify = _verify(client_config)
+    except ValueError as exc:  # ScrapeConfigError: names the file and key
+        print(f"ddpmon jobs: {exc}", file=sys.stderr)
+        return 2
+    tls = client_config is not None and client_config.scheme == "https"
+    url = (args.url or _default_url(tls)).rstrip("/")
     headers = {}
+    if client_config is not None and client_config.basic_auth is not None:
+        try:
+            headers["Authorization"] = client_config.basic_auth.header()
+        except OSError as exc:  # ScrapeError: an unreadable password_file
+            print(f"ddpmon jobs: {exc}", file=sys.stderr)
+            return 2
     if args.jobs_command in ("submit", "cancel"):
         token = _token(args)
         if token is None:
@@ -98,11 +137,45 @@ def run(args: argparse.Namespace) -> int:
             return 2
         headers["Authorization"] = f"Bearer {token}"
     try:
-        with httpx.Client(base_url=url, headers=headers, timeout=10.0) as client:
+        hooks = _server_name_hooks(client_config)
+        with httpx.Client(
+            base_url=url, headers=headers, timeout=10.0, verify=verify, event_hooks=hooks
+        ) as client:
             return _dispatch(args, client, console, err)
     except httpx.TransportError as exc:
         err.print(f"[red]cannot reach the ddpmon daemon at {url}: {exc}[/]")
         return 3
+
+
+def _client_config(args: argparse.Namespace) -> Any:
+    """The client config from ``--client-config``, or one made of ``--ca`` alone, or None."""
+    from ..export.scrape_config import ScrapeConfig, TlsConfig
+
+    if args.client_config is not None:
+        return ScrapeConfig.load(args.client_config)
+    if args.ca is not None:
+        return ScrapeConfig(scheme="https", tls_config=TlsConfig(ca_file=args.ca), source="--ca")
+    return None
+
+
+def _verify(config: Any) -> Any:
+    """What httpx verifies the daemon with: the config's SSL context, else the default."""
+    if config is None or config.tls_config is None:
+        return True
+    return config.tls_config.context(config.source)
+
+
+def _server_name_hooks(config: Any) -> dict[str, list]:
+    """``tls_config.server_name``: the name checked in the daemon's certificate (and sent as
+    SNI) when it differs from the URL's host, as for the scrape client."""
+    name = config.tls_config.server_name if config and config.tls_config else None
+    if not name:
+        return {}
+
+    def sni(request: Any) -> None:
+        request.extensions["sni_hostname"] = name
+
+    return {"request": [sni]}
 
 
 def _check(resp: Any, err: Any) -> dict[str, Any] | None:

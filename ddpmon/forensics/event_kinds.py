@@ -99,6 +99,23 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         failure=True,
     ),
     EventKind(
+        "write_gap",
+        "Writes to the run dir failed (a full disk, a quota, a read-only mount) and now work "
+        "again; recorded once per episode, at the first write that works. Its `step` is "
+        "`last_step`.",
+        {
+            "since_ts": "when the first write failed",
+            "seconds": "how long writes failed",
+            "first_step": "first step whose writes failed",
+            "last_step": "last step whose writes failed",
+            "failures": "failed writes per writer (`eventlog`, `history`, `evidence`, ...)",
+            "lost": "items lost for good per writer (event lines, bundles, history rows)",
+            "resumed_by": "the writer whose write worked first",
+            "error": "the first error",
+            "detail": "one line: how long, which steps, what was lost",
+        },
+    ),
+    EventKind(
         "checkpoint_save",
         "A checkpoint save ended (`ok=false`: it failed and is not a checkpoint).",
         {

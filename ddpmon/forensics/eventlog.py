@@ -12,8 +12,11 @@ step), ``kind`` and the caller's fields. Non-JSON values are stringified; NaN an
 the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is strict JSON.
 
 The kinds ddpmon writes and their fields are declared in :mod:`ddpmon.forensics.event_kinds`
-(the reference page ``docs/reference/events.md`` is generated from it). ``emit`` never raises
-into training: an I/O failure is logged once and later events are dropped silently.
+(the reference page ``docs/reference/events.md`` is generated from it). ``emit`` never
+raises into training. A write that fails (a full disk) is cut back to the last whole line, so the
+file stays readable, and the event is lost: with a ``health`` (the agent's
+:class:`ddpmon.writes.WriteHealth`) it is counted there and later events are tried again;
+without one the failure is logged once.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import json_safe
+from ..atomic import append_whole, json_safe
 from ..rundir import RunDir
 from .event_kinds import EVENT_KINDS
 
@@ -47,8 +50,10 @@ jsonable = json_safe
 class EventLog:
     """Appends events for one rank. Thread-safe; ``emit`` never raises."""
 
-    def __init__(self, run_path: Path | str, rank: int) -> None:
+    def __init__(self, run_path: Path | str, rank: int, health: Any = None) -> None:
         self.rank = int(rank)
+        self.health = health
+        """Told of each failed and successful write (``failed``/``succeeded``); None: log once."""
         self.path = events_path(run_path, rank)
         self._lock = threading.Lock()
         self._fd: int | None = None
@@ -77,11 +82,15 @@ class EventLog:
             with self._lock:
                 if self._fd is None:
                     return
-                written = os.write(self._fd, data)
-                while written < len(data):  # rare: a short write on a full disk or signal
-                    written += os.write(self._fd, data[written:])
+                append_whole(self._fd, data)
         except Exception as exc:  # never into training
-            self._fail(exc)
+            if self.health is not None:
+                self.health.failed("eventlog", exc, lost=1, steps=(step,))
+            else:
+                self._fail(exc)
+            return
+        if self.health is not None:
+            self.health.succeeded("eventlog")
 
     def close(self) -> None:
         with self._lock:
@@ -134,8 +143,11 @@ class ProgressFile:
 
     SIZE = 64
 
-    def __init__(self, run_path: Path | str, rank: int) -> None:
+    def __init__(self, run_path: Path | str, rank: int, health: Any = None) -> None:
         self.path = progress_path(run_path, rank)
+        self.health = health
+        """Told of failed and successful updates (a failed one loses nothing: the next one
+        overwrites it)."""
         self._fd: int | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,8 +164,12 @@ class ProgressFile:
             # Formatted by hand (json.dumps costs more than the write); always valid JSON.
             text = f'{{"step": {int(step)}, "ts": {when:.6f}}}'
             os.pwrite(fd, text.ljust(self.SIZE - 1).encode()[: self.SIZE - 1] + b"\n", 0)
-        except Exception:
-            pass
+        except Exception as exc:
+            if self.health is not None:
+                self.health.failed("progress", exc, lost=0, steps=(step,))
+            return
+        if self.health is not None:
+            self.health.succeeded("progress")
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

@@ -138,8 +138,11 @@ class EvidenceWriter:
         tensor_max_elements: int = 4096,
         include_tensors: bool = False,
         include_inputs: bool = False,
+        health: Any = None,
     ) -> None:
         self.run = RunDir(run_path)
+        self.health = health
+        """The agent's write health: told of each failed and written bundle; None: log once."""
         self.root = self.run.evidence_dir
         self.rank = int(rank)
         self.max_per_kind = int(max_per_kind)
@@ -197,10 +200,18 @@ class EvidenceWriter:
             try:
                 path = self._write(kind, step, info, tensors or {}, records, extra, inputs)
             except Exception as exc:
-                self._warn(exc)
+                # A lost bundle counts toward the bound too: on a full disk every step may
+                # want one, and each attempt costs tensors saved and stacks dumped.
+                self._counts[kind] = self._counts.get(kind, 0) + 1
+                if self.health is not None:
+                    self.health.failed("evidence", exc, lost=1, steps=(step,))
+                else:
+                    self._warn(exc)
                 return None
             self._counts[kind] = self._counts.get(kind, 0) + 1
-            return path
+        if self.health is not None:
+            self.health.succeeded("evidence")
+        return path
 
     def _write(self, kind, step, info, tensors, records, extra, inputs) -> Path:
         import torch

@@ -18,6 +18,12 @@ rows (or ``seal_seconds``) they are written as one large batch to the main file,
 the journal starts over. Readers merge both and keep the last row of each step, so a crash
 between the two writes loses nothing. ``close`` seals and removes the journal.
 
+A full disk: each batch goes to its file whole or not at all (:mod:`.history_file`), so both
+files stay readable up to their last good batch. Rows that could not be written stay queued and
+are written when space returns; while writes fail, at most ``max_pending`` rows wait, and rows
+beyond that are dropped and counted (``rows_lost``). Failures and the resume are reported to the
+agent's write health (one log line per rank, a ``write_gap`` event).
+
 Reading back: :mod:`ddpmon.forensics.history_read`.
 
 Bounded: the first ``full_rows`` steps (default 100,000) are kept at every step; after that the
@@ -40,6 +46,8 @@ from typing import Any
 
 from ..rundir import RunDir, history_journal_of
 from ..state import StepRecord
+from ..writes import is_write_error
+from .history_file import StreamAppender
 from .history_read import read_streams
 from .history_schema import (  # noqa: F401  (re-exported: the history's public names)
     COL,
@@ -173,6 +181,11 @@ class HistoryWriter:
     downsampler: Downsampler = field(default_factory=Downsampler)
     on_error: Any = None
     """``on_error(probe, exc)``: counts writer-thread failures in ddpmon_agent_errors_total."""
+    health: Any = None
+    """The agent's :class:`ddpmon.writes.WriteHealth`: told of failed writes (a full
+    disk) and of the next good one; None: such failures go to ``on_error`` too."""
+    max_pending: int = 8192
+    """Rows kept in memory while writes fail; later rows are dropped (bounded memory)."""
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -184,15 +197,24 @@ class HistoryWriter:
         self._journaled = 0
         self._sealed_at = time.monotonic()
         self.rows_written = 0
+        self.rows_lost = 0
+        """Rows dropped because writes failed longer than ``max_pending`` rows."""
+        self._lost_steps: list[int] = []
+        """Steps of rows lost since the last failure report: first and last only."""
+        self._unreported_lost = 0
         self.errors = 0
-        self._schema = schema_for(self.groups, self.meta)
+        self._schema: Any = None
+        """Built on the writer thread: pyarrow is imported there, not by ``attach``."""
+        self._dead = False
+        """The thread could not start (pyarrow unusable): rows are no longer queued."""
         self._main = None
         self._journal_writer = None
         self._thread = threading.Thread(target=self._run, name="ddpmon-history", daemon=True)
         self._thread.start()
 
     def put(self, row: tuple) -> None:
-        self._queue.append(row)
+        if not self._dead:
+            self._queue.append(row)
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -201,6 +223,13 @@ class HistoryWriter:
 
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
+        try:
+            self._schema = schema_for(self.groups, self.meta)
+        except Exception as exc:
+            self._dead = True
+            self._queue.clear()
+            self._failed(exc, "cannot start")
+            return
         try:
             self._recover()
         except Exception as exc:
@@ -220,14 +249,26 @@ class HistoryWriter:
                 else:
                     self._write_journal()
             except Exception as exc:  # never let the thread die silently; never raise
+                if stopping:  # no later try: rows not in the journal are lost, say so
+                    for row in self._pending[self._journaled :]:
+                        self._lose(row[COL["step"]])
                 self._failed(exc, "write failed")
                 if stopping:
+                    self._abandon()
                     return
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
 
     def _failed(self, exc: Exception, what: str) -> None:
         self.errors += 1
+        if self.health is not None and is_write_error(exc):
+            lost, self._unreported_lost = self._unreported_lost, 0
+            steps, self._lost_steps = list(self._lost_steps), []
+            unwritten = self._pending[self._journaled :]
+            if unwritten:
+                steps += [unwritten[0][COL["step"]], unwritten[-1][COL["step"]]]
+            self.health.failed("history", exc, lost=lost, steps=steps)
+            return
         if self.on_error is not None:
             self.on_error("history", exc)  # counted, logged once
         elif self.errors <= 3:
@@ -265,61 +306,71 @@ class HistoryWriter:
             row = self._queue.popleft()
             if not self.downsampler.keep(row):
                 continue
+            if len(self._pending) >= self.max_pending:  # writes keep failing: stay bounded
+                self._lose(row[COL["step"]])
+                continue
             if row[_MEM] is None and self.memory is not None:
                 if mem is None:
                     mem = self.memory()
                 row = row[:_MEM] + (mem,) + row[_MEM + 1 :]
             self._pending.append(row)
 
+    def _lose(self, step: int) -> None:
+        self.rows_lost += 1
+        self._unreported_lost += 1
+        if self._lost_steps:
+            self._lost_steps[1:] = [step]
+        else:
+            self._lost_steps = [step]
+
     def _write_journal(self) -> None:
         new = self._pending[self._journaled :]
         if not new:
             return
         if self._journal_writer is None:
-            self._journal_writer = self._open(self.journal, "wb")
+            self._journal_writer = self._open(self.journal, truncate=True)
         self._journal_writer.write_batch(batch_of(new, self._schema))
-        self._journal_writer.sink.flush()
         self._journaled = len(self._pending)
+        self._written()
 
     def _seal(self) -> None:
         self._sealed_at = time.monotonic()
         if not self._pending:
             return
         if self._main is None:
-            self._main = self._open(self.path, "ab" if self.path.exists() else "wb")
+            self._main = self._open(self.path, truncate=False)
         self._main.write_batch(batch_of(self._pending, self._schema))
-        self._main.sink.flush()
-        os.fsync(self._main.sink.fileno())
+        self._main.fsync()
         self.rows_written += len(self._pending)
         self._pending, self._journaled = [], 0
         if self._journal_writer is not None:  # start the journal over (its rows are sealed)
-            _close(self._journal_writer)
+            self._journal_writer.close()
             self._journal_writer = None
             self.journal.unlink(missing_ok=True)
+        self._written()
+
+    def _written(self) -> None:
+        if self.health is not None:
+            self.health.succeeded("history")
 
     def _finish(self) -> None:
         if self._main is not None:
-            _close(self._main)  # writes the end-of-stream marker
+            self._main.close()  # writes the end-of-stream marker
         if self._journal_writer is not None:
-            _close(self._journal_writer)
+            self._journal_writer.close()
         self.journal.unlink(missing_ok=True)
 
-    def _open(self, path: Path, mode: str):
-        import pyarrow.ipc as ipc
+    def _abandon(self) -> None:
+        """Close the files after a failed final seal; the journal stays for readers."""
+        for appender in (self._main, self._journal_writer):
+            if appender is not None:
+                try:
+                    appender.close()
+                except Exception:
+                    pass
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, mode)  # noqa: SIM115 - owned by the stream writer
-        writer = ipc.new_stream(handle, self._schema, options=_ipc_options())
-        writer.sink = handle
-        return writer
-
-
-def _close(writer: Any) -> None:
-    """Close a stream writer and the file it writes to (the writer leaves the file open)."""
-    try:
-        writer.close()
-    finally:
-        writer.sink.close()
+    def _open(self, path: Path, *, truncate: bool) -> StreamAppender:
+        return StreamAppender(path, self._schema, _ipc_options(), truncate=truncate)
 
 
 def _ipc_options():
@@ -343,14 +394,21 @@ class HistorySink:
 
     @classmethod
     def open(
-        cls, run_dir: RunDir, rank: int, groups: list[str], device: str, on_error: Any = None
+        cls,
+        run_dir: RunDir,
+        rank: int,
+        groups: list[str],
+        device: str,
+        on_error: Any = None,
+        health: Any = None,
     ) -> HistorySink | None:
-        """The sink for one rank, or None (one log line) when pyarrow is not installed."""
+        """The sink for one rank, or None (one log line) when pyarrow is missing: a dependency
+        of ddpmon, so only a broken install lacks it. Nothing imports pyarrow here."""
         import importlib.util
 
         if importlib.util.find_spec("pyarrow") is None:
-            log.warning("ddpmon: pyarrow is not installed (pip install 'ddpmon[history]'); "
-                        "the numerics history (compare, report) is off")
+            log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
+                        "pyarrow); the numerics history (compare, report) is off")
             return None
         memory, kind = None, "rss"
         if str(device).startswith("cuda"):
@@ -364,6 +422,7 @@ class HistorySink:
             meta={"rank": str(rank), "memory_kind": kind},
             memory=None if memory is not None else process_rss,
             on_error=on_error,
+            health=health,
         )
         return cls(writer, memory)
 

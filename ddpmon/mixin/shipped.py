@@ -36,6 +36,23 @@ def root() -> Path:
     return checkout_root() or PACKAGE_ROOT
 
 
+GENERATED = ((DASHBOARD_DIR, "*.json"), (KUBERNETES_DIR, "*.yaml"))
+"""The outputs of ``ddpmon dashboards`` as they ship: (folder, pattern) under :func:`root`."""
+
+
+def generated_outputs() -> dict[str, str]:
+    """``{relative path: text}`` of the dashboards and manifests that ship, generated from the
+    default config: what ``ddpmon dashboards --write`` writes, read without the Grafana SDK."""
+    base = root()
+    out = {}
+    for folder, pattern in GENERATED:
+        for found in sorted((base / folder).glob(pattern)):
+            out[f"{folder}/{found.name}"] = found.read_text(encoding="utf-8")
+    if not out:
+        raise FileNotFoundError(f"no dashboards in this ddpmon installation ({base})")
+    return out
+
+
 def path(rel: str) -> Path:
     """A shipped file or directory, e.g. ``path(PROMETHEUS_YML)``; raises if it is missing."""
     found = root() / rel

@@ -208,7 +208,14 @@ def _emitted_kinds() -> dict[str, set[str]]:
     """kind -> literal keyword fields of every ``emit("<kind>", ...)`` call in ``ddpmon/``."""
     found: dict[str, set[str]] = {}
     for path in (ROOT / "ddpmon").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = {  # module-level NAME = "text", for emit(GAP_KIND, ...)
+            t.id: n.value.value
+            for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+            and isinstance(n.value.value, str)
+            for t in n.targets if isinstance(t, ast.Name)
+        }
+        for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and node.args):
                 continue
             func = node.func
@@ -218,6 +225,8 @@ def _emitted_kinds() -> dict[str, set[str]]:
             first = node.args[0]
             if isinstance(first, ast.Constant) and isinstance(first.value, str):
                 kinds = [first.value]
+            elif isinstance(first, ast.Name) and first.id in constants:
+                kinds = [constants[first.id]]
             elif isinstance(first, ast.JoinedStr):  # f"checkpoint_{kind}": every declared match
                 prefix = "".join(
                     v.value for v in first.values if isinstance(v, ast.Constant)
@@ -234,7 +243,7 @@ def _emitted_kinds() -> dict[str, set[str]]:
 
 def test_every_emitted_event_kind_and_field_is_declared():
     emitted = _emitted_kinds()
-    assert {"start", "nonfinite", "exit"} <= set(emitted)
+    assert {"start", "nonfinite", "exit", "write_gap"} <= set(emitted)
     for kind, fields in emitted.items():
         declared = event_kinds.by_name(kind)
         assert declared is not None, f"event kind {kind!r} is written but not declared"
