@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .damage import ReadWarnings
+
 SIGNALS = {
     "Segmentation fault": ("SIGSEGV", 11),
     "Aborted": ("SIGABRT", 6),
@@ -22,14 +24,19 @@ _FATAL_RE = re.compile(r"Fatal Python error: (.+)")
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
-def crash_event(path: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-        mtime = path.stat().st_mtime
-    except OSError:
+def crash_event(path: Path, rank: int, damage: ReadWarnings | None = None
+                ) -> dict[str, Any] | None:
+    """The ``signal`` event a faulthandler file records; None (and a warning in ``damage``)
+    when it is unreadable or holds no ``Fatal Python error`` line."""
+    damage = damage if damage is not None else ReadWarnings()
+    got = _read(path, damage)
+    if got is None:
         return None
+    text, mtime = got
     matches = _FATAL_RE.findall(text)
     if not matches:
+        what = "empty" if not text.strip() else "no 'Fatal Python error' line (truncated?)"
+        damage.add(path, what, "no crash counted from it")
         return None
     what = matches[-1].strip()
     name, num = SIGNALS.get(what, (what, None))
@@ -38,17 +45,35 @@ def crash_event(path: Path, rank: int) -> dict[str, Any] | None:
             "frame": top_frame(text[text.rfind("Fatal Python error"):])}
 
 
-def sigterm_event(path: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-        mtime = path.stat().st_mtime
-    except OSError:
+def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
+                  ) -> dict[str, Any] | None:
+    """The SIGTERM ``signal`` event of a stack dump; None (and a warning) when unreadable."""
+    damage = damage if damage is not None else ReadWarnings()
+    got = _read(path, damage)
+    if got is None:
         return None
+    text, mtime = got
     if not text.strip():
+        damage.add(path, "empty", "no SIGTERM counted from it")
         return None
     return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
             "synthetic": True, "source": path.name, "frame": top_frame(text),
             "detail": "terminated (SIGTERM, usually the launcher stopping survivors)"}
+
+
+def _read(path: Path, damage: ReadWarnings) -> tuple[str, float] | None:
+    """Text (bytes that are not UTF-8 replaced, and said so) and mtime of a crash file."""
+    try:
+        raw = path.read_bytes()
+        mtime = path.stat().st_mtime
+    except OSError as exc:
+        damage.add(path, f"unreadable ({exc.strerror or exc})", "skipped")
+        return None
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad:
+        damage.add(path, f"{bad} byte(s) not UTF-8", "replaced; the rest read")
+    return text, mtime
 
 
 def top_frame(text: str) -> str | None:
