@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     damage = ReadWarnings(run_path)
-    data = load_manifest(run_path, damage)
+    data = load_manifest(run_path, damage, kept="shown as it is" if not args.check
+                         else "no checklist item can be confirmed")
     print_damage("manifest", damage.lines())
     if not args.check:
         try:  # shown as it is, damaged or not: what is readable is still worth reading

@@ -34,9 +34,10 @@ def crash_event(path: Path, rank: int, damage: ReadWarnings | None = None
         return None
     text, mtime = got
     matches = _FATAL_RE.findall(text)
-    if not matches:
-        what = "empty" if not text.strip() else "no 'Fatal Python error' line (truncated?)"
-        damage.add(path, what, "no crash counted from it")
+    if not matches:  # empty: opened at attach and never written (no fatal signal); not damage
+        if text.strip():
+            damage.add(path, "no 'Fatal Python error' line (truncated or not a faulthandler "
+                       "dump)", "no crash counted from it")
         return None
     what = matches[-1].strip()
     name, num = SIGNALS.get(what, (what, None))
@@ -53,8 +54,7 @@ def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
     if got is None:
         return None
     text, mtime = got
-    if not text.strip():
-        damage.add(path, "empty", "no SIGTERM counted from it")
+    if not text.strip():  # opened at attach and never written: no SIGTERM
         return None
     return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
             "synthetic": True, "source": path.name, "frame": top_frame(text),

@@ -19,11 +19,13 @@ MANIFEST_SCHEMA = 1
 """The manifest ``schema`` this ddpmon writes and reads."""
 
 
-def load_manifest(run_path: Path | str, damage: ReadWarnings) -> dict[str, Any] | None:
+def load_manifest(
+    run_path: Path | str, damage: ReadWarnings, kept: str = "run facts from it not used"
+) -> dict[str, Any] | None:
     """``manifest.json`` as a dict; None when absent or damaged (then named in ``damage``).
     A newer ``schema`` is warned about and its known fields are still read."""
     path = RunDir(run_path).manifest()
-    data = read_json(path, damage, kept="run facts from it not used")
+    data = read_json(path, damage, kept=kept)
     if data is not None:
         check_version(data, "schema", MANIFEST_SCHEMA, path, damage)
     return data
@@ -44,9 +46,17 @@ class Resume:
 
 
 def resumes(run_path: Path | str, damage: ReadWarnings) -> list[Resume]:
-    """Every attempt's first successful checkpoint load, from the lowest rank that logged one."""
-    for _rank, f in sorted(RunDir(run_path).ranked(EVENTS_RE).items()):
-        events = read_json_lines(f, damage, valid=lambda o: isinstance(o, dict) and "kind" in o)
+    """Every attempt's first successful checkpoint load, from the lowest rank that logged one.
+    Every rank's log is read, so each damaged one is named (an empty log beside logs that have
+    lines is damage too: its rank's resumes are unknown)."""
+    logs = {rank: read_json_lines(f, damage, valid=lambda o: isinstance(o, dict) and "kind" in o)
+            for rank, f in sorted(RunDir(run_path).ranked(EVENTS_RE).items())}
+    if any(logs.values()):
+        for rank, events in logs.items():
+            f = RunDir(run_path).events(rank)
+            if not events and damage.name(f) not in damage.files():
+                damage.add(f, "empty", f"no events from rank {rank}")
+    for events in logs.values():
         att.tag_attempts(events)
         found: dict[int, Resume] = {}
         for e in events:

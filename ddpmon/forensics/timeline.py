@@ -110,7 +110,7 @@ def build_timeline(path: Path | str) -> Timeline:
         per_rank[rank] = [_event(e, rank) for e in read_json_lines(f, damage, valid=_is_event)]
     if any(per_rank.values()):  # an empty log beside others that have events lost its lines
         for rank, f in run.ranked(EVENTS_RE).items():
-            if not per_rank[rank] and f.name not in damage.files():
+            if not per_rank[rank] and damage.name(f) not in damage.files():
                 damage.add(f, "empty", f"no events from rank {rank}")
     rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
 
