@@ -68,9 +68,9 @@ def render(c) -> None:
 
     console = Console(highlight=False)
     fa, fb = c.facts["a"], c.facts["b"]
-    console.print(f"[bold]A[/bold] {escape(str(c.run_a))}  ({_facts(fa)})", soft_wrap=True)
-    console.print(f"[bold]B[/bold] {escape(str(c.run_b))}  ({_facts(fb)})", soft_wrap=True)
-    console.print(escape(c.basis_line()), soft_wrap=True)
+    console.print(f"[bold]A[/bold] {escape(str(c.run_a))}  ({_facts(fa)})")
+    console.print(f"[bold]B[/bold] {escape(str(c.run_b))}  ({_facts(fb)})")
+    console.print(escape(c.basis_line()))
     damaged = set(c.damage_lines())
     for w in c.warnings:
         if w in damaged:

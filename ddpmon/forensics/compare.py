@@ -102,6 +102,8 @@ class Comparison:
     series: list[SeriesResult] = field(default_factory=list)
     basis: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per run (``a``, ``b``): ranks used of the run's, and steps (:meth:`RunNumerics.basis`)."""
+    resumes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per run: each resume from a checkpoint (attempt, step, states it did not restore)."""
     damaged: list[dict[str, str]] = field(default_factory=list)
     """Every damaged file of both runs (:class:`~ddpmon.forensics.damage.Damage` records)."""
 
@@ -132,6 +134,7 @@ class Comparison:
             "facts": self.facts,
             "common_steps": self.common_steps,
             "basis": self.basis,
+            "resumes": self.resumes,
             "damaged": self.damaged,
             "diverged": self.diverged,
             "first_divergent_step": self.first_step,
@@ -325,8 +328,9 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
     at_first = [r for r in hits if r.first_step == first]
     groups = [r for r in at_first if r.name.startswith("group:")]
     worst = max(groups, key=lambda r: _excess(r), default=None)
-    for tag, run in (("A", a), ("B", b)):
-        warnings += resume_notes(tag, resumes(run.path, run.damage), first)
+    resumed = {tag: resumes(run.path, run.damage) for tag, run in (("a", a), ("b", b))}
+    for tag, found in resumed.items():
+        warnings += resume_notes(tag.upper(), found, first)
     result = Comparison(
         run_a=a.path,
         run_b=b.path,
@@ -341,6 +345,7 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
             next(r for r in at_first if r.name == n))),
         series=results,
         basis={"a": a.basis(), "b": b.basis(), "common_steps": int(len(steps))},
+        resumes={tag: [r.to_json() for r in found] for tag, found in resumed.items()},
         damaged=[{"run": tag, **d.to_json()} for tag, run in (("a", a), ("b", b))
                  for d in run.damage.items],
     )
@@ -357,8 +362,13 @@ def resume_notes(tag: str, found: list, first_step: int | None) -> list[str]:
         at = "an unstated step" if r.step is None else f"step {r.step}"
         note = f"{tag} resumed at {at} without {', '.join(r.missing)} state"
         if first_step is not None and r.step is not None and first_step >= r.step:
-            note += ("; divergence begins at the first resumed step" if first_step == r.step
-                     else f"; divergence begins {first_step - r.step} step(s) after it")
+            if first_step == r.step:
+                note += "; divergence begins at the first resumed step"
+            elif first_step == r.step + 1:  # norms are of the gradients before the update
+                note += (f"; divergence begins at the first resumed step (step {first_step} is "
+                         "the first whose gradients follow a resumed update)")
+            else:
+                note += f"; divergence begins {first_step - r.step} steps after it"
         elif first_step is None:
             note += "; no divergence found after it"
         notes.append(note)
