@@ -48,9 +48,13 @@ class ReadWarnings:
     items: list[Damage] = field(default_factory=list)
 
     def add(self, path: Path | str, problem: str, kept: str) -> Damage:
+        """Record one problem of one file; the same problem met again by another part of the
+        reader is kept once (with what the first part kept)."""
         d = Damage(self.name(path), problem, kept)
-        if d not in self.items:
-            self.items.append(d)
+        for seen in self.items:
+            if (seen.file, seen.problem) == (d.file, d.problem):
+                return seen
+        self.items.append(d)
         return d
 
     def name(self, path: Path | str) -> str:

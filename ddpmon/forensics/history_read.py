@@ -149,16 +149,19 @@ class StreamRead:
     torn: bool
     good_bytes: int
     size: int
+    data_start: int = 0
+    """Offset after the first schema message, where the rows begin."""
 
     @property
     def rows(self) -> int:
         return sum(b.num_rows for b in self.batches)
 
     def estimated_rows(self) -> int:
-        """Rows the whole file would hold at the density of the part read."""
-        if not self.rows or self.good_bytes <= 0:
+        """Rows the whole file would hold at the bytes per row of the part read."""
+        span = self.good_bytes - self.data_start
+        if not self.rows or span <= 0:
             return self.rows
-        return max(self.rows, round(self.rows * self.size / self.good_bytes))
+        return self.rows + round((self.size - self.good_bytes) * self.rows / span)
 
 
 def read_streams(path: Path):
@@ -177,7 +180,7 @@ def scan_streams(path: Path) -> StreamRead:
     raw = path.read_bytes()
     data = pa.BufferReader(pa.py_buffer(raw))
     batches, first_schema, schema, torn = [], None, None, False
-    good = 0
+    good = start = 0
     while True:
         try:
             reader = ipc.MessageReader.open_stream(data)
@@ -193,7 +196,8 @@ def scan_streams(path: Path) -> StreamRead:
             while True:
                 if message.type == "schema":
                     schema = ipc.read_schema(message)
-                    first_schema = first_schema or schema
+                    if first_schema is None:
+                        first_schema, start = schema, data.tell()
                 elif message.type == "record batch" and schema is not None:
                     batch = ipc.read_record_batch(message, schema)
                     batch.validate(full=True)
@@ -207,7 +211,7 @@ def scan_streams(path: Path) -> StreamRead:
         except pa_errors():
             torn = True
             break
-    return StreamRead(batches, first_schema, torn, good, len(raw))
+    return StreamRead(batches, first_schema, torn, good, len(raw), start)
 
 
 def pa_errors() -> tuple[type[BaseException], ...]:

@@ -79,7 +79,7 @@ def _last_step(run: RunDir, first: History, damage: ReadWarnings) -> int:
     """The lowest rank's last step, or later when a rank's progress file says it got further."""
     hi = int(first.columns["step"][-1])
     for p in run.ranked(PROGRESS_RE).values():
-        step = (read_json(p, damage) or {}).get("step")
+        step = (read_json(p, damage, kept="its last step not used") or {}).get("step")
         if isinstance(step, int) and not isinstance(step, bool):
             hi = max(hi, step)
     return hi
