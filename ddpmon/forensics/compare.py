@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from ..rundir import EVENTS_RE, HISTORY_JOURNAL_RE, HISTORY_RE, PROGRESS_RE, RunDir
+from ..rundir import HISTORY_RE, RunDir
 from .annotations import load_annotations
 from .damage import ReadWarnings
 from .history_read import History, iter_histories
-from .run_facts import load_manifest, resumes
+from .run_facts import Resume, load_manifest, ranks_present, resumes
 
 NOISE_STEPS = 8
 NOISE_FACTOR = 100.0
@@ -150,7 +150,7 @@ class Comparison:
         }
 
 
-def load_run(path: Path | str, tag: str = "") -> RunNumerics:
+def load_run(path: Path | str) -> RunNumerics:
     """Read a run's histories (one rank at a time) and facts; :class:`CompareError` when no
     rank's history is usable. Damaged files are skipped and named in the result's ``damage``."""
     from .timeline import RunDirError
@@ -173,19 +173,11 @@ def load_run(path: Path | str, tag: str = "") -> RunNumerics:
     steps, series, groups, ranks, complete = got
     facts = run_facts(run_path, len(ranks), damage)
     ws = facts.get("world_size")
-    expected = ws if isinstance(ws, int) and ws > 0 else len(_ranks_present(run))
+    expected = ws if isinstance(ws, int) and ws > 0 else len(ranks_present(run))
     return RunNumerics(
         run_path, steps, series, groups, facts=facts, loss_complete=complete,
         ranks_used=ranks, ranks_expected=max(expected, len(ranks)), damage=damage,
     )
-
-
-def _ranks_present(run: RunDir) -> set[int]:
-    """Every rank that left any file (history, journal, events, progress)."""
-    out: set[int] = set()
-    for pattern in (HISTORY_RE, HISTORY_JOURNAL_RE, EVENTS_RE, PROGRESS_RE):
-        out |= set(run.ranked(pattern))
-    return out
 
 
 def resolve_run(path: Path | str) -> Path:
@@ -353,7 +345,7 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
     return result
 
 
-def resume_notes(tag: str, found: list, first_step: int | None) -> list[str]:
+def resume_notes(tag: str, found: list[Resume], first_step: int | None) -> list[str]:
     """One warning per resume that did not restore every state, tied to the divergence."""
     notes = []
     for r in found:

@@ -57,6 +57,12 @@ class ReadWarnings:
         self.items.append(d)
         return d
 
+    def merge(self, other: ReadWarnings, prefix: str = "") -> None:
+        """Take another reader's records, their file names prefixed (e.g. another run's)."""
+        for d in other.items:
+            if not any((s.file, s.problem) == (prefix + d.file, d.problem) for s in self.items):
+                self.items.append(Damage(prefix + d.file, d.problem, d.kept))
+
     def name(self, path: Path | str) -> str:
         p = Path(path)
         if self.root is not None:

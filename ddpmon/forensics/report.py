@@ -26,7 +26,7 @@ from .compare import resolve_run
 from .damage import ReadWarnings
 from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
-from .run_facts import load_manifest
+from .run_facts import load_manifest, ranks_present
 from .timeline import RunDirError, build_timeline, describe
 
 MAX_EVENTS = 300
@@ -78,14 +78,13 @@ def build_report(
         except RunDirError as exc:
             raise ReportError(f"--compare: {exc}") from exc
         other = _view(other_path, ReadWarnings(other_path))
-        for d in other.damage.items:
-            damage.add(other_path / d.file, d.problem, d.kept)
+        damage.merge(other.damage, prefix=f"{other_path.name} (--compare): ")
     try:
         tl = build_timeline(path)
     except RunDirError:
         tl = None
-    for d in tl.damage.items if tl is not None else ():
-        damage.add(path / d.file, d.problem, d.kept)
+    if tl is not None:
+        damage.merge(tl.damage)
     manifest = load_manifest(path, damage) or {}
     basis = rests_on(view, manifest, path)
     parts = [_head(path), _basis(basis, damage), _manifest(path, view, manifest, damage),
@@ -113,12 +112,10 @@ def _view(path: Path, damage: ReadWarnings) -> RunView:
 def rests_on(view: RunView, manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     """Ranks and steps the plots rest on, and the ranks the run had (the manifest's world size,
     else every rank that left a file)."""
-    from .compare import _ranks_present
-
     ws = (manifest.get("topology") if isinstance(manifest.get("topology"), dict) else {}
           ).get("world_size")
     expected = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else len(
-        _ranks_present(RunDir(path)))
+        ranks_present(RunDir(path)))
     steps = len(view.first) if view.first is not None else 0
     return {"ranks_used": len(view.used), "ranks_expected": max(expected, len(view.used)),
             "ranks": view.used, "steps": steps}

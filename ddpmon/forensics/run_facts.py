@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rundir import EVENTS_RE, RunDir
+from ..rundir import EVENTS_RE, HISTORY_JOURNAL_RE, HISTORY_RE, PROGRESS_RE, RunDir
 from . import attempts as att
 from .damage import ReadWarnings, check_version, read_json, read_json_lines
 
@@ -29,6 +29,15 @@ def load_manifest(
     if data is not None:
         check_version(data, "schema", MANIFEST_SCHEMA, path, damage)
     return data
+
+
+def ranks_present(run: RunDir) -> set[int]:
+    """Every rank that left any file (history, journal, events, progress): the ranks a run had
+    when its manifest cannot say."""
+    out: set[int] = set()
+    for pattern in (HISTORY_RE, HISTORY_JOURNAL_RE, EVENTS_RE, PROGRESS_RE):
+        out |= set(run.ranked(pattern))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
