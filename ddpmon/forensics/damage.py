@@ -120,7 +120,8 @@ def parse_json_object(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        if exc.pos >= len(text.rstrip()):
+        # ends mid-document: the error is at the end, or a string runs to the end unclosed
+        if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated string"):
             return None, f"truncated JSON (ends after {len(raw)} bytes)"
         return None, f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
     except ValueError as exc:  # e.g. a number too large to convert

@@ -158,3 +158,20 @@ def test_no_traceback_from_the_real_command(argv, named, crashed_run, tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert proc.returncode in (0, 1, 2, 3), proc.stderr
     assert named in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    (b'{"pg_status": {"0": {"last_enqueued', "truncated JSON"),
+    (b'{"version": "2.10"}', "no pg_status object"),
+    (b"\x80\x04garbage", "not UTF-8"),
+])
+def test_a_damaged_flight_recorder_dump_is_named(content, problem, crashed_run, tmp_path):
+    """The demo leaves no dump without a hang, so this one is written beside the real run."""
+    run = copy_run(crashed_run, tmp_path / "run")
+    dump = run / "flight_recorder" / "fr_trace_rank_0.json"
+    dump.parent.mkdir()
+    dump.write_bytes(content)
+    tl = _json_of(T, str(run), "--json")
+    (d,) = [d for d in tl["damaged"] if d["file"] == "flight_recorder/fr_trace_rank_0.json"]
+    assert problem in d["problem"] and d["kept"] == "its collective counts not used"
+    assert "flight_recorder" not in tl["ranks"]["0"]
