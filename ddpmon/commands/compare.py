@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         result = compare_runs(args.run_a, args.run_b)
     except CompareError as exc:
         if args.json:
-            print(json.dumps({"error": str(exc)}))
+            print(json.dumps({"error": str(exc), "damaged": exc.damaged}))
         else:
             print(f"ddpmon compare: {exc}", file=sys.stderr)
         return 2

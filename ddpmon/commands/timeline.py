@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
         tl = build_timeline(args.run_dir)
     except RunDirError as exc:
         if args.json:
-            print(json.dumps({"error": str(exc)}))
+            print(json.dumps({"error": str(exc), "warnings": exc.damage.lines(),
+                              "damaged": exc.damage.to_json()}))
         else:
             print(f"ddpmon timeline: {exc}", file=sys.stderr)
         return 2

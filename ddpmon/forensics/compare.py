@@ -45,7 +45,12 @@ TOL_CAP = 5e-2
 
 
 class CompareError(Exception):
-    """A run cannot be read for comparison; the message says which and why."""
+    """A run cannot be read for comparison; the message says which and why, and ``damaged``
+    the damaged files that left nothing to compare."""
+
+    def __init__(self, message: str, damaged: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.damaged = damaged or []
 
 
 @dataclass(slots=True)
@@ -165,7 +170,8 @@ def load_run(path: Path | str) -> RunNumerics:
     if got is None:
         if damage.items:
             raise CompareError(
-                f"{run_path}: no usable numerics history: " + "; ".join(damage.lines()))
+                f"{run_path}: no usable numerics history: " + "; ".join(damage.lines()),
+                [d.to_json() for d in damage.items])
         raise CompareError(
             f"{run_path}: no numerics history (history.rank<R>.arrow); was the run made with "
             "pyarrow installed and a writable run dir?"
@@ -286,7 +292,14 @@ def comparability(fa: dict[str, Any], fb: dict[str, Any]) -> tuple[list[str], li
 
 
 def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
-    a, b = load_run(path_a), load_run(path_b)
+    runs = []
+    for tag, path in (("a", path_a), ("b", path_b)):
+        try:
+            runs.append(load_run(path))
+        except CompareError as exc:
+            exc.damaged = [{"run": tag, **d} for d in exc.damaged]
+            raise
+    a, b = runs
     reasons, warnings = comparability(a.facts, b.facts)
     steps = np.intersect1d(a.steps, b.steps)
     if not len(steps):

@@ -21,6 +21,8 @@ SIGNALS = {
     "Illegal instruction": ("SIGILL", 4),
 }
 _FATAL_RE = re.compile(r"Fatal Python error: (.+)")
+_STACK_RE = re.compile(r'[Tt]hread 0x[0-9a-fA-F]+|File "')
+"""What every faulthandler stack dump holds (a thread header or a frame)."""
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
@@ -55,6 +57,10 @@ def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
         return None
     text, mtime = got
     if not text.strip():  # opened at attach and never written: no SIGTERM
+        return None
+    if not _STACK_RE.search(text):
+        damage.add(path, "no stack in it (truncated or not a faulthandler dump)",
+                   "no SIGTERM counted from it")
         return None
     return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
             "synthetic": True, "source": path.name, "frame": top_frame(text),

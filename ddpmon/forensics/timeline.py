@@ -46,7 +46,12 @@ COMM_ERROR = re.compile(
     re.IGNORECASE,
 )
 class RunDirError(Exception):
-    """The directory is not a run, or holds no events; the message says what was found."""
+    """The directory is not a run, or holds no events; the message says what was found, and
+    ``damage`` the damaged files that left nothing to read."""
+
+    def __init__(self, message: str, damage: ReadWarnings | None = None) -> None:
+        super().__init__(message)
+        self.damage = damage if damage is not None else ReadWarnings()
 
 
 @dataclass(slots=True)
@@ -218,7 +223,8 @@ def build_timeline(path: Path | str) -> Timeline:
             warnings.append(f"partial run: no files from rank(s) {missing} of {world_size}")
     if not merged:
         if damage.items:
-            raise RunDirError(f"{run_path}: no readable events: " + "; ".join(damage.lines()))
+            raise RunDirError(f"{run_path}: no readable events: " + "; ".join(damage.lines()),
+                              damage)
         raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
 
     first = _first_failure(merged, fr_status)

@@ -175,3 +175,18 @@ def test_a_damaged_flight_recorder_dump_is_named(content, problem, crashed_run, 
     (d,) = [d for d in tl["damaged"] if d["file"] == "flight_recorder/fr_trace_rank_0.json"]
     assert problem in d["problem"] and d["kept"] == "its collective counts not used"
     assert "flight_recorder" not in tl["ranks"]["0"]
+
+
+def test_when_nothing_is_readable_the_json_error_still_names_each_file(crashed_run, tmp_path):
+    run = copy_run(crashed_run, tmp_path / "run")
+    rank1_events = FileKind("events.rank1.jsonl", "jsonl", 1, frozenset({T, C, R}))
+    for kind in (*KINDS, rank1_events):
+        apply(run, kind, next(m for m in mutations(kind) if m.name == "garbage"))
+    tl = _json_of(T, str(run), "--json")
+    assert tl["_code"] == 2 and "no readable events" in tl["error"]
+    assert {"events.rank0.jsonl", "events.rank1.jsonl"} <= {d["file"] for d in tl["damaged"]}
+    assert len(tl["warnings"]) == len(tl["damaged"])
+    cmp = _json_of(C, str(crashed_run), str(run), "--json")
+    assert cmp["_code"] == 2 and "no usable numerics history" in cmp["error"]
+    assert {(d["run"], d["file"]) for d in cmp["damaged"]} >= {
+        ("b", "history.rank1.arrow"), ("b", "history.rank0.tail.arrow")}
