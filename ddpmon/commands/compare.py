@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         result = compare_runs(args.run_a, args.run_b)
     except CompareError as exc:
         if args.json:
-            print(json.dumps({"error": str(exc), "damaged": exc.damaged}))
+            lines = [f"run {d['run'].upper()}: {d['file']}: {d['problem']}; {d['kept']}"
+                     for d in exc.damaged]
+            print(json.dumps({"error": str(exc), "warnings": lines, "damaged": exc.damaged}))
         else:
             print(f"ddpmon compare: {exc}", file=sys.stderr)
         return 2

@@ -190,3 +190,4 @@ def test_when_nothing_is_readable_the_json_error_still_names_each_file(crashed_r
     assert cmp["_code"] == 2 and "no usable numerics history" in cmp["error"]
     assert {(d["run"], d["file"]) for d in cmp["damaged"]} >= {
         ("b", "history.rank1.arrow"), ("b", "history.rank0.tail.arrow")}
+    assert any(w.startswith("run B: history.rank1.arrow: ") for w in cmp["warnings"])
