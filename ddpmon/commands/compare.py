@@ -34,15 +34,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpmon compare: needs {', '.join(missing)}: pip install 'ddpmon[history]'",
               file=sys.stderr)
         return 2
-    from ddpmon.forensics.compare import CompareError, compare_runs
+    from ddpmon.forensics.compare import CompareError, compare_runs, run_damage_lines
 
     try:
         result = compare_runs(args.run_a, args.run_b)
     except CompareError as exc:
         if args.json:
-            lines = [f"run {d['run'].upper()}: {d['file']}: {d['problem']}; {d['kept']}"
-                     for d in exc.damaged]
-            print(json.dumps({"error": str(exc), "warnings": lines, "damaged": exc.damaged}))
+            print(json.dumps({"error": str(exc), "warnings": run_damage_lines(exc.damaged),
+                              "damaged": exc.damaged}))
         else:
             print(f"ddpmon compare: {exc}", file=sys.stderr)
         return 2

@@ -126,8 +126,7 @@ class Comparison:
 
     def damage_lines(self) -> list[str]:
         """One line per damaged file, ``run B: history.rank0.arrow: ...`` (also in warnings)."""
-        return [f"run {d['run'].upper()}: {d['file']}: {d['problem']}; {d['kept']}"
-                for d in self.damaged]
+        return run_damage_lines(self.damaged)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -356,6 +355,11 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
     )
     result.warnings += result.damage_lines()
     return result
+
+
+def run_damage_lines(damaged: list[dict[str, str]]) -> list[str]:
+    """``run B: <file>: <problem>; <kept>`` for each damaged-file record of a comparison."""
+    return [f"run {d['run'].upper()}: {d['file']}: {d['problem']}; {d['kept']}" for d in damaged]
 
 
 def resume_notes(tag: str, found: list[Resume], first_step: int | None) -> list[str]:
