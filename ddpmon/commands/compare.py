@@ -34,19 +34,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpmon compare: needs {', '.join(missing)}: pip install pyarrow",
               file=sys.stderr)
         return 2
-    from ddpmon.forensics.compare import CompareError, compare_runs
+    from ddpmon.forensics.compare import CompareError, compare_runs, run_damage_lines
 
     try:
         result = compare_runs(args.run_a, args.run_b)
     except CompareError as exc:
         if args.json:
-            print(json.dumps({"error": str(exc)}))
+            print(json.dumps({"error": str(exc), "warnings": run_damage_lines(exc.damaged),
+                              "damaged": exc.damaged}))
         else:
             print(f"ddpmon compare: {exc}", file=sys.stderr)
         return 2
     if args.json:
         from ddpmon.atomic import dumps
 
+        from ._damage import print_damage
+
+        print_damage("compare", result.damage_lines())
         print(dumps(result.to_json(), indent=1, sort_keys=False))
     else:
         render(result)
@@ -56,16 +60,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(c) -> None:
+    from rich import box
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
+    from ._damage import print_damage
+
     console = Console(highlight=False)
     fa, fb = c.facts["a"], c.facts["b"]
-    console.print(f"[bold]A[/bold] {c.run_a}  ({_facts(fa)})")
-    console.print(f"[bold]B[/bold] {c.run_b}  ({_facts(fb)})")
+    console.print(f"[bold]A[/bold] {escape(str(c.run_a))}  ({_facts(fa)})")
+    console.print(f"[bold]B[/bold] {escape(str(c.run_b))}  ({_facts(fb)})")
+    console.print(escape(c.basis_line()))
+    damaged = set(c.damage_lines())
     for w in c.warnings:
-        console.print(f"[yellow]warning:[/yellow] {escape(w)}")
+        if w in damaged:
+            print_damage("compare", [w])
+        else:
+            console.print(f"[yellow]warning:[/yellow] {escape(w)}")
     if not c.comparable:
         console.print("[bold red]Not comparable:[/bold red] " + escape("; ".join(c.reasons)))
     if c.diverged:
@@ -76,25 +88,29 @@ def render(c) -> None:
         )
     else:
         console.print(f"[green]No divergence[/green] over {c.common_steps} common steps.")
-    table = Table(header_style="bold")
-    for col in ("series", "noise", "tolerance", "max diff before", "first step", "A", "B", "diff"):
-        table.add_column(col, justify="left" if col == "series" else "right")
+    # Fits 80 columns (a CI log, a narrow terminal): no box, compact numbers; a cell that does
+    # not fit folds onto a second line instead of being cut to an ellipsis.
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False,
+                  padding=(0, 1), collapse_padding=True)
+    for col in ("series", "noise", "tol", "max\nbefore", "first\nstep", "A", "B", "diff"):
+        table.add_column(col, justify="left" if col == "series" else "right",
+                         overflow="fold", no_wrap=col != "series")
     for s in c.series:
         style = "red" if s.first_step is not None and s.first_step == c.first_step else None
         table.add_row(
-            s.name,
-            f"{s.noise:.2e}",
-            f"{s.tolerance:.2e}",
-            f"{s.max_rel_before:.2e}",
+            escape(s.name),
+            _e(s.noise),
+            _e(s.tolerance),
+            _e(s.max_rel_before),
             "-" if s.first_step is None else str(s.first_step),
             _g(s.value_a),
             _g(s.value_b),
-            "-" if s.rel_diff is None else f"{s.rel_diff:.2e}",
+            _e(s.rel_diff),
             style=style,
         )
     console.print(table)
     console.print(
-        "diff: |A - B| / max(|A|, |B|); tolerance: 100 x the largest diff over the first 8 "
+        "diff: |A - B| / max(|A|, |B|); tol: 100 x the largest diff over the first 8 "
         "common steps (reduction-order noise), within [1e-3, 5e-2]"
     )
 
@@ -105,4 +121,11 @@ def _facts(f: dict) -> str:
 
 
 def _g(v) -> str:
-    return "-" if v is None else f"{v:.6g}"
+    return "-" if v is None else f"{v:.5g}"
+
+
+def _e(v) -> str:
+    """A relative difference in 7 characters (``1.2e-03``); ``inf`` stays ``inf``."""
+    if v is None:
+        return "-"
+    return f"{v:.1e}" if isinstance(v, float) and v == v and abs(v) != float("inf") else str(v)

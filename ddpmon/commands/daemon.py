@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         from ..daemon.ranks import RankRegistry
         from ..daemon.server import DaemonServer
         from ..daemon.settings import DaemonSettings, SettingsError
-        from ..daemon.store import Store
+        from ..daemon.store import Store, StoreError
         from ..daemon.token import TokenFileError, load_or_create
         from ..export.webconfig import WebConfigError, load_web_config
         from ..sources.nvml import NvmlSource
@@ -109,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
     url_host = f"[{host}]" if ":" in host else host
     scheme = "https" if tls and not extra else "http"
     daemon_url = f"{scheme}://{url_host}:{args.port}"
-    store = Store(state_dir / "ddpmon.sqlite3")
+    try:
+        store = Store(state_dir / "ddpmon.sqlite3")
+    except StoreError as exc:
+        print(f"ddpmon daemon: {exc}", file=sys.stderr)
+        return 2
     jobs = JobManager(store, settings, state_dir, daemon_url=daemon_url)
     ranks = RankRegistry(store)
     collector = NodeCollector(

@@ -1,13 +1,13 @@
 """``ddpmon manifest RUN_DIR [--check]``: show a run's manifest, or list what it lacks.
 
 Exit status: 0 shown / complete, 1 ``--check`` found missing items (listed one per line),
-2 no run or no manifest there.
+2 no run or no manifest there, or the manifest is damaged (named on stderr; without ``--check``
+its text is still shown as it is).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -25,9 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddpmon.forensics.damage import ReadWarnings
     from ddpmon.forensics.manifest import CHECKLIST, check_manifest
+    from ddpmon.forensics.run_facts import load_manifest
     from ddpmon.forensics.timeline import RunDirError, resolve_run_path
     from ddpmon.rundir import RunDir
+
+    from ._damage import print_damage
 
     try:
         run_path = resolve_run_path(args.run_dir)
@@ -39,12 +43,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpmon manifest: {path} does not exist (rank 0 writes it at attach)",
               file=sys.stderr)
         return 2
+    damage = ReadWarnings(run_path)
+    data = load_manifest(run_path, damage, kept="shown as it is" if not args.check
+                         else "no checklist item can be confirmed")
+    print_damage("manifest", damage.lines())
     if not args.check:
-        print(path.read_text().rstrip())
-        return 0
+        try:  # shown as it is, damaged or not: what is readable is still worth reading
+            print(path.read_bytes().decode("utf-8", errors="replace").rstrip())
+        except OSError:
+            pass
+        return 0 if data is not None else 2
+    if data is None:
+        print(f"{path}: unreadable, so no checklist item can be confirmed "
+              f"({len(CHECKLIST)} of {len(CHECKLIST)} unconfirmed)")
+        return 2
     missing = check_manifest(run_path)
-    data = json.loads(path.read_text())
-    na = data.get("not_applicable") or {}
+    na = data.get("not_applicable")
+    na = na if isinstance(na, dict) else {}
     if missing:
         print(f"{path}: {len(missing)} of {len(CHECKLIST)} checklist items missing:")
         for item in missing:

@@ -34,17 +34,28 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from ddpmon.atomic import write_text_atomic
+    from ddpmon.forensics.damage import ReadWarnings
     from ddpmon.forensics.report import ReportError, build_report
 
+    from ._damage import print_damage
+
+    damage = ReadWarnings()
     try:
-        page = build_report(args.run_dir, args.compare)
+        report = build_report(args.run_dir, args.compare, damage)
     except ReportError as exc:
         print(f"ddpmon report: {exc}", file=sys.stderr)
         return 2
+    finally:
+        print_damage("report", damage.lines())
+    from ddpmon.forensics.report import rests_on_line
+
+    page = report.html
     try:
         write_text_atomic(args.output, page)
     except OSError as exc:
         print(f"ddpmon report: cannot write {args.output}: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.output} ({len(page.encode()) / 1024:.0f} KiB)")
+    print(rests_on_line(report.basis) + f" (ranks {report.basis['ranks']})")
     return 0
+

@@ -32,10 +32,14 @@ def run(args: argparse.Namespace) -> int:
         tl = build_timeline(args.run_dir)
     except RunDirError as exc:
         if args.json:
-            print(json.dumps({"error": str(exc)}))
+            print(json.dumps({"error": str(exc), "warnings": exc.damage.lines(),
+                              "damaged": exc.damage.to_json()}))
         else:
             print(f"ddpmon timeline: {exc}", file=sys.stderr)
         return 2
+    from ._damage import print_damage
+
+    print_damage("timeline", tl.damage.lines())
     if args.json:
         from ddpmon.atomic import dumps
 
@@ -59,8 +63,10 @@ def _render(tl, show_steps: bool) -> None:
     console.print(f"[bold]Run[/bold] {tl.run_path}  ranks seen: {len(tl.ranks)}"
                   + (f" of {tl.world_size}" if tl.world_size else ""))
     console.print(f"clock offsets to rank 0: {offsets}")
+    damaged = set(tl.damage.lines())  # already on stderr
     for w in tl.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+        if w not in damaged:
+            console.print(f"[yellow]warning:[/yellow] {escape(w)}")
     ff = tl.first_failure
     if ff:
         what = ff.get("param") or ff.get("signal") or ff.get("exc_type") or ff.get("detail") or ""

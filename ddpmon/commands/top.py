@@ -11,9 +11,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import metrics
-from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, targets_from_sd_dir
+from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, read_sd_dir
+from ..forensics.damage import ReadWarnings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -137,10 +139,26 @@ def _rate(m: dict, prev: dict | None, dt: float, metric: metrics.Metric) -> str:
     return f"{(m[name] - prev[name]) / dt:.2f}"
 
 
-def _targets(args: argparse.Namespace) -> list[str]:
+def _targets(args: argparse.Namespace, damage: ReadWarnings) -> list[str]:
     if args.targets:
         return list(args.targets)
-    return [t for t, _ in targets_from_sd_dir(args.sd_dir, args.run)]
+    return [t for t, _ in read_sd_dir(args.sd_dir, args.run, damage)]
+
+
+INTEGER_SAMPLES = ("rank", metrics.STEP.name)
+"""Samples that are counts or indices: integers in ``--json`` (the exposition carries floats)."""
+
+
+def _json_samples(m: dict | None) -> dict | None:
+    """A rank's samples for ``--json``: ``rank`` and ``step`` as integers, not ``0.0``."""
+    if m is None:
+        return None
+    out = dict(m)
+    for key in INTEGER_SAMPLES:
+        v = out.get(key)
+        if isinstance(v, float) and v == v and abs(v) != float("inf") and v == int(v):
+            out[key] = int(v)
+    return out
 
 
 Results = dict[str, dict | None]
@@ -196,12 +214,19 @@ def run(args: argparse.Namespace) -> int:
         return 2
     previous: dict[str, dict] = {}
     last = time.monotonic()
+    if args.sd_dir and not Path(args.sd_dir).is_dir():
+        print(f"ddpmon top: --sd-dir {args.sd_dir}: no such directory", file=sys.stderr)
+        return 2
     while True:
-        targets = _targets(args)
+        damage = ReadWarnings(Path(args.sd_dir) if args.sd_dir else None)
+        targets = _targets(args, damage)
         results, errors = _collect(client, targets, args.timeout)
         now = time.monotonic()
+        for line in damage.lines():
+            print(f"ddpmon top: warning: {args.sd_dir}/{line}", file=sys.stderr)
         if args.json:
-            doc = {"ts": time.time(), "ranks": results, "errors": errors}
+            doc = {"ts": time.time(), "ranks": {t: _json_samples(m) for t, m in results.items()},
+                   "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json()}
             print(json.dumps(doc, default=str), flush=True)
         elif not targets:
             console.print("no rank endpoints found" + (f" in {args.sd_dir}" if args.sd_dir else ""))

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from .jobs import DuplicateJobError, JobError, JobManager, JobNotFound, JobStateConflict
 from .ranks import RankRegistry
-from .store import JOB_STATES
+from .store import JOB_STATES, StoreError
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 LABEL_PATTERN = r"^[^/\\\x00-\x1f]{1,128}$"
@@ -142,6 +142,10 @@ def create_app(
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
+
+    @app.exception_handler(StoreError)
+    async def store_error(_: Request, exc: StoreError) -> JSONResponse:
+        return JSONResponse({"error": str(exc), "status": 500}, status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -8,6 +8,7 @@ tells a live job apart from an unrelated process that reused the PID).
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -15,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("ddpmon.daemon.store")
 
 JOB_STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "LOST")
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "LOST"})
@@ -65,9 +68,15 @@ class JobRecord:
 
     @classmethod
     def from_json(cls, text: str) -> JobRecord:
+        """Raises ``ValueError`` when ``text`` is not a job record (not JSON, another shape)."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not a job record")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:  # a required field missing
+            raise ValueError(str(exc)) from None
 
     @property
     def final(self) -> bool:
@@ -78,6 +87,11 @@ class DuplicateJobError(KeyError):
     """A job with this id already exists."""
 
 
+class StoreError(Exception):
+    """The store file, or one record in it, cannot be read; the message names it and says
+    what to do."""
+
+
 class Store:
     """Thread-safe: the API handlers and the job watchers share one connection under a lock."""
 
@@ -85,10 +99,22 @@ class Store:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._skipped: set[str] = set()
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            check = self._db.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check: {check[0] if check else '?'}")
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise StoreError(
+                f"{self.path}: not a usable SQLite database ({exc}); move it aside (e.g. to "
+                f"{self.path.name}.damaged) and the daemon starts with an empty job list (the "
+                "runs' own run dirs are untouched)"
+            ) from None
 
     def close(self) -> None:
         with self._lock:
@@ -113,9 +139,16 @@ class Store:
             )
 
     def get_job(self, job_id: str) -> JobRecord | None:
+        """The job, None when there is none; :class:`StoreError` when its record is damaged
+        (never reported as missing)."""
         with self._lock:
             row = self._db.execute("SELECT doc FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return JobRecord.from_json(row[0]) if row else None
+        if row is None:
+            return None
+        try:
+            return JobRecord.from_json(row[0])
+        except ValueError as exc:
+            raise StoreError(f"{self.path}: job {job_id!r}: unreadable record ({exc})") from None
 
     def list_jobs(self, states: tuple[str, ...] | None = None) -> list[JobRecord]:
         with self._lock:
@@ -126,7 +159,21 @@ class Store:
                 ).fetchall()
             else:
                 rows = self._db.execute("SELECT doc FROM jobs ORDER BY created_at").fetchall()
-        return [JobRecord.from_json(r[0]) for r in rows]
+        return self._records(rows)
+
+    def _records(self, rows: list[tuple[str]]) -> list[JobRecord]:
+        """Every readable record; an unreadable one is skipped and logged (once per record)."""
+        out = []
+        for (doc,) in rows:
+            try:
+                out.append(JobRecord.from_json(doc))
+            except ValueError as exc:
+                key = str(doc)[:200]
+                if key not in self._skipped:
+                    self._skipped.add(key)
+                    log.warning("%s: unreadable job record skipped (%s): %.80s", self.path, exc,
+                                doc)
+        return out
 
     def count_by_state(self) -> dict[str, int]:
         with self._lock:
@@ -152,4 +199,11 @@ class Store:
         with self._lock:
             rows = self._db.execute("SELECT doc FROM ranks ORDER BY run, rank").fetchall()
         for (doc,) in rows:
-            yield json.loads(doc)
+            try:
+                data = json.loads(doc)
+            except ValueError:
+                data = None
+            if isinstance(data, dict):
+                yield data
+            else:
+                log.warning("%s: unreadable rank registration skipped: %.80s", self.path, doc)

@@ -19,6 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import metrics
+from ..forensics.damage import ReadWarnings
 from .scrape_config import (
     BasicAuth,
     ScrapeConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "TlsConfig",
     "flatten",
     "scrape",
+    "read_sd_dir",
     "targets_from_sd_dir",
 ]
 
@@ -210,15 +212,46 @@ def scrape(
 
 def targets_from_sd_dir(sd_dir: str | Path, run: str | None = None) -> list[tuple[str, dict]]:
     """``(target, labels)`` of every rank published into a file_sd directory."""
-    found = []
+    return read_sd_dir(sd_dir, run, ReadWarnings(Path(sd_dir)))
+
+
+def read_sd_dir(
+    sd_dir: str | Path, run: str | None, damage: ReadWarnings
+) -> list[tuple[str, dict]]:
+    """:func:`targets_from_sd_dir` that names each damaged file in ``damage``: not JSON, not a
+    list of ``{"targets": [...], "labels": {...}}`` groups, or a group of another shape. What is
+    readable is still used (another file's targets, the good groups of a file)."""
+    from ..forensics.damage import parse_json_object, type_name
+
+    found: list[tuple[str, dict]] = []
     for path in sorted(Path(sd_dir).glob("*.json")):
         try:
-            groups = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # being replaced right now, or not ours
-        for group in groups if isinstance(groups, list) else []:
-            labels = group.get("labels", {})
+            raw = path.read_bytes()
+        except OSError as exc:
+            damage.add(path, f"unreadable ({exc.strerror or exc})", "skipped")
+            continue
+        try:
+            groups = json.loads(raw)
+        except ValueError:
+            _, problem = parse_json_object(raw)
+            damage.add(path, problem or "not JSON", "its targets skipped")
+            continue
+        if not isinstance(groups, list):
+            damage.add(path, f"a JSON {type_name(groups)}, not a list of target groups",
+                       "skipped")
+            continue
+        bad = 0
+        for group in groups:
+            targets = group.get("targets") if isinstance(group, dict) else None
+            labels = group.get("labels", {}) if isinstance(group, dict) else None
+            if not isinstance(targets, list) or not isinstance(labels, dict) or not all(
+                    isinstance(t, str) for t in targets):
+                bad += 1
+                continue
             if run is not None and labels.get("run") != run:
                 continue
-            found.extend((t, labels) for t in group.get("targets", []))
+            found.extend((t, labels) for t in targets)
+        if bad:
+            damage.add(path, f"{bad} of {len(groups)} target group(s) not "
+                       '{"targets": [str...], "labels": {...}}', "those skipped")
     return found

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..atomic import write_json_atomic
 from ..rundir import ANNOTATIONS  # noqa: E402
+from .damage import ReadWarnings, read_json
 
 KNOWN = ("global_batch", "micro_batch", "accumulation", "seed")
 """Fields ``ddpmon compare`` reads; any other JSON-able field is kept as well."""
@@ -49,3 +50,8 @@ def read_annotations(run_path: Path | str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def load_annotations(run_path: Path | str, damage: ReadWarnings) -> dict[str, Any]:
+    """:func:`read_annotations` that names a damaged file in ``damage`` (read as {})."""
+    return read_json(annotations_path(run_path), damage, kept="run facts from it not used") or {}

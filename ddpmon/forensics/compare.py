@@ -33,8 +33,10 @@ from typing import Any
 import numpy as np
 
 from ..rundir import HISTORY_RE, RunDir
-from .annotations import read_annotations
-from .history_read import History, read_history
+from .annotations import load_annotations
+from .damage import ReadWarnings
+from .history_read import History, iter_histories
+from .run_facts import Resume, load_manifest, ranks_present, resumes
 
 NOISE_STEPS = 8
 NOISE_FACTOR = 100.0
@@ -43,7 +45,12 @@ TOL_CAP = 5e-2
 
 
 class CompareError(Exception):
-    """A run cannot be read for comparison; the message says which and why."""
+    """A run cannot be read for comparison; the message says which and why, and ``damaged``
+    the damaged files that left nothing to compare."""
+
+    def __init__(self, message: str, damaged: list[dict[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.damaged = damaged or []
 
 
 @dataclass(slots=True)
@@ -58,6 +65,16 @@ class RunNumerics:
     loss_complete: np.ndarray | None = None
     """Per step: every rank of the run contributed a loss (False where a killed rank lost its
     last unflushed rows): the cross-rank mean is comparable only there."""
+    ranks_used: list[int] = field(default_factory=list)
+    """Ranks whose history the series rest on."""
+    ranks_expected: int = 0
+    """Ranks the run had: the manifest's world size, else every rank that left any file."""
+    damage: ReadWarnings = field(default_factory=ReadWarnings)
+
+    def basis(self) -> dict[str, Any]:
+        """What this run's answers rest on: ranks used of the run's, and steps."""
+        return {"ranks_used": len(self.ranks_used), "ranks_expected": self.ranks_expected,
+                "ranks": self.ranks_used, "steps": int(len(self.steps))}
 
 
 @dataclass(slots=True)
@@ -88,10 +105,28 @@ class Comparison:
     first_group: str | None
     first_series: list[str] = field(default_factory=list)
     series: list[SeriesResult] = field(default_factory=list)
+    basis: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per run (``a``, ``b``): ranks used of the run's, and steps (:meth:`RunNumerics.basis`)."""
+    resumes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per run: each resume from a checkpoint (attempt, step, states it did not restore)."""
+    damaged: list[dict[str, str]] = field(default_factory=list)
+    """Every damaged file of both runs (:class:`~ddpmon.forensics.damage.Damage` records)."""
 
     @property
     def diverged(self) -> bool:
         return self.first_step is not None
+
+    def basis_line(self) -> str:
+        """``A rests on 2 of 2 ranks, 60 steps; B ...; compared on 60 common steps``."""
+        parts = [
+            f"{tag.upper()} rests on {b['ranks_used']} of {b['ranks_expected']} ranks, "
+            f"{b['steps']} steps" for tag, b in self.basis.items() if tag in ("a", "b")
+        ]
+        return "; ".join(parts) + f"; compared on {self.common_steps} common steps"
+
+    def damage_lines(self) -> list[str]:
+        """One line per damaged file, ``run B: history.rank0.arrow: ...`` (also in warnings)."""
+        return run_damage_lines(self.damaged)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -102,6 +137,9 @@ class Comparison:
             "warnings": self.warnings,
             "facts": self.facts,
             "common_steps": self.common_steps,
+            "basis": self.basis,
+            "resumes": self.resumes,
+            "damaged": self.damaged,
             "diverged": self.diverged,
             "first_divergent_step": self.first_step,
             "first_divergent_group": self.first_group,
@@ -117,26 +155,33 @@ class Comparison:
 
 
 def load_run(path: Path | str) -> RunNumerics:
-    """Read a run's histories (one rank at a time) and facts; :class:`CompareError` when there
-    is nothing to read."""
+    """Read a run's histories (one rank at a time) and facts; :class:`CompareError` when no
+    rank's history is usable. Damaged files are skipped and named in the result's ``damage``."""
     from .timeline import RunDirError
 
     try:
         run_path = resolve_run(path)
     except RunDirError as exc:
         raise CompareError(str(exc)) from exc
-    try:
-        got = _series(RunDir(run_path))
-    except (OSError, ValueError) as exc:
-        raise CompareError(f"{run_path}: unreadable history: {exc}") from exc
+    run = RunDir(run_path)
+    damage = ReadWarnings(run_path)
+    got = _series(run, damage)
     if got is None:
+        if damage.items:
+            raise CompareError(
+                f"{run_path}: no usable numerics history: " + "; ".join(damage.lines()),
+                [d.to_json() for d in damage.items])
         raise CompareError(
             f"{run_path}: no numerics history (history.rank<R>.arrow); was the run made with "
             "pyarrow installed and a writable run dir?"
         )
     steps, series, groups, ranks, complete = got
+    facts = run_facts(run_path, len(ranks), damage)
+    ws = facts.get("world_size")
+    expected = ws if isinstance(ws, int) and ws > 0 else len(ranks_present(run))
     return RunNumerics(
-        run_path, steps, series, groups, facts=run_facts(run_path, ranks), loss_complete=complete
+        run_path, steps, series, groups, facts=facts, loss_complete=complete,
+        ranks_used=ranks, ranks_expected=max(expected, len(ranks)), damage=damage,
     )
 
 
@@ -151,19 +196,16 @@ def resolve_run(path: Path | str) -> Path:
 
 
 def _series(
-    run: RunDir,
-) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], int, np.ndarray] | None:
-    """Series on the lowest rank's steps: reduced values from that rank, the loss averaged over
-    every rank (NaN at a step where any rank's loss is not finite). Memory: one rank at a time."""
-    files = run.ranked(HISTORY_RE)
+    run: RunDir, damage: ReadWarnings
+) -> tuple[np.ndarray, dict[str, np.ndarray], list[str], list[int], np.ndarray] | None:
+    """Series on the lowest usable rank's steps: reduced values from that rank, the loss
+    averaged over every usable rank (NaN at a step where any rank's loss is not finite).
+    Memory: one rank at a time; a damaged rank is skipped and named in ``damage``."""
     first: History | None = None
     total = count = nonfinite = None
-    ranks = 0
-    for rank, f in files.items():
-        h = read_history(f, rank)
-        if not len(h):
-            continue
-        ranks += 1
+    ranks: list[int] = []
+    for rank, h in iter_histories(run, damage):
+        ranks.append(rank)
         if first is None:
             first = h
             n = len(h.columns["step"])
@@ -181,7 +223,7 @@ def _series(
         return None
     with np.errstate(all="ignore"):
         loss = np.where((count > 0) & ~nonfinite, total / np.maximum(count, 1), np.nan)
-    complete = nonfinite | (count == ranks)
+    complete = nonfinite | (count == len(ranks))
     c = first.columns
     series = {
         "loss": loss,
@@ -194,22 +236,22 @@ def _series(
     return c["step"], series, first.groups, ranks, complete
 
 
-def run_facts(run_path: Path, ranks_seen: int) -> dict[str, Any]:
-    """Effective batch, seed and model facts from ``annotations.json`` and ``manifest.json``."""
-    import json
-
+def run_facts(
+    run_path: Path, ranks_seen: int, damage: ReadWarnings | None = None
+) -> dict[str, Any]:
+    """Effective batch, seed and model facts from ``annotations.json`` and ``manifest.json``;
+    a damaged file counts as not recorded and is named in ``damage``."""
+    damage = damage if damage is not None else ReadWarnings(run_path)
     facts: dict[str, Any] = {"ranks_with_history": ranks_seen}
-    try:
-        manifest = json.loads(RunDir(run_path).manifest().read_text())
-    except (OSError, ValueError):
-        manifest = {}
-    extra = manifest.get("extra") or {}
-    facts["world_size"] = (manifest.get("topology") or {}).get("world_size")
+    manifest = load_manifest(run_path, damage) or {}
+    extra = _dict(manifest.get("extra"))
+    ws = _dict(manifest.get("topology")).get("world_size")
+    facts["world_size"] = ws if isinstance(ws, int) and not isinstance(ws, bool) else None
     facts["precision"] = manifest.get("precision")
     facts["data_version"] = manifest.get("data_version")
     facts["param_count"] = extra.get("param_count")
     facts["group_names"] = extra.get("group_names")
-    ann = read_annotations(run_path)
+    ann = load_annotations(run_path, damage)
     for key in ("global_batch", "micro_batch", "accumulation", "seed"):
         facts[key] = ann.get(key)
     return facts
@@ -249,11 +291,23 @@ def comparability(fa: dict[str, Any], fb: dict[str, Any]) -> tuple[list[str], li
 
 
 def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
-    a, b = load_run(path_a), load_run(path_b)
+    runs = []
+    for tag, path in (("a", path_a), ("b", path_b)):
+        try:
+            runs.append(load_run(path))
+        except CompareError as exc:
+            exc.damaged = [{"run": tag, **d} for d in exc.damaged]
+            raise
+    a, b = runs
     reasons, warnings = comparability(a.facts, b.facts)
     steps = np.intersect1d(a.steps, b.steps)
     if not len(steps):
         raise CompareError(f"{a.path} and {b.path} have no optimizer step in common")
+    for tag, run in (("A", a), ("B", b)):
+        if len(run.ranks_used) < run.ranks_expected:
+            warnings.append(
+                f"run {tag} rests on {len(run.ranks_used)} of {run.ranks_expected} ranks "
+                f"(ranks {run.ranks_used}): the loss is the mean over those ranks only")
     only = len(a.steps) + len(b.steps) - 2 * len(steps)
     if only:
         warnings.append(f"{only} step(s) are in one run only; compared the {len(steps)} common")
@@ -278,7 +332,10 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
     at_first = [r for r in hits if r.first_step == first]
     groups = [r for r in at_first if r.name.startswith("group:")]
     worst = max(groups, key=lambda r: _excess(r), default=None)
-    return Comparison(
+    resumed = {tag: resumes(run.path, run.damage) for tag, run in (("a", a), ("b", b))}
+    for tag, found in resumed.items():
+        warnings += resume_notes(tag.upper(), found, first)
+    result = Comparison(
         run_a=a.path,
         run_b=b.path,
         comparable=not reasons,
@@ -291,7 +348,44 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
         first_series=sorted((r.name for r in at_first), key=lambda n: -_excess(
             next(r for r in at_first if r.name == n))),
         series=results,
+        basis={"a": a.basis(), "b": b.basis(), "common_steps": int(len(steps))},
+        resumes={tag: [r.to_json() for r in found] for tag, found in resumed.items()},
+        damaged=[{"run": tag, **d.to_json()} for tag, run in (("a", a), ("b", b))
+                 for d in run.damage.items],
     )
+    result.warnings += result.damage_lines()
+    return result
+
+
+def run_damage_lines(damaged: list[dict[str, str]]) -> list[str]:
+    """``run B: <file>: <problem>; <kept>`` for each damaged-file record of a comparison."""
+    return [f"run {d['run'].upper()}: {d['file']}: {d['problem']}; {d['kept']}" for d in damaged]
+
+
+def resume_notes(tag: str, found: list[Resume], first_step: int | None) -> list[str]:
+    """One warning per resume that did not restore every state, tied to the divergence."""
+    notes = []
+    for r in found:
+        if not r.missing:
+            continue
+        at = "an unstated step" if r.step is None else f"step {r.step}"
+        note = f"{tag} resumed at {at} without {', '.join(r.missing)} state"
+        if first_step is not None and r.step is not None and first_step >= r.step:
+            if first_step == r.step:
+                note += "; divergence begins at the first resumed step"
+            elif first_step == r.step + 1:  # norms are of the gradients before the update
+                note += (f"; divergence begins at the first resumed step (step {first_step} is "
+                         "the first whose gradients follow a resumed update)")
+            else:
+                note += f"; divergence begins {first_step - r.step} steps after it"
+        elif first_step is None:
+            note += "; no divergence found after it"
+        notes.append(note)
+    return notes
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
 
 
 def relative_diff(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .damage import ReadWarnings
+
 SIGNALS = {
     "Segmentation fault": ("SIGSEGV", 11),
     "Aborted": ("SIGABRT", 6),
@@ -19,17 +21,25 @@ SIGNALS = {
     "Illegal instruction": ("SIGILL", 4),
 }
 _FATAL_RE = re.compile(r"Fatal Python error: (.+)")
+_STACK_RE = re.compile(r'[Tt]hread 0x[0-9a-fA-F]+|File "')
+"""What every faulthandler stack dump holds (a thread header or a frame)."""
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
-def crash_event(path: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-        mtime = path.stat().st_mtime
-    except OSError:
+def crash_event(path: Path, rank: int, damage: ReadWarnings | None = None
+                ) -> dict[str, Any] | None:
+    """The ``signal`` event a faulthandler file records; None (and a warning in ``damage``)
+    when it is unreadable or holds no ``Fatal Python error`` line."""
+    damage = damage if damage is not None else ReadWarnings()
+    got = _read(path, damage)
+    if got is None:
         return None
+    text, mtime = got
     matches = _FATAL_RE.findall(text)
-    if not matches:
+    if not matches:  # empty: opened at attach and never written (no fatal signal); not damage
+        if text.strip():
+            damage.add(path, "no 'Fatal Python error' line (truncated or not a faulthandler "
+                       "dump)", "no crash counted from it")
         return None
     what = matches[-1].strip()
     name, num = SIGNALS.get(what, (what, None))
@@ -38,17 +48,38 @@ def crash_event(path: Path, rank: int) -> dict[str, Any] | None:
             "frame": top_frame(text[text.rfind("Fatal Python error"):])}
 
 
-def sigterm_event(path: Path, rank: int) -> dict[str, Any] | None:
-    try:
-        text = path.read_text(errors="replace")
-        mtime = path.stat().st_mtime
-    except OSError:
+def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
+                  ) -> dict[str, Any] | None:
+    """The SIGTERM ``signal`` event of a stack dump; None (and a warning) when unreadable."""
+    damage = damage if damage is not None else ReadWarnings()
+    got = _read(path, damage)
+    if got is None:
         return None
-    if not text.strip():
+    text, mtime = got
+    if not text.strip():  # opened at attach and never written: no SIGTERM
+        return None
+    if not _STACK_RE.search(text):
+        damage.add(path, "no stack in it (truncated or not a faulthandler dump)",
+                   "no SIGTERM counted from it")
         return None
     return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
             "synthetic": True, "source": path.name, "frame": top_frame(text),
             "detail": "terminated (SIGTERM, usually the launcher stopping survivors)"}
+
+
+def _read(path: Path, damage: ReadWarnings) -> tuple[str, float] | None:
+    """Text (bytes that are not UTF-8 replaced, and said so) and mtime of a crash file."""
+    try:
+        raw = path.read_bytes()
+        mtime = path.stat().st_mtime
+    except OSError as exc:
+        damage.add(path, f"unreadable ({exc.strerror or exc})", "skipped")
+        return None
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad:
+        damage.add(path, f"{bad} byte(s) not UTF-8", "replaced; the rest read")
+    return text, mtime
 
 
 def top_frame(text: str) -> str | None:

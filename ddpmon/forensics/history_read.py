@@ -11,9 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rundir import HISTORY_RE, RunDir
+from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
 from ..rundir import history_journal_of as journal_path
+from .damage import ReadWarnings
 from .history_schema import GROUPS_COLUMN, SCALAR_COLUMNS
+
+FORMAT = "1"
+"""The ``ddpmon.history`` schema metadata this reader knows."""
 
 
 @dataclass(slots=True)
@@ -40,28 +44,72 @@ def read_history(path: Path | str, rank: int | None = None) -> History:
     complete batches, the last row of each step kept.
 
     Raises ``FileNotFoundError`` (no file) or ``ValueError`` (not a ddpmon history)."""
+    path = Path(path)
+    reads = [(p, scan_streams(p)) for p in (path, journal_path(path)) if p.exists()]
+    if not reads:
+        raise FileNotFoundError(f"{path}: no such history file")
+    return _assemble(path, [r for _, r in reads], rank)
+
+
+def load_history(path: Path, rank: int, damage: ReadWarnings) -> History | None:
+    """:func:`read_history` for one rank that never raises: a damaged main file or journal is
+    named in ``damage`` with the rows kept, and None means nothing of this rank was usable."""
+    reads: list[StreamRead] = []
+    for p in (path, journal_path(path)):
+        try:
+            if not p.exists():
+                continue
+            r = scan_streams(p)
+        except OSError as exc:
+            damage.add(p, f"unreadable ({exc.strerror or exc})", "skipped")
+            continue
+        if r.schema is None:
+            what = "empty" if r.size == 0 else "not an Arrow IPC stream written by ddpmon"
+            damage.add(p, what, "skipped")
+            continue
+        version = (r.schema.metadata or {}).get(b"ddpmon.history", b"1").decode("utf-8", "replace")
+        if version != FORMAT:
+            damage.add(p, f"history format {version!r}, this ddpmon reads {FORMAT!r}",
+                       "read the columns it knows")
+        if r.torn and not r.rows:
+            damage.add(p, "truncated or corrupt before its first complete batch", "skipped")
+            continue
+        if r.torn:
+            est = r.estimated_rows()
+            damage.add(p, f"truncated after {r.rows} of ~{est} rows" if est > r.rows
+                       else f"truncated after {r.rows} rows", f"using {r.rows}")
+        reads.append(r)
+    if not reads:
+        return None
+    try:
+        h = _assemble(path, reads, rank)
+    except (KeyError, *pa_errors()) as exc:
+        why = str(exc).replace(f"{path}: ", "")[:120]
+        damage.add(path, f"unreadable ({type(exc).__name__}: {why})", "skipped")
+        return None
+    if not len(h):
+        damage.add(path, "no rows", "skipped")
+        return None
+    return h
+
+
+def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
     import json
 
     import numpy as np
     import pyarrow as pa
 
-    path = Path(path)
-    batches: list = []
-    schema = None
-    torn = False
-    found = False
-    for p in (path, journal_path(path)):
-        if not p.exists():
-            continue
-        found = True
-        got, s, t = read_streams(p)
-        batches += got
-        schema = schema or s
-        torn = torn or t
-    if not found:
-        raise FileNotFoundError(f"{path}: no such history file")
+    batches = [b for r in reads for b in r.batches]
+    schema = next((r.schema for r in reads if r.schema is not None), None)
+    torn = any(r.torn for r in reads)
     if schema is None:
         raise ValueError(f"{path}: not an Arrow IPC stream written by ddpmon (no schema)")
+    missing = [n for n, _ in SCALAR_COLUMNS if n not in schema.names]
+    if GROUPS_COLUMN not in schema.names:
+        missing.append(GROUPS_COLUMN)
+    if missing:
+        raise ValueError(f"{path}: no column(s) {', '.join(missing)} (another ddpmon version?)")
+    batches = [b for b in batches if b.schema.equals(schema)]
     meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
     groups = json.loads(meta.get("groups", "[]"))
     table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
@@ -91,42 +139,98 @@ def read_history(path: Path | str, rank: int | None = None) -> History:
     return History(r, groups, cols, meta.get("memory_kind"), torn)
 
 
+@dataclass(slots=True)
+class StreamRead:
+    """What one Arrow file held: its complete batches, first schema, whether it ended torn, and
+    where (``good_bytes`` of ``size``), to estimate the rows a truncation lost."""
+
+    batches: list
+    schema: Any
+    torn: bool
+    good_bytes: int
+    size: int
+    data_start: int = 0
+    """Offset after the first schema message, where the rows begin."""
+
+    @property
+    def rows(self) -> int:
+        return sum(b.num_rows for b in self.batches)
+
+    def estimated_rows(self) -> int:
+        """Rows the whole file would hold at the bytes per row of the part read."""
+        span = self.good_bytes - self.data_start
+        if not self.rows or span <= 0:
+            return self.rows
+        return self.rows + round((self.size - self.good_bytes) * self.rows / span)
+
+
 def read_streams(path: Path):
     """Complete record batches of every stream in ``path`` (a file reopened for append holds
     several), the first schema, and whether it ended in a torn message."""
+    r = scan_streams(path)
+    return r.batches, r.schema, r.torn
+
+
+def scan_streams(path: Path) -> StreamRead:
+    """:func:`read_streams` with the offsets: every batch is validated in full, so a flipped
+    byte that breaks a message ends the read there (as a torn message does)."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    data = pa.BufferReader(pa.py_buffer(path.read_bytes()))
+    raw = path.read_bytes()
+    data = pa.BufferReader(pa.py_buffer(raw))
     batches, first_schema, schema, torn = [], None, None, False
+    good = start = 0
     while True:
-        reader = ipc.MessageReader.open_stream(data)
         try:
+            reader = ipc.MessageReader.open_stream(data)
             message = reader.read_next_message()
         except StopIteration:
             if data.tell() >= data.size():
                 break
             continue  # an end-of-stream marker; another stream may follow
-        except (pa.ArrowInvalid, OSError):
+        except pa_errors():
             torn = True
             break
         try:
             while True:
                 if message.type == "schema":
                     schema = ipc.read_schema(message)
-                    first_schema = first_schema or schema
+                    if first_schema is None:
+                        first_schema, start = schema, data.tell()
                 elif message.type == "record batch" and schema is not None:
-                    batches.append(ipc.read_record_batch(message, schema))
+                    batch = ipc.read_record_batch(message, schema)
+                    batch.validate(full=True)
+                    batches.append(batch)
+                good = data.tell()
                 message = reader.read_next_message()
         except StopIteration:
+            good = data.tell()
             if data.tell() >= data.size():
                 break
-        except (pa.ArrowInvalid, OSError):
+        except pa_errors():
             torn = True
             break
-    return batches, first_schema, torn
+    return StreamRead(batches, first_schema, torn, good, len(raw), start)
+
+
+def pa_errors() -> tuple[type[BaseException], ...]:
+    """What pyarrow raises on bytes that are not a valid stream."""
+    import pyarrow as pa
+
+    return (pa.ArrowException, OSError, ValueError, IndexError, TypeError)
 
 
 def read_run_histories(run: RunDir) -> dict[int, History]:
     """rank -> history of every rank that left one."""
     return {rank: read_history(p, rank) for rank, p in run.ranked(HISTORY_RE).items()}
+
+
+def iter_histories(run: RunDir, damage: ReadWarnings):
+    """``(rank, History)`` of every rank whose history is usable, one at a time (memory stays
+    one rank's); a damaged file is named in ``damage`` and never stops the other ranks."""
+    ranks = set(run.ranked(HISTORY_RE)) | set(run.ranked(HISTORY_JOURNAL_RE))
+    for rank in sorted(ranks):
+        h = load_history(run.history(rank), rank, damage)
+        if h is not None:
+            yield rank, h

@@ -244,14 +244,19 @@ def recovery_gaps(manifest: Mapping[str, Any]) -> list[str]:
 
 def check_manifest(run_path: Path | str) -> list[str]:
     """Checklist items missing from rank 0's manifest (``["manifest.json"]`` when absent)."""
+    from .damage import parse_json_object
+
     path = manifest_path(run_path, 0)
     try:
-        data = json.loads(path.read_text())
+        data, problem = parse_json_object(path.read_bytes())
     except FileNotFoundError:
         return ["manifest.json"]
-    except (OSError, ValueError) as exc:
-        return [f"manifest.json (unreadable: {exc})"]
-    not_applicable = data.get("not_applicable") or {}
+    except OSError as exc:
+        return [f"manifest.json (unreadable: {exc.strerror or exc})"]
+    if data is None:
+        return [f"manifest.json (unreadable: {problem})"]
+    not_applicable = data.get("not_applicable")
+    not_applicable = not_applicable if isinstance(not_applicable, dict) else {}
     missing = []
     for item in CHECKLIST:
         if item in not_applicable:

@@ -11,9 +11,9 @@ is in the file (plots are inline SVG, see :mod:`report_plots`).
 from __future__ import annotations
 
 import html
-import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,12 @@ import numpy as np
 
 from ..rundir import RunDir
 from . import report_plots as rp
-from .annotations import read_annotations
+from .annotations import load_annotations
 from .compare import resolve_run
+from .damage import ReadWarnings
 from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
+from .run_facts import load_manifest, ranks_present
 from .timeline import RunDirError, build_timeline, describe
 
 MAX_EVENTS = 300
@@ -47,24 +49,46 @@ class ReportError(Exception):
     """The run cannot be reported on; the message says why."""
 
 
-def build_report(run: Path | str, compare: Path | str | None = None) -> str:
-    """The report of ``run`` (optionally overlaid with run ``compare``) as one HTML string."""
+@dataclass(slots=True)
+class Report:
+    """A report page and what it rests on."""
+
+    html: str
+    basis: dict[str, Any]
+    """Ranks used of the run's ranks, and steps (:func:`rests_on`)."""
+    damage: ReadWarnings
+
+
+def build_report(
+    run: Path | str, compare: Path | str | None = None, damage: ReadWarnings | None = None
+) -> Report:
+    """The report of ``run`` (optionally overlaid with run ``compare``) as one HTML page.
+    Damaged files are read as far as they go, listed on the page and added to ``damage``."""
     try:
         path = resolve_run(run)
     except RunDirError as exc:
         raise ReportError(str(exc)) from exc
-    view = _view(path)
+    damage = damage if damage is not None else ReadWarnings(path)
+    damage.root = path
+    view = _view(path, damage)
     other = None
     if compare is not None:
         try:
-            other = _view(resolve_run(compare))
+            other_path = resolve_run(compare)
         except RunDirError as exc:
             raise ReportError(f"--compare: {exc}") from exc
+        other = _view(other_path, ReadWarnings(other_path))
+        damage.merge(other.damage, prefix=f"{other_path.name} (--compare): ")
     try:
         tl = build_timeline(path)
     except RunDirError:
         tl = None
-    parts = [_head(path), _manifest(path, view), _failure(tl)]
+    if tl is not None:
+        damage.merge(tl.damage)
+    manifest = load_manifest(path, damage) or {}
+    basis = rests_on(view, manifest, path)
+    parts = [_head(path), _basis(basis, damage), _manifest(path, view, manifest, damage),
+             _failure(tl)]
     if other is not None:
         parts.append(_comparison(path, other.path))
     parts.append(_plots(view, other))
@@ -75,14 +99,42 @@ def build_report(run: Path | str, compare: Path | str | None = None) -> str:
         f"to {rp.TOPK} ranks; beyond, median with p5-p95 and min-max bands and lines only for "
         f"outlying ranks (at most {rp.OUTLIERS}).</p></body></html>"
     )
-    return "".join(parts)
+    return Report("".join(parts), basis, damage)
 
 
-def _view(path: Path) -> RunView:
+def _view(path: Path, damage: ReadWarnings) -> RunView:
     try:
-        return load_view(path)
-    except (OSError, ValueError) as exc:
+        return load_view(path, damage)
+    except OSError as exc:
         raise ReportError(f"{path}: unreadable history: {exc}") from exc
+
+
+def rests_on(view: RunView, manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Ranks and steps the plots rest on, and the ranks the run had (the manifest's world size,
+    else every rank that left a file)."""
+    ws = (manifest.get("topology") if isinstance(manifest.get("topology"), dict) else {}
+          ).get("world_size")
+    expected = ws if isinstance(ws, int) and not isinstance(ws, bool) and ws > 0 else len(
+        ranks_present(RunDir(path)))
+    steps = len(view.first) if view.first is not None else 0
+    return {"ranks_used": len(view.used), "ranks_expected": max(expected, len(view.used)),
+            "ranks": view.used, "steps": steps}
+
+
+def rests_on_line(b: dict[str, Any]) -> str:
+    line = (f"The plots rest on {b['ranks_used']} of {b['ranks_expected']} ranks, "
+            f"{b['steps']} steps")
+    if b["ranks_used"] < b["ranks_expected"]:
+        line += " (fewer ranks than the run had: per-rank plots and means lack the others)"
+    return line
+
+
+def _basis(b: dict[str, Any], damage: ReadWarnings) -> str:
+    cls = "fail" if b["ranks_used"] < b["ranks_expected"] or damage.items else "muted"
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in damage.lines())
+    listing = f"<p>Damaged files (read as far as they go):</p><ul>{items}</ul>" if items else ""
+    return (f'<div id="basis" class="{cls}"><p>{html.escape(rests_on_line(b))} (ranks '
+            f'{html.escape(str(b["ranks"]))}).</p>{listing}</div>')
 
 
 def _head(path: Path) -> str:
@@ -95,25 +147,23 @@ def _head(path: Path) -> str:
     )
 
 
-def _manifest(path: Path, view: RunView) -> str:
-    try:
-        m = json.loads(RunDir(path).manifest().read_text())
-    except (OSError, ValueError):
-        m = {}
-    ann = read_annotations(path)
-    v, topo, extra = m.get("versions") or {}, m.get("topology") or {}, m.get("extra") or {}
+def _manifest(path: Path, view: RunView, m: dict[str, Any], damage: ReadWarnings) -> str:
+    ann = load_annotations(path, damage)
+    v, topo, extra = (x if isinstance(x, dict) else {}
+                      for x in (m.get("versions"), m.get("topology"), m.get("extra")))
     steps = view.rows
     rows = [
         ("run id", m.get("run_id") or path.name),
         ("world size", topo.get("world_size")),
-        ("hosts", len({h.get("node") for h in topo.get("hosts") or []}) or None),
+        ("hosts", len({str(h.get("node")) for h in _list(topo.get("hosts"))
+                       if isinstance(h, dict)}) or None),
         ("strategy", extra.get("strategy")),
         ("precision", m.get("precision")),
         ("global batch / micro batch / accumulation",
          " / ".join(str(ann.get(k, "?")) for k in ("global_batch", "micro_batch", "accumulation"))),
         ("seed", ann.get("seed")),
         ("parameters", extra.get("param_count")),
-        ("groups", ", ".join(extra.get("group_names") or []) or None),
+        ("groups", ", ".join(map(str, _list(extra.get("group_names")))) or None),
         ("batch shapes", m.get("batch_shapes")),
         ("versions", ", ".join(f"{k} {x}" for k, x in v.items() if x)),
         ("ranks with history", f"{view.ranks} (steps per rank: {min(steps)}-{max(steps)})"
@@ -123,7 +173,9 @@ def _manifest(path: Path, view: RunView) -> str:
         f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(x))}</td></tr>"
         for k, x in rows if x is not None
     )
-    note = "" if m else '<p class="muted">No manifest.json in this run dir.</p>'
+    damaged = RunDir(path).manifest().name in damage.files()
+    note = "" if m else ('<p class="muted">manifest.json is damaged (see above).</p>' if damaged
+                         else '<p class="muted">No manifest.json in this run dir.</p>')
     return f'<h2 id="manifest">Run</h2>{note}<table>{body}</table>'
 
 
@@ -178,6 +230,7 @@ def _comparison(path: Path, other: Path) -> str:
         else f"No divergence over {c.common_steps} common steps")
     cls = "fail" if c.diverged or not c.comparable else "ok"
     reasons = "" if c.comparable else f" Not comparable: {'; '.join(c.reasons)}."
+    reasons += f" {c.basis_line()}." + "".join(f" Warning: {w}." for w in c.warnings)
     rows = "".join(
         f"<tr><td>{html.escape(s.name)}</td><td>{s.noise:.2e}</td><td>{s.tolerance:.2e}</td>"
         f"<td>{'-' if s.first_step is None else s.first_step}</td>"
@@ -260,6 +313,10 @@ def _plots(view: RunView, other: RunView | None) -> str:
     _safe_log(ax)
     out.append(_fig("allreduce", fig))
     return "".join(out)
+
+
+def _list(v: Any) -> list:
+    return v if isinstance(v, list) else []
 
 
 def single_values(h: History, group: str) -> np.ndarray:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..rundir import HISTORY_RE, PROGRESS_RE, RunDir
+from ..rundir import PROGRESS_RE, RunDir
 from . import report_plots as rp
-from .eventlog import read_progress
-from .history_read import History, read_history
+from .damage import ReadWarnings, read_json
+from .history_read import History, iter_histories
 
 PER_RANK = (
     "loss",
@@ -34,43 +34,33 @@ PER_RANK = (
 class RunView:
     path: Path
     first: History | None
-    """The lowest rank's full history (None: no rank left one)."""
+    """The lowest usable rank's full history (None: no rank left a usable one)."""
     grids: dict[str, rp.Grid] = field(default_factory=dict)
     origin_steps: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
-    """Last step + 1 of each rank with a history."""
+    """Last step + 1 of each rank with a usable history."""
+    used: list[int] = field(default_factory=list)
+    """The ranks whose history the plots rest on."""
+    damage: ReadWarnings = field(default_factory=ReadWarnings)
 
     @property
     def ranks(self) -> int:
         return len(self.rows)
 
 
-def load_view(path: Path) -> RunView:
-    """Read every rank's history once, keeping only what the plots need."""
+def load_view(path: Path, damage: ReadWarnings | None = None) -> RunView:
+    """Read every rank's history once, keeping only what the plots need; a damaged rank is
+    skipped (named in ``damage``) and the others are still plotted."""
     run = RunDir(path)
-    files = run.ranked(HISTORY_RE)
-    view = RunView(path, None)
-    if not files:
-        return view
-    first_rank = min(files)
-    view.first = read_history(files[first_rank], first_rank)
-    if not len(view.first):
-        return view
-    lo = int(view.first.columns["step"][0])
-    hi = int(view.first.columns["step"][-1])
-    for p in run.ranked(PROGRESS_RE).values():  # a rank that got further than the lowest one
-        step = (read_progress(p) or {}).get("step")
-        if isinstance(step, int):
-            hi = max(hi, step)
-    edges, x = rp.edges_for(lo, hi)
+    view = RunView(path, None, damage=damage if damage is not None else ReadWarnings(path))
+    edges = x = None
     binned: dict[str, list[np.ndarray]] = {name: [] for name in PER_RANK}
-    ranks: list[int] = []
     origins: set[int] = set()
-    for rank, f in files.items():
-        h = view.first if rank == first_rank else read_history(f, rank)
-        if not len(h):
-            continue
-        ranks.append(rank)
+    for rank, h in iter_histories(run, view.damage):
+        if view.first is None:
+            view.first = h
+            edges, x = rp.edges_for(int(h.columns["step"][0]), _last_step(run, h, view.damage))
+        view.used.append(rank)
         view.rows.append(int(h.columns["step"][-1]) + 1)
         origins.update(int(s) for s in h.columns["step"][h.columns["origin"]])
         steps = h.columns["step"]
@@ -79,9 +69,20 @@ def load_view(path: Path) -> RunView:
             if name == "memory_bytes":
                 values = np.where(values >= 0, values / 2**30, np.nan)
             binned[name].append(rp.bin_onto(edges, steps, values))
-    view.grids = {name: rp.Grid(x, ranks, np.vstack(binned[name])) for name in PER_RANK}
+    if view.first is not None:
+        view.grids = {name: rp.Grid(x, view.used, np.vstack(binned[name])) for name in PER_RANK}
     view.origin_steps = sorted(origins)
     return view
+
+
+def _last_step(run: RunDir, first: History, damage: ReadWarnings) -> int:
+    """The lowest rank's last step, or later when a rank's progress file says it got further."""
+    hi = int(first.columns["step"][-1])
+    for p in run.ranked(PROGRESS_RE).values():
+        step = (read_json(p, damage, kept="its last step not used") or {}).get("step")
+        if isinstance(step, int) and not isinstance(step, bool):
+            hi = max(hi, step)
+    return hi
 
 
 def single(h: History, column: str) -> rp.Grid:

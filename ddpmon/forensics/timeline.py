@@ -37,8 +37,7 @@ from typing import Any
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
 from .crash_files import crash_event, sigterm_event
-from .eventlog import read_events, read_progress
-from .watchdog import read_flight_recorder_status
+from .damage import ReadWarnings, read_json, read_json_lines
 
 SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
 COMM_ERROR = re.compile(
@@ -47,7 +46,12 @@ COMM_ERROR = re.compile(
     re.IGNORECASE,
 )
 class RunDirError(Exception):
-    """The directory is not a run, or holds no events; the message says what was found."""
+    """The directory is not a run, or holds no events; the message says what was found, and
+    ``damage`` the damaged files that left nothing to read."""
+
+    def __init__(self, message: str, damage: ReadWarnings | None = None) -> None:
+        super().__init__(message)
+        self.damage = damage if damage is not None else ReadWarnings()
 
 
 @dataclass(slots=True)
@@ -62,6 +66,8 @@ class Timeline:
     recovery: dict[str, Any] = field(default_factory=dict)
     """``attempts`` and, after a failure, ``last_good_checkpoint``, ``steps_lost`` and
     ``restarted`` (see :mod:`ddpmon.forensics.attempts`)."""
+    damage: ReadWarnings = field(default_factory=ReadWarnings)
+    """Damaged files met (their lines are in ``warnings`` too)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +79,7 @@ class Timeline:
             "missing_ranks": self.missing_ranks,
             "partial": bool(self.missing_ranks),
             "warnings": self.warnings,
+            "damaged": self.damage.to_json(),
             "events": self.events,
         }
 
@@ -97,15 +104,19 @@ def resolve_run_path(path: Path | str) -> Path:
 
 
 def build_timeline(path: Path | str) -> Timeline:
+    """The merged timeline of a run; damaged files are read as far as they go and named in the
+    result's ``damage`` (and ``warnings``); one rank's damage never drops another rank."""
     run_path = resolve_run_path(path)
     run = RunDir(run_path)
+    damage = ReadWarnings(run_path)
     warnings: list[str] = []
     per_rank: dict[int, list[dict[str, Any]]] = {}
     for rank, f in run.ranked(EVENTS_RE).items():
-        events, bad = read_events(f)
-        if bad:
-            warnings.append(f"{f.name}: {bad} unreadable line(s) skipped")
-        per_rank[rank] = events
+        per_rank[rank] = [_event(e, rank) for e in read_json_lines(f, damage, valid=_is_event)]
+    if any(per_rank.values()):  # an empty log beside others that have events lost its lines
+        for rank, f in run.ranked(EVENTS_RE).items():
+            if not per_rank[rank] and damage.name(f) not in damage.files():
+                damage.add(f, "empty", f"no events from rank {rank}")
     rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
 
     ranks: dict[int, dict[str, Any]] = {}
@@ -134,7 +145,7 @@ def build_timeline(path: Path | str) -> Timeline:
     # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
     progress: dict[int, dict[str, Any]] = {}
     for rank, f in run.ranked(PROGRESS_RE).items():
-        p = read_progress(f)
+        p = read_json(f, damage, kept="its last step not used", check=_progress_problem)
         if p is not None:
             progress[rank] = p
 
@@ -155,7 +166,7 @@ def build_timeline(path: Path | str) -> Timeline:
     synthetic: list[dict[str, Any]] = []
     for regex, parser in ((CRASH_RE, crash_event), (SIGTERM_RE, sigterm_event)):
         for rank, f in run.ranked(regex).items():
-            ev = parser(f, rank)
+            ev = parser(f, rank, damage)
             if ev is not None:
                 offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
                 ev["t"] = ev["ts"] + offset
@@ -183,7 +194,7 @@ def build_timeline(path: Path | str) -> Timeline:
     for e in merged:
         e["t_rel"] = round(e["t"] - t0, 6)
 
-    fr_status = _flight_recorder(run)
+    fr_status = _flight_recorder(run, damage)
     evidence: dict[int, list[str]] = {}
     for b in run.bundles():
         parsed = parse_bundle_name(b.name)
@@ -211,6 +222,9 @@ def build_timeline(path: Path | str) -> Timeline:
         if missing:
             warnings.append(f"partial run: no files from rank(s) {missing} of {world_size}")
     if not merged:
+        if damage.items:
+            raise RunDirError(f"{run_path}: no readable events: " + "; ".join(damage.lines()),
+                              damage)
         raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
 
     first = _first_failure(merged, fr_status)
@@ -220,7 +234,36 @@ def build_timeline(path: Path | str) -> Timeline:
         for a in sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
     }
     recovery = att.summarize(merged, first, last_steps)
-    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery)
+    warnings = damage.lines() + warnings
+    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery,
+                    damage)
+
+
+def _is_event(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("kind"), str)
+
+
+def _event(e: dict[str, Any], rank: int) -> dict[str, Any]:
+    """An event whose fields the timeline relies on have usable types (a wrong-typed ``rank``
+    or ``step`` from a damaged line is replaced, never trusted)."""
+    if not _is_int(e.get("rank")):
+        e["rank"] = rank
+    if e.get("step") is not None and not _is_int(e["step"]):
+        e["step"] = None
+    if e.get("attempt") is not None and not isinstance(e["attempt"], int):
+        del e["attempt"]
+    return e
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _progress_problem(p: dict[str, Any]) -> str | None:
+    step = p.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"no integer step (step={str(step)[:40]!r})"
+    return None
 
 
 def _vanished(rank: int, attempt: int, mine: list[dict[str, Any]], progress: dict[str, Any],
@@ -285,7 +328,7 @@ def failure_tier(e: dict[str, Any]) -> int | None:
         decided = e.get("action") in ("skip", "raise")
         return 3 if e.get("origin") is False or decided or where in ("reduced", "global") else 0
     if kind == "signal":
-        return 3 if e.get("signal") in SECONDARY_SIGNALS else 0
+        return 3 if str(e.get("signal")) in SECONDARY_SIGNALS else 0
     if kind == "oom":
         return 0
     if kind == "exit":
@@ -333,14 +376,17 @@ def _brief(e: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in e.items() if k not in skip}
 
 
-def _flight_recorder(run: RunDir) -> dict[int, dict[str, Any]]:
+def _flight_recorder(run: RunDir, damage: ReadWarnings) -> dict[int, dict[str, Any]]:
     """Default-group status of each rank's JSON flight-recorder dump, in the current layout
     (``flight_recorder/fr_trace_rank_<R>.json``) or the legacy one
     (``flight_recorder.rank<R>.json``)."""
     out: dict[int, dict[str, Any]] = {}
     for rank, f in run.flight_recorder_dumps().items():
-        status = read_flight_recorder_status(f)
-        if not status:
+        data = read_json(f, damage, kept="its collective counts not used")
+        status = data.get("pg_status") if data is not None else None
+        if data is not None and not isinstance(status, dict):
+            damage.add(f, "no pg_status object", "its collective counts not used")
+        if not isinstance(status, dict) or not status:
             continue
         default = status.get("0") or next(iter(status.values()))
         if isinstance(default, dict):

@@ -19,7 +19,8 @@ pytest.importorskip("pyarrow")
 GLOBAL_BATCH = 8
 
 
-def demo(run_dir: Path, run_id: str, nproc: int, steps: int, *injects: str) -> Path:
+def demo(run_dir: Path, run_id: str, nproc: int, steps: int, *injects: str,
+         extra: tuple[str, ...] = ()) -> Path:
     cmd = [
         sys.executable, "-m", "ddpmon.cli", "demo",
         "--nproc", str(nproc), "--steps", str(steps), "--step-delay", "0",
@@ -29,6 +30,7 @@ def demo(run_dir: Path, run_id: str, nproc: int, steps: int, *injects: str) -> P
     ]
     for spec in injects:
         cmd += ["--inject", spec]
+    cmd += extra
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -99,6 +101,71 @@ def test_text_output_has_the_per_group_table(runs):
     assert "First divergence: step 20 in group" in proc.stdout
     for name in ("group:embed", "group:encoder", "group:head", "tolerance"):
         assert name in proc.stdout
+
+
+def test_text_table_fits_80_columns_and_cuts_no_number(runs):
+    """A CI log: not a TTY, 80 columns. Every row keeps whole numbers (no "0.00e+…")."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpmon.cli", "compare", str(runs["one"]), str(runs["scaled"])],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
+                                                           "COLUMNS": "80"},
+    )
+    _, out = compare(runs["one"], runs["scaled"])
+    lines = proc.stdout.splitlines()
+    assert max(map(len, lines)) <= 80 and "\u2026" not in proc.stdout, proc.stdout
+    rows = {line.split()[0]: line.split() for line in lines if line.split()
+            and line.split()[0] in {s["name"] for s in out["series"]}}
+    assert len(rows) == len(out["series"]), proc.stdout
+    for s in out["series"]:
+        name, noise, tol, before, first, a, b, diff = rows[s["name"]]
+        assert float(noise) == pytest.approx(s["noise"], rel=0.06, abs=1e-12)
+        assert float(tol) == pytest.approx(s["tolerance"], rel=0.06)
+        assert first == ("-" if s["first_step"] is None else str(s["first_step"]))
+        if s["value_a"] is not None:
+            assert float(a) == pytest.approx(s["value_a"], rel=1e-4)
+            assert float(b) == pytest.approx(s["value_b"], rel=1e-4)
+            assert float(diff) == pytest.approx(s["rel_diff"], rel=0.06)
+
+
+def test_the_ranks_and_steps_each_run_rests_on_are_stated(runs, tmp_path):
+    code, out = compare(runs["one"], runs["two"])
+    assert out["basis"]["a"] == {"ranks_used": 1, "ranks_expected": 1, "ranks": [0],
+                                 "steps": 60}
+    assert out["basis"]["b"]["ranks"] == [0, 1] and out["basis"]["common_steps"] == 60
+    assert not any("rests on" in w for w in out["warnings"])
+    # rank 1's history cut short by a crash mid-write: rank 0 is still compared, and it is said
+    damaged = tmp_path / "two"
+    shutil.copytree(runs["two"], damaged)
+    hist = damaged / "history.rank1.arrow"
+    hist.write_bytes(hist.read_bytes()[: hist.stat().st_size // 3])
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpmon.cli", "compare", str(runs["one"]), str(damaged)],
+        capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
+                                                           "COLUMNS": "80"},
+    )
+    assert "B rests on 1 of 2 ranks, 60 steps" in proc.stdout, proc.stdout
+    assert "ddpmon compare: warning: run B: history.rank1.arrow: " in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    code, out = compare(runs["one"], damaged)
+    assert out["basis"]["b"]["ranks"] == [0] and out["basis"]["b"]["ranks_expected"] == 2
+    assert [d["file"] for d in out["damaged"]] == ["history.rank1.arrow"]
+    assert any("run B rests on 1 of 2 ranks" in w for w in out["warnings"])
+
+
+def test_a_resume_without_optimizer_state_is_named_with_the_divergence(runs, tmp_path):
+    resumed = demo(tmp_path, "resumed", 2, 40, "kill@rank1:step30", extra=(
+        "--checkpoint-every", "8", "--resume", "--max-restarts", "1",
+        "--resume-without", "optimizer"))
+    code, out = compare(runs["two"], resumed)
+    assert code == 1, out
+    (r,) = out["resumes"]["b"]
+    assert r["attempt"] == 1 and r["missing"] == ["optimizer"] and out["resumes"]["a"] == []
+    step = r["step"]
+    # the norms are of gradients before the update: the first resumed update shows one later
+    assert out["first_divergent_step"] in (step, step + 1), out
+    note = f"B resumed at step {step} without optimizer state; divergence begins at the first " \
+        "resumed step"
+    assert any(w.startswith(note) for w in out["warnings"]), out["warnings"]
 
 
 def test_different_seed_is_not_comparable(runs, tmp_path):

@@ -41,11 +41,23 @@ def test_top_lists_live_ranks_and_marks_dead_ones(tmp_path):
             loss.backward()
             opt.step()
             opt.zero_grad()
+        # beside the live rank's file: one cut short, one of another shape
+        (sd / "ddpmon-other-rank0.json").write_text('[{"targets": ["127.0.0.1:1"')
+        (sd / "ddpmon-other-rank1.json").write_text('{"targets": ["127.0.0.1:1"]}')
         as_json = top("--sd-dir", str(sd), "--json")
         assert as_json.returncode == 0, as_json.stderr
-        ranks = json.loads(as_json.stdout)["ranks"]
-        (values,) = ranks.values()
+        doc = json.loads(as_json.stdout)
+        (values,) = doc["ranks"].values()
         assert values["ddpmon_step"] == 2 and values["rank"] == 0
+        assert type(values["rank"]) is int and type(values["ddpmon_step"]) is int
+        assert "Traceback" not in as_json.stderr
+        named = {d["file"]: d["problem"] for d in doc["damaged"]}
+        assert named.keys() == {"ddpmon-other-rank0.json", "ddpmon-other-rank1.json"}
+        assert "truncated JSON" in named["ddpmon-other-rank0.json"]
+        assert "not a list of target groups" in named["ddpmon-other-rank1.json"]
+        assert f"ddpmon top: warning: {sd}/ddpmon-other-rank0.json: " in as_json.stderr
+        for f in sd.glob("ddpmon-other-*.json"):
+            f.unlink()
         dead = f"127.0.0.1:{free_port()}"
         table = top("--targets", f"127.0.0.1:{mon.port}", dead)
         assert table.returncode == 0, table.stderr
@@ -56,3 +68,5 @@ def test_top_lists_live_ranks_and_marks_dead_ones(tmp_path):
     assert not list(sd.glob("*.json"))  # the rank unpublished itself on close
     empty = top("--sd-dir", str(sd))
     assert empty.returncode == 1 and "no rank endpoints found" in empty.stdout
+    nowhere = top("--sd-dir", str(tmp_path / "nope"))
+    assert nowhere.returncode == 2 and "no such directory" in nowhere.stderr

@@ -1,0 +1,12 @@
+"""One way every reader command names damaged files: one line each on stderr, so ``--json`` on
+stdout stays one document (it carries the same lines under ``warnings``)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+
+def print_damage(command: str, lines: Iterable[str]) -> None:
+    for line in lines:
+        print(f"ddpmon {command}: warning: {line}", file=sys.stderr)
