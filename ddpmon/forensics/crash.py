@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_text_atomic
 from ..rundir import RunDir
 
 log = logging.getLogger("ddpmon.crash")
@@ -212,7 +213,10 @@ def _normal_code(code: Any) -> int | str:
 def write_torchelastic_error(exc_type: Any, exc: BaseException, text: str) -> bool:
     """Write ``TORCHELASTIC_ERROR_FILE`` like ``torch.distributed.elastic``'s ``@record``.
 
-    Left alone if the file already has content (``@record`` got there first)."""
+    Left alone if the file already has content (``@record`` got there first). Written
+    atomically: the launcher SIGTERMs the other ranks right after a failure, and an empty file
+    left by a rank stopped between open and write made torchrun itself die reading it
+    (``json.load`` in ``ProcessFailure``)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
@@ -225,8 +229,7 @@ def write_torchelastic_error(exc_type: Any, exc: BaseException, text: str) -> bo
                 "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
             }
         }
-        with open(path, "w") as fp:
-            json.dump(data, fp)
+        write_text_atomic(path, json.dumps(data))
         return True
     except Exception:
         return False
