@@ -169,6 +169,7 @@ class DeepSpeedSource(GradientSource):
         self.name = f"deepspeed-zero{self.facts.stage}"  # type: ignore[misc]
         self._sq: list[torch.Tensor | None] = [None] * len(self.index)
         self._reduced: NormVector | None = None
+        self._positions: dict[tuple, torch.Tensor] = {}
         self._scale_used: float | torch.Tensor = 1.0
         """The loss scale this step's gradients carry, noted before ``engine.step`` updates it."""
         self._local_on = "DeepCompile" not in self.facts.unreadable
@@ -226,12 +227,23 @@ class DeepSpeedSource(GradientSource):
         sq = torch.zeros(n, dtype=torch.float64, device=_device(tensors, self.index))
         if tensors:
             norms = per_param_norms(tensors).to(sq.device, torch.float64)
-            sq.index_copy_(0, torch.tensor(positions, device=sq.device), norms * norms)
+            sq.index_copy_(0, self._position_tensor(positions, sq.device), norms * norms)
         if self.facts.stage in (1, 2, 3):
             group = getattr(self.engine.optimizer, "dp_process_group", None)
             torch.distributed.all_reduce(sq, group=group)
         norms = sq.sqrt() / self._scale_used
         self._reduced = NormVector(norms, self.index.all_positions, scaled=False)
+
+    def _position_tensor(self, positions: list[int], device: torch.device) -> torch.Tensor:
+        """The positions as a device index, built once (a host-to-device copy of a pageable
+        list waits for the stream, so it is not repeated per step)."""
+        key = (tuple(positions), device)
+        cached = self._positions.get(key)
+        if cached is None:
+            if len(self._positions) > 4:  # positions are stable per engine; stay bounded
+                self._positions.clear()
+            cached = self._positions[key] = torch.tensor(positions, device=device)
+        return cached
 
     def _reduced_pieces(self) -> tuple[list[torch.Tensor], list[int]]:
         """This rank's share of every reduced gradient (disjoint across ranks for ZeRO 1-3)."""

@@ -35,6 +35,8 @@ def detect_strategy(model: torch.nn.Module) -> str:
     from .deepspeed import is_engine
 
     if is_engine(model):
+        if type(model).__name__ == "PipelineEngine":
+            return "unsupported:deepspeed-pipeline"
         return "deepspeed"
     if "deepspeed" in kind.lower():
         return "unsupported:deepspeed"

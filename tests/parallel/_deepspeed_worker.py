@@ -63,6 +63,11 @@ def configs() -> dict[str, dict]:
     out["z2-fp32-deepcompile"] = {
         "stage": 2, "precision": "fp32", "gas": 1, "check": True, "deepcompile": True
     }
+    # An optimizer wrapper ddpmon does not read (ZeRO-1 + bf16 + fp32 accumulation picks
+    # DeepSpeed's BF16_Optimizer): one warning, local numbers and steps still measured.
+    out["z1-bf16-fp32accum"] = {
+        "stage": 1, "precision": "bf16", "gas": 1, "check": True, "fp32_accum": True
+    }
     return out
 
 
@@ -95,6 +100,8 @@ def ds_config(cfg: dict) -> dict:
         conf["bf16"] = {"enabled": True}
         if not cfg["check"]:
             conf["bf16"]["check_grad_overflow"] = False
+    if cfg.get("fp32_accum"):
+        conf["data_types"] = {"grad_accum_dtype": "fp32"}
     return conf
 
 
@@ -182,6 +189,7 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
         "second_attach_error": second.error,
         "second_enabled": second.enabled,
         "strategy": state.strategy,
+        "optimizer": type(engine.optimizer).__name__,
         "amp_enabled": state.amp_enabled,
         "loss_scale": state.loss_scale,
         "steps_total": state.steps_total,
