@@ -69,11 +69,14 @@ def _refused(model: Any, optimizer: Any) -> str | None:
     import sys
 
     if "deepspeed" in sys.modules or "deepspeed" in type(model).__module__:
-        from ..strategies.deepspeed import attach_error, is_engine
+        from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
+        from ..strategies.detect import detect_strategy
 
         reason = attach_error(model, optimizer)
         if reason is not None or is_engine(model):
             return reason
+        if detect_strategy(model) == "plain":  # maybe before deepspeed.initialize: say so
+            log.warning(BARE_MODULE_WARNING)
     if optimizer is None:
         return "attach(model, optimizer): the optimizer is required (only a DeepSpeedEngine " \
             "carries its own)"

@@ -40,6 +40,7 @@ log = logging.getLogger("ddpmon")
 __all__ = [
     "DeepSpeedSource",
     "EngineFacts",
+    "BARE_MODULE_WARNING",
     "EngineSteps",
     "attach_error",
     "engine_facts",
@@ -154,6 +155,13 @@ def attach_error(model: Any, optimizer: Any) -> str | None:
             "ddpmon.attach(engine) with the engine that deepspeed.initialize returns"
         )
     return None
+
+
+BARE_MODULE_WARNING = (
+    "ddpmon: DeepSpeed is imported and this model is a bare module with a torch optimizer; if "
+    "deepspeed.initialize will wrap it, attach to the engine it returns instead "
+    "(ddpmon.attach(engine)): attached before, ddpmon measures it as a plain model."
+)
 
 
 class DeepSpeedSource(GradientSource):

@@ -122,7 +122,10 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
         model=model, model_parameters=model.parameters(), config=ds_config(cfg)
     )
     engine.module.mid.weight.register_hook(inject)  # before attach: ddpmon sees its output
-    module_attach = ddpmon.attach(engine.module, engine.optimizer, port=0)
+    module_attach = ddpmon.attach(
+        engine.module, engine.optimizer, port=0, run_dir=str(out / "runs"), run_id=f"dsm-{name}"
+    )
+    module_attach.close()  # stage 0 fp32 is not refused (plain module, torch optimizer)
     if cfg.get("deepcompile"):
         engine.is_deepcompile_enabled = lambda: True
     mon = ddpmon.attach(
@@ -225,6 +228,12 @@ def main() -> None:
     fp16_on_cpu()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
+    # attach before deepspeed.initialize (a bare module and a torch optimizer): a warning only
+    bare = Net()
+    early = ddpmon.attach(bare, torch.optim.SGD(bare.parameters(), lr=0.1), port=0,
+                          run_dir=str(args.out / "runs"), run_id="ds-bare")
+    early_enabled = early.enabled
+    early.close()
     wanted = [c for c in args.configs.split(",") if c]
     results = {}
     started = time.perf_counter()
@@ -232,7 +241,10 @@ def main() -> None:
         if wanted and name not in wanted:
             continue
         results[name] = run_config(name, cfg, args.out, rank)
-    payload = {"rank": rank, "configs": results, "seconds": time.perf_counter() - started}
+    payload = {
+        "rank": rank, "configs": results, "seconds": time.perf_counter() - started,
+        "early_enabled": early_enabled,
+    }
     (args.out / f"rank{rank}.json").write_text(json.dumps(payload, default=str))
     torch.distributed.destroy_process_group()
 

@@ -207,3 +207,14 @@ def test_unknown_optimizer_wrapper_warns_and_keeps_local_numbers(runs):
     found = [(r["step"], r["local_nonfinite_param"])
              for r in rank_cfg(runs, W.NAN_RANK, "z1-bf16-fp32accum")["records"] if r["origin"]]
     assert found == [(W.NAN_STEP, W.NAN_PARAM)]
+
+
+def test_bare_module_before_initialize_warns(runs):
+    from ddpmon.strategies.deepspeed import BARE_MODULE_WARNING
+
+    for rank in (0, 1):
+        assert runs["ranks"][rank]["early_enabled"]  # measured as a plain model, never refused
+        # the bare module, attached once per rank outside the configs' loop, and engine.module
+        # with the torch optimizer of the ZeRO-0 fp32 configs (not refused, warned)
+        plain = [n for n in CONFIGS if n.startswith("z0-fp32")]
+        assert runs["ranks"][rank]["stderr"].count(BARE_MODULE_WARNING) == 1 + len(plain)
