@@ -75,7 +75,8 @@ def _refused(model: Any, optimizer: Any) -> str | None:
         reason = attach_error(model, optimizer)
         if reason is not None or is_engine(model):
             return reason
-        if detect_strategy(model) == "plain":  # maybe before deepspeed.initialize: say so
+        if optimizer is not None and detect_strategy(model) == "plain":
+            # maybe before deepspeed.initialize: say so
             log.warning(BARE_MODULE_WARNING)
     if optimizer is None:
         return "attach(model, optimizer): the optimizer is required (only a DeepSpeedEngine " \
