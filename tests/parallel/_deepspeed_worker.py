@@ -211,6 +211,7 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
         "module_attach_error": module_attach.error,
         "run_path": str(mon.run_path),
     }
+    result["exposition"] = mon.exposition.render().decode()
     mon.close()
     reattach = ddpmon.attach(engine, port=0, run_dir=str(out / "runs"), run_id=f"ds3-{name}")
     result["reattach_after_close"] = reattach.enabled

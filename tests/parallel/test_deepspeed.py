@@ -218,3 +218,29 @@ def test_bare_module_before_initialize_warns(runs):
         # with the torch optimizer of the ZeRO-0 fp32 configs (not refused, warned)
         plain = [n for n in CONFIGS if n.startswith("z0-fp32")]
         assert runs["ranks"][rank]["stderr"].count(BARE_MODULE_WARNING) == 1 + len(plain)
+
+
+@pytest.mark.parametrize("name", ["z3-bf16-gas2", "z2-fp16-gas2", "z0-fp32-gas1"])
+def test_exposition(runs, name):
+    """What a scrape shows: the strategy label, the step count, the last norm, and a loss scale
+    only under fp16."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cfg = CONFIGS[name]
+    for rank in (0, 1):
+        res = rank_cfg(runs, rank, name)
+        samples = {}
+        for family in text_string_to_metric_families(res["exposition"]):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append(sample)
+        info = samples["ddpmon_rank_info"][0].labels
+        assert info["strategy"] == f"deepspeed-zero{cfg['stage']}"
+        assert samples["ddpmon_steps_total"][0].value == W.STEPS
+        last = res["records"][-1]["grad_norm"]
+        assert close(samples["ddpmon_grad_norm"][0].value, float(last), 1e-9)
+        scale = samples.get("ddpmon_amp_loss_scale")
+        if cfg["precision"] == "fp16":
+            assert scale[0].value == res["ds_scales"][-1]
+            assert samples["ddpmon_amp_skipped_steps_total"][0].value == 1
+        else:
+            assert scale is None and "ddpmon_amp_skipped_steps_total" not in samples
