@@ -226,21 +226,40 @@ class DeepSpeedSource(GradientSource):
         self._scale_used = self.loss_scale()
 
     def measure_reduced(self) -> None:
-        """At the entry of a boundary ``engine.step``: the reduced, pre-clip gradients."""
+        """At the entry of a boundary ``engine.step``: the reduced, pre-clip gradients.
+
+        ZeRO 1-3: a rank whose own measurement fails still takes part in the all-reduce (no
+        rank is left waiting in it), with a failure flag in the vector's last slot; every rank
+        then reports norms of 0 for that step (never NaN, which would read as a non-finite
+        gradient), as the other strategies do. The failure is counted on the rank it happened.
+        """
         self._reduced = None
         if not self._reduced_on:
             return
-        tensors, positions = self._reduced_pieces()
+        collective = self.facts.stage in (1, 2, 3)
         n = len(self.index)
-        sq = torch.zeros(n, dtype=torch.float64, device=_device(tensors, self.index))
-        if tensors:
-            norms = per_param_norms(tensors).to(sq.device, torch.float64)
-            sq.index_copy_(0, self._position_tensor(positions, sq.device), norms * norms)
-        if self.facts.stage in (1, 2, 3):
+        failed = None
+        try:
+            tensors, positions = self._reduced_pieces()
+            sq = torch.zeros(n + 1, dtype=torch.float64, device=_device(tensors, self.index))
+            if tensors:
+                norms = per_param_norms(tensors).to(sq.device, torch.float64)
+                sq.index_copy_(0, self._position_tensor(positions, sq.device), norms * norms)
+        except Exception as exc:
+            if not collective:
+                raise
+            failed = exc
+            sq = torch.zeros(n + 1, dtype=torch.float64, device=_device([], self.index))
+            sq[n] = 1.0
+        if collective:
             group = getattr(self.engine.optimizer, "dp_process_group", None)
             torch.distributed.all_reduce(sq, group=group)
-        norms = sq.sqrt() / self._scale_used
+        norms = sq[:n].sqrt() / self._scale_used
+        if collective:  # a device-side choice: nothing is read on the host
+            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
         self._reduced = NormVector(norms, self.index.all_positions, scaled=False)
+        if failed is not None:
+            raise failed
 
     def _position_tensor(self, positions: list[int], device: torch.device) -> torch.Tensor:
         """The positions as a device index, built once (a host-to-device copy of a pageable

@@ -29,6 +29,7 @@ STEPS = 4
 NAN_STEP = 1
 NAN_RANK = 1
 NAN_PARAM = "mid.weight"
+FAIL_STEP = 2
 CLIP = 0.05  # below every clean norm here: clipping always changes the gradients
 GROUPS = ("enc", "mid", "head")
 
@@ -67,6 +68,10 @@ def configs() -> dict[str, dict]:
     # DeepSpeed's BF16_Optimizer): one warning, local numbers and steps still measured.
     out["z1-bf16-fp32accum"] = {
         "stage": 1, "precision": "bf16", "gas": 1, "check": True, "fp32_accum": True
+    }
+    # rank 1's reading of its partitions fails at FAIL_STEP: no rank may hang in the all-reduce
+    out["z2-fp32-probe-fails"] = {
+        "stage": 2, "precision": "fp32", "gas": 1, "check": True, "fail": True
     }
     return out
 
@@ -131,6 +136,15 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
     mon = ddpmon.attach(
         engine, port=0, run_dir=str(out / "runs"), run_id=f"ds-{name}", stall_seconds=600
     )
+    if cfg.get("fail") and rank == 1 and mon.enabled:
+        real = mon.source._reduced_pieces  # test-only: make this rank's own reading fail
+
+        def failing():
+            if nan_at["step"] == FAIL_STEP:
+                raise RuntimeError("injected failure")
+            return real()
+
+        mon.source._reduced_pieces = failing
     second = ddpmon.attach(engine, port=0, run_dir=str(out / "runs"), run_id=f"ds2-{name}")
     ref_local: dict[int, float] = {}
     names = dict(engine.module.named_parameters())

@@ -23,7 +23,7 @@ from . import _deepspeed_worker as W  # noqa: E402
 
 WORKER = Path(W.__file__)
 CONFIGS = W.configs()
-UNREADABLE = ("z2-fp32-deepcompile", "z1-bf16-fp32accum")
+UNREADABLE = ("z2-fp32-deepcompile", "z1-bf16-fp32accum", "z2-fp32-probe-fails")
 MEASURED = [n for n in CONFIGS if n not in UNREADABLE]
 REL = 1e-5
 # Configs where DeepSpeed applies the NaN step: stage 0 fp32 (nothing is skipped) and bf16
@@ -57,7 +57,8 @@ def test_strategy_and_manifest(runs, name):
         res = rank_cfg(runs, rank, name)
         assert res["attached"], res["error"]
         assert res["strategy"] == f"deepspeed-zero{cfg['stage']}"
-        assert res["errors"] == {}, res["errors"]
+        failing = name == "z2-fp32-probe-fails" and rank == 1
+        assert res["errors"] == ({"grads": 1} if failing else {}), res["errors"]
     manifest = json.loads((Path(rank_cfg(runs, 0, name)["run_path"]) / "manifest.json").read_text())
     facts = manifest["extra"]["deepspeed"]
     assert facts["stage"] == cfg["stage"]
@@ -244,3 +245,17 @@ def test_exposition(runs, name):
             assert samples["ddpmon_amp_skipped_steps_total"][0].value == 1
         else:
             assert scale is None and "ddpmon_amp_skipped_steps_total" not in samples
+
+
+def test_one_rank_failing_to_read_its_partitions_hangs_no_rank(runs):
+    """Rank 1's reading fails at FAIL_STEP: both ranks still meet in the all-reduce, report 0
+    for that step (never NaN) and DeepSpeed's norm on the others; only rank 1 counts it."""
+    for rank in (0, 1):
+        res = rank_cfg(runs, rank, "z2-fp32-probe-fails")
+        assert res["steps_total"] == W.STEPS
+        for step, rec in enumerate(res["records"]):
+            if step == W.FAIL_STEP:
+                assert rec["grad_norm"] == 0.0 and res["ds_norms"][step] > 0
+            else:
+                assert close(float(rec["grad_norm"]), float(res["ds_norms"][step]), REL)
+        assert res["errors"] == ({"grads": 1} if rank == 1 else {})
