@@ -9,6 +9,8 @@ TORCH_PIN := torch==2.13.0
 # Framework versions the integration tests run against (users get open ranges from the extras).
 # Installed with the torch pin so that pip can never swap the CPU torch for another build.
 INTEGRATION_PINS := lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0
+# DeepSpeed for tests/parallel/test_deepspeed.py (CPU accelerator, gloo), with the torch pin.
+DEEPSPEED_PINS := deepspeed==0.19.8
 PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
@@ -19,7 +21,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(INTEGRATION_PINS)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev,lightning,transformers]'
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(DEEPSPEED_PINS)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
 	touch $(STAMP)
 
 debs:

@@ -210,21 +210,21 @@ AMP_LOSS_SCALE = Metric(
     G,
     "Current AMP loss scale.",
     L.NUMERICS,
-    when="with a GradScaler, after the first read",
+    when="with a GradScaler or DeepSpeed fp16, after the first read",
 )
 AMP_LOSS_SCALE_FLOOR = Metric(
     "ddpmon_amp_loss_scale_floor",
     G,
     "Configured loss scale floor; alerts compare against it.",
     L.NUMERICS,
-    when="with a GradScaler",
+    when="with a GradScaler or DeepSpeed fp16",
 )
 AMP_SKIPPED_STEPS = Metric(
     "ddpmon_amp_skipped_steps_total",
     C,
     "Optimizer steps skipped by the GradScaler.",
     L.NUMERICS,
-    when="with a GradScaler",
+    when="with a GradScaler or DeepSpeed fp16",
 )
 
 # -- communication -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ log = logging.getLogger("ddpmon")
 
 def attach(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None = None,
     scaler: Any = None,
     *,
     comm_hook: Callable | None = None,
@@ -35,6 +35,8 @@ def attach(
     returned (``mon.enabled`` is False, ``mon.error`` says why).
     ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
     ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
+    A DeepSpeed engine: ``attach(engine)`` after ``deepspeed.initialize``; the engine's
+    optimizer, loss scaler and ZeRO stage are found from it (see docs/deepspeed.md).
     """
     try:
         config = Config.from_sources(options)
@@ -44,6 +46,12 @@ def attach(
     if not config.enabled:
         return NullMonitor(None)
     try:
+        reason = _refused(model, optimizer)
+        if reason is not None:
+            log.error("ddpmon disabled: %s", reason)
+            return NullMonitor(reason)
+        if optimizer is None:
+            optimizer = model.optimizer  # a DeepSpeedEngine (checked by _refused)
         if accelerator is not None:
             from ..integrations.accelerate import parts_from_accelerator, unwrap_optimizer
 
@@ -54,6 +62,26 @@ def attach(
     except Exception as exc:  # never into training: an agent that cannot start stays off
         log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
         return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")
+
+
+def _refused(model: Any, optimizer: Any) -> str | None:
+    """Why these arguments cannot be monitored (checked before anything is built), or None."""
+    import sys
+
+    if "deepspeed" in sys.modules or "deepspeed" in type(model).__module__:
+        from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
+        from ..strategies.detect import detect_strategy
+
+        reason = attach_error(model, optimizer)
+        if reason is not None or is_engine(model):
+            return reason
+        if optimizer is not None and detect_strategy(model) == "plain":
+            # maybe before deepspeed.initialize: say so
+            log.warning(BARE_MODULE_WARNING)
+    if optimizer is None:
+        return "attach(model, optimizer): the optimizer is required (only a DeepSpeedEngine " \
+            "carries its own)"
+    return None
 
 
 class NullMonitor:

@@ -25,13 +25,19 @@ class StepHooks:
         optimizer: torch.optim.Optimizer,
         pipeline: StepPipeline,
         amp: ScalerProbe | None,
+        *,
+        engine_steps: bool = False,
     ) -> None:
+        """``engine_steps``: the model is an engine that decides its own optimizer steps
+        (DeepSpeed, ``strategies.deepspeed.EngineSteps``); only the forward pre-hook is used."""
         self.pipeline = pipeline
         self.amp = amp
         self.closed = False
         self._handles: list[Any] = []
         try:
             self._handles.append(model.register_forward_pre_hook(self._on_forward))
+            if engine_steps:
+                return
             self._handles.append(model.register_forward_hook(self._after_forward))
             if amp is None:
                 self._handles.append(optimizer.register_step_pre_hook(self._on_step_pre))

@@ -116,6 +116,9 @@ class Monitor:
             ),
         )
         state.strategy = self.source.name if ":" not in strategy else strategy
+        self.engine_facts = getattr(self.source, "facts", None)
+        if self.engine_facts is not None:
+            state.amp_enabled = self.engine_facts.precision == "fp16"
         with guard("grads"):
             self.source.install()
         self.incidents = IncidentSink(
@@ -162,7 +165,14 @@ class Monitor:
             sinks=sinks,
             grad_norm_tolerance=config.grad_norm_tolerance,
         )
-        self.hooks = StepHooks(model, optimizer, self.pipeline, self.amp)
+        self.engine_steps = None
+        self.hooks = StepHooks(
+            model, optimizer, self.pipeline, self.amp, engine_steps=self.source.decides_steps
+        )
+        if self.source.decides_steps:
+            from ..strategies.deepspeed import EngineSteps
+
+            self.engine_steps = EngineSteps(model, self.source, self._on_engine_step, guard.error)
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
         self.checkpoints = CheckpointObserver(state, emit, guard, on_load=self._resume_at)
@@ -302,6 +312,8 @@ class Monitor:
             self.pipeline.drain(wait=True)
             self.pipeline.flush_trainer_norm()
         self.hooks.close()
+        if self.engine_steps is not None:
+            self.engine_steps.close()
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
@@ -322,6 +334,7 @@ class Monitor:
         for name, method in (
             ("records", "stop"),
             ("hooks", "close"),
+            ("engine_steps", "close"),
             ("amp", "detach"),
             ("dcp", "uninstall"),
             ("source", "close"),
@@ -345,6 +358,11 @@ class Monitor:
     def _on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
         if not self._closed:
             self.pipeline.scaler_updated(found, before, after)
+
+    def _on_engine_step(self, facts: Any) -> None:
+        """DeepSpeed ended an optimizer step (``strategies.deepspeed.StepFacts``)."""
+        if not self._closed:
+            self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
 
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the
@@ -391,13 +409,17 @@ class Monitor:
         precision = "fp32"
         if scaler is not None and getattr(scaler, "_enabled", True):
             precision = "amp+gradscaler"
-        return {
+        extra = {}
+        if self.engine_facts is not None:
+            precision = f"deepspeed-{self.engine_facts.precision}"
+            extra["deepspeed"] = self.engine_facts.manifest()
+        return extra | {
             "run_id": self.run_id,
             "batch_shapes": self.pipeline.batch_shapes,
             "precision": precision,
             "strategy": self._state.strategy,
             "data_version": self.config.data_version,
-            "param_count": sum(p.numel() for p in self.index.params),
+            "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in self.index.params),
             "hosts": self.ctx.hosts,
             "group_names": self.index.group_names,
             "attempt": self.attempt.number,

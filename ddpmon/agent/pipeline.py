@@ -56,6 +56,10 @@ class StepMeta:
     trainer_norm_host: float | None
     trainer_norm_step: int | None
     skipped_by: str | None
+    host_skipped: bool | None = None
+    """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
+    host_scale_after: float | None = None
+    """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
 
 
 class StepPipeline:
@@ -134,7 +138,11 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ boundaries (hooks)
     def forward_started(self, args: tuple) -> None:
-        if self._backward_pending and self._grads_dropped():
+        if (
+            self._backward_pending
+            and not getattr(self.source, "decides_steps", False)
+            and self._grads_dropped()
+        ):
             self.complete(skipped_by="loop")
         if self._step_start is None:
             self._step_start = time.perf_counter()
@@ -176,8 +184,11 @@ class StepPipeline:
         found: Any = None,
         grad_scale: Any = None,
         scale_after: Any = None,
+        host_skipped: bool | None = None,
+        host_scale_after: float | None = None,
     ) -> None:
-        """Close the step in progress: queue its device values for readback."""
+        """Close the step in progress: queue its device values for readback. ``host_*``: facts
+        an engine that decides its own steps (DeepSpeed) keeps on the host."""
         urgent = False
         try:
             with self.guard("step"):
@@ -185,7 +196,10 @@ class StepPipeline:
                 if self.policy.reads and (self._closure_step or found is not None):
                     # closure or scaler steps: the update already happened; raise still can
                     self.policy.before_step(summaries.reduced, self.step, skip_allowed=False)
-                urgent = self._package(summaries, skipped_by, found, grad_scale, scale_after)
+                urgent = self._package(
+                    summaries, skipped_by, found, grad_scale, scale_after,
+                    host=(host_skipped, host_scale_after),
+                )
         finally:
             self.step += 1
             self._step_start = None
@@ -210,7 +224,9 @@ class StepPipeline:
                 self._collected = self.source.collect()
         return self._collected
 
-    def _package(self, s: GradSummaries, skipped_by, found, grad_scale, scale_after) -> bool:
+    def _package(
+        self, s: GradSummaries, skipped_by, found, grad_scale, scale_after, host=(None, None)
+    ) -> bool:
         """Queue the step's tensors and host facts; True when its gradients are known (host
         memory) to be non-finite, so the caller drains now and the evidence holds them."""
         end_perf, end_wall = time.perf_counter(), time.time()
@@ -257,6 +273,8 @@ class StepPipeline:
             trainer_norm_host=trainer_host,
             trainer_norm_step=trainer_step,
             skipped_by=skipped_by,
+            host_skipped=host[0],
+            host_scale_after=host[1],
         )
         self.readback.push(values, meta)
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
@@ -333,6 +351,11 @@ class StepPipeline:
         if "loss_scale" in parts:
             record.loss_scale = parts["loss_scale"][0]
         if "found_inf" in parts and parts["found_inf"][0] > 0:
+            record.amp_skipped = True
+            record.skipped_by = record.skipped_by or "scaler"
+        if meta.host_scale_after is not None:
+            record.loss_scale = meta.host_scale_after
+        if meta.host_skipped:
             record.amp_skipped = True
             record.skipped_by = record.skipped_by or "scaler"
         if "identical_ranks" in parts:

@@ -97,6 +97,9 @@ class GradientSource(ABC):
     included) followed by exactly one ``collect()``; ``close()`` at the end."""
 
     name: ClassVar[str] = "base"
+    decides_steps: ClassVar[bool] = False
+    """True when the wrapped engine decides optimizer steps itself (DeepSpeed): the agent then
+    takes steps from the engine, not from optimizer hooks or dropped gradients."""
 
     def __init__(self, env: SourceEnv) -> None:
         self.env = env

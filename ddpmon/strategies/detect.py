@@ -2,7 +2,7 @@
 
 ``SOURCES`` maps a strategy name to its gradient source (``module:Class``, imported lazily so
 that FSDP2/DTensor code is only loaded where it is used). A model ddpmon cannot analyse
-(DeepSpeed, pipeline parallel) gets one warning and local numbers only.
+(pipeline parallel, FSDP1) gets one warning and local numbers only.
 """
 
 from __future__ import annotations
@@ -24,12 +24,20 @@ SOURCES: dict[str, str] = {
     "tp": "ddpmon.strategies.tensor_parallel:TensorParallelSource",
     "fsdp2+tp": "ddpmon.strategies.fsdp:FSDPSource",
     "hsdp+tp": "ddpmon.strategies.fsdp:FSDPSource",
+    "deepspeed": "ddpmon.strategies.deepspeed:DeepSpeedSource",
 }
 
 
 def detect_strategy(model: torch.nn.Module) -> str:
-    """plain | ddp | fsdp2 | hsdp | tp | fsdp2+tp | unsupported:<what>."""
+    """plain | ddp | fsdp2 | hsdp | tp | fsdp2+tp | deepspeed | unsupported:<what>
+    (``deepspeed``: a ``DeepSpeedEngine``; its source labels itself ``deepspeed-zero<stage>``)."""
     kind = type(model).__module__ + "." + type(model).__name__
+    from .deepspeed import is_engine
+
+    if is_engine(model):
+        if type(model).__name__ == "PipelineEngine":
+            return "unsupported:deepspeed-pipeline"
+        return "deepspeed"
     if "deepspeed" in kind.lower():
         return "unsupported:deepspeed"
     if "pipelining" in kind.lower():

@@ -1,0 +1,384 @@
+"""DeepSpeed ZeRO 0-3: the engine's optimizer steps, global norm and local (pre-reduction) norms.
+
+``ddpmon.attach(engine)`` with a ``DeepSpeedEngine``. Everything here reads the engine's own
+objects; DeepSpeed's private names used (version-fragile, each failure is counted by the guard)
+are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``averaged_gradients``
+(ZeRO-3) and ``loss_scaler``/``cur_scale`` (fp16). See ``docs/deepspeed.md``.
+
+- **Step** (``EngineSteps``): ``engine.step`` is wrapped on the instance; a call that moves
+  ``engine.global_steps`` is one optimizer step, skipped when ``engine.skipped_steps`` moved too.
+  Host counters only: no device read.
+- **Global norm** (``DeepSpeedSource.measure_reduced``): at the entry of the ``engine.step`` that
+  closes an accumulation boundary (gradients reduced, not yet clipped or unscaled). One fused norm
+  pass over this rank's reduced partitions (ZeRO-1/2: each parameter's slice; ZeRO-3: the grad
+  partitions, whose padding is zero), one SUM all-reduce of one float64 per parameter over the
+  data-parallel group, divided by the loss scale (a host float). Stage 0: the replicated
+  ``param.grad`` after DeepSpeed's all-reduce, no collective.
+- **Local norm and NaN origin**: a tensor hook per parameter sees each micro-batch's gradient
+  before DeepSpeed's post-accumulate hooks copy it into a reduction bucket (ZeRO-2/3 reduce every
+  micro-batch). The hook reduces it at once to one device float64 (sum of squares), because
+  DeepSpeed re-points the gradient's storage at its bucket right after. Micro-batches fold by
+  adding squares: the step's local norm of a parameter is sqrt(sum over micro-batches of
+  ||g_mb||^2); a parameter is non-finite when any micro-batch's gradient was.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..probes.grads import per_param_norms
+from .base import GradientSource, GradSummaries, NormVector
+
+log = logging.getLogger("ddpmon")
+
+__all__ = [
+    "DeepSpeedSource",
+    "EngineFacts",
+    "BARE_MODULE_WARNING",
+    "EngineSteps",
+    "attach_error",
+    "engine_facts",
+    "is_engine",
+]
+
+_attached: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Engines a live monitor is attached to (a second attach is refused)."""
+
+
+def is_engine(obj: Any) -> bool:
+    """A ``deepspeed.runtime.engine.DeepSpeedEngine`` (or subclass), told without importing it."""
+    return any(
+        c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed")
+        for c in type(obj).__mro__
+    )
+
+
+def _call(engine: Any, name: str, default: Any = None) -> Any:
+    method = getattr(engine, name, None)
+    if not callable(method):
+        return default
+    try:
+        return method()
+    except Exception:
+        return default
+
+
+@dataclass(slots=True)
+class EngineFacts:
+    """What ddpmon read from the engine at attach (also written to the manifest)."""
+
+    stage: int | None
+    precision: str
+    """fp32 | fp16 | bf16."""
+    gradient_accumulation_steps: int | None
+    gradient_clipping: float | None
+    optimizer: str
+    """Type name of ``engine.optimizer`` (DeepSpeed's wrapper or the torch optimizer)."""
+    unreadable: list[str] = field(default_factory=list)
+    """Features ddpmon cannot measure through (one warning each)."""
+
+    def manifest(self) -> dict:
+        return asdict(self)
+
+
+def engine_facts(engine: Any) -> EngineFacts:
+    stage = _call(engine, "zero_optimization_stage")
+    if _call(engine, "fp16_enabled", False):
+        precision = "fp16"
+    elif _call(engine, "bfloat16_enabled", False):
+        precision = "bf16"
+    else:
+        precision = "fp32"
+    unreadable = []
+    if _call(engine, "is_deepcompile_enabled", False):
+        unreadable.append("DeepCompile")
+    if _call(engine, "zero_quantized_gradients", False):
+        unreadable.append("ZeRO++ quantized gradients")
+    opt_name = type(getattr(engine, "optimizer", None)).__name__
+    if stage not in (0, 1, 2, 3) or opt_name not in _KNOWN_OPTIMIZERS.get(stage, (opt_name,)):
+        unreadable.append(f"optimizer {opt_name} at ZeRO stage {stage}")
+    return EngineFacts(
+        stage=stage if isinstance(stage, int) else None,
+        precision=precision,
+        gradient_accumulation_steps=_call(engine, "gradient_accumulation_steps"),
+        gradient_clipping=_call(engine, "gradient_clipping"),
+        optimizer=opt_name,
+        unreadable=unreadable,
+    )
+
+
+_KNOWN_OPTIMIZERS: dict[Any, tuple[str, ...]] = {
+    1: ("DeepSpeedZeroOptimizer",),
+    2: ("DeepSpeedZeroOptimizer",),
+    3: ("DeepSpeedZeroOptimizer_Stage3",),
+}
+"""Stage 0 accepts any optimizer (``param.grad`` is read); other stages need these wrappers."""
+
+_WARNINGS = {
+    "DeepCompile": "ddpmon: DeepSpeed DeepCompile is enabled; ddpmon cannot read its gradients "
+    "(reduced inside compiled ops): no gradient norms or NaN origin; steps, skipped steps and "
+    "the loss scale are still measured.",
+    "ZeRO++ quantized gradients": "ddpmon: DeepSpeed ZeRO++ quantized gradients "
+    "(zero_quantized_gradients) are enabled; ddpmon cannot read their reduction: no global or "
+    "group gradient norms; local norms, NaN origin, steps and the loss scale are still measured.",
+}
+
+
+def _warning(feature: str) -> str:
+    return _WARNINGS.get(
+        feature,
+        f"ddpmon: cannot read DeepSpeed's {feature}: no global or group gradient norms; local "
+        "norms, NaN origin, steps and the loss scale are still measured.",
+    )
+
+
+def attach_error(model: Any, optimizer: Any) -> str | None:
+    """Why ``attach(model, optimizer)`` must not start for DeepSpeed, or None."""
+    if is_engine(model):
+        if model in _attached:
+            return (
+                "ddpmon is already attached to this DeepSpeedEngine; close the first monitor "
+                "before attaching again"
+            )
+        return None
+    if type(optimizer).__module__.startswith("deepspeed") or any(
+        hasattr(p, "ds_id") for p in model.parameters()
+    ):
+        return (
+            "the model is managed by DeepSpeed but is not the DeepSpeedEngine: call "
+            "ddpmon.attach(engine) with the engine that deepspeed.initialize returns"
+        )
+    return None
+
+
+BARE_MODULE_WARNING = (
+    "ddpmon: DeepSpeed is imported and this model is a bare module with a torch optimizer; if "
+    "deepspeed.initialize will wrap it, attach to the engine it returns instead "
+    "(ddpmon.attach(engine)): attached before, ddpmon measures it as a plain model."
+)
+
+
+class DeepSpeedSource(GradientSource):
+    """Gradient source for a ``DeepSpeedEngine`` (``env.model``); see the module doc."""
+
+    name = "deepspeed"
+    decides_steps = True
+
+    def __init__(self, env) -> None:
+        super().__init__(env)
+        self.engine = env.model
+        self.facts = engine_facts(self.engine)
+        self.name = f"deepspeed-zero{self.facts.stage}"  # type: ignore[misc]
+        self._sq: list[torch.Tensor | None] = [None] * len(self.index)
+        self._reduced: NormVector | None = None
+        self._positions: dict[tuple, torch.Tensor] = {}
+        self._scale_used: float | torch.Tensor = 1.0
+        """The loss scale this step's gradients carry, noted before ``engine.step`` updates it."""
+        self._local_on = "DeepCompile" not in self.facts.unreadable
+        self._reduced_on = not self.facts.unreadable
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> None:
+        for feature in self.facts.unreadable:
+            log.warning(_warning(feature))
+        if not self._local_on:
+            return
+        for pos, param in enumerate(self.index.params):
+            self._handles.append(param.register_hook(self._local_hook(pos)))
+
+    def _local_hook(self, pos: int) -> Callable[[torch.Tensor], None]:
+        sq = self._sq
+        on_error = self.env.on_error
+
+        def hook(grad: torch.Tensor) -> None:
+            try:
+                norm = torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)
+                prev = sq[pos]
+                sq[pos] = norm * norm if prev is None else prev + norm * norm
+            except Exception as exc:  # never into backward
+                on_error("grads", exc)
+
+        return hook
+
+    # ------------------------------------------------------------------ boundary
+    def loss_scale(self) -> float | torch.Tensor:
+        """The scale the current gradients carry (1.0 without fp16); a host float as
+        DeepSpeed keeps it (``cur_scale``), never read from a device."""
+        if self.facts.precision != "fp16":
+            return 1.0
+        opt = self.engine.optimizer
+        for name in ("loss_scale", "cur_scale"):
+            value = getattr(opt, name, None)
+            if isinstance(value, (int, float, torch.Tensor)):
+                return value
+        cfg = getattr(opt, "loss_scale_config", None)
+        value = getattr(cfg, "cur_scale", None)
+        return value if isinstance(value, (int, float, torch.Tensor)) else 1.0
+
+    def note_scale(self) -> None:
+        """At the entry of ``engine.step``: the scale in use, before the scaler updates it."""
+        self._scale_used = self.loss_scale()
+
+    def measure_reduced(self) -> None:
+        """At the entry of a boundary ``engine.step``: the reduced, pre-clip gradients.
+
+        ZeRO 1-3: a rank whose own measurement fails still takes part in the all-reduce (no
+        rank is left waiting in it), with a failure flag in the vector's last slot; every rank
+        then reports norms of 0 for that step (never NaN, which would read as a non-finite
+        gradient), as the other strategies do. The failure is counted on the rank it happened.
+        """
+        self._reduced = None
+        if not self._reduced_on:
+            return
+        collective = self.facts.stage in (1, 2, 3)
+        n = len(self.index)
+        failed = None
+        try:
+            tensors, positions = self._reduced_pieces()
+            sq = torch.zeros(n + 1, dtype=torch.float64, device=_device(tensors, self.index))
+            if tensors:
+                norms = per_param_norms(tensors).to(sq.device, torch.float64)
+                sq.index_copy_(0, self._position_tensor(positions, sq.device), norms * norms)
+        except Exception as exc:
+            if not collective:
+                raise
+            failed = exc
+            sq = torch.zeros(n + 1, dtype=torch.float64, device=_device([], self.index))
+            sq[n] = 1.0
+        if collective:
+            group = getattr(self.engine.optimizer, "dp_process_group", None)
+            torch.distributed.all_reduce(sq, group=group)
+        norms = sq[:n].sqrt() / self._scale_used
+        if collective:  # a device-side choice: nothing is read on the host
+            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
+        self._reduced = NormVector(norms, self.index.all_positions, scaled=False)
+        if failed is not None:
+            raise failed
+
+    def _position_tensor(self, positions: list[int], device: torch.device) -> torch.Tensor:
+        """The positions as a device index, built once (a host-to-device copy of a pageable
+        list waits for the stream, so it is not repeated per step)."""
+        key = (tuple(positions), device)
+        cached = self._positions.get(key)
+        if cached is None:
+            if len(self._positions) > 4:  # positions are stable per engine; stay bounded
+                self._positions.clear()
+            cached = self._positions[key] = torch.tensor(positions, device=device)
+        return cached
+
+    def _reduced_pieces(self) -> tuple[list[torch.Tensor], list[int]]:
+        """This rank's share of every reduced gradient (disjoint across ranks for ZeRO 1-3)."""
+        opt, position = self.engine.optimizer, self.index.position
+        tensors: list[torch.Tensor] = []
+        positions: list[int] = []
+        if self.facts.stage == 3:
+            for gi, group in enumerate(opt.fp16_groups):
+                for p, g in zip(group, opt.averaged_gradients[gi], strict=False):
+                    if g is not None and id(p) in position:
+                        tensors.append(g.detach())
+                        positions.append(position[id(p)])
+        elif self.facts.stage in (1, 2):
+            for pos, p in enumerate(self.index.params):
+                mapping = getattr(p, "_hp_mapping", None)
+                if mapping is not None:
+                    tensors.append(mapping.get_lp_grad_fragment(p._index_in_param_group).detach())
+                    positions.append(pos)
+        else:
+            for pos, p in enumerate(self.index.params):
+                if p.grad is not None:
+                    tensors.append(p.grad.detach())
+                    positions.append(pos)
+        return tensors, positions
+
+    # ------------------------------------------------------------------ per step
+    def collect(self) -> GradSummaries:
+        reduced, self._reduced = self._reduced, None
+        local = None
+        present = [(i, t) for i, t in enumerate(self._sq) if t is not None]
+        self._sq[:] = [None] * len(self._sq)
+        if present:
+            norms = torch.stack([t for _, t in present]).sqrt() / self._scale_used
+            local = NormVector(norms, [i for i, _ in present], scaled=False)
+        return GradSummaries(reduced=reduced, local=local, local_complete=local is not None)
+
+    def close(self) -> None:
+        super().close()
+        _attached.discard(self.engine)
+
+
+def _device(tensors: list[torch.Tensor], index) -> torch.device:
+    if tensors:
+        return tensors[0].device
+    for p in index.params:
+        return p.device
+    return torch.device("cpu")
+
+
+@dataclass(slots=True)
+class StepFacts:
+    """Host facts of one DeepSpeed optimizer step, read from the engine's counters."""
+
+    skipped: bool
+    scale_after: float | None
+    """fp16: DeepSpeed's loss scale after the step; None for bf16/fp32 (no scale at all)."""
+
+
+class EngineSteps:
+    """Wraps ``engine.step`` (instance attribute) to find optimizer steps; see the module doc.
+
+    ``on_step(facts)`` is called after each ``engine.step()`` that ended an optimizer step."""
+
+    def __init__(
+        self,
+        engine: Any,
+        source: DeepSpeedSource,
+        on_step: Callable[[StepFacts], None],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        self.engine = engine
+        self.source = source
+        self._on_step = on_step
+        self._on_error = on_error
+        self._original = engine.step
+        self._fp16 = source.facts.precision == "fp16"
+        engine.step = self._step  # instance attribute shadows the method
+        _attached.add(engine)
+
+    def _scale(self) -> float | None:
+        if not self._fp16:
+            return None  # bf16/fp32: no loss scale at all (not 1.0)
+        value = self.source.loss_scale()
+        return float(value) if isinstance(value, (int, float)) else None
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        before = skipped = None
+        try:
+            self.source.note_scale()
+            if engine.is_gradient_accumulation_boundary():
+                try:
+                    self.source.measure_reduced()
+                except Exception as exc:
+                    self._on_error("grads", exc)
+            before, skipped = engine.global_steps, engine.skipped_steps
+        except Exception as exc:
+            self._on_error("step", exc)
+        result = self._original(*args, **kwargs)
+        if before is not None:
+            try:
+                if engine.global_steps != before:
+                    self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale()))
+            except Exception as exc:
+                self._on_error("step", exc)
+        return result
+
+    def close(self) -> None:
+        if self.engine.__dict__.get("step") == self._step:
+            del self.engine.step
+        _attached.discard(self.engine)
