@@ -36,7 +36,7 @@ def attach(
     ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
     ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
     A DeepSpeed engine: ``attach(engine)`` after ``deepspeed.initialize``; the engine's
-    optimizer, loss scaler and ZeRO stage are found from it (see docs/deepspeed.md).
+    optimizer, loss scaler and ZeRO stage are found from it (docs/parallelism.md, DeepSpeed).
     """
     try:
         config = Config.from_sources(options)

@@ -3,7 +3,7 @@
 ``ddpmon.attach(engine)`` with a ``DeepSpeedEngine``. Everything here reads the engine's own
 objects; DeepSpeed's private names used (version-fragile, each failure is counted by the guard)
 are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``averaged_gradients``
-(ZeRO-3) and ``loss_scaler``/``cur_scale`` (fp16). See ``docs/deepspeed.md``.
+(ZeRO-3) and ``loss_scaler``/``cur_scale`` (fp16). See ``docs/parallelism.md`` (DeepSpeed ZeRO).
 
 - **Step** (``EngineSteps``): ``engine.step`` is wrapped on the instance; a call that moves
   ``engine.global_steps`` is one optimizer step, skipped when ``engine.skipped_steps`` moved too.
