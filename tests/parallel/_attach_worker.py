@@ -2,7 +2,7 @@
 plain training loop (clip, accumulation, a NaN on one rank), scraped over real HTTP after every
 step. Writes what it saw to --out; the assertions live in the test.
 
-Run as: ``python _attach_worker.py --out DIR --port BASE`` with RANK, WORLD_SIZE, MASTER_ADDR,
+Run as: ``python _attach_worker.py --out DIR [--port BASE]`` with RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT set (rank r serves BASE + r).
 """
 
@@ -13,6 +13,7 @@ import datetime
 import json
 import math
 import os
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -38,6 +39,12 @@ NAN_AT = CLEAN_STEPS + ACCUM_STEPS
 AFTER = 2  # steps after the NaN was applied: every rank's gradients are NaN (poisoned)
 MAX_NORM = 0.05
 SCALER_STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:
@@ -115,7 +122,9 @@ def plain_steps(model, opt, mon, params, gen) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument(
+        "--port", type=int, default=None, help="base port (default: found free just before attach)"
+    )
     parser.add_argument("--scaler", action="store_true", help="GradScaler run (clean steps)")
     parser.add_argument("--strategy", default="fsdp2", help="fsdp2 (full loop) or another kind")
     args = parser.parse_args()
@@ -134,15 +143,22 @@ def main() -> None:
         info = {"data_seed": rank}
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
+    # Picking the port here, not in the test, keeps the window in which another process of a
+    # busy suite can take it to milliseconds; a port lost anyway exits with EADDRINUSE, which
+    # launch() retries.
+    port = args.port if args.port is not None else _free_port() - int(os.environ["LOCAL_RANK"])
     mon = ddpmon.attach(
         model,
         opt,
         scaler,
-        port=args.port,
+        port=port,
         bind="127.0.0.1",
         run_dir=os.path.join(args.out, "runs"),
         run_id="test-fsdp2",
     )
+    if mon.port is None:
+        print(f"EADDRINUSE: port {port} was taken before the endpoint bound it", flush=True)
+        raise SystemExit(3)
     params = list(model.parameters())
     gen = torch.Generator().manual_seed(1000 + info["data_seed"])
     if scaler is not None or args.strategy != "fsdp2":

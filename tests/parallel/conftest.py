@@ -76,8 +76,13 @@ def launch(
     if failed and retries > 0 and any(_PORT_TAKEN in log for _, _, log in failed):
         # another process took the free port between our probe and the store's bind
         return launch(strategy, ranks, out, args=args, worker=worker, retries=retries - 1)
-    for rank, code, log in failed:
-        raise AssertionError(f"rank {rank} exited {code}:\n{log[-4000:]}")
+    if failed:
+        # A rank that died first leaves its peers with "Connection reset by peer": show every
+        # failed rank, the one that did not merely lose a peer first.
+        failed.sort(key=lambda f: "Connection reset by peer" in f[2] or "Connection closed" in f[2])
+        raise AssertionError(
+            "\n\n".join(f"rank {rank} exited {code}:\n{log[-3000:]}" for rank, code, log in failed)
+        )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 

@@ -12,7 +12,6 @@ import pytest
 from tests.parallel._attach_worker import AFTER, NAN_AT, SCALER_STEPS
 from tests.parallel._worker import NAN_PARAM, NAN_RANK
 from tests.parallel.conftest import launch
-from tests.support.demo import free_port_pair
 
 WORKER = Path(__file__).with_name("_attach_worker.py")
 
@@ -20,7 +19,7 @@ WORKER = Path(__file__).with_name("_attach_worker.py")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("attach_fsdp2")
-    results = launch("", 2, out, args=("--port", str(free_port_pair())), worker=WORKER)
+    results = launch("", 2, out, worker=WORKER)
     for rank in results:
         rank["metrics"] = (out / f"rank{rank['rank']}.metrics").read_text()
     return results
@@ -76,7 +75,7 @@ def test_nan_origin_names_rank_param_and_step(run):
 @pytest.fixture(scope="module")
 def scaled_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("attach_fsdp2_scaler")
-    args = ("--port", str(free_port_pair()), "--scaler")
+    args = ("--scaler",)
     return launch("", 2, out, args=args, worker=WORKER)
 
 
@@ -95,7 +94,7 @@ def test_gradscaler_norms_are_unscaled_and_clip_reuses_them(scaled_run):
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("attach_tp")
-    results = launch("tp", 2, out, args=("--port", str(free_port_pair())), worker=WORKER)
+    results = launch("tp", 2, out, worker=WORKER)
     for rank in results:
         rank["metrics"] = (out / f"rank{rank['rank']}.metrics").read_text()
     return results
