@@ -20,14 +20,15 @@ import psutil
 import pytest
 import yaml
 
-HERE = Path(__file__).resolve().parent
-SLEEPER = HERE / "sleeper.py"
+from tests.support.ports import free_ports as _free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _free_ports(1)
+
+
+HERE = Path(__file__).resolve().parent
+SLEEPER = HERE / "sleeper.py"
 
 
 def free_port_range(width: int = 40) -> tuple[int, int]:

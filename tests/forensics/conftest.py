@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_ports as _free_ports
+
+
+def free_port() -> int:
+    return _free_ports(1)
+
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -55,11 +62,3 @@ def procs():
     p = Procs()
     yield p
     p.cleanup()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -4,7 +4,6 @@ DCP capture through DCP's own logger, the attempt number."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -17,12 +16,11 @@ from ddpmon.agent.checkpoints import detect_attempt
 from ddpmon.export.scrape import ScrapeClient
 from ddpmon.forensics.eventlog import read_events
 from ddpmon.rundir import RunDir
+from tests.support.ports import free_ports as _free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -47,8 +45,7 @@ def run(tmp_path):
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     port = free_port()
-    mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", run_dir=str(tmp_path),
-                        run_id="ck")
+    mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", run_dir=str(tmp_path), run_id="ck")
     yield model, opt, mon, port, RunDir(tmp_path / "ck")
     mon.close()
 
@@ -135,8 +132,9 @@ def test_bad_arguments_raise_clearly(run):
 
 
 def test_disabled_monitor_accepts_the_call():
-    mon = ddpmon.attach(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1),
-                        enabled=False)
+    mon = ddpmon.attach(
+        nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1), enabled=False
+    )
     with mon.observe_checkpoint(1, "x", kind="load", rng=True) as timer:
         pass
     timer.done()

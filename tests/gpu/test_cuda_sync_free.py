@@ -4,7 +4,6 @@ Skipped without CUDA (CI has none); run on a GPU machine with
 ``python -m pytest -q tests/gpu``. These tests never stand in for the CPU tests of a feature.
 """
 
-import socket
 import threading
 import urllib.request
 
@@ -13,14 +12,14 @@ import torch
 from torch import nn
 
 import ddpmon
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+from tests.support.ports import free_ports as _free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)
+
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def make_model():

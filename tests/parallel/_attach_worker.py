@@ -13,7 +13,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import urllib.request
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from tests.parallel._worker import (
     build,
     destroy_process_group_now,
 )
+from tests.support.ports import free_ports
 
 CLEAN_STEPS = 4  # torch's clip on 0-1, ddpmon.clip_grad_norm_ on 2-3
 ACCUM_STEPS = 2  # two micro-steps each, sync on the last
@@ -39,12 +39,6 @@ NAN_AT = CLEAN_STEPS + ACCUM_STEPS
 AFTER = 2  # steps after the NaN was applied: every rank's gradients are NaN (poisoned)
 MAX_NORM = 0.05
 SCALER_STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> str:
@@ -146,7 +140,7 @@ def main() -> None:
     # Picking the port here, not in the test, keeps the window in which another process of a
     # busy suite can take it to milliseconds; a port lost anyway exits with EADDRINUSE, which
     # launch() retries.
-    port = args.port if args.port is not None else _free_port() - int(os.environ["LOCAL_RANK"])
+    port = args.port if args.port is not None else free_ports(2) - int(os.environ["LOCAL_RANK"])
     mon = ddpmon.attach(
         model,
         opt,

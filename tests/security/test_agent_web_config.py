@@ -13,21 +13,24 @@ from conftest import PASSWORD, client_ctx, fetch
 from prometheus_client.parser import text_string_to_metric_families
 
 import ddpmon
+from tests.support.ports import free_ports as _free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)
 
 
 def train(mon_steps: int):
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return model, opt, lambda: [
-        (opt.zero_grad(), model(torch.randn(3, 4)).sum().backward(), opt.step())
-        for _ in range(mon_steps)
-    ]
+    return (
+        model,
+        opt,
+        lambda: [
+            (opt.zero_grad(), model(torch.randn(3, 4)).sum().backward(), opt.step())
+            for _ in range(mon_steps)
+        ],
+    )
 
 
 def sample(text: bytes, name: str, **labels: str) -> float | None:
@@ -44,8 +47,14 @@ def test_bad_web_config_serves_nothing_and_training_continues(tmp_path: Path, ca
     port = free_port()
     model, opt, run = train(3)
     with caplog.at_level(logging.ERROR):
-        mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", web_config=str(cfg),
-                            run_dir=str(tmp_path / "runs"))
+        mon = ddpmon.attach(
+            model,
+            opt,
+            port=port,
+            bind="127.0.0.1",
+            web_config=str(cfg),
+            run_dir=str(tmp_path / "runs"),
+        )
     try:
         assert mon.port is None
         assert f"web_config {cfg}: basic_auth_users.prometheus: not a bcrypt hash" in caplog.text
@@ -66,8 +75,14 @@ def test_agent_serves_tls_and_basic_auth(tmp_path: Path, pki, pw_hash):
         f"basic_auth_users:\n  prometheus: '{pw_hash}'\n"
     )
     model, opt, run = train(2)
-    mon = ddpmon.attach(model, opt, port=free_port(), bind="127.0.0.1", web_config=str(cfg),
-                        run_dir=str(tmp_path / "runs"))
+    mon = ddpmon.attach(
+        model,
+        opt,
+        port=free_port(),
+        bind="127.0.0.1",
+        web_config=str(cfg),
+        run_dir=str(tmp_path / "runs"),
+    )
     try:
         run()
         assert mon.port is not None

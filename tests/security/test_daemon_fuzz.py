@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -13,13 +12,14 @@ from pathlib import Path
 import pytest
 from conftest import helper
 
-pytestmark = pytest.mark.timeout(120)
+from tests.support.ports import free_ports as _free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)
+
+
+pytestmark = pytest.mark.timeout(120)
 
 
 def get(port: int, path: str) -> tuple[int, bytes]:
@@ -48,13 +48,38 @@ def wait_healthy(port: int, proc, timeout: float = 30) -> None:
 def test_fuzz_daemon(spawn, tmp_path: Path) -> None:
     port = free_port()
     daemon = spawn(
-        [sys.executable, "-m", "ddpmon.cli", "daemon", "--bind", "127.0.0.1", "--port", str(port),
-         "--state-dir", str(tmp_path / "state"), "--node", "fuzz-node"],
+        [
+            sys.executable,
+            "-m",
+            "ddpmon.cli",
+            "daemon",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--node",
+            "fuzz-node",
+        ],
         "daemon",
     )
     wait_healthy(port, daemon)
-    fuzz = spawn(helper("sec_fuzz.py", "--port", port, "--requests", 3_000, "--seconds", 30,
-                        "--daemon", "--seed", 23), "fuzz-daemon")
+    fuzz = spawn(
+        helper(
+            "sec_fuzz.py",
+            "--port",
+            port,
+            "--requests",
+            3_000,
+            "--seconds",
+            30,
+            "--daemon",
+            "--seed",
+            23,
+        ),
+        "fuzz-daemon",
+    )
     fuzz.wait(timeout=60)
     report = json.loads(fuzz.output_path.read_text().splitlines()[-1])
     log = daemon.output_path.read_text(errors="replace")
@@ -71,8 +96,21 @@ def test_fuzz_daemon(spawn, tmp_path: Path) -> None:
 
 
 def _fuzz(spawn, port: int, requests: int, seed: int, name: str) -> dict:
-    fuzz = spawn(helper("sec_fuzz.py", "--port", port, "--requests", requests, "--seconds", 30,
-                        "--daemon", "--seed", seed), name)
+    fuzz = spawn(
+        helper(
+            "sec_fuzz.py",
+            "--port",
+            port,
+            "--requests",
+            requests,
+            "--seconds",
+            30,
+            "--daemon",
+            "--seed",
+            seed,
+        ),
+        name,
+    )
     fuzz.wait(timeout=60)
     return json.loads(fuzz.output_path.read_text().splitlines()[-1])
 
@@ -95,8 +133,9 @@ def test_fuzz_daemon_with_web_config(spawn, tmp_path: Path, pki, pw_hash) -> Non
     assert report["outcomes"].get("timeout", 0) == 0 and plain.poll() is None
     assert call(plain_port, "/metrics", auth=("prometheus", PASSWORD))[0] == 200
 
-    tls, tls_port = start_daemon(spawn, tmp_path, "tls", "--web-config",
-                                 str(web_config(tmp_path, pki, pw_hash)))
+    tls, tls_port = start_daemon(
+        spawn, tmp_path, "tls", "--web-config", str(web_config(tmp_path, pki, pw_hash))
+    )
     report = _fuzz(spawn, tls_port, 1_000, 31, "fuzz-tls")
     print(f"fuzz TLS daemon: {json.dumps(report)}")
     assert report["requests"] == 1_000 and report["statuses"] == {}

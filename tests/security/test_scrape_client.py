@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,14 +19,14 @@ import ddpmon
 from ddpmon.daemon import summary
 from ddpmon.daemon.settings import DaemonSettings
 from ddpmon.export.scrape import ScrapeClient, ScrapeConfig, ScrapeError
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.ports import free_ports as _free_ports
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

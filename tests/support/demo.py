@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,29 +20,17 @@ from pathlib import Path
 
 import psutil
 
+from tests.support.ports import free_ports
+
 
 def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that was free on 127.0.0.1 a moment ago (outside the ephemeral range)."""
+    return free_ports(1)
 
 
-def free_port_pair(tries: int = 200) -> int:
+def free_port_pair() -> int:
     """A base port ``p`` with ``p`` and ``p + 1`` free on 127.0.0.1 (rank r serves p + r)."""
-    for _ in range(tries):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base >= 65000:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError("no pair of free ports")
+    return free_ports(2)
 
 
 @dataclass
