@@ -185,8 +185,10 @@ def run(args: argparse.Namespace) -> int:
     cmd = rank_command(args, run_id, free_port())
     console.print(
         f"[bold]ddpmon demo[/] run [cyan]{run_id}[/]: {args.nproc} ranks, gloo, "
-        f"{args.steps} steps" + (f", faults: {', '.join(args.inject)}" if args.inject else "")
+        f"{args.steps} steps"
     )
+    if args.inject:  # its own line: the run line stays under 80 columns in CI logs
+        console.print(f"  faults: {', '.join(args.inject)}")
     for rank, port in enumerate(ports):
         console.print(f"  rank {rank}: http://127.0.0.1:{port}/metrics")
     console.print(f"  run dir: {run_path}")
