@@ -12,6 +12,11 @@ INTEGRATION_PINS := lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0
 # DeepSpeed for tests/parallel/test_deepspeed.py (CPU accelerator, gloo), with the torch pin.
 DEEPSPEED_PINS := deepspeed==0.19.8
 PYTEST_ARGS ?=
+# Two pytest workers, each test file whole on one of them (its module fixtures start their ranks,
+# servers and browsers once). On 2 cores one worker left the machine mostly idle: the suite waits
+# on process start-up chains, scrapes, rule evaluation and sleeps far more than it computes.
+# `make test PYTEST_XDIST=` runs it in one process.
+PYTEST_XDIST ?= -n 2 --dist loadfile
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
@@ -33,7 +38,7 @@ demo: $(STAMP)
 
 test: $(STAMP) debs
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The docs site (MkDocs + Material) into site/; the tests build it with --strict too.
 docs: $(STAMP)
