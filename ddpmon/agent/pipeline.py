@@ -60,6 +60,8 @@ class StepMeta:
     """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
     host_scale_after: float | None = None
     """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
+    pp: Any = None
+    """Pipeline parallel: the step's ``PPStep`` (its source finishes the record)."""
 
 
 class StepPipeline:
@@ -259,6 +261,9 @@ class StepPipeline:
             "identical_ranks": s.identical_ranks,
             "trainer_norm": trainer,
         }
+        if s.pp is not None:
+            values["pp_norm"] = s.pp.norm
+            values["pp_flags"] = s.pp.flags if s.pp.flags.numel() else None
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -275,6 +280,7 @@ class StepPipeline:
             skipped_by=skipped_by,
             host_skipped=host[0],
             host_scale_after=host[1],
+            pp=s.pp,
         )
         self.readback.push(values, meta)
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
@@ -313,7 +319,8 @@ class StepPipeline:
     def _deliver(self, entry: Arrived) -> None:
         with self.guard("readback"):
             record = self._record(entry.parts(), entry.meta)
-            self.tracker.classify(record)
+            if not record.origin_decided:
+                self.tracker.classify(record)
             for sink in self.sinks:
                 with self.guard(sink.probe):
                     sink.on_record(record)
@@ -366,6 +373,15 @@ class StepPipeline:
             for start, end in meta.comm.events:
                 with self.guard("comm"):
                     record.allreduce_seconds.append(start.elapsed_time(end) / 1000.0)
+        if meta.pp is not None:
+            meta.pp.source.finish_record(
+                record,
+                parts,
+                meta.pp,
+                _host(parts, "local_norms", meta.local)
+                or (_host(parts, "reduced_norms", meta.reduced) if meta.local_is_reduced else None),
+                _host(parts, "reduced_norms", meta.reduced),
+            )
         self._cross_check(record, parts, meta)
         return record
 
@@ -412,6 +428,13 @@ class StepPipeline:
             if handler is not None:
                 with self.guard(sink.probe):
                     handler(step, ours, theirs, mismatch)
+
+
+def _host(parts: dict, name: str, vector: NormVector | None) -> tuple | None:
+    """(host values, positions) of a read-back norm vector, or None."""
+    if name not in parts or vector is None:
+        return None
+    return parts[name], list(vector.positions)
 
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:
