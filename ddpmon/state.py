@@ -142,7 +142,10 @@ class StepRecord:
             if isinstance(value, float) and not math.isfinite(value):
                 value = str(value)
             elif isinstance(value, dict):
-                value = {k: (v if math.isfinite(v) else str(v)) for k, v in value.items()}
+                value = {
+                    k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in value.items()
+                }
             out[name] = value
         return out
 

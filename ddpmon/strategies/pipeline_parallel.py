@@ -420,8 +420,15 @@ class PipelineSource(GradientSource):
                 module = info.module
                 if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
                     continue
+                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+                    allreduce_hook,
+                )
+
                 probe = CommProbe(
                     self.index,
+                    # the stage's DDP reduces over the dp group, not the default (world) group
+                    inner_hook=allreduce_hook,
+                    inner_state=module.process_group,
                     on_error=self.env.on_error,
                     data_check_interval=0,
                     local_norm_every=self.env.local_norm_every,
@@ -569,9 +576,11 @@ class PipelineSource(GradientSource):
                     _, mb, site = step.table[int(prod)]
                     where = {"stage": index, "microbatch": mb, "site": site}
                 origin_where = where | {"param": bad_param}
-        for index, _ in stage_bad_reduced.items():
-            if record.skipped_by is None:
-                self._poisoned.add(index)  # an applied non-finite update: its weights are bad
+        if (record.grad_nonfinite or stage_bad_reduced) and record.skipped_by is None:
+            # An applied step with a non-finite global norm: every stage's weights are suspect
+            # from now on (clipping by that norm, as torchtitan does, multiplies every stage's
+            # gradients by NaN), so no later step can be an origin, as under DDP.
+            self._poisoned.update(step.stages)
         record.pp_origin = origin_where
         record.origin = origin_where is not None
         record.poisoned = touched and not record.origin and poisoned

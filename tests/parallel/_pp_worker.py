@@ -3,9 +3,9 @@ on torch's schedules, the model split by torchtitan's ``_split_module``, the ref
 torchtitan's ``clip_grad_norm_(..., pp_mesh=)`` and from the unsplit model on the same data.
 Writes what it saw to --out/rank<R>.json; the assertions live in test_pipeline.py.
 
-``--mode norms``: every schedule (GPipe, 1F1B, Interleaved1F1B) and composition
-(``--dp none|fsdp2|ddp``; pp x dp on 2 x 2 ranks). ``--mode nan``: the four NaN sites, 1F1B,
-2 stages, injected at step 1, micro-batch 1.
+Every schedule (GPipe, 1F1B, Interleaved1F1B) for each composition in ``--dp`` (``none``: pp
+over the world; ``fsdp2``, ``ddp``: pp x dp on 2 x 2 ranks). ``--nan``: also the four NaN sites
+(1F1B, 2 stages, pp only), injected at step 1, micro-batch 1.
 """
 
 from __future__ import annotations
@@ -141,8 +141,11 @@ class Run:
                 fully_shard(part, mesh=self.dp_mesh, reshard_after_forward=False)
                 module = part
             elif dp == "ddp":
+                # Without find_unused_parameters, torch 2.13's reducer fails at the second
+                # step's bucket rebuild ("rebuilt parameter indices size is not same"), ddpmon
+                # attached or not: the schedule's first step runs an extra metadata pass.
                 module = nn.parallel.DistributedDataParallel(
-                    part, process_group=self.dp_mesh.get_group()
+                    part, process_group=self.dp_mesh.get_group(), find_unused_parameters=True
                 )
             else:
                 module = part
@@ -198,19 +201,19 @@ class Run:
             "local": record.grad_local_norm,
             "groups": sorted(record.group_norms),
             "loss": record.loss,
-            "ref_loss": float(ref_loss),
+            "ref_loss": float(ref_loss.detach()),
         }
 
 
-def run_norms(args, rank: int) -> dict:
-    if args.dp == "none":
+def run_norms(args, dp: str) -> dict:
+    if dp == "none":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     results = {}
     for i, name in enumerate(SCHEDULES):
         port = free_ports(1) - int(os.environ["LOCAL_RANK"]) if i == 0 else 0
-        run = Run(mesh, name, args.dp, args.out, port)
+        run = Run(mesh, name, dp, args.out, port)
         steps = [run.step(s) for s in range(STEPS)]
         entry = {
             "steps": steps,
@@ -266,7 +269,7 @@ def _inject(run: Run, site: str) -> None:
     module.register_forward_hook(forward_hook)
 
 
-def run_nan(args, rank: int) -> dict:
+def run_nan(args) -> dict:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
     results = {}
     for i, site in enumerate(NAN_SITES):
@@ -296,15 +299,17 @@ def run_nan(args, rank: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--mode", default="norms", choices=("norms", "nan"))
-    parser.add_argument("--dp", default="none", choices=("none", "fsdp2", "ddp"))
+    parser.add_argument("--nan", action="store_true", help="also the four NaN sites")
+    parser.add_argument("--dp", default="none", help="comma-separated: none, fsdp2, ddp")
     parser.add_argument("--strategy", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    result = run_norms(args, rank) if args.mode == "norms" else run_nan(args, rank)
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **result}))
+    result: dict = {"rank": rank, "norms": {dp: run_norms(args, dp) for dp in args.dp.split(",")}}
+    if args.nan:
+        result["nan"] = run_nan(args)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     destroy_process_group_now()
 
 
