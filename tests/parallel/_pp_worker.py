@@ -182,6 +182,7 @@ class Run:
             self.mon.observe_loss(torch.stack(losses).mean())  # scale_grads=True: the mean
         else:
             self.mon.observe_loss(torch.tensor(-1.0))  # torchtitan's stand-in: must be dropped
+        clip = float(ddpmon.clip_grad_norm_(self.params, 1e9))  # a collective, as torchtitan's
         titan = float(titan_clip(self.params, 1e9, pp_mesh=self.pp_mesh))
         ref_loss = loss_fn(self.reference(gx), gy)
         ref_loss.backward()
@@ -197,6 +198,7 @@ class Run:
             "step": record.step,
             "ours": record.grad_norm,
             "titan": titan,
+            "clip": clip,
             "unsplit": unsplit,
             "local": record.grad_local_norm,
             "groups": sorted(record.group_norms),

@@ -53,6 +53,7 @@ def _check_norms(ranks: list[dict], expected_strategy: dict[str, str]) -> None:
             assert s["ours"] > 0.1
             assert math.isclose(s["ours"], s["titan"], rel_tol=TOL), (rank, dp, name, s)
             assert math.isclose(s["ours"], s["unsplit"], rel_tol=TOL), (rank, dp, name, s)
+            assert math.isclose(s["clip"], s["titan"], rel_tol=TOL), (rank, dp, name, s)
         # steps differ (an SGD step happened between them), and the norm follows
         assert entry["steps"][0]["ours"] != entry["steps"][1]["ours"]
     assert seen == {(dp, n) for dp in expected_strategy for n in SCHEDULES}
