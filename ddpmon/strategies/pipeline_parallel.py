@@ -54,6 +54,8 @@ TESTED_SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B")
 _END = 1.0e9
 """Sequence number of the parameter gradients: after every per-micro-batch event of a step."""
 _NO_EVENT = math.inf
+_MAX_EVENTS = 1 << 14
+"""Probe events kept between two collects (4 per micro-batch and stage in a normal step)."""
 
 
 class PipelineSetupError(ValueError):
@@ -175,14 +177,6 @@ class PipelineSetup:
 
 # ---------------------------------------------------------------------------------- probes
 @dataclass(slots=True)
-class _StageFlags:
-    """Per stage, on the device: [seq of the first non-finite receipt, seq of the first
-    non-finite product] (``inf``: none)."""
-
-    values: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
 class PPStep:
     """What one step's pipeline probes hand to the record (host table + device tensors)."""
 
@@ -205,7 +199,11 @@ class StageProbes:
         self._lock = threading.Lock()
         self._seq = 0
         self._table: list[tuple[int, int, str]] = []
-        self._flags: dict[int, _StageFlags] = {s.index: _StageFlags() for s in setup.stages}
+        self._events: list[tuple[float, int, torch.Tensor]] = []
+        self._stage_slot = {s.index: k for k, s in enumerate(setup.stages)}
+        self._indices = [s.index for s in setup.stages]
+        self.dropped = 0
+        """Events not recorded because no step collected them (bounded memory)."""
         self._wrapped: list[tuple[Any, str]] = []
         self.enabled = True
 
@@ -289,46 +287,40 @@ class StageProbes:
     def _event(
         self, info: StageInfo, mb: int, site: str, slot: int, tensors: list[torch.Tensor]
     ) -> None:
-        """``slot`` 0: received, 1: produced. Device ops only."""
+        """``slot`` 0: received, 1: produced. Two device ops per tensor (``isfinite().all()``),
+        nothing read; the flags are combined once per step in ``take``."""
         if not tensors:
             return
         with torch.no_grad():
-            bad = None
-            for t in tensors:
-                b = ~torch.isfinite(t.detach()).all()
-                bad = b if bad is None else bad | b
+            finite = [torch.isfinite(t.detach()).all() for t in tensors]
             with self._lock:
+                if len(self._events) >= _MAX_EVENTS:  # no collect for a long time: stay bounded
+                    self.dropped += 1
+                    return
                 seq = self._seq
                 self._seq += 1
                 self._table.append((info.index, mb, site))
-                flags = self._flags[info.index]
-                device = bad.device
-                if flags.values is None or flags.values.device != device:
-                    flags.values = torch.full((2,), _NO_EVENT, dtype=torch.float64, device=device)
-                here = torch.where(
-                    bad,
-                    torch.full((), float(seq), dtype=torch.float64, device=device),
-                    torch.full((), _NO_EVENT, dtype=torch.float64, device=device),
-                )
-                cur = flags.values[slot]
-                flags.values[slot] = torch.minimum(cur, here)
+                position = 2 * self._stage_slot[info.index] + slot
+                for ok in finite:
+                    self._events.append((float(seq), position, ok))
 
     def take(self) -> tuple[torch.Tensor, list[tuple[int, int, str]], list[int]]:
+        """Per local stage [first non-finite receipt, first non-finite product] (sequence
+        numbers, ``inf``: none), as one device vector built with a handful of ops."""
         with self._lock:
-            pieces = []
-            for info in self.setup.stages:
-                flags = self._flags[info.index]
-                values = flags.values
-                flags.values = None
-                if values is None:
-                    values = torch.full((2,), _NO_EVENT, dtype=torch.float64)
-                pieces.append(values)
-            device = next((p.device for p in pieces if p.device.type != "cpu"), None)
-            if device is not None:
-                pieces = [p.to(device) for p in pieces]
+            events, self._events = self._events, []
             table, self._table = self._table, []
             self._seq = 0
-            return torch.cat(pieces), table, [s.index for s in self.setup.stages]
+        width = 2 * len(self.setup.stages)
+        if not events:
+            return torch.full((width,), _NO_EVENT, dtype=torch.float64), table, self._indices
+        device = events[0][2].device
+        finite = torch.stack([e[2].to(device) for e in events])
+        seqs = torch.tensor([e[0] for e in events], dtype=torch.float64).to(device)
+        where = torch.tensor([e[1] for e in events], dtype=torch.long).to(device)
+        values = torch.where(finite, torch.full_like(seqs, _NO_EVENT), seqs)
+        out = torch.full((width,), _NO_EVENT, dtype=torch.float64, device=device)
+        return out.scatter_reduce(0, where, values, "amin"), table, self._indices
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -398,6 +390,7 @@ class PipelineSource(GradientSource):
         self.probes = StageProbes(setup, env.on_error)
         self._ddp_probes: list[Any] = []
         self._reduced: NormVector | None = None
+        self._pending: tuple[torch.Tensor, Any] | None = None
         self._stage_of = self._stage_positions()
         self._poisoned: set[int] = set()
         self.has_loss = setup.has_loss
@@ -450,18 +443,56 @@ class PipelineSource(GradientSource):
 
     def close(self) -> None:
         self.probes.uninstall()
+        try:
+            self._wait_pending()
+        except Exception:
+            pass
         if self.inner is not None:
             self.inner.close()
         super().close()
 
     # ------------------------------------------------------------------ measurement
     def on_backward_end(self) -> None:
-        """After ``schedule.step()``: every stage's gradients are final (reduced, scaled)."""
-        if self.inner is not None:
-            self.inner.on_backward_end()
-            return
-        self._reduced = None
-        self._reduced = full_pass(self.index, scaled=False)
+        """After ``schedule.step()``: every stage's gradients are final (reduced, scaled). The
+        stage's squared norm is measured here and its pp all-reduce started (async), waited on
+        at ``collect``. Every rank runs the same ``schedule.step()`` calls, so the collectives
+        match; the all-reduce is issued whatever happened before it."""
+        self._wait_pending()  # an earlier schedule.step() of the same optimizer step
+        vec = None
+        try:
+            if self.inner is not None:
+                self.inner.on_backward_end()
+                vec = self._inner_squares()
+            else:
+                self._reduced = None
+                self._reduced = full_pass(self.index, scaled=False)
+        except Exception as exc:
+            self.env.on_error("grads", exc)
+            vec = self._failed_vector()
+        if vec is None:
+            vec = self._squares(self._reduced, 0.0)
+        if vec is not None:
+            work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.setup.group, async_op=True)
+            self._pending = (vec, work)
+
+    def _inner_squares(self) -> torch.Tensor | None:
+        """[stage squared norm, failures] from the sharded source's own reduction (waited on
+        here: the pp sum has to follow the shard sum), or None when it has none."""
+        norms = getattr(self.inner, "_norms", None)
+        pending = getattr(norms, "_pending", None)
+        if pending is None:
+            return None
+        norms.wait()
+        n = len(self.index)
+        return torch.stack([pending.vector[:n].sum(), (pending.vector[n] > 0).to(torch.float64)])
+
+    def _wait_pending(self) -> torch.Tensor | None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        vec, work = pending
+        work.wait()  # a stream wait on NCCL, no host sync
+        return vec
 
     def collect(self) -> GradSummaries:
         out = GradSummaries()
@@ -471,7 +502,15 @@ class PipelineSource(GradientSource):
         except Exception as exc:
             failed = 1.0
             self.env.on_error("grads", exc)
-        norm = self._pp_norm(out.reduced, failed)
+        try:
+            norm = self._wait_pending()
+        except Exception as exc:  # the collective itself failed: not ours to hide, but counted
+            self.env.on_error("grads", exc)
+            norm = self._failed_vector()
+        if norm is None:  # no schedule.step() end seen since the last step: measure now
+            vec = self._squares(out.reduced, failed) if out.reduced is not None else None
+            norm = vec if vec is not None else self._failed_vector()
+            dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=self.setup.group)
         try:
             flags, table, stages = self.probes.take()
         except Exception as exc:
@@ -510,24 +549,24 @@ class PipelineSource(GradientSource):
         )
         return out
 
-    def _pp_norm(self, reduced: NormVector | None, failed: float) -> torch.Tensor:
-        """[sum over stages of squared norms, failures], summed over the pp group. Issued on
-        every rank whatever happened, so the collectives stay matched."""
-        device = reduced.norms.device if reduced is not None else torch.device("cpu")
-        vec = torch.zeros(2, dtype=torch.float64, device=device)
+    def _squares(self, reduced: NormVector | None, failed: float) -> torch.Tensor | None:
+        """[sum of this rank's squared per-parameter norms, failures] (float64, device)."""
+        if reduced is None:
+            return None
         try:
-            if reduced is None:
-                failed = 1.0
-            else:
-                wide = reduced.norms.to(torch.float64)
-                vec[0] = (wide * wide).sum()
-            vec[1] = failed
+            wide = reduced.norms.to(torch.float64)
+            sq = (wide * wide).sum()
+            return torch.stack([sq, torch.full_like(sq, failed)])
         except Exception as exc:
-            vec.zero_()
-            vec[1] = 1.0
             self.env.on_error("grads", exc)
-        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.setup.group)
-        return vec
+            return self._failed_vector()
+
+    def _failed_vector(self) -> torch.Tensor:
+        """Zero squares and one failure: every pp rank then reports no norm for the step."""
+        device = torch.device("cpu")
+        for p in self.index.params[:1]:
+            device = p.device if p.device.type != "meta" else device
+        return torch.tensor([0.0, 1.0], dtype=torch.float64, device=device)
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The global norm over every stage: this rank's (sharded-aware) norm, squared, summed
