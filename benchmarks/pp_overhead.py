@@ -22,6 +22,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,8 @@ def worker(args: argparse.Namespace) -> None:
         stage = PipelineStage(part, rank, world, torch.device("cpu"))
         schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=lambda out, y: F.mse_loss(out, y))
         replicas[mode] = (part, stage, schedule, torch.optim.AdamW(part.parameters(), lr=1e-4))
-    inside = {"seconds": 0.0}
+    parts = ("on_backward_end", "collect")
+    inside = dict.fromkeys(parts, 0.0)
     with tempfile.TemporaryDirectory() as run_dir:
         part, stage, schedule, opt = replicas["agent"]
         mon = ddpmon.attach(
@@ -79,15 +81,15 @@ def worker(args: argparse.Namespace) -> None:
         )
         assert mon.enabled, mon.error
         source = mon.source
-        for name in ("on_backward_end", "collect"):
+        for name in parts:
             original = getattr(source, name)
 
-            def timed(*a, _fn=original, **kw):
+            def timed(*a, _fn=original, _name=name, **kw):
                 t0 = time.perf_counter()
                 try:
                     return _fn(*a, **kw)
                 finally:
-                    inside["seconds"] += time.perf_counter() - t0
+                    inside[_name] += time.perf_counter() - t0
 
             setattr(source, name, timed)
         gen = torch.Generator().manual_seed(0)
@@ -116,9 +118,10 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(args.rounds):
             order = list(MODES)
             order_rng.shuffle(order)
-            inside["seconds"] = 0.0
+            inside.update(dict.fromkeys(parts, 0.0))
             times = {mode: step(mode) for mode in order}
-            times["inside"] = inside["seconds"]
+            times.update(inside)
+            times["inside"] = sum(inside.values())
             rounds.append(times)
         errors = sum(mon.state.agent_errors.values())
         mon.close()
@@ -136,6 +139,8 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
     q1, med, q3 = quartiles([r["agent"] / r["base"] for r in rounds])
     b1, bmed, b3 = quartiles([r["base"] for r in rounds])
     s1, smed, s3 = quartiles([r["inside"] / r["base"] for r in rounds])
+    end = statistics.median(r["on_backward_end"] for r in rounds) * 1000
+    wait = statistics.median(r["collect"] for r in rounds) * 1000
     cmd = (
         f"python benchmarks/pp_overhead.py --rounds {args.rounds} --d-model {args.d_model} "
         f"--layers {args.layers} --batch {args.batch} --threads {args.threads}"
@@ -152,10 +157,11 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"{args.rounds} rounds, one step of each mode per round in a shuffled order.  ",
             f"Unmonitored step time: median {bmed * 1000:.1f} ms (quartiles {b1 * 1000:.1f}-"
             f"{b3 * 1000:.1f} ms). Probe errors: {data['errors']}.  ",
-            f"Time inside the pipeline source per step (end of schedule.step: norm pass; "
-            f"collect: pp all-reduce, probes' flags): median {smed * 100:.1f}% of the "
-            f"unmonitored step (quartiles {s1 * 100:.1f}-{s3 * 100:.1f}%); the per-micro-batch "
-            f"stage probes run inside the schedule and are in the agent ratio only.",
+            f"Time inside the pipeline source per step on rank 0: median {smed * 100:.1f}% of "
+            f"the unmonitored step (quartiles {s1 * 100:.1f}-{s3 * 100:.1f}%): end of "
+            f"schedule.step (norm pass, pp all-reduce issued) {end:.2f} ms, collect (wait, "
+            f"probes' flags) {wait:.2f} ms (medians). The per-micro-batch stage probes run "
+            f"inside the schedule and show in the agent ratio only.",
             "",
             "| ratio | median | q1 | q3 | rounds |",
             "|---|---|---|---|---|",
