@@ -145,11 +145,12 @@ class CollectiveRecorder:
         except Exception as exc:
             self._error(exc)
 
-    def call(self, op: str, nbytes: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    def call(self, op: str, nbytes: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> Any:
         """``fn(*args, **kwargs)`` timed as one ``op``: to its return when it returns no
         ``Work`` (a synchronous collective), else to the work's completion. ``fn``'s own errors
-        propagate untouched; the recorder's never do."""
+        propagate untouched; the recorder's never do. Positional-only, so ``fn``'s keywords
+        (``op=`` of a reduce-scatter) pass through."""
         if not self.enabled:
             return fn(*args, **kwargs)
         timer = None

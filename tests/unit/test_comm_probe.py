@@ -50,6 +50,12 @@ def test_async_work_is_timed_at_completion_without_waiting(group):
     assert timing.resolve()["all_reduce"][0] >= 0
 
 
+def test_the_callees_keywords_pass_through_even_op_and_nbytes():
+    rec = CollectiveRecorder()
+    assert rec.call("reduce_scatter", 1, lambda **kw: kw, op="SUM", nbytes=3, fn=None) == {
+        "op": "SUM", "nbytes": 3, "fn": None}
+
+
 def test_errors_in_the_recorder_never_reach_the_caller_but_the_callees_do():
     errors = []
     rec = CollectiveRecorder(lambda probe, exc: errors.append((probe, exc)))
