@@ -336,6 +336,125 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+class P2PTiming:
+    """Send/recv time of this rank's stages: ``send`` and ``recv`` in the collective family.
+
+    The stages' ``get_{fwd,bwd}_{send,recv}_ops`` (wrapped on the instance) mark the
+    ``P2POp`` objects they return as ours; ``schedules._batch_p2p``, through which every
+    schedule issues them, is wrapped once per process while a pipeline monitor is attached (a
+    module attribute: torch's schedules look it up at each call) and times marked ops from issue
+    to their ``Work``'s completion (a future callback, never a wait). ``dist.isend``/``irecv``
+    themselves are never patched: ``P2POp`` checks ``op`` by identity."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _original: Any = None
+    _owner: Any = None
+    """``WeakKeyDictionary``: ``P2POp`` -> the ``CollectiveRecorder`` of the stage that made it."""
+
+    def __init__(self, setup: PipelineSetup, recorder: Any, on_error) -> None:
+        self.setup = setup
+        self.recorder = recorder
+        self.on_error = on_error
+        self._wrapped: list[tuple[Any, str]] = []
+        self._installed = False
+
+    def install(self) -> None:
+        try:
+            from torch.distributed.pipelining import schedules
+        except ImportError:  # pragma: no cover - torch without pipelining
+            return
+        for info in self.setup.stages:
+            for name in _P2P_METHODS:
+                original = getattr(info.stage, name, None)
+                if original is None:
+                    continue
+                setattr(info.stage, name, self._marking(original))
+                self._wrapped.append((info.stage, name))
+        cls = type(self)
+        with cls._lock:
+            if cls._users == 0:
+                import weakref
+
+                cls._owner = weakref.WeakKeyDictionary()
+                cls._original = schedules._batch_p2p
+                schedules._batch_p2p = _timed_batch_p2p
+            cls._users += 1
+        self._installed = True
+
+    def _marking(self, original):
+        owner = type(self)
+
+        def get_ops(chunk_id, *args, **kwargs):
+            ops = original(chunk_id, *args, **kwargs)
+            try:
+                table = owner._owner
+                if table is not None:
+                    for op in ops:
+                        table[op] = self.recorder
+            except Exception as exc:
+                self.on_error("comm", exc)
+            return ops
+
+        return get_ops
+
+    def uninstall(self) -> None:
+        for stage, name in self._wrapped:
+            try:
+                if name in vars(stage):
+                    delattr(stage, name)
+            except Exception:
+                pass
+        self._wrapped.clear()
+        if not self._installed:
+            return
+        self._installed = False
+        cls = type(self)
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                try:
+                    from torch.distributed.pipelining import schedules
+
+                    if schedules._batch_p2p is _timed_batch_p2p:
+                        schedules._batch_p2p = cls._original
+                except Exception:
+                    pass
+                cls._owner = None
+
+
+_P2P_METHODS = ("get_fwd_send_ops", "get_fwd_recv_ops", "get_bwd_send_ops", "get_bwd_recv_ops")
+
+
+def _timed_batch_p2p(p2p_ops, *args, **kwargs):
+    """``schedules._batch_p2p`` with ddpmon's P2P ops timed (others pass through untouched)."""
+    original, table = P2PTiming._original, P2PTiming._owner
+    marked = []
+    try:
+        if table is not None:
+            marked = [(op, table.get(op)) for op in p2p_ops]
+            marked = [(op, rec, rec.start(op.tensor)) for op, rec in marked if rec is not None]
+    except Exception:
+        marked = []
+    works = original(p2p_ops, *args, **kwargs)
+    if marked:
+        try:
+            by_op = dict(zip(map(id, p2p_ops), works, strict=False))
+            last = works[-1] if works else None
+            for op, rec, timer in marked:
+                work = by_op.get(id(op), last) if len(works) == len(p2p_ops) else last
+                kind = "send" if op.op is dist.isend else "recv"
+                nbytes = op.tensor.numel() * op.tensor.element_size()
+                if work is None:
+                    rec.stop(kind, timer, nbytes)
+                else:
+                    rec.stop_at_completion(kind, timer, nbytes, work)
+        except Exception as exc:
+            rec_error = marked[0][1]
+            rec_error._error(exc)
+    return works
+
+
 class ScheduleStep:
     """``schedule.step`` wrapped on the instance: one call is the step's forward and backward."""
 
@@ -388,6 +507,7 @@ class PipelineSource(GradientSource):
         self.name = setup.strategy  # type: ignore[misc]
         self.inner: GradientSource | None = None
         self.probes = StageProbes(setup, env.on_error)
+        self.p2p = P2PTiming(setup, self.collectives, env.on_error)
         self._ddp_probes: list[Any] = []
         self._reduced: NormVector | None = None
         self._pending: tuple[torch.Tensor, Any] | None = None
@@ -426,6 +546,7 @@ class PipelineSource(GradientSource):
                     data_check_interval=0,
                     local_norm_every=self.env.local_norm_every,
                     grads_are_bucket_views=bool(getattr(module, "gradient_as_bucket_view", False)),
+                    collectives=self.collectives,
                 )
                 try:
                     module.register_comm_hook(None, probe.hook)
@@ -438,11 +559,14 @@ class PipelineSource(GradientSource):
 
             if kind in SOURCES:
                 self.inner = make_source(kind, self.env)
+                self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
                 self.inner.install()
         self.probes.install()
+        self.p2p.install()
 
     def close(self) -> None:
         self.probes.uninstall()
+        self.p2p.uninstall()
         try:
             self._wait_pending()
         except Exception:
@@ -540,13 +664,6 @@ class PipelineSource(GradientSource):
             # DDP's bucket is the local sum over micro-batches, before scale_grads
             out.local = _scaled(NormVector(torch.cat(local_norms), positions), unscale)
             out.local_complete = all(p.local_buckets == p.buckets for p in parts)
-        from .base import CommTiming
-
-        out.comm = CommTiming(
-            [s for p in parts for s in p.seconds],
-            [e for p in parts for e in p.events],
-            sum(p.bytes for p in parts),
-        )
         return out
 
     def _squares(self, reduced: NormVector | None, failed: float) -> torch.Tensor | None:

@@ -203,6 +203,10 @@ class Run:
             "local": record.grad_local_norm,
             "groups": sorted(record.group_norms),
             "loss": record.loss,
+            "comm_count": {op: len(v) for op, v in record.collective_seconds.items()},
+            "comm_max": {op: max(v) for op, v in record.collective_seconds.items() if v},
+            "comm_bytes": dict(record.collective_bytes),
+            "duration": record.duration_seconds,
             "ref_loss": float(ref_loss.detach()),
         }
 

@@ -67,6 +67,24 @@ def test_global_norm_equals_torchtitan_and_unsplit_with_fsdp2_and_ddp(pp_dp):
     _check_norms(pp_dp, {"fsdp2": "pp+fsdp2", "ddp": "pp+ddp"})
 
 
+ACTIVATION_BYTES = 2 * 6 * 16 * 4  # one micro-batch's activation: 2 x T x D float32
+
+
+def test_send_recv_are_timed_per_micro_batch_and_stage(pp_only, pp_dp):
+    """One send and one recv per micro-batch and stage boundary in each direction (the notes'
+    8 ops per rank for 2 stages, 24 for 4 stages on 2 ranks), each timed within the step;
+    the inner strategy's collectives are recorded beside them."""
+    inner_ops = {"none": set(), "fsdp2": {"reduce_scatter", "all_gather"}, "ddp": {"all_reduce"}}
+    for rank, dp, name, entry in _cases(pp_only + pp_dp):
+        per_rank = 12 if name == "Interleaved1F1B" else 4
+        for s in entry["steps"]:
+            assert s["comm_count"]["send"] == s["comm_count"]["recv"] == per_rank, (rank, dp, s)
+            assert s["comm_bytes"]["send"] == s["comm_bytes"]["recv"] == per_rank * ACTIVATION_BYTES
+            assert set(s["comm_count"]) == {"send", "recv"} | inner_ops[dp], (rank, dp, s)
+            for op, longest in s["comm_max"].items():
+                assert 0 < longest < s["duration"], (rank, dp, name, op, s)
+
+
 def test_stage_local_norms_add_up_to_the_global_norm(pp_only):
     """pp only: each rank's local norm is its stages' norm; their squares sum to the global."""
     for name in SCHEDULES:
