@@ -275,13 +275,18 @@ def _inject(run: Run, site: str) -> None:
     module.register_forward_hook(forward_hook)
 
 
-def run_nan(args) -> dict:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+def run_nan(args, dp: str, sites) -> dict:
+    """``sites`` injected one per run, 1F1B; under dp only on dp rank 0 (one replica)."""
+    if dp == "none":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     results = {}
-    for i, site in enumerate(NAN_SITES):
-        port = free_ports(1) - int(os.environ["LOCAL_RANK"]) if i == 0 else 0
-        run = Run(mesh, "1F1B", "none", args.out, port)
-        _inject(run, site)
+    for i, site in enumerate(sites):
+        port = free_ports(1) - int(os.environ["LOCAL_RANK"]) if i == 0 and dp == "none" else 0
+        run = Run(mesh, "1F1B", dp, args.out, port)
+        if run.dp_rank == 0:
+            _inject(run, site)
         for s in range(NAN_STEP + 2):
             calls = getattr(run, "calls", None)
             if calls is not None:
@@ -306,6 +311,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--nan", action="store_true", help="also the four NaN sites")
+    parser.add_argument(
+        "--nan-dp", default="", help="also an activation-gradient NaN on the last stage, pp x dp"
+    )
     parser.add_argument("--dp", default="none", help="comma-separated: none, fsdp2, ddp")
     parser.add_argument("--strategy", default="")
     args = parser.parse_args()
@@ -314,7 +322,9 @@ def main() -> None:
     rank = dist.get_rank()
     result: dict = {"rank": rank, "norms": {dp: run_norms(args, dp) for dp in args.dp.split(",")}}
     if args.nan:
-        result["nan"] = run_nan(args)
+        result["nan"] = run_nan(args, "none", list(NAN_SITES))
+    if args.nan_dp:
+        result["nan_dp"] = run_nan(args, args.nan_dp, ["activation_grad_last"])
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     destroy_process_group_now()
 

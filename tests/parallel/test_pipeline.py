@@ -30,7 +30,7 @@ def pp_only(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp_dp(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_dp")
-    return launch("", 4, out, args=("--dp", "fsdp2,ddp"), worker=WORKER)
+    return launch("", 4, out, args=("--dp", "fsdp2,ddp", "--nan-dp", "fsdp2"), worker=WORKER)
 
 
 def _cases(ranks: list[dict]):
@@ -154,3 +154,26 @@ def test_nan_origin_names_stage_rank_and_microbatch(pp_only, site):
         after = records[NAN_STEP + 1]
         assert not after["origin"]
         assert after["poisoned"] == after["local_nonfinite"]
+
+
+def test_activation_grad_nan_on_the_last_stage_under_fsdp2_names_that_rank(pp_dp):
+    """pp 2 x FSDP2 dp 2 (ranks 0-1: stage 0, ranks 2-3: stage 1), 1F1B: an activation-gradient
+    NaN inside stage 1 on rank 2 only (dp replica 0). Rank 2 is the origin (stage 1, micro-batch
+    1); its dp peer (rank 3) gets NaN only through the reduce-scatter and its pipeline peer
+    (rank 0) only through the gradient it received: neither is an origin."""
+    for rank in pp_dp:
+        result = rank["nan_dp"]["activation_grad_last"]
+        records = {r["step"]: r for r in result["records"]}
+        assert not any(result["errors"].values()), result["errors"]
+        at = records[NAN_STEP]
+        assert at["grad_norm"] == "nan"
+        if rank["rank"] == 2:
+            assert result["origin_total"] == 1 and at["origin"]
+            where = at["pp_origin"]
+            assert (where["stage"], where["microbatch"], where["site"]) == (
+                1, NAN_MB, "activation_grad"
+            )
+        else:
+            assert result["origin_total"] == 0 and not at["origin"], rank["rank"]
+        assert at["local_nonfinite"] == (rank["rank"] in (0, 2)), rank["rank"]
+        assert not records[NAN_STEP + 1]["origin"]
