@@ -221,7 +221,17 @@ def run_norms(args, dp: str) -> dict:
         port = free_ports(1) - int(os.environ["LOCAL_RANK"]) if i == 0 else 0
         run = Run(mesh, name, dp, args.out, port)
         steps = [run.step(s) for s in range(STEPS)]
+        stages = getattr(run.schedule, "_stages", None) or [run.schedule._stage]
+        recv_hooks = sum(  # tensor hooks on the persistent receive buffers (must stay none)
+            len(getattr(info.buffer, "_backward_hooks", None) or {})
+            for stage in stages
+            for infos in stage.args_recv_info.values()
+            for info in infos
+            if getattr(info, "buffer", None) is not None
+        )
         entry = {
+            "recv_hooks": recv_hooks,
+            "recv_buffers": sum(len(s.args_recv_info) for s in stages if not s.is_first),
             "steps": steps,
             "strategy": run.mon.state.strategy,
             "steps_total": run.mon.state.steps_total,

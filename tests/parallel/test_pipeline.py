@@ -49,6 +49,8 @@ def _check_norms(ranks: list[dict], expected_strategy: dict[str, str]) -> None:
         assert entry["restored"]  # schedule.step is the class's again after close
         assert not any(entry["errors"].values()), entry["errors"]
         assert len(entry["steps"]) == STEPS
+        # no hook on the persistent receive buffers (they would pile up step after step)
+        assert entry["recv_hooks"] == 0, (rank, dp, name)
         for s in entry["steps"]:
             assert s["ours"] > 0.1
             assert math.isclose(s["ours"], s["titan"], rel_tol=TOL), (rank, dp, name, s)
@@ -61,6 +63,8 @@ def _check_norms(ranks: list[dict], expected_strategy: dict[str, str]) -> None:
 
 def test_global_norm_equals_torchtitan_and_unsplit_pp_only(pp_only):
     _check_norms(pp_only, {"none": "pp"})
+    # the receive buffers checked for hooks exist (rank 1 holds non-first stages)
+    assert all(r["norms"]["none"][n]["recv_buffers"] > 0 for r in pp_only[1:] for n in SCHEDULES)
 
 
 def test_global_norm_equals_torchtitan_and_unsplit_with_fsdp2_and_ddp(pp_dp):
