@@ -170,7 +170,8 @@ class StepPipeline:
         self._collect()
         if self.policy.reads:
             self._policy_skipped = self.policy.before_step(
-                self._collected.reduced, self.step, skip_allowed=True
+                self._collected.reduced, self.step, skip_allowed=True,
+                extra=_global_norm(self._collected),
             )
 
     def optimizer_post(self) -> None:
@@ -198,7 +199,10 @@ class StepPipeline:
                 summaries = self._collect()
                 if self.policy.reads and (self._closure_step or found is not None):
                     # closure or scaler steps: the update already happened; raise still can
-                    self.policy.before_step(summaries.reduced, self.step, skip_allowed=False)
+                    self.policy.before_step(
+                        summaries.reduced, self.step, skip_allowed=False,
+                        extra=_global_norm(summaries),
+                    )
                 urgent = self._package(
                     summaries, skipped_by, found, grad_scale, scale_after,
                     host=(host_skipped, host_scale_after),
@@ -288,7 +292,7 @@ class StepPipeline:
             host_scale_after=host[1],
             pp=s.pp,
         )
-        self.readback.push(values, meta)
+        self.readback.push(values, meta, ready=s.pp.ready() if s.pp is not None else None)
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
 
     # ------------------------------------------------------------------ dropped gradients
@@ -432,6 +436,16 @@ class StepPipeline:
             if handler is not None:
                 with self.guard(sink.probe):
                     handler(step, ours, theirs, mismatch)
+
+
+def _global_norm(s: GradSummaries) -> torch.Tensor | None:
+    """Pipeline parallel: the pp-summed squared norm (identical on every stage), so that a
+    skip/raise decision is the same on every stage; waits for its all-reduce (the policy's
+    documented read)."""
+    if s.pp is None:
+        return None
+    s.pp.wait()
+    return s.pp.norm[:1]
 
 
 def _host(parts: dict, name: str, vector: NormVector | None) -> tuple | None:

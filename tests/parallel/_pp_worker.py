@@ -117,7 +117,9 @@ class Run:
     """One schedule x composition: split, wrap, attach, train STEPS steps beside the unsplit
     reference model."""
 
-    def __init__(self, mesh, schedule_name: str, dp: str, out: str, port: int) -> None:
+    def __init__(
+        self, mesh, schedule_name: str, dp: str, out: str, port: int, **options
+    ) -> None:
         self.pp_mesh = mesh["pp"]
         self.dp_mesh = mesh["dp"] if "dp" in (mesh.mesh_dim_names or ()) else None
         pp_rank, pp_size = self.pp_mesh.get_local_rank(), self.pp_mesh.size()
@@ -169,6 +171,7 @@ class Run:
             run_dir=os.path.join(out, "runs"),
             run_id=f"pp-{schedule_name}-{dp}",
             announce=False,
+            **options,
         )
         assert self.mon.enabled, self.mon.error
 
@@ -292,9 +295,11 @@ def run_nan(args, dp: str, sites) -> dict:
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     results = {}
-    for i, site in enumerate(sites):
+    for i, key in enumerate(sites):
+        site, _, policy = key.partition("+")
         port = free_ports(1) - int(os.environ["LOCAL_RANK"]) if i == 0 and dp == "none" else 0
-        run = Run(mesh, "1F1B", dp, args.out, port)
+        options = {"on_nonfinite": policy} if policy else {}
+        run = Run(mesh, "1F1B", dp, args.out, port, **options)
         if run.dp_rank == 0:
             _inject(run, site)
         for s in range(NAN_STEP + 2):
@@ -304,10 +309,11 @@ def run_nan(args, dp: str, sites) -> dict:
                 calls["armed"] = s == NAN_STEP
             run.step(s)
         records = [r.as_dict() for r in run.mon.recent_steps()]
-        results[site] = {
+        results[key] = {
             "records": [
                 {k: r[k] for k in ("step", "origin", "poisoned", "local_nonfinite",
-                                   "local_nonfinite_param", "pp_origin", "grad_norm")}
+                                   "local_nonfinite_param", "pp_origin", "grad_norm",
+                                   "skipped_by")}
                 for r in records
             ],
             "origin_total": run.mon.state.grad_nonfinite_origin_steps_total,
@@ -332,7 +338,7 @@ def main() -> None:
     rank = dist.get_rank()
     result: dict = {"rank": rank, "norms": {dp: run_norms(args, dp) for dp in args.dp.split(",")}}
     if args.nan:
-        result["nan"] = run_nan(args, "none", list(NAN_SITES))
+        result["nan"] = run_nan(args, "none", [*NAN_SITES, "param_grad+skip"])
     if args.nan_dp:
         result["nan_dp"] = run_nan(args, args.nan_dp, ["activation_grad_last"])
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))

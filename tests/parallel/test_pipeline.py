@@ -181,3 +181,19 @@ def test_activation_grad_nan_on_the_last_stage_under_fsdp2_names_that_rank(pp_dp
             assert result["origin_total"] == 0 and not at["origin"], rank["rank"]
         assert at["local_nonfinite"] == (rank["rank"] in (0, 2)), rank["rank"]
         assert not records[NAN_STEP + 1]["origin"]
+
+
+def test_skip_policy_decides_alike_on_every_stage(pp_only):
+    """on_nonfinite='skip' with a NaN only in stage 1's gradients: both stages drop the step
+    (the decision reads the pp-summed norm), so no weight is poisoned and the next step is
+    clean on both."""
+    for rank in pp_only:
+        result = rank["nan"]["param_grad+skip"]
+        records = {r["step"]: r for r in result["records"]}
+        assert not any(result["errors"].values()), result["errors"]
+        assert records[NAN_STEP]["skipped_by"] == "policy", rank["rank"]
+        assert records[NAN_STEP]["grad_norm"] == "nan"
+        after = records[NAN_STEP + 1]
+        assert after["skipped_by"] is None and after["grad_norm"] > 0
+        assert not after["local_nonfinite"] and not after["poisoned"]
+        assert result["origin_total"] == (1 if rank["rank"] == 1 else 0)
