@@ -125,6 +125,7 @@ class Run:
         pp_rank, pp_size = self.pp_mesh.get_local_rank(), self.pp_mesh.size()
         self.dp_rank = self.dp_mesh.get_local_rank() if self.dp_mesh is not None else 0
         self.dp_size = self.dp_mesh.size() if self.dp_mesh is not None else 1
+        tag = f"-{options.pop('tag')}" if "tag" in options else ""  # one run dir per run
         n_stages = 4 if schedule_name == "Interleaved1F1B" else 2
         torch.manual_seed(0)
         self.whole = Tiny()
@@ -169,7 +170,7 @@ class Run:
             port=port,
             bind="127.0.0.1",
             run_dir=os.path.join(out, "runs"),
-            run_id=f"pp-{schedule_name}-{dp}",
+            run_id=f"pp-{schedule_name}-{dp}{tag}",
             announce=False,
             **options,
         )
@@ -299,6 +300,7 @@ def run_nan(args, dp: str, sites) -> dict:
         site, _, policy = key.partition("+")
         port = free_ports(1) - int(os.environ["LOCAL_RANK"]) if i == 0 and dp == "none" else 0
         options = {"on_nonfinite": policy} if policy else {}
+        options["tag"] = key.replace("+", "-")
         run = Run(mesh, "1F1B", dp, args.out, port, **options)
         if run.dp_rank == 0:
             _inject(run, site)
@@ -319,7 +321,12 @@ def run_nan(args, dp: str, sites) -> dict:
             "origin_total": run.mon.state.grad_nonfinite_origin_steps_total,
             "errors": dict(run.mon.state.agent_errors),
         }
+        events = run.mon.ctx.run_dir.events(dist.get_rank())
         run.mon.close()
+        results[key]["events"] = [
+            e for e in map(json.loads, Path(events).read_text().splitlines())
+            if e.get("kind") == "nonfinite" and e.get("origin")
+        ]
     return results
 
 

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("torchtitan.distributed.utils")
 
+from ddpmon.forensics.timeline import describe  # noqa: E402
 from tests.parallel._pp_worker import NAN_MB, NAN_STEP, SCHEDULES, STEPS  # noqa: E402
 from tests.parallel.conftest import launch  # noqa: E402
 
@@ -151,9 +152,13 @@ def test_nan_origin_names_stage_rank_and_microbatch(pp_only, site):
             where = at["pp_origin"]
             assert (where["stage"], where["microbatch"], where["site"]) == (origin_rank, mb, label)
             assert at["local_nonfinite_param"].startswith(f"stage{origin_rank}.")
+            (event,) = result["events"]  # events.jsonl and the timeline name it too
+            assert (event["stage"], event["microbatch"], event["site"]) == (origin_rank, mb, label)
+            assert f"site={label}" in describe(event) and f"stage={origin_rank}" in describe(event)
         else:
             assert result["origin_total"] == 0
             assert not at["origin"] and at["pp_origin"] is None
+            assert result["events"] == []
         # the step after the NaN was applied: never an origin again
         after = records[NAN_STEP + 1]
         assert not after["origin"]
