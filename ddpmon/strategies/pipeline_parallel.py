@@ -113,7 +113,13 @@ class PipelineSetup:
                 f"attach(..., schedule=): {type(schedule).__name__} holds no PipelineStage; "
                 "pass the torch.distributed.pipelining schedule this rank runs"
             )
+        if getattr(vars(schedule).get("step"), "__wrapped__", None) is not None:
+            raise PipelineSetupError(
+                "ddpmon is already attached to this schedule; close the first monitor before "
+                "attaching again"
+            )
         by_module = {id(s.submod): s for s in stages}
+
         by_stage = {id(s): s for s in stages}
         found: list[StageInfo] = []
         for i, part in enumerate(parts):
@@ -342,11 +348,21 @@ class StageProbes:
             return torch.full((width,), _NO_EVENT, dtype=torch.float64), table, self._indices
         device = events[0][2].device
         finite = torch.stack([e[2].to(device) for e in events])
-        seqs = torch.tensor([e[0] for e in events], dtype=torch.float64).to(device)
-        where = torch.tensor([e[1] for e in events], dtype=torch.long).to(device)
+        seqs = _to_device(torch.tensor([e[0] for e in events], dtype=torch.float64), device)
+        where = _to_device(torch.tensor([e[1] for e in events], dtype=torch.long), device)
         values = torch.where(finite, torch.full_like(seqs, _NO_EVENT), seqs)
         out = torch.full((width,), _NO_EVENT, dtype=torch.float64, device=device)
         return out.scatter_reduce(0, where, values, "amin"), table, self._indices
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a sync: pinned and non-blocking on CUDA (a
+    pageable or blocking copy would wait for the stream)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -493,6 +509,7 @@ class ScheduleStep:
     def install(self) -> None:
         schedule = self.setup.schedule
         original = schedule.step
+        self._previous = vars(schedule).get("step")  # an instance attribute of its own, if any
 
         def step(*args: Any, **kwargs: Any) -> Any:
             training = torch.is_grad_enabled() and not self.closed
@@ -515,7 +532,10 @@ class ScheduleStep:
         schedule = self.setup.schedule
         try:
             if vars(schedule).get("step") is getattr(self, "_step", None):
-                del schedule.step
+                if self._previous is not None:
+                    schedule.step = self._previous
+                else:
+                    del schedule.step
         except Exception:
             pass
 

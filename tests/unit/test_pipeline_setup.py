@@ -54,3 +54,25 @@ def test_something_that_is_no_schedule_is_refused():
     mon = ddpmon.attach(model, opt, schedule=object(), port=0)
     assert not mon.enabled
     assert "object holds no PipelineStage" in mon.error
+
+
+def test_a_second_attach_to_the_same_schedule_is_refused(tmp_path):
+    """The first monitor wraps schedule.step on the instance; a second would be undone by the
+    first's close. (No step is taken: nothing collective runs.)"""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    schedule = _schedule(model)
+    own_step = schedule.step
+    first = ddpmon.attach(model, opt, schedule=schedule, port=0, run_dir=str(tmp_path))
+    try:
+        assert first.enabled, first.error
+        assert first.state.strategy == "pp"
+        second = ddpmon.attach(model, opt, schedule=schedule, port=0, run_dir=str(tmp_path))
+        assert not second.enabled
+        assert second.error == (
+            "ddpmon is already attached to this schedule; close the first monitor before "
+            "attaching again"
+        )
+    finally:
+        first.close()
+    assert schedule.step is own_step  # the instance's own step is back
