@@ -292,7 +292,7 @@ class StepPipeline:
             host_scale_after=host[1],
             pp=s.pp,
         )
-        self.readback.push(values, meta, ready=s.pp.ready() if s.pp is not None else None)
+        self.readback.push(values, meta)
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
 
     # ------------------------------------------------------------------ dropped gradients
@@ -440,12 +440,8 @@ class StepPipeline:
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:
     """Pipeline parallel: the pp-summed squared norm (identical on every stage), so that a
-    skip/raise decision is the same on every stage; waits for its all-reduce (the policy's
-    documented read)."""
-    if s.pp is None:
-        return None
-    s.pp.wait()
-    return s.pp.norm[:1]
+    skip/raise decision is the same on every stage."""
+    return s.pp.norm[:1] if s.pp is not None else None
 
 
 def _host(parts: dict, name: str, vector: NormVector | None) -> tuple | None:

@@ -51,14 +51,10 @@ class Readback:
         self.forced_waits = 0
         """How often the queue was full and the oldest entry was waited for (GPU far behind)."""
 
-    def push(
-        self, values: Mapping[str, torch.Tensor | None], meta: Any, ready: Any = None
-    ) -> None:
-        """Queue one step's slot tensors (``None``: absent). Training thread: no device read.
-        ``ready``: for CPU values still being written by a collective, an object with
-        ``query()`` / ``synchronize()`` (like a CUDA event) that says when they are final."""
+    def push(self, values: Mapping[str, torch.Tensor | None], meta: Any) -> None:
+        """Queue one step's slot tensors (``None``: absent). Training thread: no device read."""
         if all(t is None or t.is_cpu for t in values.values()):
-            self._pending.append((values, ready, None, meta))
+            self._pending.append((values, None, None, meta))
             return
         vector, key = self.layout.pack(values)
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)

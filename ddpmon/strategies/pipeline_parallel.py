@@ -194,32 +194,6 @@ class PPStep:
     table: list[tuple[int, int, str]]
     """seq -> (stage, micro-batch, site)."""
     stages: list[int]
-    work: Any = None
-    """The pp all-reduce of ``norm`` when still in flight (CPU/gloo only: on a GPU it is
-    waited on at collect, a stream wait), waited on by the record thread before reading."""
-
-    def wait(self) -> None:
-        work, self.work = self.work, None
-        if work is not None:
-            work.wait()
-
-    def ready(self) -> Any:
-        """For the readback queue: says when ``norm`` is final (None: it is already)."""
-        return _WorkReady(self) if self.work is not None else None
-
-
-class _WorkReady:
-    """A CUDA-event-like view of a ``PPStep``'s all-reduce for ``Readback.poll``."""
-
-    def __init__(self, step: PPStep) -> None:
-        self.step = step
-
-    def query(self) -> bool:
-        work = self.step.work
-        return work is None or bool(work.is_completed())
-
-    def synchronize(self) -> None:
-        self.step.wait()
 
 
 class StageProbes:
@@ -656,19 +630,6 @@ class PipelineSource(GradientSource):
         n = len(self.index)
         return torch.stack([pending.vector[:n].sum(), (pending.vector[n] > 0).to(torch.float64)])
 
-    def _take_pending(self) -> tuple[torch.Tensor | None, Any]:
-        """The pending pp sum and, on CPU, its work still in flight: the record thread waits
-        for it (``PPStep.ready``), not the training thread. On a GPU the work is waited on now
-        (a stream wait: the step vector is packed on this stream)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return None, None
-        vec, work = pending
-        if vec.device.type != "cpu":
-            work.wait()
-            return vec, None
-        return vec, work
-
     def _wait_pending(self) -> torch.Tensor | None:
         pending, self._pending = self._pending, None
         if pending is None:
@@ -685,9 +646,10 @@ class PipelineSource(GradientSource):
         except Exception as exc:
             failed = 1.0
             self.env.on_error("grads", exc)
-        work = None
         try:
-            norm, work = self._take_pending()
+            # Waited on here, as the sharded sources wait on theirs: the step's values must be
+            # final when it is delivered (on CPU, flush() delivers every completed step).
+            norm = self._wait_pending()
         except Exception as exc:  # the collective itself failed: not ours to hide, but counted
             self.env.on_error("grads", exc)
             norm = self._failed_vector()
@@ -700,7 +662,7 @@ class PipelineSource(GradientSource):
         except Exception as exc:
             self.env.on_error("grads", exc)
             flags, table, stages = torch.zeros(0, dtype=torch.float64), [], []
-        out.pp = PPStep(self, norm, flags, table, stages, work)
+        out.pp = PPStep(self, norm, flags, table, stages)
         return out
 
     def _collect_inner(self) -> GradSummaries:
