@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..agent.floor import LossScaleFloorError, is_deepspeed_min_scale
 from ..probes.grads import per_param_norms
 from .base import GradientSource, GradSummaries, NormVector
 
@@ -340,11 +341,13 @@ class EngineSteps:
         source: DeepSpeedSource,
         on_step: Callable[[StepFacts], None],
         on_error: Callable[[str, BaseException], None],
+        on_min_scale: Callable[[BaseException, float | None], None] | None = None,
     ) -> None:
         self.engine = engine
         self.source = source
         self._on_step = on_step
         self._on_error = on_error
+        self._on_min_scale = on_min_scale
         self._original = engine.step
         self._fp16 = source.facts.precision == "fp16"
         engine.step = self._step  # instance attribute shadows the method
@@ -369,11 +372,18 @@ class EngineSteps:
             before, skipped = engine.global_steps, engine.skipped_steps
         except Exception as exc:
             self._on_error("step", exc)
-        result = self._original(*args, **kwargs)
+        try:
+            result = self._original(*args, **kwargs)
+        except Exception as exc:
+            if self._on_min_scale is not None and is_deepspeed_min_scale(exc):
+                self._on_min_scale(exc, self._scale())  # records; raise mode re-raises chained
+            raise
         if before is not None:
             try:
                 if engine.global_steps != before:
                     self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale()))
+            except LossScaleFloorError:
+                raise  # on_loss_scale_floor=raise: the one exception meant for the loop
             except Exception as exc:
                 self._on_error("step", exc)
         return result
