@@ -1,9 +1,13 @@
-"""One rank of the loss-scale floor checks (``on_loss_scale_floor``): a GradScaler under DDP and
-DeepSpeed's own fp16 loss scaler in a real ZeRO-2 engine, in one gloo process group. Rank 1's
-local gradient gets an inf from ``INF_FROM`` on, so every step overflows and both scalers halve
-their (shared) scale each step. The rank writes what it raised and when; the tests assert.
+"""One rank of the DeepSpeed extras, in one gloo process group (DeepSpeed is imported once):
 
-Run as: ``python _floor_worker.py --out DIR`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+- the loss-scale floor (``on_loss_scale_floor``): a GradScaler under DDP and DeepSpeed's own fp16
+  loss scaler in a real ZeRO-2 engine. Rank 1's local gradient gets an inf from ``INF_FROM`` on,
+  so every step overflows and both scalers halve their (shared) scale each step;
+- the Lightning callback's way to the engine under ``DeepSpeedStrategy`` (which Lightning runs on
+  CUDA only): a real engine behind a stand-in trainer with the strategy's attributes.
+
+The rank writes what happened; the tests assert. Run as: ``python _deepspeed_extras_worker.py
+--out DIR`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 set (tests/support/ranks.py). ``DS_ACCELERATOR=cpu`` is set here.
 """
 
@@ -170,6 +174,48 @@ def deepspeed_run(name: str, mode: str, floor: float, out: Path, rank: int) -> d
     return result
 
 
+def lightning_callback(out: Path, rank: int) -> dict:
+    """``DdpmonCallback.on_fit_start`` as Lightning's DeepSpeedStrategy presents it: the bare
+    LightningModule, ``trainer.optimizers == [engine.optimizer]``, the engine at
+    ``strategy.deepspeed_engine`` (and ``strategy.model``)."""
+    from types import SimpleNamespace
+
+    from ddpmon.integrations.lightning import DdpmonCallback
+
+    torch.manual_seed(0)
+    model = Net()
+    config = ds_config(1)
+    del config["fp16"]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    strategy = SimpleNamespace(deepspeed_engine=engine, model=engine, checkpoint_io=None)
+    trainer = SimpleNamespace(
+        optimizers=[engine.optimizer], strategy=strategy, precision_plugin=SimpleNamespace(),
+        accumulate_grad_batches=1, global_step=0,
+    )
+    cb = DdpmonCallback(port=0, run_dir=str(out / "runs"), run_id="lightning-ds")
+    cb.on_fit_start(trainer, engine.module)
+    cb.on_train_start(trainer, engine.module)
+    gen = torch.Generator().manual_seed(10 + rank)
+    norms = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        engine.backward((engine(x) - y).pow(2).mean())
+        engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
+    mon = cb.monitor
+    mon.flush()
+    result = {
+        "attached": mon.enabled, "monitor_error": mon.error, "strategy": mon.state.strategy,
+        "steps": mon.state.steps_total, "global_steps": engine.global_steps,
+        "ours": [r.grad_norm for r in mon.recent_steps()], "theirs": norms,
+    }
+    cb.teardown(trainer, engine.module, "fit")
+    engine.destroy()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -189,6 +235,7 @@ def main() -> None:
         # floor below DeepSpeed's minimum: DeepSpeed's own exception comes first
         "ds-min-raise": lambda: deepspeed_run("ds-min-raise", "raise", 0.25, args.out, rank),
         "ds-min-record": lambda: deepspeed_run("ds-min-record", "record", 0.25, args.out, rank),
+        "lightning": lambda: lightning_callback(args.out, rank),
     }
     results = {}
     for name, run in runs.items():

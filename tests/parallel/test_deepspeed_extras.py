@@ -1,8 +1,11 @@
-"""``on_loss_scale_floor`` with both scalers on 2 real gloo ranks: a GradScaler under DDP and
-DeepSpeed's own DynamicLossScaler in a real fp16 ZeRO-2 engine (``DS_ACCELERATOR=cpu``, past
-DeepSpeed's CPU fp16 check as in test_deepspeed.py). Rank 1's local gradient overflows every
-step from ``INF_FROM`` on (``_floor_worker.py``); every expected step is derived from the scales
-the scalers themselves reported.
+"""DeepSpeed extras on 2 real gloo ranks (``_deepspeed_extras_worker.py``, one launch):
+
+- ``on_loss_scale_floor`` with both scalers: a GradScaler under DDP and DeepSpeed's own
+  DynamicLossScaler in a real fp16 ZeRO-2 engine (``DS_ACCELERATOR=cpu``, past DeepSpeed's CPU
+  fp16 check as in test_deepspeed.py). Rank 1's local gradient overflows every step from
+  ``INF_FROM`` on; every expected step is derived from the scales the scalers reported.
+- the Lightning callback finds the engine of a DeepSpeedStrategy (a stand-in trainer: Lightning
+  refuses that strategy on CPU).
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ pytest.importorskip("deepspeed")
 from ddpmon.forensics.timeline import build_timeline  # noqa: E402
 from tests.support.ranks import run_ranks  # noqa: E402
 
-from . import _floor_worker as W  # noqa: E402
+from . import _deepspeed_extras_worker as W  # noqa: E402
 
 MIN_SCALE_TEXT = "Current loss scale already at minimum"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("floor")
+    out = tmp_path_factory.mktemp("deepspeed-extras")
     return run_ranks(
         Path(W.__file__), out, [], timeout=240,
         env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
@@ -139,3 +142,13 @@ def test_a_rank_whose_own_facts_fail_still_joins_and_raises_alike(runs):
     assert f"facts missing from rank(s) {W.INF_RANK}" in message
     assert results[W.INF_RANK]["errors"] == {"floor": 1}
     assert results[1 - W.INF_RANK]["errors"] == {}
+
+
+def test_lightning_callback_attaches_to_the_deepspeed_engine(runs):
+    for rank in (0, 1):
+        res = run(runs, rank, "lightning")
+        assert res["attached"], res["monitor_error"]
+        assert res["strategy"] == "deepspeed-zero2"
+        assert res["steps"] == res["global_steps"] == len(res["theirs"])
+        for ours, theirs in zip(res["ours"], res["theirs"], strict=True):
+            assert abs(ours - theirs) <= 1e-5 * theirs, (ours, theirs)
