@@ -7,9 +7,9 @@ and noise hit both alike. The agent's own time is broken down by where it runs:
 
   hooks       ddpmon's tensor hooks (one norm of each micro-batch's local gradient)
   engine.step at the entry of ``engine.step``: the scale noted, the reduced partitions' norms
-              and their one small SUM all-reduce (``allreduce``: the part spent in it, mostly
-              waiting for the other rank, a wait DeepSpeed's own norm all-reduce pays anyway)
-  step close  after ``engine.step``: the step record queued for readback (and drained)
+              and their one small SUM all-reduce, issued async (``allreduce``: the call)
+  step close  after ``engine.step``: the all-reduce waited (done by then: DeepSpeed's own step
+              collectives came after it), the step record queued for readback (and drained)
   forward     the forward pre-hook (step timing, batch shapes once)
 
 Reports medians and quartiles of per-round ratios agent/base, and of the time inside each part.
@@ -223,12 +223,12 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             *rows,
             "",
             "Time inside ddpmon per step, ms, median (quartiles): tensor hooks (local norm of "
-            "each gradient), at `engine.step` (reduced norms + one all-reduce; of which in the "
-            "all-reduce, mostly waiting for the other rank), step close (record queued), forward "
-            "pre-hook; total and its median share of the base step.",
+            "each gradient), at `engine.step` (reduced norms + one async all-reduce; of which "
+            "issuing the all-reduce), step close (the all-reduce waited, the record queued), "
+            "forward pre-hook; total and its median share of the base step.",
             "",
-            "| stage | hooks | engine.step | of which all-reduce | step close | forward | total "
-            "| share of base |",
+            "| stage | hooks | engine.step | of which all-reduce call | step close | forward "
+            "| total | share of base |",
             "|---|---|---|---|---|---|---|---|",
             *parts,
             "",

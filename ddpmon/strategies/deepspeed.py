@@ -12,7 +12,8 @@ are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``aver
   closes an accumulation boundary (gradients reduced, not yet clipped or unscaled). One fused norm
   pass over this rank's reduced partitions (ZeRO-1/2: each parameter's slice; ZeRO-3: the grad
   partitions, whose padding is zero), one SUM all-reduce of one float64 per parameter over the
-  data-parallel group, divided by the loss scale (a host float). Stage 0: the replicated
+  data-parallel group (issued async, waited when the step closes, after DeepSpeed's own step
+  collectives), divided by the loss scale (a host float). Stage 0: the replicated
   ``param.grad`` after DeepSpeed's all-reduce, no collective.
 - **Local norm and NaN origin**: a tensor hook per parameter sees each micro-batch's gradient
   before DeepSpeed's post-accumulate hooks copy it into a reduction bucket (ZeRO-2/3 reduce every
@@ -177,7 +178,8 @@ class DeepSpeedSource(GradientSource):
         self.facts = engine_facts(self.engine)
         self.name = f"deepspeed-zero{self.facts.stage}"  # type: ignore[misc]
         self._sq: list[torch.Tensor | None] = [None] * len(self.index)
-        self._reduced: NormVector | None = None
+        self._pending: tuple[torch.Tensor, Any, float | torch.Tensor] | None = None
+        """This step's squared norms, their all-reduce in flight and the scale to divide by."""
         self._positions: dict[tuple, torch.Tensor] = {}
         self._scale_used: float | torch.Tensor = 1.0
         """The loss scale this step's gradients carry, noted before ``engine.step`` updates it."""
@@ -234,7 +236,7 @@ class DeepSpeedSource(GradientSource):
         then reports norms of 0 for that step (never NaN, which would read as a non-finite
         gradient), as the other strategies do. The failure is counted on the rank it happened.
         """
-        self._reduced = None
+        self._pending = None
         if not self._reduced_on:
             return
         collective = self.facts.stage in (1, 2, 3)
@@ -252,15 +254,27 @@ class DeepSpeedSource(GradientSource):
             failed = exc
             sq = torch.zeros(n + 1, dtype=torch.float64, device=_device([], self.index))
             sq[n] = 1.0
-        if collective:
+        work = None
+        if collective:  # waited at collect(): by then DeepSpeed's own step collectives are done
             group = getattr(self.engine.optimizer, "dp_process_group", None)
-            torch.distributed.all_reduce(sq, group=group)
-        norms = sq[:n].sqrt() / self._scale_used
-        if collective:  # a device-side choice: nothing is read on the host
-            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
-        self._reduced = NormVector(norms, self.index.all_positions, scaled=False)
+            work = torch.distributed.all_reduce(sq, group=group, async_op=True)
+        self._pending = (sq, work, self._scale_used)
         if failed is not None:
             raise failed
+
+    def _finish_reduced(self) -> NormVector | None:
+        """The all-reduced norms of the step (the wait is a stream wait on a GPU, no host read)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        sq, work, scale = pending
+        n = len(self.index)
+        if work is not None:
+            work.wait()
+        norms = sq[:n].sqrt() / scale
+        if work is not None:  # a device-side choice: nothing is read on the host
+            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
+        return NormVector(norms, self.index.all_positions, scaled=False)
 
     def _position_tensor(self, positions: list[int], device: torch.device) -> torch.Tensor:
         """The positions as a device index, built once (a host-to-device copy of a pageable
@@ -299,7 +313,7 @@ class DeepSpeedSource(GradientSource):
 
     # ------------------------------------------------------------------ per step
     def collect(self) -> GradSummaries:
-        reduced, self._reduced = self._reduced, None
+        reduced = self._finish_reduced()
         local = None
         present = [(i, t) for i, t in enumerate(self._sq) if t is not None]
         self._sq[:] = [None] * len(self._sq)
