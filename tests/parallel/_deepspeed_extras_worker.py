@@ -234,7 +234,8 @@ def main() -> None:
         "ds-raise": lambda: deepspeed_run("ds-raise", "raise", FLOOR, args.out, rank),
         # floor below DeepSpeed's minimum: DeepSpeed's own exception comes first
         "ds-min-raise": lambda: deepspeed_run("ds-min-raise", "raise", 0.25, args.out, rank),
-        "ds-min-record": lambda: deepspeed_run("ds-min-record", "record", 0.25, args.out, rank),
+        # record: ddpmon's rule records at the K-th step, then DeepSpeed's own exception
+        "ds-record": lambda: deepspeed_run("ds-record", "record", FLOOR, args.out, rank),
         "lightning": lambda: lightning_callback(args.out, rank),
     }
     results = {}

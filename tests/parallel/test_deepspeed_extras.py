@@ -122,14 +122,19 @@ def test_deepspeed_min_scale_raise_is_chained(runs):
     assert len({run(runs, r, "ds-min-raise")["raised"]["message"] for r in (0, 1)}) == 1
 
 
-def test_deepspeed_min_scale_record_lets_deepspeeds_exception_through(runs):
+def test_deepspeed_record_keeps_training_until_deepspeeds_own_exception(runs):
+    """record: ddpmon's rule records at the K-th step and training goes on; DeepSpeed's own
+    exception at its minimum scale then propagates unchanged, recorded first."""
     for rank in (0, 1):
-        res = run(runs, rank, "ds-min-record")
+        res = run(runs, rank, "ds-record")
         err = res["raised"]
         assert err["type"] == "Exception" and MIN_SCALE_TEXT in err["message"]
-        (event,) = floor_events(res, rank)
-        assert event["source"] == "deepspeed" and event["action"] == "record"
-        assert event["step"] == err["at"] and MIN_SCALE_TEXT in event["message"]
+        expected = kth_step_at_floor(res["scales"], W.FLOOR, W.K)
+        assert expected < err["at"]  # training went on past ddpmon's decision
+        ours, theirs = floor_events(res, rank)
+        assert (ours["source"], ours["action"], ours["step"]) == ("ddpmon", "record", expected)
+        assert theirs["source"] == "deepspeed" and theirs["action"] == "record"
+        assert theirs["step"] == err["at"] and MIN_SCALE_TEXT in theirs["message"]
 
 
 def test_a_rank_whose_own_facts_fail_still_joins_and_raises_alike(runs):
