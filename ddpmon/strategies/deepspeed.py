@@ -17,15 +17,17 @@ are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``aver
   ``param.grad`` after DeepSpeed's all-reduce, no collective.
 - **Local norm and NaN origin**: a tensor hook per parameter sees each micro-batch's gradient
   before DeepSpeed's post-accumulate hooks copy it into a reduction bucket (ZeRO-2/3 reduce every
-  micro-batch). The hook reduces it at once to one device float64 (sum of squares), because
-  DeepSpeed re-points the gradient's storage at its bucket right after. Micro-batches fold by
-  adding squares: the step's local norm of a parameter is sqrt(sum over micro-batches of
-  ||g_mb||^2); a parameter is non-finite when any micro-batch's gradient was.
+  micro-batch). The hook reduces it at once to one device float64 (its squared norm; on CPU
+  accumulated in float32, an overflow re-measured in float64), because DeepSpeed re-points the
+  gradient's storage at its bucket right after. Micro-batches fold by adding squares: the step's
+  local norm of a parameter is sqrt(sum over micro-batches of ||g_mb||^2); a parameter is
+  non-finite when any micro-batch's gradient was.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -201,7 +203,7 @@ class DeepSpeedSource(GradientSource):
 
         def hook(grad: torch.Tensor) -> None:
             try:
-                norm = torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)
+                norm = _local_norm(grad.detach())
                 prev = sq[pos]
                 sq[pos] = norm * norm if prev is None else prev + norm * norm
             except Exception as exc:  # never into backward
@@ -325,6 +327,21 @@ class DeepSpeedSource(GradientSource):
     def close(self) -> None:
         super().close()
         _attached.discard(self.engine)
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def _local_norm(grad: torch.Tensor) -> torch.Tensor:
+    """A float64 0-d norm of one micro-batch's gradient. On CPU accumulated in float32 (a third
+    of the float64 cost) and re-measured in float64 when that overflowed, as ``per_param_norms``
+    does (reading a CPU scalar is not a device sync); on a GPU in float64."""
+    if not grad.is_cpu:
+        return torch.linalg.vector_norm(grad, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(grad, dtype=None if grad.dtype in _WIDE else torch.float32)
+    if not math.isfinite(float(norm)):
+        return torch.linalg.vector_norm(grad, dtype=torch.float64)
+    return norm.to(torch.float64)
 
 
 def _device(tensors: list[torch.Tensor], index) -> torch.device:
