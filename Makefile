@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack

@@ -26,6 +26,7 @@ CONFIGS = W.configs()
 UNREADABLE = ("z2-fp32-deepcompile", "z1-bf16-fp32accum", "z2-fp32-probe-fails")
 MEASURED = [n for n in CONFIGS if n not in UNREADABLE]
 REL = 1e-5
+LOCAL_REL = 1e-6
 # Configs where DeepSpeed applies the NaN step: stage 0 fp32 (nothing is skipped) and bf16
 # without check_grad_overflow at ZeRO-1/2. Every later step is poisoned there.
 APPLIED = {n for n in MEASURED if n.startswith("z0-fp32") or n in ("z1-bf16-nocheck",
@@ -122,7 +123,8 @@ def test_local_norm_folds_micro_batches(runs, name):
             if not finite(ref):
                 assert rec["local_nonfinite"]
                 continue
-            assert close(float(rec["grad_local_norm"]), ref, 1e-9), (rank, step)
+            # float32 accumulation on CPU (as per_param_norms), the reference in float64
+            assert close(float(rec["grad_local_norm"]), ref, LOCAL_REL), (rank, step)
         clean = [float(r["grad_local_norm"]) for r in res["records"][: W.NAN_STEP]]
         other = rank_cfg(runs, 1 - rank, name)["records"][: W.NAN_STEP]
         assert clean != [float(r["grad_local_norm"]) for r in other]  # per-rank data differs
@@ -204,7 +206,7 @@ def test_unknown_optimizer_wrapper_warns_and_keeps_local_numbers(runs):
         for step, rec in enumerate(res["records"]):
             ref = res["ref_local"][str(step)]
             if finite(ref):
-                assert close(float(rec["grad_local_norm"]), ref, 1e-9)
+                assert close(float(rec["grad_local_norm"]), ref, LOCAL_REL)
     found = [(r["step"], r["local_nonfinite_param"])
              for r in rank_cfg(runs, W.NAN_RANK, "z1-bf16-fp32accum")["records"] if r["origin"]]
     assert found == [(W.NAN_STEP, W.NAN_PARAM)]

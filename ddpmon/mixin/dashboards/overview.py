@@ -164,14 +164,15 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     q(Q.LOSS_SCALE_LOWEST, "lowest {{rank}}"),
                     q(Q.LOSS_SCALE_FLOOR, "floor", RUN),
                 ),
-                "AMP GradScaler scale of the k ranks with the lowest scale; the dashed red "
+                "fp16 loss scale (GradScaler or DeepSpeed's) of the k ranks with the lowest "
+                "scale; the dashed red "
                 "line is the configured floor, at which DdpmonLossScaleAtFloor fires.",
                 log_scale=True, dashed_series=("floor",), rank_links=True,
             ),
             PanelSpec(
                 "Skipped steps", "timeseries", "percentunit",
                 (q(Q.SKIPPED_TOP, "rank {{rank}}"),),
-                "Fraction of steps the GradScaler skipped (inf/NaN found and absorbed: "
+                "Fraction of steps the loss scaler skipped (inf/NaN found and absorbed: "
                 "visible, never paged; DdpmonLossScaleCollapsing warns above the red line).",
                 thresholds=((cfg.loss_scale_collapse_ratio, "red"),), rank_links=True,
             ),
