@@ -11,11 +11,12 @@ tests/integration/test_alerts_live.py for why 8 s and not less).
 
 * four ranks, split two and two over the shards: every rank is in the store, an injected NaN
   pages naming its origin rank, a SIGKILLed rank pages DdpmonRankDown once;
-* the store is stopped mid-run for 6 s and restarted on the same data directory: training does
-  not notice, the shards buffer and retry, and every scrape arrives, counted against what the
-  ranks exported. A graceful stop (SIGTERM), as for an upgrade or a reschedule: a SIGKILLed
-  VictoriaMetrics 1.79 also loses the samples it acknowledged in the last ~10 s before the
-  kill and still held in memory (measured; docs/scale-out.md), which no scraper can resend.
+* the store is stopped mid-run for 5 s and restarted on the same data directory, twice: a
+  graceful stop (SIGTERM, as for an upgrade) and a crash (SIGKILL). Training does not notice,
+  the shards buffer and retry, and every scrape made while the store was down arrives, counted
+  against what the ranks exported. The crash also loses the samples VictoriaMetrics 1.79 had
+  acknowledged but still held in memory (measured and bounded below), which no scraper can
+  resend.
 """
 
 from __future__ import annotations
@@ -220,8 +221,11 @@ def _export(path: Path_, selector: str) -> dict[str, list[tuple[int, float]]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def test_store_restart_mid_run_loses_nothing(path: Path_, tmp_path: Path) -> None:
-    steps, delay, outage_s = 80, 0.2, 6.0
+def test_store_restarts_mid_run(path: Path_, tmp_path: Path) -> None:
+    """Two outages in one run: a crash (SIGKILL), then a graceful stop (SIGTERM, as for an
+    upgrade). Training does not notice either; every scrape made while the store was down
+    arrives; the crash also loses what the store had acknowledged but not yet written."""
+    steps, delay, outage_s = 120, 0.2, 5.0
     # --hold: the ranks keep serving for 3 scrape intervals after the last step, so the final
     # values are scraped whatever the phase of the scrape.
     run = Run(
@@ -229,17 +233,32 @@ def test_store_restart_mid_run_loses_nothing(path: Path_, tmp_path: Path) -> Non
         base_port=free_ports(2), extra=["--no-amp", "--hold", "3"],
     )
     store = path.so.store
-    with run:
-        wait_for(
-            lambda: len(path.query('ddpmon_steps_total{run="restart"} > 2')) == 2,
-            60, what="both ranks' first steps in the store",
-        )
-        killed_at = time.time()
-        store.stop()  # SIGTERM: see the module docstring for SIGKILL
+    outages: list[tuple[str, float, float]] = []
+
+    seen_before_kill: dict[str, float] = {}
+
+    def outage(kind: str) -> None:
+        if kind == "SIGKILL":
+            for r in path.query('count_over_time(ddpmon_steps_total{run="restart"}[10m])'):
+                seen_before_kill[r["metric"]["rank"]] = float(r["value"][1])
+        down = time.time()
+        store.stop() if kind == "SIGTERM" else store.kill()
         time.sleep(outage_s)
         store.start()
-        restarted_at = time.time()
-        code = run.wait(timeout=90)
+        outages.append((kind, down, time.time()))
+
+    def reached(step: int) -> bool:
+        return len(path.query(f'ddpmon_steps_total{{run="restart"}} > {step}')) == 2
+
+    with run:
+        # The crash first: it loses what the store held in memory, which would include the
+        # scrapes a graceful outage just before had delivered. The graceful stop then flushes
+        # everything, the scrapes the crash's outage delivered included.
+        wait_for(lambda: reached(20), 60, what="both ranks' first steps in the store")
+        outage("SIGKILL")
+        wait_for(lambda: reached(steps * 5 // 8), 60, what="most of the run in the store")
+        outage("SIGTERM")
+        code = run.wait(timeout=120)
     assert code == 0, run.log_tail()
     assert not path.so.exited(), path.so.exited()
 
@@ -248,22 +267,33 @@ def test_store_restart_mid_run_loses_nothing(path: Path_, tmp_path: Path) -> Non
         return got if len(got) == 2 and all(v[-1][1] == steps for v in got.values()) else None
 
     samples = wait_for(arrived, 30, what="the buffered samples and the final value in the store")
-    print(f"\nstore down {restarted_at - killed_at:.1f} s")
+    (_, kill_down, kill_up), (_, term_down, term_up) = outages
+    print(f"\nstore down {kill_up - kill_down:.1f} s (SIGKILL), then {term_up - term_down:.1f} s "
+          "(SIGTERM); scraped every 1 s")
     for rank, rows in sorted(samples.items()):
         stamps = [t / 1000 for t, _ in rows]
         values = [v for _, v in rows]
         gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-        during = [t for t in stamps if killed_at + 1 < t < restarted_at - 1]
-        print(f"rank {rank}: {len(rows)} samples over {stamps[-1] - stamps[0]:.1f} s, "
-              f"{len(during)} scraped while the store was down, largest gap {max(gaps):.2f} s, "
-              f"final steps_total {values[-1]:g} (exported {steps})")
+        during = [
+            sum(1 for t in stamps if down + 1 < t < up - 1) for _, down, up in outages
+        ]
+        # Samples the store answered queries with just before the crash, and not after it.
+        lost = seen_before_kill[rank] - sum(1 for t in stamps if t < kill_down)
+        print(f"rank {rank}: {len(rows)} samples over {stamps[-1] - stamps[0]:.1f} s; scraped "
+              f"while down and delivered: {during[0]} (SIGKILL), {during[1]} (SIGTERM); lost "
+              f"to the SIGKILL {lost:g} of {seen_before_kill[rank]:g}; largest gap "
+              f"{max(gaps):.2f} s; final steps_total {values[-1]:g} (exported {steps})")
         # What the rank exported last is what the store holds last.
         assert values[-1] == steps
         assert values == sorted(values), "a counter went backwards in the store"
-        # Every scrape arrived, those made while the store was down too (buffered, retried):
-        # one sample per scrape interval over the rank's life. Tolerance: 10% fewer samples
-        # than intervals and 2 intervals between two samples (scrape jitter on a loaded box).
-        life = stamps[-1] - stamps[0]
-        assert len(rows) >= 0.9 * life / SCRAPE_S, (len(rows), life)
-        assert len(during) >= 2, "no scrape fell in the outage: the test proved nothing"
-        assert max(gaps) <= 2 * SCRAPE_S + 0.5, gaps
+        # The scrapes made while the store was down were buffered and delivered, after either
+        # stop; outside the crash, no scrape was lost (tolerance: 2 scrape intervals between
+        # samples, scrape jitter on a loaded box).
+        assert min(during) >= 2, f"too few scrapes delivered from an outage: {during}"
+        # The crash loses at most what VictoriaMetrics 1.79 held in memory: the samples of the
+        # last seconds before it (measured: up to about 10 s of them; tolerance 15). Outside
+        # that, no scrape is lost: at most 2 scrape intervals between two samples (scrape
+        # jitter on a loaded box).
+        assert 0 <= lost <= 15, lost
+        assert max(g for g, t in zip(gaps, stamps[1:], strict=True)
+                   if not kill_down - 16 < t <= kill_up) <= 2 * SCRAPE_S + 0.5, gaps
