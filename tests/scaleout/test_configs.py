@@ -4,6 +4,7 @@ the single-Prometheus ones (cheap checks; the live path is test_sharded_path.py)
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -76,3 +77,24 @@ def test_vmalert_accepts_every_shipped_rule_and_template(tmp_path: Path) -> None
     text = files[0].read_text()
     broken.write_text(text.replace("expr: ", "expr: sum by (", 1))
     assert _run([VMALERT, "-dryRun", f"-rule={broken}"]).returncode != 0  # control
+
+
+def test_the_where_each_rule_runs_table_classifies_every_alert() -> None:
+    """docs/scale-out.md's federation table puts each alert on the shard (it reads one rank's
+    series) or the global Prometheus (it aggregates the ranks of a run or reads a ``run:``
+    record); a new alert must be placed there too."""
+    groups = yaml.safe_load(render.generate()[render.ALERTS_FILE])["groups"]
+    run_aggregation = re.compile(r"\b(by|on) \(cluster, namespace, job, run\)|\brun:")
+    expected = {
+        r["alert"]: "global" if run_aggregation.search(r["expr"]) else "each shard"
+        for g in groups for r in g["rules"]
+    }
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
+    placed = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in ("each shard", "global"):
+            for name in re.findall(r"Ddpmon\w+", cells[1]):
+                assert name not in placed, f"{name} is in two rows"
+                placed[name] = cells[0]
+    assert placed == expected
