@@ -194,7 +194,7 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_amp_loss_scale": 65536.0 / (2 if broken else 1),
         "ddpmon_amp_loss_scale_floor": 1.0,
         "ddpmon_amp_skipped_steps_total": 3 + (1 if broken else 0),
-        "ddpmon_allreduce_bytes_total": steps * 1.4e9,
+        "ddpmon_collective_bytes_total": steps * 1.4e9,
         # One check every 10 steps (the agent's data_check_interval), from the NaN onwards.
         "ddpmon_data_identical_batches_total": (
             (i - nonfinite_at + 1) * steps // max(i, 1) // 10 if broken and m.duplicate else 0

@@ -293,6 +293,11 @@ class Monitor:
     def owns(self, params: Sequence[torch.Tensor]) -> bool:
         return not self._closed and self.index.positions_of(params) is not None
 
+    @property
+    def collectives(self):
+        """The recorder strategy code reports collectives to (``ddpmon.probes.comm``)."""
+        return self.source.collectives
+
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the current gradients of ``params``, correct for this model's
         strategy (reusing norms already measured where possible): a device tensor."""

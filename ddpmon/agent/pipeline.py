@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from ..probes.comm import CommTiming
 from ..probes.grads import ParamIndex, host_finite, summarize_host
 from ..state import StepRecord
-from ..strategies.base import CommTiming, GradientSource, GradSummaries, NormVector
+from ..strategies.base import GradientSource, GradSummaries, NormVector
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
 from .readback import Arrived, Readback
@@ -222,6 +223,11 @@ class StepPipeline:
                     # they are now; clipping in between cannot be seen then.
                     self.source.on_backward_end()
                 self._collected = self.source.collect()
+            recorder = getattr(self.source, "collectives", None)
+            with self.guard("comm"):
+                taken = recorder.take() if recorder is not None else None
+                if taken is not None:
+                    self._collected.comm = taken
         return self._collected
 
     def _package(
@@ -361,11 +367,9 @@ class StepPipeline:
         if "identical_ranks" in parts:
             record.data_identical_ranks = int(parts["identical_ranks"][0])
         if meta.comm is not None:
-            record.allreduce_bytes = meta.comm.bytes
-            record.allreduce_seconds = list(meta.comm.seconds)
-            for start, end in meta.comm.events:
-                with self.guard("comm"):
-                    record.allreduce_seconds.append(start.elapsed_time(end) / 1000.0)
+            with self.guard("comm"):
+                record.collective_bytes = dict(meta.comm.bytes)
+                record.collective_seconds = meta.comm.resolve(self.guard.error)
         self._cross_check(record, parts, meta)
         return record
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..metrics import COLLECTIVE_OPS
 from ..state import MetricState, StepRecord
 
 
@@ -185,14 +186,37 @@ class SummarySink:
         self._state = state
         self._head = head
         self._write = write_json
-        self._allreduce: deque[float] = deque(maxlen=4096)
+        self._collectives: dict[str, deque[float]] = {}
 
     def on_record(self, record: StepRecord) -> None:
-        self._allreduce.extend(record.allreduce_seconds)
+        for op, seconds in record.collective_seconds.items():
+            recent = self._collectives.get(op)
+            if recent is None:
+                recent = self._collectives[op] = deque(maxlen=4096)
+            recent.extend(seconds)
 
-    def quantile(self, q: float) -> float | None:
-        recent = sorted(self._allreduce)
+    def quantile(self, q: float, op: str | None = None) -> float | None:
+        """Quantile of the recent collective times of ``op`` (every op when None)."""
+        if op is None:
+            recent = sorted(t for d in self._collectives.values() for t in d)
+        else:
+            recent = sorted(self._collectives.get(op, ()))
         return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+
+    def collectives(self) -> dict[str, dict]:
+        """Per op: count, p50 and p99 seconds of the recent ones (ops in exposition order)."""
+        out = {}
+        for op, hist in sorted(
+            self._state.collective_duration.items(),
+            key=lambda kv: COLLECTIVE_OPS.index(kv[0]) if kv[0] in COLLECTIVE_OPS else 99,
+        ):
+            out[op] = {
+                "count": hist.count,
+                "p50_seconds": self.quantile(0.5, op),
+                "p99_seconds": self.quantile(0.99, op),
+                "bytes": self._state.collective_bytes_total.get(op, 0),
+            }
+        return out
 
     def close(self) -> None:
         if self._path is None:
@@ -214,9 +238,10 @@ class SummarySink:
             ),
             "loss_scale": s.loss_scale,
             "amp_skipped_steps": s.amp_skipped_steps_total,
-            "allreduce_p50_seconds": self.quantile(0.5),
-            "allreduce_p99_seconds": self.quantile(0.99),
-            "allreduce_count": s.allreduce_duration.count,
+            "collective_p50_seconds": self.quantile(0.5),
+            "collective_p99_seconds": self.quantile(0.99),
+            "collective_count": s.collective_count(),
+            "collectives": self.collectives(),
             "grad_norm_mismatches": s.grad_norm_mismatch_total,
             "agent_errors": dict(s.agent_errors),
             "strategy": s.strategy,

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from ..probes.comm import tensor_bytes
 from ..probes.grads import per_param_norms
 from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms, ShardedSource
@@ -34,12 +35,15 @@ log = logging.getLogger("ddpmon")
 
 try:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
 except ImportError:  # pragma: no cover - torch without FSDP2
     FSDPModule = None  # type: ignore[assignment,misc]
-    ReduceScatter = object  # type: ignore[assignment,misc]
-    DefaultReduceScatter = None  # type: ignore[assignment,misc]
+    AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
+    DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
 
 # Reduce dtypes FSDP2 does not pre-divide (it pre-divides fp16 to avoid overflow).
 _UNSCALED_REDUCE_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,6 +59,10 @@ class _Unit:
     positions: list[int]
     columns: list[int]
     reductions: int = 0
+    hsdp: bool = False
+    scattered: Any = None
+    """Timer marking the end of this unit's last reduce-scatter: where HSDP's all-reduce over
+    the replicate dim starts (FSDP2 issues it right after, in stream order on GPU)."""
 
     @property
     def row_numel(self) -> int:
@@ -80,13 +88,60 @@ class _ProbedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         self.source.observe_reduce_input(self.unit, input_tensor, group)
-        return self.inner(
+        rec = self.source.collectives
+        result = rec.call(
+            "reduce_scatter",
+            tensor_bytes(input_tensor),
+            self.inner,
             output_tensor=output_tensor,
             input_tensor=input_tensor,
             group=group,
             op=op,
             async_op=async_op,
         )
+        if self.unit.hsdp:
+            self.unit.scattered = rec.start(output_tensor)
+        return result
+
+
+class _TimedAllGather(AllGather):  # type: ignore[misc,valid-type]
+    """FSDP2's all-gather, unchanged, timed (``all_gather``; bytes: the gathered output)."""
+
+    def __init__(self, inner: Any, source: FSDPSource) -> None:
+        self.inner = inner
+        self.source = source
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        return self.source.collectives.call(
+            "all_gather",
+            tensor_bytes(output_tensor),
+            self.inner,
+            output_tensor=output_tensor,
+            input_tensor=input_tensor,
+            group=group,
+            async_op=async_op,
+        )
+
+
+class _AllReduceTimer:
+    """HSDP: FSDP2's all-reduce hook runs right after the replicate-dim all-reduce (on its
+    stream): the time since the unit's reduce-scatter ended is that all-reduce. Calls the
+    user's own hook, if any, after."""
+
+    def __init__(self, unit: _Unit, source: FSDPSource, inner: Any) -> None:
+        self.unit = unit
+        self.source = source
+        self.inner = inner
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        start, self.unit.scattered = self.unit.scattered, None
+        if start is not None:
+            self.source.collectives.stop("all_reduce", start, tensor_bytes(reduce_output))
+        if self.inner is not None:
+            self.inner(reduce_output)
 
 
 def _param_groups(module: torch.nn.Module) -> list[Any]:
@@ -120,6 +175,8 @@ class FSDPSource(ShardedSource):
         self._norms: ShardedNorms | None = None
         self._units: list[_Unit] = []
         self._restore: list[tuple[torch.nn.Module, Any]] = []
+        self._restore_gather: list[tuple[torch.nn.Module, Any]] = []
+        self._restore_hook: list[tuple[torch.nn.Module, Any]] = []
         self._all_probed = False
         self._reduced_since_end = 0
         self._pieces: list[_LocalPiece] = []
@@ -168,11 +225,30 @@ class FSDPSource(ShardedSource):
             positions.append(pos)
             columns.append(_columns(fsdp_param))
         inner = getattr(group, "_reduce_scatter_comm", None) or DefaultReduceScatter()
-        unit = _Unit(positions=positions, columns=columns)
+        unit = _Unit(positions=positions, columns=columns, hsdp=bool(getattr(group, "_is_hsdp", 0)))
         module.set_custom_reduce_scatter(_ProbedReduceScatter(inner, unit, self))
         self._restore.append((module, inner))
         self._units.append(unit)
+        self._time_gathers(module, group, unit)
         return True
+
+    def _time_gathers(self, module: torch.nn.Module, group: Any, unit: _Unit) -> None:
+        """All-gathers (``set_custom_all_gather``) and, under HSDP, the replicate-dim
+        all-reduce (``set_all_reduce_hook``, the user's own hook kept). Public FSDP2 APIs,
+        undone at close; a failure costs only these timings."""
+        try:
+            gather = getattr(group, "_all_gather_comm", None) or DefaultAllGather()
+            module.set_custom_all_gather(_TimedAllGather(gather, self))
+            self._restore_gather.append((module, gather))
+        except Exception as exc:
+            self.env.on_error("comm", exc)
+        if unit.hsdp:
+            try:
+                user_hook = getattr(group, "_all_reduce_hook", None)
+                module.set_all_reduce_hook(_AllReduceTimer(unit, self, user_hook))
+                self._restore_hook.append((module, user_hook))
+            except Exception as exc:
+                self.env.on_error("comm", exc)
 
     def close(self) -> None:
         for module, inner in self._restore:
@@ -181,6 +257,19 @@ class FSDPSource(ShardedSource):
             except Exception:
                 pass
         self._restore.clear()
+        for module, gather in self._restore_gather:
+            try:
+                module.set_custom_all_gather(gather)
+            except Exception:
+                pass
+        self._restore_gather.clear()
+        for module, hook in self._restore_hook:
+            try:
+                for group in _param_groups(module):  # set_all_reduce_hook refuses None
+                    group._all_reduce_hook = hook
+            except Exception:
+                pass
+        self._restore_hook.clear()
         if self._norms is not None:
             try:
                 self._norms.wait()

@@ -192,19 +192,20 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
         "Communication",
         (
             PanelSpec(
-                "All-reduce latency", "timeseries", "s",
+                "Collective latency", "timeseries", "s",
                 (
-                    q(Q.ALLREDUCE_P50, "p50"),
-                    q(Q.ALLREDUCE_P99, "p99"),
-                    q(Q.ALLREDUCE_RUN_P99, "run p99", RUN),
+                    q(Q.COLLECTIVE_MEAN, "mean {{op}}"),
+                    q(Q.COLLECTIVE_P99, "p99 {{op}}"),
+                    q(Q.COLLECTIVE_RUN_P99, "run p99 {{op}}", RUN),
                 ),
-                "Per-bucket all-reduce time of this rank against the run.",
+                "Time of one collective per op on this rank (exact mean; p99 from coarse "
+                "buckets) against the run's p99.",
                 dashed_series=("run p99",),
             ),
             PanelSpec(
-                "All-reduce bytes", "timeseries", "Bps",
-                (q(Q.ALLREDUCE_BYTES, "bytes/s"),),
-                "Gradient bytes all-reduced per second.",
+                "Collective bytes", "timeseries", "Bps",
+                (q(Q.COLLECTIVE_BYTES, "{{op}}"),),
+                "Bytes passed to collectives per second, per op.",
             ),
             PanelSpec(
                 "Compute time vs run median", "timeseries", "suffix:×",
