@@ -84,7 +84,7 @@ def test_the_where_each_rule_runs_table_classifies_every_alert() -> None:
     series) or the global Prometheus (it aggregates the ranks of a run or reads a ``run:``
     record); a new alert must be placed there too."""
     groups = yaml.safe_load(render.generate()[render.ALERTS_FILE])["groups"]
-    run_aggregation = re.compile(r"\b(by|on) \(cluster, namespace, job, run\)|\brun:")
+    run_aggregation = re.compile(r"\b(by|on) \(cluster, namespace, job, run\b|\brun:")
     expected = {
         r["alert"]: "global" if run_aggregation.search(r["expr"]) else "each shard"
         for g in groups for r in g["rules"]
@@ -98,3 +98,20 @@ def test_the_where_each_rule_runs_table_classifies_every_alert() -> None:
                 assert name not in placed, f"{name} is in two rows"
                 placed[name] = cells[0]
     assert placed == expected
+
+
+def test_the_families_the_global_prometheus_federates_are_what_its_rules_read() -> None:
+    rules = yaml.safe_load(render.generate()[render.RULES_FILE])["groups"]
+    alerts = yaml.safe_load(render.generate()[render.ALERTS_FILE])["groups"]
+    name = re.compile(r"\b((?:rank|run):[a-z_:0-9]+|ddpmon_[a-z_0-9]+|up)\b")
+    run_aggregation = re.compile(r"\b(by|on) \(cluster, namespace, job, run\b|\brun:")
+    read: set[str] = set()
+    for r in (r for g in rules for r in g["rules"] if r["record"].startswith("run:")):
+        read |= set(name.findall(r["expr"]))
+    for a in (a for g in alerts for a in g["rules"] if run_aggregation.search(a["expr"])):
+        read |= set(name.findall(a["expr"] + a["annotations"]["description"]))
+    page = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
+    listed = page.split("plus the raw families the global rules read (", 1)[1].split(")", 1)[0]
+    assert set(re.findall(r"`([a-z_]+)`", listed)) == {
+        x for x in read if not x.startswith(("rank:", "run:"))
+    }
