@@ -41,7 +41,7 @@ from ddpmon.mixin import dashboards, render
 from ddpmon.mixin import names as n
 from ddpmon.services.process import StackError, find_binary
 from tests.support import grafana
-from tests.support.engines import Hour, Series, parse, synthetic_hour
+from tests.support.engines import Hour, Series, derived, parse, reads, synthetic_hour
 from tests.support.ports import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -73,10 +73,12 @@ def LAST(hour: Hour) -> float:  # noqa: N802 - reads as the constant it nearly i
 
 
 def phase_sensitive(expr: str, hour: Hour) -> bool:
-    """Whether ``expr`` reads ``time()``, directly or through a record: its value depends on when
+    """Whether ``expr`` reads ``time()``, directly or through records: its value depends on when
     the ruler evaluated it (by up to one interval, see PHASE), not only on the data."""
-    timed = {r["record"] for g in hour.rules for r in g["rules"] if "time()" in r["expr"]}
-    return "time()" in expr or any(name in expr for name in timed)
+    timed = derived(hour.rules, {r["record"] for g in hour.rules for r in g["rules"]
+                                 if "time()" in r["expr"]})
+    return "time()" in expr or any(reads(expr, name) for name in timed)
+
 
 try:
     for _name in ("promtool", "prometheus", "victoria-metrics", "vmalert"):
@@ -175,9 +177,10 @@ def compare(
 
 
 def _windowed(expr: str, hour: Hour) -> bool:
-    """Whether ``expr`` reads a counter over a window, directly or through a record."""
-    rated = {r["record"] for g in hour.rules for r in g["rules"] if WINDOWED.search(r["expr"])}
-    return bool(WINDOWED.search(expr)) or any(name in expr for name in rated)
+    """Whether ``expr`` reads a counter over a window, directly or through records."""
+    rated = derived(hour.rules, {r["record"] for g in hour.rules for r in g["rules"]
+                                 if WINDOWED.search(r["expr"])})
+    return bool(WINDOWED.search(expr)) or any(reads(expr, name) for name in rated)
 
 
 def _check(what: str, expr: str, results: dict[str, Series | str], since: float,

@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -53,18 +54,42 @@ def bench() -> ModuleType:
     return module
 
 
-def _chained(groups: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Rule groups split into (records over raw series only, records that read records)."""
+def reads(expr: str, name: str) -> bool:
+    """Whether ``expr`` reads the series ``name`` (a whole name, not a prefix of a longer one)."""
+    return re.search(rf"(?<![\w:]){re.escape(name)}(?![\w:])", expr) is not None
+
+
+def derived(groups: list[dict], base: set[str]) -> set[str]:
+    """``base`` plus every record that reads one of them, directly or through other records."""
+    rules = [(r["record"], r["expr"]) for g in groups for r in g["rules"]]
+    found = set(base)
+    while more := {rec for rec, e in rules if rec not in found and any(reads(e, n) for n in found)}:
+        found |= more
+    return found
+
+
+def _levels(groups: list[dict]) -> list[list[dict]]:
+    """Rule groups in evaluation levels: records over raw series only, then records that read
+    only those, and so on (a backfill sees only what earlier passes stored)."""
     names = {r["record"] for g in groups for r in g["rules"]}
-    first, second = [], []
-    for g in groups:
-        a = [r for r in g["rules"] if not any(n in r["expr"] for n in names)]
-        b = [r for r in g["rules"] if any(n in r["expr"] for n in names)]
-        if a:
-            first.append({**g, "rules": a})
-        if b:
-            second.append({**g, "rules": b})
-    return first, second
+    done: set[str] = set()
+    levels = []
+    left = [dict(g, rules=list(g["rules"])) for g in groups]
+    while any(g["rules"] for g in left):
+        level = []
+        for g in left:
+            ready = [
+                r for r in g["rules"]
+                if all(n in done for n in names if reads(r["expr"], n))
+            ]
+            if ready:
+                level.append({**g, "rules": ready})
+                g["rules"] = [r for r in g["rules"] if r not in ready]
+        if not level:
+            raise ValueError("recording rules read each other in a cycle")
+        done |= {r["record"] for g in level for r in g["rules"]}
+        levels.append(level)
+    return levels
 
 
 def _rules_file(path: Path, groups: list[dict], interval: int) -> Path:
@@ -159,8 +184,8 @@ def _backfill_prometheus(
     sd = workdir / "sd"
     sd.mkdir(exist_ok=True)
     # promtool evaluates one file against the TSDB as it is: records that read records need
-    # the first pass's blocks in place.
-    for i, part in enumerate(_chained(groups)):
+    # the earlier passes' blocks in place.
+    for i, part in enumerate(_levels(groups)):
         if not part:
             continue
         rules = _rules_file(workdir / f"rules-pass{i}.yml", part, step)
@@ -180,8 +205,8 @@ def _backfill_prometheus(
 def _replay_victoria(
     workdir: Path, vm: VictoriaMetrics, groups: list[dict], start: int, end: int, step: int
 ) -> None:
-    # Two passes, as for promtool: records that read records need the first pass stored.
-    for i, part in enumerate(_chained(groups)):
+    # One pass per level, as for promtool: records that read records need them stored.
+    for i, part in enumerate(_levels(groups)):
         if not part:
             continue
         rules = _rules_file(workdir / f"rules-vmalert-pass{i}.yml", part, step)
