@@ -69,9 +69,11 @@ class Config:
     """Every N steps, compare a fingerprint of each rank's local gradients across ranks (one
     tiny async all-gather) to catch duplicated data shards; 0 turns it off."""
     local_norm_every: int = 10
-    """CPU only: measure the local pre-all-reduce norm every N steps (a pass over the gradients
-    costs milliseconds on CPU); a rank's non-finite local gradients are still found on every
-    step. On GPUs the local norm is measured every step."""
+    """CPU only: measure the local pre-reduction norm (DDP: before the all-reduce; FSDP2, HSDP,
+    FSDP2+TP: the reduce-scatter input) every N steps, since a pass over the gradients costs
+    milliseconds on CPU; a rank's non-finite local gradients are still found, and named, on
+    every step. TP measures local and reduced norms in one shared pass, every step. On GPUs the
+    local norm is measured every step."""
     live_refresh_seconds: float = 1.0
     """Minimum age before live readings (NVML, allocator, psutil) are read again at scrape."""
     evidence_max_per_kind: int = 5

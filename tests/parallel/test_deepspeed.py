@@ -261,3 +261,36 @@ def test_one_rank_failing_to_read_its_partitions_hangs_no_rank(runs):
             else:
                 assert close(float(rec["grad_norm"]), float(res["ds_norms"][step]), REL)
         assert res["errors"] == ({"grads": 1} if rank == 1 else {})
+
+
+DS_NAMES = {  # ddpmon op -> the names DeepSpeed's comms_logger records it under
+    "all_reduce": ("all_reduce",),
+    "reduce": ("reduce",),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter"),
+    "all_gather": ("all_gather_into_tensor", "all_gather"),
+    "broadcast": ("broadcast",),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_collective_counts_match_deepspeeds_own_logger(runs, name):
+    """Every deepspeed.comm collective the engine issued after attach is timed once, under its
+    op, exactly as many times as DeepSpeed's comms_logger counted it; the gradient reduction
+    is there (all-reduce at stages 0-2, reduce-scatter at stage 3), every mean is positive and
+    below the mean step, and bytes are counted."""
+    stage = CONFIGS[name]["stage"]
+    for rank in (0, 1):
+        res = rank_cfg(runs, rank, name)
+        theirs = res["ds_comm_counts"]
+        ours = res["collective_counts"]
+        expected = {
+            op: sum(theirs.get(n, 0) for n in names) for op, names in DS_NAMES.items()
+        }
+        assert ours == {op: n for op, n in expected.items() if n}, (ours, theirs)
+        assert set(theirs) <= {n for names in DS_NAMES.values() for n in names}, theirs
+        reduction = "reduce_scatter" if stage == 3 else "all_reduce"
+        assert ours.get(reduction, 0) >= W.STEPS, ours
+        for op, mean in res["collective_means"].items():
+            assert 0 < mean < res["step_mean"], (op, mean, res["step_mean"])
+            assert res["collective_bytes"][op] > 0
+        assert "comm" not in res["errors"]

@@ -290,8 +290,9 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 "Collective mean across ranks", "heatmap", "s",
                 (q(Q.COLLECTIVE_MEAN_HEATMAP, "{{rank}} {{op}}"),),
                 "Distribution of the ranks' mean time per collective, one entry per rank and "
-                "op (all_reduce, reduce_scatter, all_gather, reduce, send, recv): y = latency "
-                "bucket, colour = number of entries; each op the run issues is its own band.",
+                "op (all_reduce, reduce_scatter, all_gather, reduce, broadcast, send, recv): y = "
+                "latency bucket, colour = number of entries; each op the run issues is its own "
+                "band.",
                 distribution=True,
             ),
             PanelSpec(
