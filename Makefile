@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 stack rules dashboards debs clean multinode
+.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 stack rules dashboards debs clean multinode scaleout
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,10 +54,18 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack
+
+# The scale-out path on this machine (docs/scale-out.md): two vmagent shards -> VictoriaMetrics
+# <- vmalert -> Alertmanager, a 4-rank demo with a NaN on rank 1 through it, the pages printed,
+# then the dashboard figures at scale from benchmarks/RESULTS.md. SCALEOUT_ARGS passes options.
+SCALEOUT_ARGS ?=
+scaleout: $(STAMP) debs
+	$(BIN)/ddpmon scaleout $(SCALEOUT_ARGS)
 
 rules: $(STAMP)
 	$(BIN)/ddpmon rules --write

@@ -260,7 +260,9 @@ def write_openmetrics(
                             v = ts - 0.5
                         else:
                             v = value(t, m, i, seconds, nonfinite_at)
-                        lines.append(f"{prefix}{v:.6g} {ts}\n")
+                        # Unix timestamps need more digits than .6g (1000 s steps).
+                        text = f"{v:.6g}" if abs(v) < 1e6 else f"{v:.13g}"
+                        lines.append(f"{prefix}{text} {ts}\n")
                 out.writelines(lines)
                 samples += len(lines)
         # `up`, one per target, as Prometheus records it for every scrape.

@@ -229,7 +229,9 @@ AMP_SKIPPED_STEPS = Metric(
 )
 
 # -- communication -------------------------------------------------------------------------
-COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce", "send", "recv")
+COLLECTIVE_OPS = (
+    "all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "send", "recv"
+)
 """Every value of the ``op`` label, in exposition order (see ``ddpmon.probes.comm``)."""
 _OPS = "for each op this rank has issued"
 COLLECTIVE_DURATION = Metric(

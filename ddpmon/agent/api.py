@@ -35,7 +35,8 @@ def attach(
     A bad option never stops training: the error is logged precisely and a disabled monitor is
     returned (``mon.enabled`` is False, ``mon.error`` says why).
     ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
-    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
+    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used. Under DeepSpeed,
+    the engine it prepared is monitored (``model`` may be the engine or the module inside it).
     A DeepSpeed engine: ``attach(engine)`` after ``deepspeed.initialize``; the engine's
     optimizer, loss scaler and ZeRO stage are found from it (docs/parallelism.md, DeepSpeed).
     ``schedule``: pipeline parallel; ``model`` is then this rank's stage module or the list of
@@ -60,6 +61,12 @@ def attach(
                 log.error("ddpmon disabled: %s", exc)
                 return NullMonitor(str(exc))
             model = pp.container
+        if accelerator is not None:  # under DeepSpeed: the engine, not the module inside it
+            from ..integrations.accelerate import deepspeed_engine
+
+            engine = deepspeed_engine(accelerator, model)
+            if engine is not None:
+                model, optimizer = engine, engine.optimizer
         reason = _refused(model, optimizer)
         if reason is not None:
             log.error("ddpmon disabled: %s", reason)

@@ -37,6 +37,7 @@ from .checkpoints import (
 from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
+from .floor import FloorPolicy
 from .forensics import Forensics, manifest_writer
 from .guard import Guard
 from .hooks import StepHooks
@@ -128,6 +129,17 @@ class Monitor:
             state.amp_enabled = self.engine_facts.precision == "fp16"
         with guard("grads"):
             self.source.install()
+        self.floor = FloorPolicy(
+            mode=config.on_loss_scale_floor,
+            floor=config.loss_scale_floor,
+            steps=config.loss_scale_floor_steps,
+            rank=rank,
+            emit=emit,
+            origins=lambda: self.incidents.origin_steps(),
+            checkpoint=lambda: self.checkpoints.last_save,
+            flush=lambda: self.pipeline.drain(wait=True),
+            on_error=guard.error,
+        )
         self.incidents = IncidentSink(
             emit=emit,
             evidence=tag_evidence(self.forensics.evidence, self.attempt.number),
@@ -135,6 +147,7 @@ class Monitor:
             loss_scale_floor=config.loss_scale_floor,
             param_grad=self._param_grad,
             scaler_state=self._scaler_state,
+            floor_policy=self.floor,
         )
         self.manifest = ManifestSink(manifest_writer(ctx, config, self._manifest_extra, guard))
         from ..atomic import write_json_atomic
@@ -185,7 +198,10 @@ class Monitor:
         if self.source.decides_steps:
             from ..strategies.deepspeed import EngineSteps
 
-            self.engine_steps = EngineSteps(model, self.source, self._on_engine_step, guard.error)
+            self.engine_steps = EngineSteps(
+                model, self.source, self._on_engine_step, guard.error,
+                on_min_scale=self._on_deepspeed_min_scale,
+            )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
         self.checkpoints = CheckpointObserver(state, emit, guard, on_load=self._resume_at)
@@ -378,13 +394,27 @@ class Monitor:
 
     # ------------------------------------------------------------------ callbacks
     def _on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
-        if not self._closed:
-            self.pipeline.scaler_updated(found, before, after)
+        if self._closed:
+            return
+        self.pipeline.scaler_updated(found, before, after)
+        if self.floor.raises and after is not None:
+            scale = None
+            with self.guard("amp"):
+                scale = float(after)  # on_loss_scale_floor=raise: the documented host read
+            self.floor.after_step(self.pipeline.step - 1, scale)  # may raise, deliberately
 
     def _on_engine_step(self, facts: Any) -> None:
         """DeepSpeed ended an optimizer step (``strategies.deepspeed.StepFacts``)."""
+        if self._closed:
+            return
+        self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
+        if self.floor.raises:
+            self.floor.after_step(self.pipeline.step - 1, facts.scale_after)  # may raise
+
+    def _on_deepspeed_min_scale(self, exc: BaseException, scale: float | None) -> None:
+        """DeepSpeed's scaler raised at its minimum scale inside ``engine.step()``."""
         if not self._closed:
-            self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
+            self.floor.deepspeed_min_scale(self.pipeline.step, scale, exc)
 
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the

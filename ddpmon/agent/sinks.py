@@ -84,6 +84,7 @@ class IncidentSink:
         loss_scale_floor: float,
         param_grad: Callable[[str], Any],
         scaler_state: Callable[[], dict | None],
+        floor_policy: Any = None,
     ) -> None:
         self._emit = emit
         self._evidence = evidence
@@ -91,6 +92,8 @@ class IncidentSink:
         self._floor = loss_scale_floor
         self._param_grad = param_grad
         self._scaler_state = scaler_state
+        self._floor_policy = floor_policy
+        """``agent.floor.FloorPolicy``: its ``record`` mode is decided here, per record."""
         self._below_floor = False
         self._identical_seen = False
         self.recent: deque[StepRecord] = deque(maxlen=64)
@@ -137,6 +140,12 @@ class IncidentSink:
                 self._emit("scale_floor", r.step, loss_scale=r.loss_scale, floor=self._floor)
                 self.write_evidence("scale_floor", r.step, None)
             self._below_floor = below
+        if self._floor_policy is not None:
+            self._floor_policy.on_record(r.step, r.loss_scale)
+
+    def origin_steps(self) -> list[int]:
+        """Recent steps at which this rank's local gradients were a non-finite origin."""
+        return [r.step for r in list(self.recent) if r.origin]
 
     def on_late_cross_check(self, step: int, ours: Any, theirs: float, mismatch: bool) -> None:
         if mismatch:

@@ -133,6 +133,7 @@ OP_SHORT = {
     "reduce_scatter": "rs",
     "all_gather": "ag",
     "reduce": "red",
+    "broadcast": "bc",
     "send": "send",
     "recv": "recv",
 }

@@ -85,6 +85,25 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         {"loss_scale": "the scale", "floor": "the configured floor"},
         failure=True,
     ),
+    EventKind(
+        "loss_scale_floor",
+        "The loss-scale floor policy acted: `loss_scale_floor_steps` consecutive steps at or "
+        "below `loss_scale_floor` (`source=ddpmon`), or DeepSpeed's scaler raised at its own "
+        "minimum scale (`source=deepspeed`). With `action=raise` every rank raises "
+        "`ddpmon.LossScaleFloorError` with the same `message` right after.",
+        {
+            "action": "`record` (training goes on) or `raise`",
+            "source": "`ddpmon` (the floor policy) or `deepspeed` (DeepSpeed's own exception)",
+            "loss_scale": "the scale after the step",
+            "floor": "`loss_scale_floor`",
+            "steps": "`loss_scale_floor_steps`",
+            "origin_steps": "recent steps at which this rank's local gradients were non-finite",
+            "origin_ranks": "ranks whose local gradients were the overflows' origin (`raise`)",
+            "checkpoint": "last good checkpoint save (`step`, `path`), or null",
+            "message": "the exception's message (`raise`; DeepSpeed's own for `source=deepspeed`)",
+        },
+        failure=True,
+    ),
     EventKind("step_skipped", "The loop skipped the optimizer step.", {"by": "`loop`"}),
     EventKind(
         "identical_data",

@@ -43,7 +43,8 @@ OPS = COLLECTIVE_OPS
 """Every value of the ``op`` label, in exposition order. ``all_reduce``: DDP's gradient buckets,
 HSDP's replicate-dim reduction, DeepSpeed's reductions; ``reduce_scatter`` / ``all_gather``:
 FSDP2 and DeepSpeed ZeRO; ``reduce``: DeepSpeed ZeRO-1/2 reducing a bucket to its owner;
-``send`` / ``recv``: pipeline stages' point-to-point traffic."""
+``broadcast``: DeepSpeed ZeRO-3's broadcasts; ``send`` / ``recv``: pipeline stages'
+point-to-point traffic."""
 
 _MAX_PER_STEP = 4096
 """Timings kept per step and recorder (bytes are always counted): a step that issues more (or a

@@ -8,6 +8,10 @@ Where each number comes from (why: see the Parallelism section of the docs):
   ``set_requires_gradient_sync(False)`` micro-steps, already in the reduce dtype). One fused
   norm pass over it, per (rank row, parameter) slice, gives exact per-parameter norms and the
   origin FQN; it is the only pass over full-size local gradients, run while they are hot.
+  On CPU, as for DDP, that pass runs every ``local_norm_every`` steps; on the other steps one
+  ``sum`` of the buffer (a NaN or Inf anywhere makes it non-finite; ~15x cheaper than the norm
+  pass) is read on the host, free on CPU, and only a non-finite sum runs the norm pass, right
+  there: the origin stays exact on every step.
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
   one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
   async all-reduce of the per-parameter partial squares over the shard dim(s)
@@ -18,6 +22,7 @@ Where each number comes from (why: see the Parallelism section of the docs):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -182,6 +187,10 @@ class FSDPSource(ShardedSource):
         self._pieces: list[_LocalPiece] = []
         self._local_exact = True
         self._scaled = False
+        self._local_every = max(1, int(env.local_norm_every))
+        self._steps = 0
+        self._skipped_units = 0
+        """Units whose norm pass this step was replaced by the (finite) sum check."""
 
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:
@@ -290,6 +299,9 @@ class FSDPSource(ShardedSource):
         try:
             unit.reductions += 1
             with torch.no_grad():
+                if not self._local_pass_now(flat):
+                    self._skipped_units += 1
+                    return
                 world = group.size()
                 if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
                     self._local_exact = False  # pre-divided: the flag holds, the norm does not
@@ -305,6 +317,15 @@ class FSDPSource(ShardedSource):
         except Exception as exc:
             self._local_exact = False
             self.env.on_error("grads", exc)
+
+    def _local_pass_now(self, flat: torch.Tensor) -> bool:
+        """Measure this unit's local norms? Always on accelerators (the pass costs microseconds
+        there, and the check below would read a device value) and on every
+        ``local_norm_every``-th step on CPU; on other CPU steps only when the buffer's sum is
+        non-finite (read on the host: a CPU tensor, no sync)."""
+        if flat.device.type != "cpu" or self._steps % self._local_every == 0:
+            return True
+        return not math.isfinite(float(flat.sum()))
 
     def on_backward_end(self) -> None:
         reduced = self._reduced_since_end > 0 or not self._all_probed
@@ -334,6 +355,8 @@ class FSDPSource(ShardedSource):
     def _local_vector(self) -> tuple[NormVector | None, bool]:
         pieces, self._pieces = self._pieces, []
         exact, self._local_exact = self._local_exact, True
+        skipped, self._skipped_units = self._skipped_units, 0
+        self._steps += 1
         twice = any(u.reductions > 1 for u in self._units)
         for unit in self._units:
             unit.reductions = 0
@@ -342,7 +365,9 @@ class FSDPSource(ShardedSource):
         device = pieces[0].norms.device
         norms = torch.cat([_on(p.norms, device) for p in pieces])
         positions = [pos for p in pieces for pos in p.positions]
-        complete = exact and self._all_probed and not twice and not self.local_is_partial
+        complete = (
+            exact and self._all_probed and not twice and not self.local_is_partial and not skipped
+        )
         return NormVector(norms, positions, self._scaled), complete
 
 

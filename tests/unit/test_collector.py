@@ -192,7 +192,8 @@ def test_series_budget_with_default_group_bound():
     [
         ("all_reduce",),  # DDP
         ("reduce_scatter", "all_gather"),  # FSDP2
-        ("all_reduce", "reduce_scatter", "all_gather"),  # HSDP, DeepSpeed ZeRO-3
+        ("all_reduce", "reduce_scatter", "all_gather"),  # HSDP
+        ("all_reduce", "reduce_scatter", "all_gather", "broadcast"),  # DeepSpeed ZeRO-3
         ("all_reduce", "reduce", "all_gather"),  # DeepSpeed ZeRO-1/2
         ("reduce_scatter", "all_gather", "send", "recv"),  # PP + FSDP2
         ("all_reduce", "send", "recv"),  # PP + DDP

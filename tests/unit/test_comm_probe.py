@@ -102,3 +102,20 @@ def test_state_exports_only_ops_seen_in_exposition_order():
     assert s.collective_duration["all_gather"].count == 2 and s.collective_count() == 3
     assert s.collective_bytes_total == {"recv": 8, "all_gather": 16}
     assert OPS.index("all_gather") < OPS.index("recv")
+
+
+def test_top_shows_the_mean_per_op_from_a_real_exposition():
+    from ddpmon.commands.top import _per_op_ms
+    from ddpmon.export.scrape import flatten
+    from tests.unit.test_collector import make_exposition
+
+    s = MetricState()
+    s.apply(StepRecord(step=0, wall_time=0.0, duration_seconds=None, data_wait_seconds=None,
+                       collective_seconds={"reduce_scatter": [0.002, 0.004], "recv": [0.01]},
+                       collective_bytes={"reduce_scatter": 100, "recv": 8}))
+    flat = flatten(make_exposition(s).render().decode())
+    assert flat['ddpmon_collective_duration_seconds_count{op="reduce_scatter"}'] == 2
+    assert flat["ddpmon_collective_duration_seconds_count"] == 3  # summed over ops
+    assert flat["ddpmon_collective_bytes_total"] == 108
+    assert _per_op_ms(flat) == "rs 3.0 recv 10.0 ms"
+    assert _per_op_ms({}) == "-"

@@ -94,7 +94,7 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Loss scale", "timeseries", "short",
                 (q(Q.LOSS_SCALE, "scale"), q(Q.LOSS_SCALE_FLOOR, "floor")),
-                "AMP GradScaler scale and its configured floor.",
+                "fp16 loss scale (GradScaler or DeepSpeed's) and its configured floor.",
                 log_scale=True, dashed_series=("floor",),
             ),
             PanelSpec(
@@ -103,7 +103,7 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     q(Q.NONFINITE_REDUCED, "non-finite reduced grads"),
                     q(Q.NONFINITE_ORIGIN, "non-finite local grads (origin)"),
                     q(Q.NONFINITE_LOSS, "non-finite losses"),
-                    q(Q.SKIPPED, "skipped by GradScaler"),
+                    q(Q.SKIPPED, "skipped by the loss scaler"),
                 ),
                 "Counts per rate interval.",
             ),

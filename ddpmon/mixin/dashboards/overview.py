@@ -164,14 +164,15 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     q(Q.LOSS_SCALE_LOWEST, "lowest {{rank}}"),
                     q(Q.LOSS_SCALE_FLOOR, "floor", RUN),
                 ),
-                "AMP GradScaler scale of the k ranks with the lowest scale; the dashed red "
+                "fp16 loss scale (GradScaler or DeepSpeed's) of the k ranks with the lowest "
+                "scale; the dashed red "
                 "line is the configured floor, at which DdpmonLossScaleAtFloor fires.",
                 log_scale=True, dashed_series=("floor",), rank_links=True,
             ),
             PanelSpec(
                 "Skipped steps", "timeseries", "percentunit",
                 (q(Q.SKIPPED_TOP, "rank {{rank}}"),),
-                "Fraction of steps the GradScaler skipped (inf/NaN found and absorbed: "
+                "Fraction of steps the loss scaler skipped (inf/NaN found and absorbed: "
                 "visible, never paged; DdpmonLossScaleCollapsing warns above the red line).",
                 thresholds=((cfg.loss_scale_collapse_ratio, "red"),), rank_links=True,
             ),
@@ -289,8 +290,9 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 "Collective mean across ranks", "heatmap", "s",
                 (q(Q.COLLECTIVE_MEAN_HEATMAP, "{{rank}} {{op}}"),),
                 "Distribution of the ranks' mean time per collective, one entry per rank and "
-                "op (all_reduce, reduce_scatter, all_gather, reduce, send, recv): y = latency "
-                "bucket, colour = number of entries; each op the run issues is its own band.",
+                "op (all_reduce, reduce_scatter, all_gather, reduce, broadcast, send, recv): y = "
+                "latency bucket, colour = number of entries; each op the run issues is its own "
+                "band.",
                 distribution=True,
             ),
             PanelSpec(
