@@ -11,6 +11,9 @@ TORCH_PIN := torch==2.13.0
 INTEGRATION_PINS := lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0
 # DeepSpeed for tests/parallel/test_deepspeed.py (CPU accelerator, gloo), with the torch pin.
 DEEPSPEED_PINS := deepspeed==0.19.8
+# torchtitan for tests/parallel/test_pipeline.py (its split and clip_grad_norm_ are the
+# reference), with the torch pin.
+TORCHTITAN_PINS := torchtitan==0.3.0
 PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
@@ -22,6 +25,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(INTEGRATION_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(DEEPSPEED_PINS)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(TORCHTITAN_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
 	touch $(STAMP)
 
@@ -51,6 +55,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack

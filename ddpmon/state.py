@@ -121,6 +121,11 @@ class StepRecord:
     """Local gradients non-finite only because an earlier non-finite step reached the weights."""
     trainer_grad_norm: float | None = None
     grad_norm_mismatch: bool = False
+    pp_origin: dict | None = None
+    """Pipeline parallel: where this rank's stage started a NaN/Inf (``stage``, ``microbatch``,
+    ``site``: activation, output, activation_grad or param_grad; ``param``)."""
+    origin_decided: bool = False
+    """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
 
     def as_dict(self) -> dict:
         out = {}

@@ -71,24 +71,27 @@ class Monitor:
         config: Config,
         comm_hook: Callable | None = None,
         comm_state: Any = None,
+        pp: Any = None,
     ) -> Monitor:
         state = MetricState(
             loss_scale_floor=config.loss_scale_floor, stall_threshold_seconds=config.stall_seconds
         )
         self = cls(config, state, Guard(state.count_error))
         try:
-            self._assemble(model, optimizer, scaler, comm_hook, comm_state)
+            self._assemble(model, optimizer, scaler, comm_hook, comm_state, pp)
         except BaseException:
             self._abort()  # leave no hook, thread or server behind
             raise
         return self
 
-    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state) -> None:
+    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state, pp=None) -> None:
         config, state, guard = self.config, self._state, self.guard
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.ctx = ctx = RunContext.establish(model, config, guard)
         self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
-        self.index = ParamIndex(model, config.group_depth, config.max_groups)
+        # Pipeline parallel: names start with stage<k>, groups are per stage (one level deeper)
+        depth = config.group_depth + (1 if pp is not None and config.group_depth > 0 else 0)
+        self.index = ParamIndex(model, depth, config.max_groups)
         self.forensics = Forensics.open(ctx, config, guard)
         rank = ctx.identity.rank
         self.attempt = detect_attempt(ctx.run_dir.events(rank), ctx.run_dir.progress(rank))
@@ -102,20 +105,24 @@ class Monitor:
                 scaler, optimizer, on_update=self._on_scaler_update, on_error=guard.error
             )
             state.amp_enabled = self.amp.enabled()
-        strategy = detect_strategy(model)
-        self.source = make_source(
-            strategy,
-            SourceEnv(
-                model=model,
-                index=self.index,
-                on_error=guard.error,
-                local_norm_every=config.local_norm_every,
-                data_check_interval=config.data_check_interval,
-                comm_hook=comm_hook,
-                comm_state=comm_state,
-                amp=self.amp,
-            ),
+        env = SourceEnv(
+            model=model,
+            index=self.index,
+            on_error=guard.error,
+            local_norm_every=config.local_norm_every,
+            data_check_interval=config.data_check_interval,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            amp=self.amp,
         )
+        if pp is not None:
+            from ..strategies.pipeline_parallel import PipelineSource
+
+            strategy = pp.strategy
+            self.source = PipelineSource(env, pp)
+        else:
+            strategy = detect_strategy(model)
+            self.source = make_source(strategy, env)
         state.strategy = self.source.name if ":" not in strategy else strategy
         self.engine_facts = getattr(self.source, "facts", None)
         if self.engine_facts is not None:
@@ -182,6 +189,12 @@ class Monitor:
         self.hooks = StepHooks(
             model, optimizer, self.pipeline, self.amp, engine_steps=self.source.decides_steps
         )
+        self.schedule_step = None
+        if pp is not None:
+            from ..strategies.pipeline_parallel import ScheduleStep
+
+            self.schedule_step = ScheduleStep(pp, self.pipeline, guard.error)
+            self.schedule_step.install()
         if self.source.decides_steps:
             from ..strategies.deepspeed import EngineSteps
 
@@ -252,8 +265,9 @@ class Monitor:
         return self.pipeline.step
 
     def observe_loss(self, loss: Any) -> None:
-        """Record this step's loss; a tensor is kept on its device, never read here."""
-        if not self._closed:
+        """Record this step's loss; a tensor is kept on its device, never read here. Under
+        pipeline parallel only the last stage has a loss: other stages ignore it (no sample)."""
+        if not self._closed and getattr(self.source, "has_loss", True):
             self.pipeline.observe_loss(loss)
 
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
@@ -333,6 +347,8 @@ class Monitor:
             self.pipeline.drain(wait=True)
             self.pipeline.flush_trainer_norm()
         self.hooks.close()
+        if self.schedule_step is not None:
+            self.schedule_step.uninstall()
         if self.engine_steps is not None:
             self.engine_steps.close()
         self.dcp.uninstall()
@@ -355,6 +371,7 @@ class Monitor:
         for name, method in (
             ("records", "stop"),
             ("hooks", "close"),
+            ("schedule_step", "uninstall"),
             ("engine_steps", "close"),
             ("amp", "detach"),
             ("dcp", "uninstall"),

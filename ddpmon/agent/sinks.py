@@ -110,6 +110,7 @@ class IncidentSink:
                 poisoned=r.poisoned,
                 skipped_by=r.skipped_by,
                 grad_local_norm=r.grad_local_norm,
+                **_pp_fields(r.pp_origin),
             )
             if r.origin:
                 self.write_evidence("nonfinite", r.step, r.local_nonfinite_param)
@@ -277,3 +278,10 @@ class ManifestSink:
         if not self.written:
             self.written = True
             self._write()
+
+
+def _pp_fields(where: dict | None) -> dict:
+    """Pipeline parallel origin: the stage, micro-batch and site, as event fields."""
+    if not where:
+        return {}
+    return {"stage": where["stage"], "microbatch": where["microbatch"], "site": where["site"]}

@@ -67,6 +67,10 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "grad_local_norm": "this rank's local norm at that step",
             "skipped_by": "who skipped the step (`scaler`, `policy`, `loop`), if anyone",
             "action": "`skip` or `raise` under `on_nonfinite`",
+            "stage": "pipeline parallel: the origin stage (on an origin step)",
+            "microbatch": "pipeline parallel: the micro-batch where it started (null: a "
+            "parameter gradient, summed over micro-batches)",
+            "site": "pipeline parallel: `activation`, `output`, `activation_grad` or `param_grad`",
         },
         failure=True,
     ),

@@ -312,7 +312,8 @@ def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[st
         out["flight_recorder"] = {str(r): v.get("last_enqueued_collective") for r, v in fr.items()}
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
                 "exc_type", "message", "code", "idle_seconds", "detail", "frame", "attempt",
-                "source", "loss_scale", "origin_ranks", "checkpoint"):
+                "source", "loss_scale", "origin_ranks", "checkpoint", "stage", "microbatch",
+                "site"):
         if key in e:
             out[key] = e[key]
     return out
@@ -442,9 +443,10 @@ def describe(e: dict[str, Any]) -> str:
     parts: list[str] = []
     if kind == "signal":
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
-    for key in ("param", "tensor", "nonfinite", "origin", "where", "action", "exc_type",
-                "message", "code", "reason", "idle_seconds", "loss_scale", "floor", "frame",
-                "detail", "seconds", "not_restored", "not_stated", "error", "path"):
+    for key in ("param", "tensor", "nonfinite", "origin", "stage", "microbatch", "site", "where",
+                "action", "exc_type", "message", "code", "reason", "idle_seconds", "loss_scale",
+                "floor", "frame", "detail", "seconds", "not_restored", "not_stated", "error",
+                "path"):
         v = e.get(key)
         if v is None or v == "":
             continue

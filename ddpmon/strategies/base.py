@@ -56,6 +56,9 @@ class GradSummaries:
     """Collectives timed this step (the pipeline fills it from ``GradientSource.collectives``)."""
     identical_ranks: torch.Tensor | None = None
     """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
+    pp: Any = None
+    """Pipeline parallel: the step's ``pipeline_parallel.PPStep`` (pp-reduced norm, origin
+    probes); its source finishes the record (global norm, per-stage origin)."""
 
 
 @dataclass(slots=True)
