@@ -57,8 +57,9 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     by_step = grad_norm_by_step(cfg)
     skipped = sel(cfg, m.AMP_SKIPPED_STEPS.name)
     step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
-    allreduce_per_step = (
-        f"{_rate(cfg, m.ALLREDUCE_DURATION.name + '_sum')}\n/\n{_rate(cfg, m.STEPS.name)}"
+    collective = m.COLLECTIVE_DURATION.name
+    collective_per_step = (
+        f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
     )
     gw = cfg.gauge_window
     numerics = [
@@ -128,22 +129,27 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     ]
     communication = [
         {
-            # The overview's per-rank p50: histogram_quantile over raw buckets of 1024 ranks
+            # Per rank and op, exact; NaN (no collective of that op in the window) dropped so
+            # the CollectiveSlow baseline (quantile_over_time) stays finite.
+            "record": n.COLLECTIVE_MEAN,
+            "expr": f"({_mean(cfg, collective)}) >= 0",
+        },
+        {
+            # The overview's per-rank p99: histogram_quantile over raw buckets of 1024 ranks
             # is too slow for a dashboard, a recorded series per rank is not.
-            "record": n.ALLREDUCE_P50,
-            "expr": _quantile(cfg, "0.5", m.ALLREDUCE_DURATION.name),
-        },
-        {"record": n.ALLREDUCE_P99, "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name)},
-        {
-            "record": n.ALLREDUCE_RUN_P99,
-            "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name, run_labels),
+            "record": n.COLLECTIVE_P99,
+            "expr": _quantile(cfg, "0.99", collective),
         },
         {
-            # Step time minus the time spent in all-reduce: the fast ranks of a DDP run wait
-            # for the slow one inside the all-reduce, so wall step time alone cannot tell them
-            # apart. Runs without all-reduce (one process) count it as zero.
+            "record": n.COLLECTIVE_RUN_P99,
+            "expr": _quantile(cfg, "0.99", collective, f"{run_labels}, op"),
+        },
+        {
+            # Step time minus the time spent in collectives (every op): the fast ranks of a
+            # run wait for the slow one inside the collective, so wall step time alone cannot
+            # tell them apart. Runs without collectives (one process) count it as zero.
             "record": n.COMPUTE_MEAN,
-            "expr": f"clamp_min(\n  ({step_mean})\n  - (({allreduce_per_step}) or "
+            "expr": f"clamp_min(\n  ({step_mean})\n  - (({collective_per_step}) or "
             f"({step_mean}) * 0),\n  0\n)",
         },
         {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},

@@ -122,19 +122,22 @@ RSS_MEDIAN = f"quantile by (run) (0.5, {m.PROCESS_RESIDENT_MEMORY.name}{{R}})"
 RSS_TOP = gauge_top("topk", f"{m.PROCESS_RESIDENT_MEMORY.name}")
 
 # --- Communication ---
-ALLREDUCE_P50_HEATMAP = f"{n.ALLREDUCE_P50}{{SR}}"
-ALLREDUCE_P99_HEATMAP = f"{n.ALLREDUCE_P99}{{SR}}"
-ALLREDUCE_P99_BY_NODE = (
-    f"max by (node) ({n.ALLREDUCE_P99}{{SR}}) and on (node) "
-    f"topk({{K}}, max by (node) (max_over_time({n.ALLREDUCE_P99}{{SR}}[$__range] @ end())))"
+COLLECTIVE_MEAN_HEATMAP = f"{n.COLLECTIVE_MEAN}{{SR}}"
+COLLECTIVE_P99_HEATMAP = f"{n.COLLECTIVE_P99}{{SR}}"
+COLLECTIVE_MEAN_BY_NODE = (
+    f"max by (node, op) ({n.COLLECTIVE_MEAN}{{SR}}) and on (node) "
+    f"topk({{K}}, max by (node) (max_over_time({n.COLLECTIVE_MEAN}{{SR}}[$__range] @ end())))"
 )
-ALLREDUCE_P50_MEDIAN = f"quantile by (run) (0.5, {n.ALLREDUCE_P50}{{RR}})"
-ALLREDUCE_P99_MEDIAN = f"quantile by (run) (0.5, {n.ALLREDUCE_P99}{{RR}})"
-ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
-ALLREDUCE_P99_TOP = gauge_top("topk", n.ALLREDUCE_P99, "{SR}")
-ALLREDUCE_P50_TOP = gauge_top("topk", n.ALLREDUCE_P50, "{SR}")
-ALLREDUCE_BYTES = f"sum by (run) (rate({m.ALLREDUCE_BYTES.name}{{S}}[$__rate_interval]))"
-ALLREDUCE_BYTES_TOP = rate_top("topk", f"rate({m.ALLREDUCE_BYTES.name}{{S}}[$__rate_interval])")
+COLLECTIVE_MEAN_MEDIAN = f"quantile by (run, op) (0.5, {n.COLLECTIVE_MEAN}{{RR}})"
+COLLECTIVE_P99_MEDIAN = f"quantile by (run, op) (0.5, {n.COLLECTIVE_P99}{{RR}})"
+COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
+COLLECTIVE_MEAN_TOP = gauge_top("topk", n.COLLECTIVE_MEAN, "{SR}")
+COLLECTIVE_BYTES = (
+    f"sum by (run, op) (rate({m.COLLECTIVE_BYTES.name}{{S}}[$__rate_interval]))"
+)
+COLLECTIVE_BYTES_TOP = rate_top(
+    "topk", f"rate({m.COLLECTIVE_BYTES.name}{{S}}[$__rate_interval])"
+)
 COMPUTE_SKEW_TOP = ranked(
     "topk",
     f"{n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
