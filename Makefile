@@ -15,11 +15,10 @@ DEEPSPEED_PINS := deepspeed==0.19.8
 # reference), with the torch pin.
 TORCHTITAN_PINS := torchtitan==0.3.0
 PYTEST_ARGS ?=
-# Two pytest workers, each test file whole on one of them (its module fixtures start their ranks,
-# servers and browsers once). On 2 cores one worker left the machine mostly idle: the suite waits
-# on process start-up chains, scrapes, rule evaluation and sleeps far more than it computes.
-# `make test PYTEST_XDIST=` runs it in one process.
-PYTEST_XDIST ?= -n 2 --dist loadfile
+# `make test PYTEST_XDIST="-n 2 --dist loadfile"`: two pytest workers, each test file whole on one
+# of them (its module fixtures start once). Off by default until every file passes beside
+# another one: tests/scaleout/test_engines.py failed under it (passes alone).
+PYTEST_XDIST ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
