@@ -15,6 +15,10 @@ DEEPSPEED_PINS := deepspeed==0.19.8
 # reference), with the torch pin.
 TORCHTITAN_PINS := torchtitan==0.3.0
 PYTEST_ARGS ?=
+# `make test PYTEST_XDIST="-n 2 --dist loadfile"`: two pytest workers, each test file whole on one
+# of them (its module fixtures start once). Off by default until every file passes beside
+# another one: tests/scaleout/test_engines.py failed under it (passes alone).
+PYTEST_XDIST ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
@@ -37,7 +41,7 @@ demo: $(STAMP)
 
 test: $(STAMP) debs
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The docs site (MkDocs + Material) into site/; the tests build it with --strict too.
 docs: $(STAMP)

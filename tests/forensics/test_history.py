@@ -93,7 +93,9 @@ def test_sigkill_loses_at_most_the_last_flush(tmp_path, procs):
     child = procs.start(
         """
         import sys, time
-        from ddpmon.forensics.history import HistoryWriter, row_of
+        from pathlib import Path
+        from ddpmon.forensics.history import HistoryWriter, journal_path, row_of
+        from ddpmon.forensics.history_read import read_history
         from ddpmon.state import StepRecord
         groups = ("a", "b")
         w = HistoryWriter(sys.argv[1], groups, flush_seconds=0.2, seal_rows=300)
@@ -101,12 +103,24 @@ def test_sigkill_loses_at_most_the_last_flush(tmp_path, procs):
             return StepRecord(step=s, wall_time=float(s), duration_seconds=0.0,
                               data_wait_seconds=0.0, grad_norm=float(s),
                               group_norms={"a": 1.0, "b": 2.0})
+        def on_disk(rows, journal=False):  # a fixed sleep raced the flush on a busy machine
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if len(read_history(sys.argv[1])) >= rows and (
+                        journal_path(Path(sys.argv[1])).exists() or not journal
+                    ):
+                        return
+                except Exception:   # not written yet, or caught mid-write
+                    pass
+                assert time.monotonic() < deadline, f"{rows} rows not flushed"
+                time.sleep(0.05)
         for s in range(1000):       # drained at once: sealed into the main file
             w.put(row_of(rec(s), groups, None))
-        time.sleep(1.0)             # > flush_seconds: sealed and on disk now
+        on_disk(1000)               # sealed and on disk now
         for s in range(1000, 1100): # fewer than seal_rows: into the journal
             w.put(row_of(rec(s), groups, None))
-        time.sleep(1.0)             # > flush_seconds: journaled now
+        on_disk(1100, journal=True) # journaled now
         print("flushed", flush=True)
         s = 1100
         while True:                 # keep writing until killed

@@ -1,5 +1,8 @@
 """One rank of the agent's multi-process tests (gloo on 127.0.0.1), started by the test as a
-plain process with RANK/WORLD_SIZE/MASTER_* set. Writes what it saw to --out for the test."""
+plain process with RANK/WORLD_SIZE/MASTER_* set. Writes what it saw to --out for the test.
+
+One process runs several cases in order (``--case`` repeated), each with its own model,
+optimizer, scaler, monitor and run id: starting ranks costs far more than a case's steps."""
 
 import argparse
 import datetime
@@ -49,15 +52,34 @@ def sample(text, name):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--scenario", required=True)
+    p.add_argument(
+        "--case", action="append", required=True, metavar="ID:SCENARIO:STEPS:STEP",
+        help="one case (STEP: the injection step), run in order",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--step", type=int, default=3, help="injection step")
     args = p.parse_args()
+    cases = []
+    for spec in args.case:
+        case_id, scenario, steps, step = spec.split(":")
+        cases.append((case_id, argparse.Namespace(
+            scenario=scenario, steps=int(steps), step=int(step), out=args.out, port=args.port
+        )))
+    # A raised NonFiniteGradientError leaves the ranks where the step stopped: nothing after it.
+    assert all(c.scenario != "raise" for _, c in cases[:-1]), "the raise case must be last"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
+    results = {case_id: run_case(case, rank, case_id) for case_id, case in cases}
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    if all(r["raised"] is None for r in results.values()):
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def run_case(args: argparse.Namespace, rank: int, case_id: str) -> dict:
+    """One case; the rank's scrape goes to ``<case_id>.rank<R>.metrics``."""
     torch.manual_seed(0)
     inner = nn.Sequential()
     inner.add_module("layers", nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]))
@@ -82,7 +104,7 @@ def main():
         port=args.port,
         bind="127.0.0.1",
         run_dir=os.path.join(args.out, "runs"),
-        run_id=f"test-{args.scenario}",
+        run_id=f"test-{case_id}",
         on_nonfinite=policy,
         data_check_interval=2,
     )
@@ -96,7 +118,7 @@ def main():
         passes["n"] += 1
         return original_norms(tensors)
 
-    clip_module.per_param_norms = counting_norms
+    clip_module.per_param_norms = counting_norms  # restored when the case ends
     ref_cache = {}
 
     def reference_params(grads):
@@ -174,27 +196,21 @@ def main():
         b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     ).hexdigest()
     finite = all(torch.isfinite(p).all().item() for p in model.parameters())
-    Path(args.out, f"rank{rank}.metrics").write_text(text)
-    Path(args.out, f"rank{rank}.json").write_text(
-        json.dumps(
-            {
-                "hook_calls": calls["n"],
-                "scales": scales,
-                "raised": raised,
-                "params_sha256": digest,
-                "params_finite": finite,
-                "steps": args.steps,
-                "clip": clip_checks,
-                "clip_passes_replicated": passes_replicated,
-                "sharded": sharded,
-            }
-        )
-    )
+    Path(args.out, f"{case_id}.rank{rank}.metrics").write_text(text)
     mon.close()
-    if raised is None:
-        dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    clip_module.per_param_norms = original_norms
+    return {
+        "run_id": f"test-{case_id}",
+        "hook_calls": calls["n"],
+        "scales": scales,
+        "raised": raised,
+        "params_sha256": digest,
+        "params_finite": finite,
+        "steps": args.steps,
+        "clip": clip_checks,
+        "clip_passes_replicated": passes_replicated,
+        "sharded": sharded,
+    }
 
 
 if __name__ == "__main__":

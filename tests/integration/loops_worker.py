@@ -1,6 +1,10 @@
 """One rank of the training-loop tests: loops written the way real scripts write them (guard and
 skip, gradient accumulation with no_sync, closures, clipping, torch.compile, NaN propagation).
-Records, per optimizer step, the reference norm torch computes and what ddpmon reported."""
+Records, per optimizer step, the reference norm torch computes and what ddpmon reported.
+
+One process runs several cases one after another (``--case`` repeated), each with its own model,
+optimizer, monitor and run id: starting ranks (torch import, process group) costs far more than
+a case's few steps, so the tests share launches."""
 
 import argparse
 import datetime
@@ -38,17 +42,32 @@ def poison_next_backward(param, value=float("nan")):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--scenario", required=True)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--at", type=int, default=4)
+    p.add_argument(
+        "--case", action="append", required=True, metavar="ID:SCENARIO:STEPS:AT[:fsdp]",
+        help="one case, run in order; its result is rank<R>.json[ID]",
+    )
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--fsdp", action="store_true", help="fully_shard instead of DDP")
     args = p.parse_args()
-    if args.scenario == "quiet":  # ddpmon's own warnings become errors
-        warnings.filterwarnings("error", module=r"ddpmon(\..*)?$")
+    cases = []
+    for spec in args.case:
+        case_id, scenario, steps, at, *flags = spec.split(":")
+        cases.append((case_id, argparse.Namespace(
+            scenario=scenario, steps=int(steps), at=int(at), fsdp="fsdp" in flags, port=args.port,
+            out=args.out,
+        )))
+    if any(case.scenario == "quiet" for _, case in cases):
+        assert len(cases) == 1, "the quiet case checks the whole process's stderr"
+        warnings.filterwarnings("error", module=r"ddpmon(\..*)?$")  # ddpmon's warnings: errors
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
+    results = {case_id: run_case(case, rank, case_id) for case_id, case in cases}
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results, default=_nan))
+    dist.destroy_process_group()
+
+
+def run_case(args: argparse.Namespace, rank: int, case_id: str) -> dict:
+    """One case on a fresh model, optimizer and monitor; returns what the tests check."""
     torch.manual_seed(0)
     inner = nn.Sequential()
     inner.add_module("layers", nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]))
@@ -81,7 +100,7 @@ def main():
         port=args.port,
         bind="127.0.0.1",
         run_dir=str(Path(args.out) / "runs"),
-        run_id=args.scenario,
+        run_id=case_id,
         data_check_interval=3,
         local_norm_every=2,
         announce=args.scenario == "quiet",
@@ -171,8 +190,7 @@ def main():
             bool(torch.isfinite(getattr(p, "full_tensor", lambda p=p: p)()).all()) for p in params
         ),
     }
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(result, default=_nan))
-    dist.destroy_process_group()
+    return result
 
 
 def _nan(value):

@@ -15,7 +15,22 @@ from tests.support.demo import free_port, free_port_pair
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def run_workers(tmp_path: Path, scenario: str, steps: int = 8, step: int = 3) -> list[dict]:
+# One launch runs every case in order (starting two ranks costs far more than a case's steps);
+# each case has its own model, optimizer, scaler, monitor and run id. (id, steps, injection
+# step); "raise" must be last: the ranks stop where it raised.
+CASES = [
+    ("clean", 6, 3),
+    ("nan", 8, 3),
+    ("collapse", 10, 2),
+    ("skip", 6, 2),
+    ("clip", 4, 3),
+    ("dupdata", 8, 4),
+    ("raise", 6, 2),
+]
+
+
+def run_workers(tmp_path: Path) -> dict[str, list[dict]]:
+    """Every case's per-rank results: the worker's record plus its parsed scrape."""
     master, base = free_port(), free_port_pair()
     procs = []
     for rank in range(2):
@@ -28,20 +43,9 @@ def run_workers(tmp_path: Path, scenario: str, steps: int = 8, step: int = 3) ->
             MASTER_PORT=str(master),
             OMP_NUM_THREADS="1",
         )
-        cmd = [
-            sys.executable,
-            str(WORKER),
-            "--scenario",
-            scenario,
-            "--out",
-            str(tmp_path),
-            "--port",
-            str(base),
-            "--steps",
-            str(steps),
-            "--step",
-            str(step),
-        ]
+        cmd = [sys.executable, str(WORKER), "--out", str(tmp_path), "--port", str(base)]
+        for case, steps, step in CASES:
+            cmd += ["--case", f"{case}:{case}:{steps}:{step}"]
         procs.append(
             subprocess.Popen(
                 cmd,
@@ -54,7 +58,7 @@ def run_workers(tmp_path: Path, scenario: str, steps: int = 8, step: int = 3) ->
     outputs = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=180)
+            out, _ = proc.communicate(timeout=240)
             outputs.append(out.decode(errors="replace"))
     finally:
         for proc in procs:
@@ -63,32 +67,45 @@ def run_workers(tmp_path: Path, scenario: str, steps: int = 8, step: int = 3) ->
                 proc.wait()
     for proc, out in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, out
-    results = []
-    for rank in range(2):
-        data = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        text = (tmp_path / f"rank{rank}.metrics").read_text()
-        data["text"] = text
-        data["metrics"] = {
-            (
-                s.name,
-                tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "rank"))),
-            ): s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-        }
-        results.append(data)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    results: dict[str, list[dict]] = {}
+    for case, _, _ in CASES:
+        results[case] = []
+        for rank in range(2):
+            data = records[rank][case]
+            text = (tmp_path / f"{case}.rank{rank}.metrics").read_text()
+            families = list(text_string_to_metric_families(text))
+            # Each case's scrape holds only its own run: nothing left over from earlier cases.
+            assert {s.labels.get("run") for f in families for s in f.samples} <= {
+                data["run_id"], None
+            }, case
+            data["text"] = text
+            data["metrics"] = {
+                (
+                    s.name,
+                    tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "rank"))),
+                ): s.value
+                for fam in families
+                for s in fam.samples
+            }
+            results[case].append(data)
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    return run_workers(tmp_path_factory.mktemp("agent_ddp"))
 
 
 def value(result: dict, name: str, **labels: str) -> float:
     return result["metrics"][(name, tuple(sorted(labels.items())))]
 
 
-def test_nan_origin_rank_and_first_nonfinite(tmp_path):
+def test_nan_origin_rank_and_first_nonfinite(runs):
     # Step 3 is not a local-norm sample step on CPU (every 10th, plus data checks every 2nd):
     # the origin is found on the rare path, from the local param.grad after the all-reduce.
     # The skip/raise tests inject at step 2, a sampled step (local norms before the all-reduce).
-    r0, r1 = run_workers(tmp_path, "nan", steps=8, step=3)
+    r0, r1 = runs["nan"]
     assert value(r1, "ddpmon_grad_nonfinite_origin_steps_total") == 1
     assert value(r0, "ddpmon_grad_nonfinite_origin_steps_total") == 0
     for r in (r0, r1):
@@ -101,8 +118,8 @@ def test_nan_origin_rank_and_first_nonfinite(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def clean_run(tmp_path_factory):
-    return run_workers(tmp_path_factory.mktemp("clean"), "clean", steps=6)
+def clean_run(runs):
+    return runs["clean"]
 
 
 def test_collective_histogram_counts_every_bucket_of_every_step_through_a_user_hook(clean_run):
@@ -132,8 +149,8 @@ def test_collective_histogram_counts_every_bucket_of_every_step_through_a_user_h
     )
 
 
-def test_scale_halves_per_skipped_step_and_skips_equal_injections(tmp_path):
-    results = run_workers(tmp_path, "collapse", steps=10, step=2)
+def test_scale_halves_per_skipped_step_and_skips_equal_injections(runs):
+    results = runs["collapse"]
     for r in results:
         scales = r["scales"]
         assert value(r, "ddpmon_amp_skipped_steps_total") == 5
@@ -156,22 +173,22 @@ def test_real_scrape_passes_promtool_and_series_budget(clean_run):
         assert len(r["metrics"]) <= 150
 
 
-def test_on_nonfinite_skip_keeps_replicas_bit_identical(tmp_path):
-    r0, r1 = run_workers(tmp_path, "skip", steps=6, step=2)
+def test_on_nonfinite_skip_keeps_replicas_bit_identical(runs):
+    r0, r1 = runs["skip"]
     assert r0["params_finite"] and r1["params_finite"]
     assert r0["params_sha256"] == r1["params_sha256"]
     assert value(r1, "ddpmon_grad_nonfinite_origin_steps_total") == 1
 
 
-def test_on_nonfinite_raise_raises_on_every_rank(tmp_path):
-    r0, r1 = run_workers(tmp_path, "raise", steps=6, step=2)
+def test_on_nonfinite_raise_raises_on_every_rank(runs):
+    r0, r1 = runs["raise"]
     for r in (r0, r1):
         assert r["raised"] and "step 2" in r["raised"] and "layers.2.weight" in r["raised"]
     assert "rank 0" in r0["raised"] and "rank 1" in r1["raised"]
 
 
-def test_clip_grad_norm_matches_torch_reuses_hook_norms_and_handles_shards(tmp_path):
-    results = run_workers(tmp_path, "clip", steps=4)
+def test_clip_grad_norm_matches_torch_reuses_hook_norms_and_handles_shards(runs):
+    results = runs["clip"]
     for r in results:
         assert len(r["clip"]) == 4
         assert r["clip_passes_replicated"] == 0  # reused the comm hook's reduced norms
@@ -185,9 +202,9 @@ def test_clip_grad_norm_matches_torch_reuses_hook_norms_and_handles_shards(tmp_p
     assert results[0]["sharded"]["ddpmon"] == pytest.approx(results[1]["sharded"]["ddpmon"])
 
 
-def test_duplicated_data_shard_is_detected_on_both_ranks(tmp_path, clean_run):
+def test_duplicated_data_shard_is_detected_on_both_ranks(runs, clean_run):
     # Sampled every 2 steps; from step 4 on rank 1 reads rank 0's shard: steps 4 and 6 match.
-    r0, r1 = run_workers(tmp_path, "dupdata", steps=8, step=4)
+    r0, r1 = runs["dupdata"]
     for r in (r0, r1):
         assert value(r, "ddpmon_data_identical_batches_total") == 2
     for r in clean_run:  # distinct shards never match

@@ -2,8 +2,9 @@
 (``on_backward_end`` after each backward, the user's clip, then ``collect``) and writes raw
 numbers next to torch's references. Assertions live in the tests; this only measures.
 
-Run as: ``python _worker.py --strategy fsdp2|hsdp|tp|fsdp2+tp --out DIR`` with RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set.
+Run as: ``python _worker.py --strategy fsdp2|hsdp|tp|fsdp2+tp[,...] --out DIR`` with RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Several strategies (same world size) run in turn in one
+process: starting the ranks costs more than a strategy's scenarios.
 """
 
 from __future__ import annotations
@@ -321,11 +322,14 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {"rank": rank, "scenarios": {}}
-    for name, steps, micro in SCENARIOS[args.strategy]:
-        result["scenarios"][name] = run_scenario(args.strategy, name, steps, micro)
-    if args.strategy == "fsdp2":
-        result["fsdp1_kind"] = fsdp1_kind()
+    result: dict = {"rank": rank, "strategies": {}}
+    for strategy in args.strategy.split(","):
+        done: dict = {"scenarios": {}}
+        for name, steps, micro in SCENARIOS[strategy]:
+            done["scenarios"][name] = run_scenario(strategy, name, steps, micro)
+        if strategy == "fsdp2":
+            done["fsdp1_kind"] = fsdp1_kind()
+        result["strategies"][strategy] = done
     destroy_process_group_now()
     result["comm_threads_after_destroy"] = comm_threads()
     path = Path(args.out) / f"rank{rank}.json"

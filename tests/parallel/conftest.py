@@ -1,5 +1,5 @@
-"""Launch real gloo ranks on 127.0.0.1 for the sharded-strategy tests; one launch per strategy,
-shared by the tests of a module. Every rank is killed on timeout or failure."""
+"""Launch real gloo ranks on 127.0.0.1 for the parallel tests; a module's tests share launches.
+Every rank is killed on timeout or failure."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from tests.support.ports import free_ports
 
@@ -83,18 +81,3 @@ def launch(
             "\n\n".join(f"rank {rank} exited {code}:\n{log[-3000:]}" for rank, code, log in failed)
         )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
-
-
-@pytest.fixture(scope="module")
-def ranks_of(tmp_path_factory):
-    """``ranks_of(strategy, n)``: the per-rank results of one launch, cached per module."""
-    cache: dict[tuple[str, int], list[dict]] = {}
-
-    def get(strategy: str, n: int) -> list[dict]:
-        key = (strategy, n)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(strategy.replace("+", "_"))
-            cache[key] = launch(strategy, n, out)
-        return cache[key]
-
-    return get

@@ -21,6 +21,7 @@ from tests.parallel._worker import (
     TOUCH_STEP,
     USER_MAX_NORM,
 )
+from tests.parallel.conftest import launch
 
 REL = 1e-5
 STRATEGIES = [
@@ -30,6 +31,33 @@ STRATEGIES = [
     ("tp", 2, "tp", False),
     ("fsdp2+tp", 4, "fsdp2+tp", False),
 ]
+
+
+# Strategies of one world size share a launch: the ranks start once and run them in turn.
+LAUNCHES = {2: ("fsdp2", "tp"), 4: ("hsdp", "fsdp2+tp")}
+
+
+@pytest.fixture(scope="module")
+def ranks_of(tmp_path_factory):
+    """``ranks_of(strategy, n)``: each rank's results for ``strategy`` (scenarios, FSDP1 kind)
+    and the launch's threads after destroy; one launch per world size, cached per module."""
+    done: dict[int, list[dict]] = {}
+
+    def get(strategy: str, n: int) -> list[dict]:
+        assert strategy in LAUNCHES[n], (strategy, n)
+        if n not in done:
+            out = tmp_path_factory.mktemp(f"ranks{n}")
+            done[n] = launch(",".join(LAUNCHES[n]), n, out)
+        return [
+            {
+                "rank": rank["rank"],
+                **rank["strategies"][strategy],
+                "comm_threads_after_destroy": rank["comm_threads_after_destroy"],
+            }
+            for rank in done[n]
+        ]
+
+    return get
 
 
 def _total(vector: dict) -> float:
