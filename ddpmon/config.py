@@ -81,6 +81,13 @@ class Config:
     announce: bool = False
     """Print one line per rank to stderr at attach, naming its /metrics endpoint (off: ddpmon
     writes nothing to stderr on a healthy run)."""
+    linger_seconds: float = 20.0
+    """At ``close()``, keep serving /metrics until a store's scraper (Prometheus, vmagent) has
+    taken the final step, for at most this long, so a run's last values reach the store. A rank
+    scraped before waits at most one scrape interval; one never scraped waits only if it
+    published its target (``sd_dir``, ``daemon_url``), and only until this long after attach.
+    Set a little over your scrape interval (the default covers the shipped 5 s and 15 s); 0
+    never waits."""
     grad_norm_tolerance: float = 1e-3
     """Relative difference above which a trainer-reported grad norm (``observe_grad_norm``)
     counts as a mismatch with ddpmon's own."""
@@ -110,6 +117,7 @@ class Config:
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
+        _check_float("linger_seconds", self.linger_seconds, 0.0, 600.0)
         _check_float("grad_norm_tolerance", self.grad_norm_tolerance, 0.0, 1.0)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
