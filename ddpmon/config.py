@@ -20,6 +20,7 @@ and below Linux's ephemeral range (32768-60999). The node daemon uses ``DEFAULT_
 """
 
 ON_NONFINITE_CHOICES = ("record", "skip", "raise")
+SERIES_PROFILES = ("full", "large")
 ENV_PREFIX = "DDPMON_"
 
 
@@ -81,6 +82,11 @@ class Config:
     announce: bool = False
     """Print one line per rank to stderr at attach, naming its /metrics endpoint (off: ddpmon
     writes nothing to stderr on a healthy run)."""
+    series_profile: str = "full"
+    """Which series each rank exports. ``full``: everything on every rank. ``large`` (very
+    large jobs): the reduced per-group norms (``ddpmon_grad_group_norm``, up to ``max_groups``
+    series), identical on every rank of a supported strategy, only from rank 0; every other
+    series stays per rank. See docs/deployment.md for the counts."""
     linger_seconds: float = 20.0
     """At ``close()``, keep serving /metrics until a store's scraper (Prometheus, vmagent) has
     taken the final step, for at most this long, so a run's last values reach the store. A rank
@@ -114,6 +120,11 @@ class Config:
         if self.on_nonfinite not in ON_NONFINITE_CHOICES:
             choices = ", ".join(ON_NONFINITE_CHOICES)
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {choices}")
+        if self.series_profile not in SERIES_PROFILES:
+            choices = ", ".join(SERIES_PROFILES)
+            raise ConfigError(
+                f"series_profile={self.series_profile!r}: expected one of {choices}"
+            )
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)

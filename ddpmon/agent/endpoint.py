@@ -184,4 +184,6 @@ def _collector(
         min_interval=cfg.live_refresh_seconds,
         on_error=guard.error,
     )
-    return DdpmonCollector(state, ident, run_id, build_versions(), live)
+    return DdpmonCollector(
+        state, ident, run_id, build_versions(), live, series_profile=cfg.series_profile
+    )

@@ -25,9 +25,13 @@ LOSS = f"{m.LOSS.name}{{D}}"
 LOSS_MEDIAN = f"quantile by (run) (0.5, {m.LOSS.name}{{R}})"
 GRAD_NORM = f"{m.GRAD_NORM.name}{{D}}"
 LOCAL_NORM = f"{m.GRAD_LOCAL_NORM.name}{{D}}"
+_GROUP = m.GRAD_GROUP_NORM.name
 GROUP_NORM_TOP = (
-    f"{m.GRAD_GROUP_NORM.name}{{D}} and on (group) topk({{K}}, "
-    f"max_over_time({m.GRAD_GROUP_NORM.name}{{D}}[$__range] @ end()))"
+    # The reduced group norms are the same on every rank; under series_profile=large only
+    # rank 0 exports them, so a rank without its own shows rank 0's.
+    f"({_GROUP}{{D}} or on (group) {_GROUP}{{D0}}) and on (group) topk({{K}}, "
+    f"max_over_time({_GROUP}{{D}}[$__range] @ end()) or on (group) "
+    f"max_over_time({_GROUP}{{D0}}[$__range] @ end()))"
 )
 LOSS_SCALE = f"{m.AMP_LOSS_SCALE.name}{{D}}"
 LOSS_SCALE_FLOOR = f"{m.AMP_LOSS_SCALE_FLOOR.name}{{D}}"
