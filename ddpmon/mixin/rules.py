@@ -1,6 +1,8 @@
 """Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
 
-Names (``ddpmon/mixin/names.py``) follow Prometheus' ``level:metric:operations``. Per-rank
+Names (``ddpmon/mixin/names.py``) follow Prometheus' ``level:metric:operations``. A ``run:``
+median of a ``rank:`` record reads that record (one level of nesting, never more; a record
+comes after its inputs in its group); ``dependent`` tells such rules apart, for backfills. Per-rank
 records aggregate nothing away, so every target label survives (job, instance, namespace,
 cluster, node...); per-run records aggregate ``by`` ``MixinConfig.run_labels``. Rates use
 ``MixinConfig.rate_window``. Quantile records drop NaN (no observations in the window) so that
@@ -8,6 +10,8 @@ cluster, node...); per-run records aggregate ``by`` ``MixinConfig.run_labels``. 
 """
 
 from __future__ import annotations
+
+import re
 
 from ddpmon import metrics as m
 from ddpmon.mixin import names as n
@@ -48,6 +52,15 @@ def _quantile(cfg: MixinConfig, q: str, histogram: str, by: str = "") -> str:
     if by:
         buckets = f"sum by ({by}, le) ({buckets})"
     return f"histogram_quantile({q}, {buckets}) >= 0"
+
+
+def dependent(expr: str) -> bool:
+    """True when ``expr`` reads another recording rule's output (a second-order rule)."""
+    return bool(re.search(r"\b(?:rank|run):ddpmon_", expr))
+
+
+def _median(cfg: MixinConfig, expr: str) -> str:
+    return f"quantile {cfg.by_run} (0.5, {expr})"
 
 
 def recording_rules(cfg: MixinConfig) -> list[dict]:
@@ -93,6 +106,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             f"  and on ({run_labels}, step) (count by ({run_labels}, step) ({by_step}) > 1)\n"
             ")",
         },
+        {"record": n.LOSS_RUN_MEDIAN, "expr": _median(cfg, sel(cfg, m.LOSS.name))},
+        {
+            "record": n.LOCAL_NORM_RUN_MEDIAN,
+            "expr": _median(cfg, sel(cfg, m.GRAD_LOCAL_NORM.name)),
+        },
     ]
     data = [
         {"record": n.STEP_P99, "expr": _quantile(cfg, "0.99", m.STEP_DURATION.name)},
@@ -117,6 +135,9 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             f"+ {cfg.stall_seconds:g}",
         },
         {"record": n.STEP_LEADER, "expr": f"max {by_run} ({sel(cfg, m.STEP.name)})"},
+        {"record": n.STEP_RUN_MIN, "expr": f"min {by_run} ({sel(cfg, m.STEP.name)})"},
+        {"record": n.STEPS_RATE_RUN_MEDIAN, "expr": _median(cfg, n.STEPS_RATE)},
+        {"record": n.STEP_P99_RUN_MEDIAN, "expr": _median(cfg, n.STEP_P99)},
     ]
     memory = [
         {
@@ -124,6 +145,10 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             # group_right: the result keeps the NVML series' `gpu` label.
             "expr": f"max_over_time({sel(cfg, m.CUDA_MEMORY_ALLOCATED.name)}[{gw}])\n"
             f"/ ignoring (gpu) group_right\n{sel(cfg, m.GPU_MEMORY_TOTAL.name)}",
+        },
+        {
+            "record": n.RSS_RUN_MEDIAN,
+            "expr": _median(cfg, sel(cfg, m.PROCESS_RESIDENT_MEMORY.name)),
         },
     ]
     communication = [
@@ -134,6 +159,8 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             "expr": _quantile(cfg, "0.5", m.ALLREDUCE_DURATION.name),
         },
         {"record": n.ALLREDUCE_P99, "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name)},
+        {"record": n.ALLREDUCE_P50_RUN_MEDIAN, "expr": _median(cfg, n.ALLREDUCE_P50)},
+        {"record": n.ALLREDUCE_P99_RUN_MEDIAN, "expr": _median(cfg, n.ALLREDUCE_P99)},
         {
             "record": n.ALLREDUCE_RUN_P99,
             "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name, run_labels),

@@ -192,9 +192,10 @@ def test_resolve_rejects_unknown_variables() -> None:
 
 
 def test_recorded_series_come_from_the_shipped_recording_rules() -> None:
-    """Heavy per-rank histogram math is read from recording rules; those must exist, and be
-    first-order (computed from raw series) so the benchmark can backfill them in one pass."""
-    from ddpmon.mixin.rules import recording_rules
+    """Heavy per-rank histogram math and run-wide medians are read from recording rules; those
+    must exist, and read raw series or first-order records only (at most one level of nesting,
+    each after its inputs in its group), so the benchmark can backfill them in two passes."""
+    from ddpmon.mixin.rules import dependent, recording_rules
 
     rules = {r["record"]: r["expr"] for g in recording_rules(MixinConfig()) for r in g["rules"]}
     used = set()
@@ -204,9 +205,12 @@ def test_recorded_series_come_from_the_shipped_recording_rules() -> None:
     assert used, "dashboards read no recording rule"
     for name in sorted(used):
         assert name in rules, f"{name} is not a shipped recording rule"
-        assert not re.search(r"\b(?:rank|run):ddpmon_", rules[name]), (
-            f"{name} is computed from another rule"
-        )
+        for inner in re.findall(r"\b(?:rank|run):ddpmon_[a-z0-9_]+:[a-z0-9_]+", rules[name]):
+            assert not dependent(rules[inner]), f"{name} reads {inner}, itself a second-order rule"
+    order = [r["record"] for g in recording_rules(MixinConfig()) for r in g["rules"]]
+    for name, expr in rules.items():
+        for inner in re.findall(r"\b(?:rank|run):ddpmon_[a-z0-9_]+:[a-z0-9_]+", expr):
+            assert order.index(inner) < order.index(name), f"{name} comes before {inner}"
 
 
 def _panel(uid: str, title: str) -> dict:

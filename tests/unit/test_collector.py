@@ -248,3 +248,24 @@ def test_new_counters_are_exported_at_zero_and_stall_gauge_only_when_set():
     assert 'ddpmon_grad_norm_mismatch_total{rank="1",run="run-1"} 0.0' in text
     assert "ddpmon_stall_threshold_seconds" not in text
     assert 'strategy="plain"' in text
+
+
+def test_docs_state_the_default_series_per_rank():
+    """docs/deployment.md's per-rank counts and 16k totals are this collector's, with the
+    default group cap and every core probe counted (an agent exports all of them at zero)."""
+    from ddpmon.config import Config
+    from ddpmon.state import CORE_PROBES
+
+    def count(profile: str, rank: int) -> int:
+        state = make_state(groups=Config().max_groups)
+        state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
+        exposition = make_exposition(state, rank=rank, series_profile=profile)
+        return len(_series(exposition.render().decode()))
+
+    full, large, large0 = count("full", 1), count("large", 1), count("large", 0)
+    assert full <= 150 and large0 == full
+    doc = (Path(__file__).parents[2] / "docs" / "deployment.md").read_text()
+    assert f"**{full} series**" in doc and f"**{large} series**" in doc
+    ranks = 16_384
+    row = f"| 16,384 | {ranks * (full + 1):,} | {(ranks - 1) * (large + 1) + full + 1:,} |"
+    assert row in doc, row

@@ -22,7 +22,7 @@ VERSIONS = (
     f"({m.BUILD_INFO.name}{{R}})"
 )
 STEP_LEADER = f"max by (run) ({n.STEP_LEADER}{{RR}})"
-STEP_SLOWEST = f"min by (run) ({m.STEP.name}{{R}})"
+STEP_SLOWEST = f"min by (run) ({n.STEP_RUN_MIN}{{RR}})"
 HEARTBEAT_AGE = f"max by (run) ({n.HEARTBEAT_AGE}{{RR}})"
 FIRING_ALERTS = f"count(ALERTS{{{ALERT_SELECTOR}}}) or vector(0)"
 
@@ -36,7 +36,7 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
     behind = f"max by (rank) ({n.STEP_LEADER}{{RR}} - on (run) group_right {m.STEP.name}{{S}})"
     skew = (
         f"max by (rank) ({n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
-        f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}}))"
+        f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}}))"
     )
     age = f"max by (rank) ({n.HEARTBEAT_AGE}{{SR}})"
     stalled = (
@@ -67,11 +67,11 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
     }
 
 # --- Numerics ---
-LOSS_MEDIAN = f"quantile by (run) (0.5, {m.LOSS.name}{{R}})"
+LOSS_MEDIAN = f"max by (run) ({n.LOSS_RUN_MEDIAN}{{RR}})"
 LOSS_TOP = gauge_top("topk", f"{m.LOSS.name}")
 GRAD_NORM_RUN = f"{n.GRAD_NORM_RUN_MAX}{{RR}}"
 GRAD_NORM_SPREAD = f"{n.GRAD_NORM_RUN_SPREAD}{{RR}}"
-LOCAL_NORM_MEDIAN = f"quantile by (run) (0.5, {m.GRAD_LOCAL_NORM.name}{{R}})"
+LOCAL_NORM_MEDIAN = f"max by (run) ({n.LOCAL_NORM_RUN_MEDIAN}{{RR}})"
 LOCAL_NORM_TOP = gauge_top("topk", f"{m.GRAD_LOCAL_NORM.name}")
 NONFINITE_REDUCED = (
     f"max by (run) (increase({m.GRAD_NONFINITE_STEPS.name}{{S}}[$__rate_interval]))"
@@ -89,10 +89,10 @@ LOSS_SCALE_FLOOR = f"min by (run) ({m.AMP_LOSS_SCALE_FLOOR.name}{{R}})"
 SKIPPED_TOP = gauge_top("topk", n.SKIPPED_RATIO, "{SR}")
 
 # --- Data supply ---
-DATA_WAIT_MEDIAN = f"quantile by (run) (0.5, {n.DATA_WAIT_MEAN}{{RR}})"
+DATA_WAIT_MEDIAN = f"max by (run) ({n.DATA_WAIT_RUN_MEDIAN}{{RR}})"
 DATA_WAIT_TOP = gauge_top("topk", n.DATA_WAIT_MEAN, "{SR}")
 DATA_WAIT_HEATMAP = f"{n.DATA_WAIT_MEAN}{{SR}}"
-STEPS_RATE_MEDIAN = f"quantile by (run) (0.5, {n.STEPS_RATE}{{RR}})"
+STEPS_RATE_MEDIAN = f"max by (run) ({n.STEPS_RATE_RUN_MEDIAN}{{RR}})"
 STEPS_RATE_SLOWEST = gauge_top("bottomk", n.STEPS_RATE, "{SR}")
 STEP_P99_HEATMAP = f"{n.STEP_P99}{{SR}}"
 IDENTICAL_RANKS = (
@@ -118,7 +118,7 @@ HEADROOM_TIGHTEST = ranked(
 )
 OOMS = f"sum by (run) (increase({m.CUDA_OOMS.name}{{S}}[$__rate_interval]))"
 RETRIES = f"sum by (run) (increase({m.CUDA_ALLOC_RETRIES.name}{{S}}[$__rate_interval]))"
-RSS_MEDIAN = f"quantile by (run) (0.5, {m.PROCESS_RESIDENT_MEMORY.name}{{R}})"
+RSS_MEDIAN = f"max by (run) ({n.RSS_RUN_MEDIAN}{{RR}})"
 RSS_TOP = gauge_top("topk", f"{m.PROCESS_RESIDENT_MEMORY.name}")
 
 # --- Communication ---
@@ -128,8 +128,8 @@ ALLREDUCE_P99_BY_NODE = (
     f"max by (node) ({n.ALLREDUCE_P99}{{SR}}) and on (node) "
     f"topk({{K}}, max by (node) (max_over_time({n.ALLREDUCE_P99}{{SR}}[$__range] @ end())))"
 )
-ALLREDUCE_P50_MEDIAN = f"quantile by (run) (0.5, {n.ALLREDUCE_P50}{{RR}})"
-ALLREDUCE_P99_MEDIAN = f"quantile by (run) (0.5, {n.ALLREDUCE_P99}{{RR}})"
+ALLREDUCE_P50_MEDIAN = f"max by (run) ({n.ALLREDUCE_P50_RUN_MEDIAN}{{RR}})"
+ALLREDUCE_P99_MEDIAN = f"max by (run) ({n.ALLREDUCE_P99_RUN_MEDIAN}{{RR}})"
 ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
 ALLREDUCE_P99_TOP = gauge_top("topk", n.ALLREDUCE_P99, "{SR}")
 ALLREDUCE_P50_TOP = gauge_top("topk", n.ALLREDUCE_P50, "{SR}")
@@ -138,10 +138,10 @@ ALLREDUCE_BYTES_TOP = rate_top("topk", f"rate({m.ALLREDUCE_BYTES.name}{{S}}[$__r
 COMPUTE_SKEW_TOP = ranked(
     "topk",
     f"{n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
-    f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}})",
+    f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})",
     f"max_over_time({n.COMPUTE_MEAN}{{SR}}[$__range] @ end())",
 )
-STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({m.STEP.name}{{R}})"
+STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({n.STEP_RUN_MIN}{{RR}})"
 STEP_BEHIND_TOP = ranked(
     "bottomk",
     f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{S}}",
