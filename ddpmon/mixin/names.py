@@ -48,4 +48,10 @@ STEP_P99_RUN_MEDIAN = "run:ddpmon_step_duration_seconds:p99_median"
 ALLREDUCE_P50_RUN_MEDIAN = "run:ddpmon_allreduce_duration_seconds:p50_median"
 ALLREDUCE_P99_RUN_MEDIAN = "run:ddpmon_allreduce_duration_seconds:p99_median"
 RSS_RUN_MEDIAN = "run:ddpmon_process_resident_memory_bytes:median"
+# How many of the run's ranks have a per-rank value at or below each ``le`` (cumulative, like a
+# histogram's buckets): the distributions "across ranks" read these few series per run.
+DATA_WAIT_RANKS = "run:ddpmon_data_wait_seconds:mean_ranks_bucket"
+STEP_P99_RANKS = "run:ddpmon_step_duration_seconds:p99_ranks_bucket"
+ALLREDUCE_P50_RANKS = "run:ddpmon_allreduce_duration_seconds:p50_ranks_bucket"
+ALLREDUCE_P99_RANKS = "run:ddpmon_allreduce_duration_seconds:p99_ranks_bucket"
 WORLD_SIZE = "run:ddpmon_world_size:max"

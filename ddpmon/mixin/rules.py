@@ -63,6 +63,24 @@ def _median(cfg: MixinConfig, expr: str) -> str:
     return f"quantile {cfg.by_run} (0.5, {expr})"
 
 
+RANK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1, 2.5, 5, 10, 25, 60)
+"""Upper bounds (seconds) of the run-wide distributions of per-rank latencies."""
+
+
+def _ranks_bucket(cfg: MixinConfig, record: str) -> str:
+    """Per run, how many ranks have ``record`` <= each bound, as cumulative ``le`` buckets (0
+    where none is), so a heatmap reads len(RANK_BUCKETS) + 1 series whatever the rank count."""
+    by = cfg.by_run
+    terms = [
+        f'label_replace(count {by} ({record} <= {b:g}) or count {by} ({record}) * 0, '
+        f'"le", "{b:g}", "", "")'
+        for b in RANK_BUCKETS
+    ]
+    terms.append(f'label_replace(count {by} ({record} >= 0), "le", "+Inf", "", "")')
+    return "\nor\n".join(terms)
+
+
 def recording_rules(cfg: MixinConfig) -> list[dict]:
     """Rule groups in Prometheus' rule file shape, one per layer."""
     by_run = cfg.by_run
@@ -138,6 +156,8 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": n.STEP_RUN_MIN, "expr": f"min {by_run} ({sel(cfg, m.STEP.name)})"},
         {"record": n.STEPS_RATE_RUN_MEDIAN, "expr": _median(cfg, n.STEPS_RATE)},
         {"record": n.STEP_P99_RUN_MEDIAN, "expr": _median(cfg, n.STEP_P99)},
+        {"record": n.DATA_WAIT_RANKS, "expr": _ranks_bucket(cfg, n.DATA_WAIT_MEAN)},
+        {"record": n.STEP_P99_RANKS, "expr": _ranks_bucket(cfg, n.STEP_P99)},
     ]
     memory = [
         {
@@ -161,6 +181,8 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": n.ALLREDUCE_P99, "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name)},
         {"record": n.ALLREDUCE_P50_RUN_MEDIAN, "expr": _median(cfg, n.ALLREDUCE_P50)},
         {"record": n.ALLREDUCE_P99_RUN_MEDIAN, "expr": _median(cfg, n.ALLREDUCE_P99)},
+        {"record": n.ALLREDUCE_P50_RANKS, "expr": _ranks_bucket(cfg, n.ALLREDUCE_P50)},
+        {"record": n.ALLREDUCE_P99_RANKS, "expr": _ranks_bucket(cfg, n.ALLREDUCE_P99)},
         {
             "record": n.ALLREDUCE_RUN_P99,
             "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name, run_labels),

@@ -27,6 +27,11 @@ from ddpmon.mixin.dashboards.model import (
 from ddpmon.mixin.dashboards.promql import expand
 from ddpmon.mixin.dashboards.queries import overview as Q
 
+DIST = (
+    "Every rank of the run, whatever the rank selection: counted per run by the ruler "
+    "(run:...:ranks_bucket), so the panel reads one series per bucket at any rank count."
+)
+
 
 def _run_row(q: Any, cfg: MixinConfig) -> RowSpec:
     health = Q.rank_health(cfg)
@@ -192,10 +197,9 @@ def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
             ),
             PanelSpec(
                 "Data wait across ranks", "heatmap", "s",
-                (q(Q.DATA_WAIT_HEATMAP, "{{rank}}"),),
+                (q(Q.DATA_WAIT_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' mean data wait: y = wait bucket, colour = number of "
-                "ranks; a starved rank is a lone cell far above the rest.",
-                distribution=True,
+                f"ranks; a starved rank is a lone cell far above the rest. {DIST}",
             ),
             PanelSpec(
                 "Steps/s per rank", "timeseries", "suffix: steps/s",
@@ -208,10 +212,9 @@ def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
             ),
             PanelSpec(
                 "Step time p99 across ranks", "heatmap", "s",
-                (q(Q.STEP_P99_HEATMAP, "{{rank}}"),),
+                (q(Q.STEP_P99_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' p99 step wall time (data wait excluded): y = "
-                "latency bucket, colour = number of ranks.",
-                distribution=True,
+                f"latency bucket, colour = number of ranks. {DIST}",
             ),
             PanelSpec(
                 "Ranks with identical batches", "stat", "short",
@@ -287,17 +290,15 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
         (
             PanelSpec(
                 "All-reduce p50 across ranks", "heatmap", "s",
-                (q(Q.ALLREDUCE_P50_HEATMAP, "{{rank}}"),),
+                (q(Q.ALLREDUCE_P50_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' all-reduce median: y = latency bucket, colour = "
-                "number of ranks; the bulk is the typical collective.",
-                distribution=True,
+                f"number of ranks; the bulk is the typical collective. {DIST}",
             ),
             PanelSpec(
                 "All-reduce p99 across ranks", "heatmap", "s",
-                (q(Q.ALLREDUCE_P99_HEATMAP, "{{rank}}"),),
+                (q(Q.ALLREDUCE_P99_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' all-reduce p99: a few slow ranks are a separate "
-                "band, a fabric-wide problem moves the whole distribution up.",
-                distribution=True,
+                f"band, a fabric-wide problem moves the whole distribution up. {DIST}",
             ),
             PanelSpec(
                 "All-reduce p99 by node", "timeseries", "s",

@@ -28,8 +28,10 @@ LOCAL_NORM = f"{m.GRAD_LOCAL_NORM.name}{{D}}"
 _GROUP = m.GRAD_GROUP_NORM.name
 GROUP_NORM_TOP = (
     # The reduced group norms are the same on every rank; under series_profile=large only
-    # rank 0 exports them, so a rank without its own shows rank 0's.
-    f"({_GROUP}{{D}} or on (group) {_GROUP}{{D0}}) and on (group) topk({{K}}, "
+    # rank 0 exports them, so a rank that had none of its own in the range shows rank 0's
+    # (never both: a rank scraped a moment after rank 0 must not draw rank 0's for a step).
+    f"({_GROUP}{{D}} or on (group) ({_GROUP}{{D0}} unless on (group) "
+    f"max_over_time({_GROUP}{{D}}[$__range] @ end()))) and on (group) topk({{K}}, "
     f"max_over_time({_GROUP}{{D}}[$__range] @ end()) or on (group) "
     f"max_over_time({_GROUP}{{D0}}[$__range] @ end()))"
 )

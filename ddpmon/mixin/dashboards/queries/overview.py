@@ -91,10 +91,10 @@ SKIPPED_TOP = gauge_top("topk", n.SKIPPED_RATIO, "{SR}")
 # --- Data supply ---
 DATA_WAIT_MEDIAN = f"max by (run) ({n.DATA_WAIT_RUN_MEDIAN}{{RR}})"
 DATA_WAIT_TOP = gauge_top("topk", n.DATA_WAIT_MEAN, "{SR}")
-DATA_WAIT_HEATMAP = f"{n.DATA_WAIT_MEAN}{{SR}}"
+DATA_WAIT_HEATMAP = f"max by (le) ({n.DATA_WAIT_RANKS}{{RR}})"
 STEPS_RATE_MEDIAN = f"max by (run) ({n.STEPS_RATE_RUN_MEDIAN}{{RR}})"
 STEPS_RATE_SLOWEST = gauge_top("bottomk", n.STEPS_RATE, "{SR}")
-STEP_P99_HEATMAP = f"{n.STEP_P99}{{SR}}"
+STEP_P99_HEATMAP = f"max by (le) ({n.STEP_P99_RANKS}{{RR}})"
 IDENTICAL_RANKS = (
     f"count by (run) (changes({m.DATA_IDENTICAL_BATCHES.name}{{R}}[$__range] @ end()) > 0) "
     "or vector(0)"
@@ -122,8 +122,8 @@ RSS_MEDIAN = f"max by (run) ({n.RSS_RUN_MEDIAN}{{RR}})"
 RSS_TOP = gauge_top("topk", f"{m.PROCESS_RESIDENT_MEMORY.name}")
 
 # --- Communication ---
-ALLREDUCE_P50_HEATMAP = f"{n.ALLREDUCE_P50}{{SR}}"
-ALLREDUCE_P99_HEATMAP = f"{n.ALLREDUCE_P99}{{SR}}"
+ALLREDUCE_P50_HEATMAP = f"max by (le) ({n.ALLREDUCE_P50_RANKS}{{RR}})"
+ALLREDUCE_P99_HEATMAP = f"max by (le) ({n.ALLREDUCE_P99_RANKS}{{RR}})"
 ALLREDUCE_P99_BY_NODE = (
     f"max by (node) ({n.ALLREDUCE_P99}{{SR}}) and on (node) "
     f"topk({{K}}, max by (node) (max_over_time({n.ALLREDUCE_P99}{{SR}}[$__range] @ end())))"
