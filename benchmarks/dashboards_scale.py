@@ -741,10 +741,10 @@ def _on_victoria_metrics(base: Path, args: argparse.Namespace, end: int, meta: d
                          rss: PeakRss) -> tuple[list[dict], list[dict]]:
     from ddpmon.services import free_port
 
-    version = subprocess.run(
-        [find_binary("victoria-metrics"), "-version"], capture_output=True, text=True
+    version = subprocess.run(  # Debian's build prints no -version: ask the package
+        ["dpkg-query", "-W", "-f=${Version}", "victoria-metrics"], capture_output=True, text=True
     )
-    meta["store_version"] = (version.stdout or version.stderr).strip().split("-v")[-1][:24]
+    meta["store_version"] = version.stdout.strip() or "(version unknown)"
     vm = VictoriaMetrics(base / "victoria-metrics", free_port()).start()
     rss.watch(vm.pid)
     try:
