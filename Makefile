@@ -11,17 +11,21 @@ TORCH_PIN := torch==2.13.0
 INTEGRATION_PINS := lightning==2.6.6 transformers==5.24.0 accelerate==1.15.0
 # DeepSpeed for tests/parallel/test_deepspeed.py (CPU accelerator, gloo), with the torch pin.
 DEEPSPEED_PINS := deepspeed==0.19.8
+# torchtitan for tests/parallel/test_pipeline.py (its split and clip_grad_norm_ are the
+# reference), with the torch pin.
+TORCHTITAN_PINS := torchtitan==0.3.0
 PYTEST_ARGS ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode
+.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(INTEGRATION_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(DEEPSPEED_PINS)
+	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(TORCHTITAN_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
 	touch $(STAMP)
 
@@ -50,9 +54,18 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack
+
+# The scale-out path on this machine (docs/scale-out.md): two vmagent shards -> VictoriaMetrics
+# <- vmalert -> Alertmanager, a 4-rank demo with a NaN on rank 1 through it, the pages printed,
+# then the dashboard figures at scale from benchmarks/RESULTS.md. SCALEOUT_ARGS passes options.
+SCALEOUT_ARGS ?=
+scaleout: $(STAMP) debs
+	$(BIN)/ddpmon scaleout $(SCALEOUT_ARGS)
 
 rules: $(STAMP)
 	$(BIN)/ddpmon rules --write

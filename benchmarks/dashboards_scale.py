@@ -206,7 +206,7 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_amp_loss_scale": 65536.0 / (2 if broken else 1),
         "ddpmon_amp_loss_scale_floor": 1.0,
         "ddpmon_amp_skipped_steps_total": 3 + (1 if broken else 0),
-        "ddpmon_allreduce_bytes_total": steps * 1.4e9,
+        "ddpmon_collective_bytes_total": steps * 1.4e9,
         # One check every 10 steps (the agent's data_check_interval), from the NaN onwards.
         "ddpmon_data_identical_batches_total": (
             (i - nonfinite_at + 1) * steps // max(i, 1) // 10 if broken and m.duplicate else 0
@@ -330,7 +330,9 @@ def write_openmetrics(
                             v = ts - 0.5
                         else:
                             v = value(t, m, i, seconds, nonfinite_at)
-                        lines.append(f"{prefix}{v:.6g} {ts * scale}\n")
+                        # Unix timestamps need more digits than .6g (1000 s steps).
+                        text = f"{v:.6g}" if abs(v) < 1e6 else f"{v:.13g}"
+                        lines.append(f"{prefix}{text} {ts * scale}\n")
                 sink.write(lines)
                 samples += len(lines)
         # `up`, one per target, as Prometheus records it for every scrape.

@@ -23,6 +23,7 @@ ORDER = (
     "compare",
     "manifest",
     "stack",
+    "scaleout",
     "rules",
     "dashboards",
     "daemon",

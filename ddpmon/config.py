@@ -21,6 +21,7 @@ and below Linux's ephemeral range (32768-60999). The node daemon uses ``DEFAULT_
 
 ON_NONFINITE_CHOICES = ("record", "skip", "raise")
 SERIES_PROFILES = ("full", "large")
+ON_LOSS_SCALE_FLOOR_CHOICES = ("record", "raise")
 ENV_PREFIX = "DDPMON_"
 
 
@@ -47,7 +48,14 @@ class Config:
     max_groups: int = 32
     """Cardinality bound for ``ddpmon_grad_group_norm``; further groups fold into ``other``."""
     loss_scale_floor: float = 1.0
-    """AMP loss scale at or below which the run is considered numerically broken."""
+    """Loss scale (GradScaler or DeepSpeed fp16) at or below which the run is considered
+    numerically broken."""
+    loss_scale_floor_steps: int = 10
+    """Consecutive optimizer steps at or below ``loss_scale_floor`` before
+    ``on_loss_scale_floor`` acts (once per episode; a scale above the floor ends it)."""
+    on_loss_scale_floor: str = "record"
+    """``record`` a ``loss_scale_floor`` event (sync-free), or ``raise``
+    ``ddpmon.LossScaleFloorError`` on every rank at the same step (reads the scale each step)."""
     on_nonfinite: str = "record"
     """``record`` (sync-free), ``skip`` the optimizer step on every rank, or ``raise``."""
     stall_seconds: float = 300.0
@@ -62,9 +70,11 @@ class Config:
     """Every N steps, compare a fingerprint of each rank's local gradients across ranks (one
     tiny async all-gather) to catch duplicated data shards; 0 turns it off."""
     local_norm_every: int = 10
-    """CPU only: measure the local pre-all-reduce norm every N steps (a pass over the gradients
-    costs milliseconds on CPU); a rank's non-finite local gradients are still found on every
-    step. On GPUs the local norm is measured every step."""
+    """CPU only: measure the local pre-reduction norm (DDP: before the all-reduce; FSDP2, HSDP,
+    FSDP2+TP: the reduce-scatter input) every N steps, since a pass over the gradients costs
+    milliseconds on CPU; a rank's non-finite local gradients are still found, and named, on
+    every step. TP measures local and reduced norms in one shared pass, every step. On GPUs the
+    local norm is measured every step."""
     live_refresh_seconds: float = 1.0
     """Minimum age before live readings (NVML, allocator, psutil) are read again at scrape."""
     evidence_max_per_kind: int = 5
@@ -117,6 +127,12 @@ class Config:
         _check_int("group_depth", self.group_depth, 0, 16)
         _check_int("max_groups", self.max_groups, 1, 256)
         _check_float("loss_scale_floor", self.loss_scale_floor, 0.0, None)
+        _check_int("loss_scale_floor_steps", self.loss_scale_floor_steps, 1, 10**6)
+        if self.on_loss_scale_floor not in ON_LOSS_SCALE_FLOOR_CHOICES:
+            choices = ", ".join(ON_LOSS_SCALE_FLOOR_CHOICES)
+            raise ConfigError(
+                f"on_loss_scale_floor={self.on_loss_scale_floor!r}: expected one of {choices}"
+            )
         if self.on_nonfinite not in ON_NONFINITE_CHOICES:
             choices = ", ".join(ON_NONFINITE_CHOICES)
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {choices}")

@@ -17,6 +17,7 @@ from enum import StrEnum
 
 __all__ = [
     "BASE_LABELS",
+    "COLLECTIVE_OPS",
     "BY_NAME",
     "CATALOGUE",
     "Layer",
@@ -228,15 +229,28 @@ AMP_SKIPPED_STEPS = Metric(
 )
 
 # -- communication -------------------------------------------------------------------------
-ALLREDUCE_DURATION = Metric(
-    "ddpmon_allreduce_duration_seconds",
+COLLECTIVE_OPS = (
+    "all_reduce", "reduce_scatter", "all_gather", "reduce", "broadcast", "send", "recv"
+)
+"""Every value of the ``op`` label, in exposition order (see ``ddpmon.probes.comm``)."""
+_OPS = "for each op this rank has issued"
+COLLECTIVE_DURATION = Metric(
+    "ddpmon_collective_duration_seconds",
     H,
-    "All-reduce time per gradient bucket, launch to completion.",
+    "Time of one collective, issue to completion (wall time on CPU, device events on GPU).",
     L.COMMUNICATION,
     unit="seconds",
+    labels=("op",),
+    when=_OPS,
 )
-ALLREDUCE_BYTES = Metric(
-    "ddpmon_allreduce_bytes_total", C, "Bytes all-reduced.", L.COMMUNICATION, unit="bytes"
+COLLECTIVE_BYTES = Metric(
+    "ddpmon_collective_bytes_total",
+    C,
+    "Bytes passed to collectives (each call's input or bucket size).",
+    L.COMMUNICATION,
+    unit="bytes",
+    labels=("op",),
+    when=_OPS,
 )
 
 # -- memory (live sources, read at scrape time) --------------------------------------------

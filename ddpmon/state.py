@@ -27,20 +27,11 @@ DATA_WAIT_SECONDS_BUCKETS = (
     2.5,
     10.0,
 )
-ALLREDUCE_SECONDS_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+COLLECTIVE_SECONDS_BUCKETS = (0.0005, 0.004, 0.032, 0.256)
+"""Factor-8 bounds, 0.5 ms to 0.25 s: 8 series per op (5 buckets, sum, count and the bytes
+counter), so a rank using four ops (PP+FSDP2) stays within the per-rank series budget with 32
+groups. Coarse on purpose: quantiles are orders of magnitude; the exact mean per op is
+``_sum / _count``, which the CollectiveSlow alert uses."""
 
 CHECKPOINT_SECONDS_BUCKETS = (1.0, 10.0, 60.0, 300.0)
 """Few buckets: saves take seconds to minutes, and each bucket is a series per kind and rank."""
@@ -116,8 +107,9 @@ class StepRecord:
     local_nonfinite_kind: str | None = None
     loss_scale: float | None = None
     amp_skipped: bool = False
-    allreduce_seconds: list[float] = field(default_factory=list)
-    allreduce_bytes: int = 0
+    collective_seconds: dict[str, list[float]] = field(default_factory=dict)
+    """``op -> durations`` of the collectives timed during the step (``probes.comm.OPS``)."""
+    collective_bytes: dict[str, int] = field(default_factory=dict)
     data_identical_ranks: int | None = None
     skipped_by: str | None = None
     """Who skipped this optimizer step: ``scaler`` (found Inf/NaN), ``policy``
@@ -129,6 +121,11 @@ class StepRecord:
     """Local gradients non-finite only because an earlier non-finite step reached the weights."""
     trainer_grad_norm: float | None = None
     grad_norm_mismatch: bool = False
+    pp_origin: dict | None = None
+    """Pipeline parallel: where this rank's stage started a NaN/Inf (``stage``, ``microbatch``,
+    ``site``: activation, output, activation_grad or param_grad; ``param``)."""
+    origin_decided: bool = False
+    """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
 
     def as_dict(self) -> dict:
         out = {}
@@ -137,9 +134,15 @@ class StepRecord:
             if isinstance(value, float) and not math.isfinite(value):
                 value = str(value)
             elif isinstance(value, dict):
-                value = {k: (v if math.isfinite(v) else str(v)) for k, v in value.items()}
+                value = {k: _jsonable(v) for k, v in value.items()}
             out[name] = value
         return out
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
 
 
 @dataclass(slots=True)
@@ -162,13 +165,13 @@ class MetricState:
     loss_scale: float | None = None
     loss_scale_floor: float = 1.0
     amp_skipped_steps_total: int = 0
-    allreduce_bytes_total: int = 0
+    collective_bytes_total: dict[str, int] = field(default_factory=dict)
+    """``op -> bytes``; an op appears at its first observation (only ops in use are exported)."""
     data_identical_batches_total: int = 0
     step_duration: Histogram = field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
     data_wait: Histogram = field(default_factory=lambda: Histogram(DATA_WAIT_SECONDS_BUCKETS))
-    allreduce_duration: Histogram = field(
-        default_factory=lambda: Histogram(ALLREDUCE_SECONDS_BUCKETS)
-    )
+    collective_duration: dict[str, Histogram] = field(default_factory=dict)
+    """``op -> histogram``, created at the first observation of that op."""
     agent_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CORE_PROBES, 0))
     """Pre-set to 0 for the core probes so ``increase()`` sees their first failure."""
     version: int = 0
@@ -244,7 +247,8 @@ class MetricState:
             self.grad_nonfinite_poisoned_steps_total += 1
         if record.grad_norm_mismatch:
             self.grad_norm_mismatch_total += 1
-        self.allreduce_bytes_total += record.allreduce_bytes
+        for op, nbytes in record.collective_bytes.items():
+            self.collective_bytes_total[op] = self.collective_bytes_total.get(op, 0) + nbytes
         if record.origin:
             self.grad_nonfinite_origin_steps_total += 1
             if self.first_nonfinite is None:
@@ -259,9 +263,18 @@ class MetricState:
             self.amp_skipped_steps_total += 1
         if record.data_identical_ranks:
             self.data_identical_batches_total += 1
-        for seconds in record.allreduce_seconds:
-            self.allreduce_duration.observe(seconds)
+        for op, durations in record.collective_seconds.items():
+            hist = self.collective_duration.get(op)
+            if hist is None:
+                hist = self.collective_duration[op] = Histogram(COLLECTIVE_SECONDS_BUCKETS)
+            for seconds in durations:
+                hist.observe(seconds)
+            self.collective_bytes_total.setdefault(op, 0)
         self.version += 1
+
+    def collective_count(self) -> int:
+        """Collectives timed so far, every op together."""
+        return sum(h.count for h in list(self.collective_duration.values()))
 
     def count_error(self, probe: str) -> None:
         with self._lock:

@@ -2,11 +2,13 @@
 
 from ..clip import clip_grad_norm_
 from .api import NullMonitor, attach
+from .floor import LossScaleFloorError
 from .monitor import Monitor
 from .policy import NonFiniteGradientError
 from .registry import monitor_for
 
 __all__ = [
+    "LossScaleFloorError",
     "Monitor",
     "NonFiniteGradientError",
     "NullMonitor",

@@ -27,6 +27,7 @@ def attach(
     comm_hook: Callable | None = None,
     comm_state: Any = None,
     accelerator: Any = None,
+    schedule: Any = None,
     **options: Any,
 ) -> Monitor | NullMonitor:
     """Monitor this rank. Options as in ``ddpmon.Config`` (also ``DDPMON_*`` variables).
@@ -34,9 +35,13 @@ def attach(
     A bad option never stops training: the error is logged precisely and a disabled monitor is
     returned (``mon.enabled`` is False, ``mon.error`` says why).
     ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
-    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used.
+    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used. Under DeepSpeed,
+    the engine it prepared is monitored (``model`` may be the engine or the module inside it).
     A DeepSpeed engine: ``attach(engine)`` after ``deepspeed.initialize``; the engine's
     optimizer, loss scaler and ZeRO stage are found from it (docs/parallelism.md, DeepSpeed).
+    ``schedule``: pipeline parallel; ``model`` is then this rank's stage module or the list of
+    them (``model_parts``), and a step is one ``schedule.step()`` (docs/parallelism.md,
+    Pipeline parallel).
     """
     try:
         config = Config.from_sources(options)
@@ -46,6 +51,22 @@ def attach(
     if not config.enabled:
         return NullMonitor(None)
     try:
+        pp = None
+        if schedule is not None:
+            from ..strategies.pipeline_parallel import PipelineSetup, PipelineSetupError
+
+            try:
+                pp = PipelineSetup(model, schedule, scaler)
+            except PipelineSetupError as exc:
+                log.error("ddpmon disabled: %s", exc)
+                return NullMonitor(str(exc))
+            model = pp.container
+        if accelerator is not None:  # under DeepSpeed: the engine, not the module inside it
+            from ..integrations.accelerate import deepspeed_engine
+
+            engine = deepspeed_engine(accelerator, model)
+            if engine is not None:
+                model, optimizer = engine, engine.optimizer
         reason = _refused(model, optimizer)
         if reason is not None:
             log.error("ddpmon disabled: %s", reason)
@@ -58,7 +79,7 @@ def attach(
             optimizer = unwrap_optimizer(optimizer)
             if scaler is None:
                 scaler = parts_from_accelerator(accelerator).get("scaler")
-        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state)
+        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state, pp=pp)
     except Exception as exc:  # never into training: an agent that cannot start stays off
         log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
         return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")

@@ -95,6 +95,8 @@ class CheckpointObserver:
     """Called with the resume step after a successful load (the monitor rebases its counter)."""
     recovery: dict[str, Any] | None = None
     """The last successful load: resume step, path, restored and missing states."""
+    last_save: dict[str, Any] | None = None
+    """The last successful save: ``{"step", "path"}`` (named by ``LossScaleFloorError``)."""
     _local: threading.local = field(default_factory=threading.local)
 
     def timer(self, step: int, path: Any, kind: str, restored: dict[str, bool | None],
@@ -143,6 +145,7 @@ class CheckpointObserver:
             if kind == "save":
                 if stated:
                     fields["contains"] = stated
+                self.last_save = {"step": step, "path": path}
                 self.emit("checkpoint_save", step, ok=True, bytes=size, **fields, **extra)
                 return
             # A captured DCP load only knows the step in progress, not the step it resumes at.

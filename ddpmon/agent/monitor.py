@@ -38,6 +38,7 @@ from .checkpoints import (
 from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
+from .floor import FloorPolicy
 from .forensics import Forensics, manifest_writer
 from .guard import Guard
 from .hooks import StepHooks
@@ -71,24 +72,27 @@ class Monitor:
         config: Config,
         comm_hook: Callable | None = None,
         comm_state: Any = None,
+        pp: Any = None,
     ) -> Monitor:
         state = MetricState(
             loss_scale_floor=config.loss_scale_floor, stall_threshold_seconds=config.stall_seconds
         )
         self = cls(config, state, Guard(state.count_error))
         try:
-            self._assemble(model, optimizer, scaler, comm_hook, comm_state)
+            self._assemble(model, optimizer, scaler, comm_hook, comm_state, pp)
         except BaseException:
             self._abort()  # leave no hook, thread or server behind
             raise
         return self
 
-    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state) -> None:
+    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state, pp=None) -> None:
         config, state, guard = self.config, self._state, self.guard
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.ctx = ctx = RunContext.establish(model, config, guard)
         self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
-        self.index = ParamIndex(model, config.group_depth, config.max_groups)
+        # Pipeline parallel: names start with stage<k>, groups are per stage (one level deeper)
+        depth = config.group_depth + (1 if pp is not None and config.group_depth > 0 else 0)
+        self.index = ParamIndex(model, depth, config.max_groups)
         self.forensics = Forensics.open(ctx, config, guard)
         rank = ctx.identity.rank
         self.attempt = detect_attempt(ctx.run_dir.events(rank), ctx.run_dir.progress(rank))
@@ -102,26 +106,41 @@ class Monitor:
                 scaler, optimizer, on_update=self._on_scaler_update, on_error=guard.error
             )
             state.amp_enabled = self.amp.enabled()
-        strategy = detect_strategy(model)
-        self.source = make_source(
-            strategy,
-            SourceEnv(
-                model=model,
-                index=self.index,
-                on_error=guard.error,
-                local_norm_every=config.local_norm_every,
-                data_check_interval=config.data_check_interval,
-                comm_hook=comm_hook,
-                comm_state=comm_state,
-                amp=self.amp,
-            ),
+        env = SourceEnv(
+            model=model,
+            index=self.index,
+            on_error=guard.error,
+            local_norm_every=config.local_norm_every,
+            data_check_interval=config.data_check_interval,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            amp=self.amp,
         )
+        if pp is not None:
+            from ..strategies.pipeline_parallel import PipelineSource
+
+            strategy = pp.strategy
+            self.source = PipelineSource(env, pp)
+        else:
+            strategy = detect_strategy(model)
+            self.source = make_source(strategy, env)
         state.strategy = self.source.name if ":" not in strategy else strategy
         self.engine_facts = getattr(self.source, "facts", None)
         if self.engine_facts is not None:
             state.amp_enabled = self.engine_facts.precision == "fp16"
         with guard("grads"):
             self.source.install()
+        self.floor = FloorPolicy(
+            mode=config.on_loss_scale_floor,
+            floor=config.loss_scale_floor,
+            steps=config.loss_scale_floor_steps,
+            rank=rank,
+            emit=emit,
+            origins=lambda: self.incidents.origin_steps(),
+            checkpoint=lambda: self.checkpoints.last_save,
+            flush=lambda: self.pipeline.drain(wait=True),
+            on_error=guard.error,
+        )
         self.incidents = IncidentSink(
             emit=emit,
             evidence=tag_evidence(self.forensics.evidence, self.attempt.number),
@@ -129,6 +148,7 @@ class Monitor:
             loss_scale_floor=config.loss_scale_floor,
             param_grad=self._param_grad,
             scaler_state=self._scaler_state,
+            floor_policy=self.floor,
         )
         self.manifest = ManifestSink(manifest_writer(ctx, config, self._manifest_extra, guard))
         from ..atomic import write_json_atomic
@@ -170,10 +190,19 @@ class Monitor:
         self.hooks = StepHooks(
             model, optimizer, self.pipeline, self.amp, engine_steps=self.source.decides_steps
         )
+        self.schedule_step = None
+        if pp is not None:
+            from ..strategies.pipeline_parallel import ScheduleStep
+
+            self.schedule_step = ScheduleStep(pp, self.pipeline, guard.error)
+            self.schedule_step.install()
         if self.source.decides_steps:
             from ..strategies.deepspeed import EngineSteps
 
-            self.engine_steps = EngineSteps(model, self.source, self._on_engine_step, guard.error)
+            self.engine_steps = EngineSteps(
+                model, self.source, self._on_engine_step, guard.error,
+                on_min_scale=self._on_deepspeed_min_scale,
+            )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
         self.checkpoints = CheckpointObserver(state, emit, guard, on_load=self._resume_at)
@@ -237,8 +266,9 @@ class Monitor:
         return self.pipeline.step
 
     def observe_loss(self, loss: Any) -> None:
-        """Record this step's loss; a tensor is kept on its device, never read here."""
-        if not self._closed:
+        """Record this step's loss; a tensor is kept on its device, never read here. Under
+        pipeline parallel only the last stage has a loss: other stages ignore it (no sample)."""
+        if not self._closed and getattr(self.source, "has_loss", True):
             self.pipeline.observe_loss(loss)
 
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
@@ -294,6 +324,11 @@ class Monitor:
     def owns(self, params: Sequence[torch.Tensor]) -> bool:
         return not self._closed and self.index.positions_of(params) is not None
 
+    @property
+    def collectives(self):
+        """The recorder strategy code reports collectives to (``ddpmon.probes.comm``)."""
+        return self.source.collectives
+
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the current gradients of ``params``, correct for this model's
         strategy (reusing norms already measured where possible): a device tensor."""
@@ -316,6 +351,8 @@ class Monitor:
             self.pipeline.drain(wait=True)
             self.pipeline.flush_trainer_norm()
         self.hooks.close()
+        if self.schedule_step is not None:
+            self.schedule_step.uninstall()
         if self.engine_steps is not None:
             self.engine_steps.close()
         self.dcp.uninstall()
@@ -343,6 +380,7 @@ class Monitor:
         for name, method in (
             ("records", "stop"),
             ("hooks", "close"),
+            ("schedule_step", "uninstall"),
             ("engine_steps", "close"),
             ("amp", "detach"),
             ("dcp", "uninstall"),
@@ -365,13 +403,27 @@ class Monitor:
 
     # ------------------------------------------------------------------ callbacks
     def _on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
-        if not self._closed:
-            self.pipeline.scaler_updated(found, before, after)
+        if self._closed:
+            return
+        self.pipeline.scaler_updated(found, before, after)
+        if self.floor.raises and after is not None:
+            scale = None
+            with self.guard("amp"):
+                scale = float(after)  # on_loss_scale_floor=raise: the documented host read
+            self.floor.after_step(self.pipeline.step - 1, scale)  # may raise, deliberately
 
     def _on_engine_step(self, facts: Any) -> None:
         """DeepSpeed ended an optimizer step (``strategies.deepspeed.StepFacts``)."""
+        if self._closed:
+            return
+        self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
+        if self.floor.raises:
+            self.floor.after_step(self.pipeline.step - 1, facts.scale_after)  # may raise
+
+    def _on_deepspeed_min_scale(self, exc: BaseException, scale: float | None) -> None:
+        """DeepSpeed's scaler raised at its minimum scale inside ``engine.step()``."""
         if not self._closed:
-            self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
+            self.floor.deepspeed_min_scale(self.pipeline.step, scale, exc)
 
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the

@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from ..probes.comm import CommTiming
 from ..probes.grads import ParamIndex, host_finite, summarize_host
 from ..state import StepRecord
-from ..strategies.base import CommTiming, GradientSource, GradSummaries, NormVector
+from ..strategies.base import GradientSource, GradSummaries, NormVector
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
 from .readback import Arrived, Readback
@@ -60,6 +61,8 @@ class StepMeta:
     """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
     host_scale_after: float | None = None
     """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
+    pp: Any = None
+    """Pipeline parallel: the step's ``PPStep`` (its source finishes the record)."""
 
 
 class StepPipeline:
@@ -167,7 +170,8 @@ class StepPipeline:
         self._collect()
         if self.policy.reads:
             self._policy_skipped = self.policy.before_step(
-                self._collected.reduced, self.step, skip_allowed=True
+                self._collected.reduced, self.step, skip_allowed=True,
+                extra=_global_norm(self._collected),
             )
 
     def optimizer_post(self) -> None:
@@ -195,7 +199,10 @@ class StepPipeline:
                 summaries = self._collect()
                 if self.policy.reads and (self._closure_step or found is not None):
                     # closure or scaler steps: the update already happened; raise still can
-                    self.policy.before_step(summaries.reduced, self.step, skip_allowed=False)
+                    self.policy.before_step(
+                        summaries.reduced, self.step, skip_allowed=False,
+                        extra=_global_norm(summaries),
+                    )
                 urgent = self._package(
                     summaries, skipped_by, found, grad_scale, scale_after,
                     host=(host_skipped, host_scale_after),
@@ -222,6 +229,11 @@ class StepPipeline:
                     # they are now; clipping in between cannot be seen then.
                     self.source.on_backward_end()
                 self._collected = self.source.collect()
+            recorder = getattr(self.source, "collectives", None)
+            with self.guard("comm"):
+                taken = recorder.take() if recorder is not None else None
+                if taken is not None:
+                    self._collected.comm = taken
         return self._collected
 
     def _package(
@@ -259,6 +271,9 @@ class StepPipeline:
             "identical_ranks": s.identical_ranks,
             "trainer_norm": trainer,
         }
+        if s.pp is not None:
+            values["pp_norm"] = s.pp.norm
+            values["pp_flags"] = s.pp.flags if s.pp.flags.numel() else None
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -275,6 +290,7 @@ class StepPipeline:
             skipped_by=skipped_by,
             host_skipped=host[0],
             host_scale_after=host[1],
+            pp=s.pp,
         )
         self.readback.push(values, meta)
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
@@ -313,7 +329,8 @@ class StepPipeline:
     def _deliver(self, entry: Arrived) -> None:
         with self.guard("readback"):
             record = self._record(entry.parts(), entry.meta)
-            self.tracker.classify(record)
+            if not record.origin_decided:
+                self.tracker.classify(record)
             for sink in self.sinks:
                 with self.guard(sink.probe):
                     sink.on_record(record)
@@ -361,11 +378,18 @@ class StepPipeline:
         if "identical_ranks" in parts:
             record.data_identical_ranks = int(parts["identical_ranks"][0])
         if meta.comm is not None:
-            record.allreduce_bytes = meta.comm.bytes
-            record.allreduce_seconds = list(meta.comm.seconds)
-            for start, end in meta.comm.events:
-                with self.guard("comm"):
-                    record.allreduce_seconds.append(start.elapsed_time(end) / 1000.0)
+            with self.guard("comm"):
+                record.collective_bytes = dict(meta.comm.bytes)
+                record.collective_seconds = meta.comm.resolve(self.guard.error)
+        if meta.pp is not None:
+            meta.pp.source.finish_record(
+                record,
+                parts,
+                meta.pp,
+                _host(parts, "local_norms", meta.local)
+                or (_host(parts, "reduced_norms", meta.reduced) if meta.local_is_reduced else None),
+                _host(parts, "reduced_norms", meta.reduced),
+            )
         self._cross_check(record, parts, meta)
         return record
 
@@ -412,6 +436,19 @@ class StepPipeline:
             if handler is not None:
                 with self.guard(sink.probe):
                     handler(step, ours, theirs, mismatch)
+
+
+def _global_norm(s: GradSummaries) -> torch.Tensor | None:
+    """Pipeline parallel: the pp-summed squared norm (identical on every stage), so that a
+    skip/raise decision is the same on every stage."""
+    return s.pp.norm[:1] if s.pp is not None else None
+
+
+def _host(parts: dict, name: str, vector: NormVector | None) -> tuple | None:
+    """(host values, positions) of a read-back norm vector, or None."""
+    if name not in parts or vector is None:
+        return None
+    return parts[name], list(vector.positions)
 
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:

@@ -40,18 +40,31 @@ class NonFinitePolicy:
     def reads(self) -> bool:
         return self.mode != "record"
 
-    def before_step(self, reduced: NormVector | None, step: int, *, skip_allowed: bool) -> bool:
-        """True when the step was skipped (gradients dropped on every rank alike)."""
+    def before_step(
+        self,
+        reduced: NormVector | None,
+        step: int,
+        *,
+        skip_allowed: bool,
+        extra: torch.Tensor | None = None,
+    ) -> bool:
+        """True when the step was skipped (gradients dropped on every rank alike). ``extra``:
+        a norm that must be finite too (pipeline parallel: the sum over every stage)."""
         if self.mode == "record" or reduced is None:
             return False
-        if bool(torch.isfinite(reduced.norms).all()):  # the one documented host read
+        finite = torch.isfinite(reduced.norms).all()
+        if extra is not None:
+            finite = finite & torch.isfinite(extra.to(finite.device)).all()
+        if bool(finite):  # the one documented host read
             return False
         summary = summarize_host(reduced, reduced.norms.tolist(), self.index)
-        param = self.index.name(summary.first_position)
+        param, kind = self.index.name(summary.first_position), summary.kind
+        if summary.first_position < 0:  # finite here: another pipeline stage is non-finite
+            param, kind = "another pipeline stage", "nan"
         if self.mode == "raise":
-            self._emit("nonfinite", step, param=param, nonfinite=summary.kind, action="raise")
+            self._emit("nonfinite", step, param=param, nonfinite=kind, action="raise")
             raise NonFiniteGradientError(
-                f"ddpmon: non-finite gradient ({summary.kind}) on rank {self.rank} at step "
+                f"ddpmon: non-finite gradient ({kind}) on rank {self.rank} at step "
                 f"{step} in parameter {param}"
             )
         if not skip_allowed:
@@ -59,7 +72,7 @@ class NonFinitePolicy:
         # Reduced gradients are identical on every rank, so every rank decides the same.
         for p in self.index.params:
             p.grad = None
-        self._emit("nonfinite", step, param=param, nonfinite=summary.kind, action="skip")
+        self._emit("nonfinite", step, param=param, nonfinite=kind, action="skip")
         return True
 
 

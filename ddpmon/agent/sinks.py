@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..metrics import COLLECTIVE_OPS
 from ..state import MetricState, StepRecord
 
 
@@ -83,6 +84,7 @@ class IncidentSink:
         loss_scale_floor: float,
         param_grad: Callable[[str], Any],
         scaler_state: Callable[[], dict | None],
+        floor_policy: Any = None,
     ) -> None:
         self._emit = emit
         self._evidence = evidence
@@ -90,6 +92,8 @@ class IncidentSink:
         self._floor = loss_scale_floor
         self._param_grad = param_grad
         self._scaler_state = scaler_state
+        self._floor_policy = floor_policy
+        """``agent.floor.FloorPolicy``: its ``record`` mode is decided here, per record."""
         self._below_floor = False
         self._identical_seen = False
         self.recent: deque[StepRecord] = deque(maxlen=64)
@@ -106,6 +110,7 @@ class IncidentSink:
                 poisoned=r.poisoned,
                 skipped_by=r.skipped_by,
                 grad_local_norm=r.grad_local_norm,
+                **_pp_fields(r.pp_origin),
             )
             if r.origin:
                 self.write_evidence("nonfinite", r.step, r.local_nonfinite_param)
@@ -135,6 +140,12 @@ class IncidentSink:
                 self._emit("scale_floor", r.step, loss_scale=r.loss_scale, floor=self._floor)
                 self.write_evidence("scale_floor", r.step, None)
             self._below_floor = below
+        if self._floor_policy is not None:
+            self._floor_policy.on_record(r.step, r.loss_scale)
+
+    def origin_steps(self) -> list[int]:
+        """Recent steps at which this rank's local gradients were a non-finite origin."""
+        return [r.step for r in list(self.recent) if r.origin]
 
     def on_late_cross_check(self, step: int, ours: Any, theirs: float, mismatch: bool) -> None:
         if mismatch:
@@ -185,14 +196,37 @@ class SummarySink:
         self._state = state
         self._head = head
         self._write = write_json
-        self._allreduce: deque[float] = deque(maxlen=4096)
+        self._collectives: dict[str, deque[float]] = {}
 
     def on_record(self, record: StepRecord) -> None:
-        self._allreduce.extend(record.allreduce_seconds)
+        for op, seconds in record.collective_seconds.items():
+            recent = self._collectives.get(op)
+            if recent is None:
+                recent = self._collectives[op] = deque(maxlen=4096)
+            recent.extend(seconds)
 
-    def quantile(self, q: float) -> float | None:
-        recent = sorted(self._allreduce)
+    def quantile(self, q: float, op: str | None = None) -> float | None:
+        """Quantile of the recent collective times of ``op`` (every op when None)."""
+        if op is None:
+            recent = sorted(t for d in self._collectives.values() for t in d)
+        else:
+            recent = sorted(self._collectives.get(op, ()))
         return recent[min(len(recent) - 1, int(q * len(recent)))] if recent else None
+
+    def collectives(self) -> dict[str, dict]:
+        """Per op: count, p50 and p99 seconds of the recent ones (ops in exposition order)."""
+        out = {}
+        for op, hist in sorted(
+            self._state.collective_duration.items(),
+            key=lambda kv: COLLECTIVE_OPS.index(kv[0]) if kv[0] in COLLECTIVE_OPS else 99,
+        ):
+            out[op] = {
+                "count": hist.count,
+                "p50_seconds": self.quantile(0.5, op),
+                "p99_seconds": self.quantile(0.99, op),
+                "bytes": self._state.collective_bytes_total.get(op, 0),
+            }
+        return out
 
     def close(self) -> None:
         if self._path is None:
@@ -214,9 +248,10 @@ class SummarySink:
             ),
             "loss_scale": s.loss_scale,
             "amp_skipped_steps": s.amp_skipped_steps_total,
-            "allreduce_p50_seconds": self.quantile(0.5),
-            "allreduce_p99_seconds": self.quantile(0.99),
-            "allreduce_count": s.allreduce_duration.count,
+            "collective_p50_seconds": self.quantile(0.5),
+            "collective_p99_seconds": self.quantile(0.99),
+            "collective_count": s.collective_count(),
+            "collectives": self.collectives(),
             "grad_norm_mismatches": s.grad_norm_mismatch_total,
             "agent_errors": dict(s.agent_errors),
             "strategy": s.strategy,
@@ -243,3 +278,10 @@ class ManifestSink:
         if not self.written:
             self.written = True
             self._write()
+
+
+def _pp_fields(where: dict | None) -> dict:
+    """Pipeline parallel origin: the stage, micro-batch and site, as event fields."""
+    if not where:
+        return {}
+    return {"stage": where["stage"], "microbatch": where["microbatch"], "site": where["site"]}

@@ -32,6 +32,8 @@ STEP_SLOTS: tuple[Slot, ...] = (
     Slot("found_inf", 1, "the GradScaler found Inf/NaN and skipped the step"),
     Slot("identical_ranks", 1, "other ranks whose local gradients were bit-identical"),
     Slot("trainer_norm", 1, "the grad norm a trainer reported, to cross-check"),
+    Slot("pp_norm", 2, "pipeline parallel: squared norm summed over stages, failures"),
+    Slot("pp_flags", None, "pipeline parallel: per stage, first non-finite receipt/product"),
 )
 
 

@@ -348,8 +348,8 @@ def _print_summary(run_path: Path, nproc: int, console) -> None:
         "NaN\norigin\nstep",
         "loss\nscale",
         "skipped",
-        "all-reduce\np50",
-        "all-reduce\np99",
+        "collective\np50",
+        "collective\np99",
     ):
         t.add_column(col, justify="right", overflow="fold")
     origins: list[str] = []
@@ -371,8 +371,8 @@ def _print_summary(run_path: Path, nproc: int, console) -> None:
             str(first["step"]) if first else "-",
             _fmt(_num(s.get("loss_scale")), "{:.0f}"),
             str(s.get("amp_skipped_steps")),
-            _ms(s.get("allreduce_p50_seconds")),
-            _ms(s.get("allreduce_p99_seconds")),
+            _ms(s.get("collective_p50_seconds")),
+            _ms(s.get("collective_p99_seconds")),
         )
     console.print(t)
     for line in origins:

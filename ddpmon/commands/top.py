@@ -97,11 +97,7 @@ LAYERED = (
         metrics.CUDA_MEMORY_ALLOCATED,
         _value(metrics.CUDA_MEMORY_ALLOCATED, lambda v: _bytes(v)),
     ),
-    Column(
-        "all-reduce",
-        metrics.ALLREDUCE_DURATION,
-        lambda m, p, dt: _mean_ms(m, metrics.ALLREDUCE_DURATION),
-    ),
+    Column("collectives", metrics.COLLECTIVE_DURATION, lambda m, p, dt: _per_op_ms(m)),
     Column("errors", metrics.AGENT_ERRORS, _value(metrics.AGENT_ERRORS, lambda v: _int(v))),
 )
 LAYER_ORDER = list(metrics.Layer)
@@ -130,6 +126,30 @@ def _bytes(v: float | None) -> str:
 def _mean_ms(m: dict, metric: metrics.Metric) -> str:
     count, total = m.get(metric.sample("count")), m.get(metric.sample("sum"))
     return "-" if not count else f"{total / count * 1000:.1f} ms"
+
+
+OP_SHORT = {
+    "all_reduce": "ar",
+    "reduce_scatter": "rs",
+    "all_gather": "ag",
+    "reduce": "red",
+    "broadcast": "bc",
+    "send": "send",
+    "recv": "recv",
+}
+"""Short op names for the narrow ``collectives`` cell (the ``op`` label's values)."""
+
+
+def _per_op_ms(m: dict) -> str:
+    """Mean time per op since start: ``ar 1.2 rs 3.4 ms`` ('-' before any collective)."""
+    fam = metrics.COLLECTIVE_DURATION
+    parts = []
+    for op in metrics.COLLECTIVE_OPS:
+        count = m.get(f'{fam.sample("count")}{{op="{op}"}}')
+        total = m.get(f'{fam.sample("sum")}{{op="{op}"}}')
+        if count:
+            parts.append(f"{OP_SHORT[op]} {total / count * 1000:.1f}")
+    return " ".join(parts) + " ms" if parts else "-"
 
 
 def _rate(m: dict, prev: dict | None, dt: float, metric: metrics.Metric) -> str:

@@ -32,7 +32,7 @@ def event_failures(run_path: Path) -> list[dict[str, Any]]:
     """Failure-like events in ``events.rank<R>.jsonl`` files; the earliest few per rank."""
     found: list[dict[str, Any]] = []
     for log in RunDir(run_path).ranked(EVENTS_RE).values():
-        per_file = 0
+        per_file = absorbed = 0  # absorbed overflows have their own quota: a floor follows
         try:
             with log.open("r", encoding="utf-8", errors="replace") as fh:
                 for n, line in enumerate(fh):
@@ -44,15 +44,27 @@ def event_failures(run_path: Path) -> list[dict[str, Any]]:
                         continue  # a torn last line of a killed rank
                     if not isinstance(event, dict) or not _is_failure(event):
                         continue
-                    per_file += 1
+                    if _absorbed(event):
+                        absorbed += 1
+                        if absorbed > 5:
+                            continue
+                    else:
+                        per_file += 1
                     found.append(_from_event(event))
         except OSError:
             continue
     return found
 
 
+def _absorbed(event: dict[str, Any]) -> bool:
+    """A non-finite step the loss scaler skipped (routine under fp16)."""
+    return event.get("kind") == "nonfinite" and event.get("skipped_by") == "scaler"
+
+
 def _is_failure(event: dict[str, Any]) -> bool:
     kind = event.get("kind")
+    if kind == "loss_scale_floor":  # the floor policy or DeepSpeed stopped the run
+        return event.get("action") == "raise" or event.get("source") == "deepspeed"
     if kind in FAILURE_EVENT_KINDS:
         return True
     if kind == "exit":
@@ -73,13 +85,14 @@ def _from_event(event: dict[str, Any]) -> dict[str, Any]:
             sig = None
     if isinstance(sig, int):
         out["signal"] = sig
-    for key in ("param", "origin", "nonfinite", "exc_type", "message", "code", "exit_code"):
+    for key in ("param", "origin", "nonfinite", "exc_type", "message", "code", "exit_code",
+                "skipped_by"):
         if key in event:
             out[key] = event[key]
     return out
 
 
-def _tier(failure: dict[str, Any]) -> float:
+def _tier(failure: dict[str, Any], floor_stopped: bool = False) -> float:
     sig = failure.get("signal")
     if sig == signal.SIGTERM:
         return 2  # what torchrun sends to the survivors
@@ -87,6 +100,8 @@ def _tier(failure: dict[str, Any]) -> float:
         return 1
     if failure.get("kind") == "nonfinite" and failure.get("origin") is False:
         return 0.5  # reduced gradients inherit another rank's NaN/Inf
+    if floor_stopped and _absorbed(failure):
+        return 0.5  # overflows the scaler absorbed: the floor they led to is the failure
     return 0
 
 
@@ -96,7 +111,9 @@ def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not candidates:
         return None
 
+    floor = any(f.get("kind") == "loss_scale_floor" for f in candidates)
+
     def key(f: dict[str, Any]) -> tuple[float, float, int]:
-        return (_tier(f), float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
+        return (_tier(f, floor), float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
 
     return dict(min(candidates, key=key))

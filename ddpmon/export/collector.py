@@ -182,8 +182,6 @@ class DdpmonCollector(Collector):
             m.GRAD_NONFINITE_ORIGIN_STEPS: _one(s.grad_nonfinite_origin_steps_total),
             m.GRAD_NONFINITE_POISONED_STEPS: _one(s.grad_nonfinite_poisoned_steps_total),
             m.GRAD_NORM_MISMATCH: _one(s.grad_norm_mismatch_total),
-            m.ALLREDUCE_DURATION: s.allreduce_duration,
-            m.ALLREDUCE_BYTES: _one(s.allreduce_bytes_total),
             m.AGENT_ERRORS: [((probe,), n) for probe, n in sorted(dict(s.agent_errors).items())],
         }
         if s.stall_threshold_seconds is not None:
@@ -196,6 +194,11 @@ class DdpmonCollector(Collector):
             out[m.GRAD_LOCAL_NORM] = _one(s.grad_local_norm)
         if s.group_norms and exports_group_norms(self.series_profile, ident.rank, s.strategy):
             out[m.GRAD_GROUP_NORM] = [((g, ), v) for g, v in list(s.group_norms.items())]
+        if s.collective_duration or s.collective_bytes_total:
+            out[m.COLLECTIVE_DURATION] = [
+                ((op,), hist) for op, hist in _by_op(s.collective_duration)
+            ]
+            out[m.COLLECTIVE_BYTES] = [((op,), n) for op, n in _by_op(s.collective_bytes_total)]
         first = s.first_nonfinite
         if first is not None:
             out[m.GRAD_FIRST_NONFINITE_INFO] = [((str(first.step), first.param, first.kind), 1)]
@@ -223,6 +226,16 @@ Samples = (
 )
 """A family's samples: (extra label values, value) pairs, a histogram, or labelled
 histograms."""
+
+
+_OP_ORDER = {op: i for i, op in enumerate(m.COLLECTIVE_OPS)}
+
+
+def _by_op(values: dict) -> list[tuple[str, Any]]:
+    """``(op, value)`` pairs in ``COLLECTIVE_OPS`` order (a snapshot: the record thread may add
+    an op)."""
+    items = dict(values)
+    return sorted(items.items(), key=lambda kv: _OP_ORDER.get(kv[0], len(_OP_ORDER)))
 
 
 def _one(value: float) -> Samples:

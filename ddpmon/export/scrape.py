@@ -184,10 +184,20 @@ def _client_for(config: ScrapeConfig) -> ScrapeClient:
     return ScrapeClient(config)
 
 
+_PER_OP = frozenset(
+    (
+        metrics.COLLECTIVE_DURATION.sample("sum"),
+        metrics.COLLECTIVE_DURATION.sample("count"),
+        metrics.COLLECTIVE_BYTES.name,
+    )
+)
+
+
 def flatten(text: str) -> dict[str, float]:
     """Samples keyed by name. Series with labels beyond run/rank are dropped, except
-    ``ddpmon_agent_errors_total`` (summed over probes) and the rank read from
-    ``ddpmon_rank_info`` (as ``rank``)."""
+    ``ddpmon_agent_errors_total`` (summed over probes), the rank read from
+    ``ddpmon_rank_info`` (as ``rank``) and the collective families' ``_sum``, ``_count`` and
+    bytes (summed over ops under the plain name, and each op as ``name{op="..."}``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = defaultdict(float)
@@ -200,6 +210,9 @@ def flatten(text: str) -> dict[str, float]:
                 out[sample.name] += sample.value
             elif sample.name == metrics.RANK_INFO.name:
                 out["rank"] = float(sample.labels.get("rank", "nan"))
+            elif extra == {"op"} and sample.name in _PER_OP:
+                out[sample.name] += sample.value
+                out[f'{sample.name}{{op="{sample.labels["op"]}"}}'] = sample.value
     return dict(out)
 
 

@@ -67,6 +67,10 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "grad_local_norm": "this rank's local norm at that step",
             "skipped_by": "who skipped the step (`scaler`, `policy`, `loop`), if anyone",
             "action": "`skip` or `raise` under `on_nonfinite`",
+            "stage": "pipeline parallel: the origin stage (on an origin step)",
+            "microbatch": "pipeline parallel: the micro-batch where it started (null: a "
+            "parameter gradient, summed over micro-batches)",
+            "site": "pipeline parallel: `activation`, `output`, `activation_grad` or `param_grad`",
         },
         failure=True,
     ),
@@ -79,6 +83,25 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         "scale_floor",
         "The loss scale reached `loss_scale_floor`.",
         {"loss_scale": "the scale", "floor": "the configured floor"},
+        failure=True,
+    ),
+    EventKind(
+        "loss_scale_floor",
+        "The loss-scale floor policy acted: `loss_scale_floor_steps` consecutive steps at or "
+        "below `loss_scale_floor` (`source=ddpmon`), or DeepSpeed's scaler raised at its own "
+        "minimum scale (`source=deepspeed`). With `action=raise` every rank raises "
+        "`ddpmon.LossScaleFloorError` with the same `message` right after.",
+        {
+            "action": "`record` (training goes on) or `raise`",
+            "source": "`ddpmon` (the floor policy) or `deepspeed` (DeepSpeed's own exception)",
+            "loss_scale": "the scale after the step",
+            "floor": "`loss_scale_floor`",
+            "steps": "`loss_scale_floor_steps`",
+            "origin_steps": "recent steps at which this rank's local gradients were non-finite",
+            "origin_ranks": "ranks whose local gradients were the overflows' origin (`raise`)",
+            "checkpoint": "last good checkpoint save (`step`, `path`), or null",
+            "message": "the exception's message (`raise`; DeepSpeed's own for `source=deepspeed`)",
+        },
         failure=True,
     ),
     EventKind("step_skipped", "The loop skipped the optimizer step.", {"by": "`loop`"}),

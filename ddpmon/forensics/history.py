@@ -74,7 +74,7 @@ journal_path = history_journal_of
 
 def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> tuple:
     """The history row of one step record (a plain tuple in :data:`ROW_FIELDS` order)."""
-    ar = record.allreduce_seconds
+    ar = [t for times in record.collective_seconds.values() for t in times]
     norms = record.group_norms
     return (
         record.step,

@@ -14,7 +14,7 @@ from typing import Any
 from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
 from ..rundir import history_journal_of as journal_path
 from .damage import ReadWarnings
-from .history_schema import GROUPS_COLUMN, SCALAR_COLUMNS
+from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS
 
 FORMAT = "1"
 """The ``ddpmon.history`` schema metadata this reader knows."""
@@ -104,7 +104,8 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
     torn = any(r.torn for r in reads)
     if schema is None:
         raise ValueError(f"{path}: not an Arrow IPC stream written by ddpmon (no schema)")
-    missing = [n for n, _ in SCALAR_COLUMNS if n not in schema.names]
+    names = {n: n if n in schema.names else OLD_NAMES.get(n, n) for n, _ in SCALAR_COLUMNS}
+    missing = [n for n, old in names.items() if old not in schema.names]
     if GROUPS_COLUMN not in schema.names:
         missing.append(GROUPS_COLUMN)
     if missing:
@@ -115,7 +116,7 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
     table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
     cols: dict[str, Any] = {}
     for name, _ in SCALAR_COLUMNS:
-        arr = table.column(name)
+        arr = table.column(names[name])
         if pa.types.is_floating(arr.type):
             cols[name] = arr.to_numpy(zero_copy_only=False).astype("float64")
         elif pa.types.is_boolean(arr.type):

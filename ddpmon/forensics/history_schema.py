@@ -23,12 +23,18 @@ SCALAR_COLUMNS = (
     ("skipped_by", "uint8"),
     ("duration_seconds", "float32"),
     ("data_wait_seconds", "float32"),
-    ("allreduce_count", "int32"),
-    ("allreduce_mean_seconds", "float32"),
-    ("allreduce_max_seconds", "float32"),
+    ("collective_count", "int32"),
+    ("collective_mean_seconds", "float32"),
+    ("collective_max_seconds", "float32"),
     ("memory_bytes", "int64"),
 )
 """The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
+OLD_NAMES = {
+    "collective_count": "allreduce_count",
+    "collective_mean_seconds": "allreduce_mean_seconds",
+    "collective_max_seconds": "allreduce_max_seconds",
+}
+"""Columns renamed since files were first written (new -> old); readers accept either."""
 GROUPS_COLUMN = "group_norms"
 ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN,)
 COL = {name: i for i, name in enumerate(ROW_FIELDS)}
@@ -52,9 +58,9 @@ COLUMN_DOCS = {
     "3 loop",
     "duration_seconds": "step time",
     "data_wait_seconds": "end of the previous step to the first forward of this one",
-    "allreduce_count": "all-reduce buckets timed in the step",
-    "allreduce_mean_seconds": "mean bucket all-reduce time (null without timed buckets)",
-    "allreduce_max_seconds": "slowest bucket all-reduce time",
+    "collective_count": "collectives timed in the step, every op (DDP: one per bucket)",
+    "collective_mean_seconds": "mean collective time (null without timed collectives)",
+    "collective_max_seconds": "slowest collective of the step",
     "memory_bytes": "CUDA allocated bytes on a GPU, process RSS on CPU (the kind is in the "
     "schema metadata)",
     GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "

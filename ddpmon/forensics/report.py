@@ -302,16 +302,16 @@ def _plots(view: RunView, other: RunView | None) -> str:
     out.append(_fig("memory", fig))
 
     out.append('<h2 id="communication">Communication</h2>')
-    fig, ax = rp.figure("All-reduce duration across ranks: p50 of bucket means, p99 of bucket "
-                        "maxima", "seconds (log)")
-    means, maxima = g["allreduce_mean_seconds"], g["allreduce_max_seconds"]
+    fig, ax = rp.figure("Collective duration across ranks (every op): p50 of step means, p99 "
+                        "of step maxima", "seconds (log)")
+    means, maxima = g["collective_mean_seconds"], g["collective_max_seconds"]
     with np.errstate(all="ignore"), rp.quiet_nan_warnings():
         p50 = np.nanpercentile(means.values, 50, axis=0)
         p99 = np.nanpercentile(maxima.values, 99, axis=0)
     ax.plot(means.x, p50, color=rp.COLORS[0], lw=1.2, label="p50")
     ax.plot(maxima.x, p99, color=rp.COLORS[3], lw=1.2, label="p99")
     _safe_log(ax)
-    out.append(_fig("allreduce", fig))
+    out.append(_fig("collectives", fig))
     return "".join(out)
 
 

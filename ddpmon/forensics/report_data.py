@@ -24,8 +24,8 @@ PER_RANK = (
     "duration_seconds",
     "data_wait_seconds",
     "memory_bytes",
-    "allreduce_mean_seconds",
-    "allreduce_max_seconds",
+    "collective_mean_seconds",
+    "collective_max_seconds",
 )
 """Columns plotted per rank (binned); everything else comes from the lowest rank."""
 

@@ -19,6 +19,8 @@ The first failure is chosen by evidence, then time:
    (the rank that stopped issuing them is the hung one; the others wait for it);
 3. consequences: reduced-gradient ``nonfinite``, ``overflow``, ``scale_floor``, SIGTERM/SIGINT
    (the launcher tearing down survivors), communication-error exits, ``thread_exception``.
+A ``loss_scale_floor`` event that stopped the run (``action=raise``, or ``source=deepspeed``) is
+an origin failure; the overflows its scaler absorbed before it are then consequences.
 Within a class the earliest aligned time wins.
 
 Restarts: every event carries its ``attempt`` (:mod:`ddpmon.forensics.attempts`); crash files
@@ -288,8 +290,9 @@ def _vanished(rank: int, attempt: int, mine: list[dict[str, Any]], progress: dic
 
 def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str, Any] | None:
     ranked = []
+    floor = any(_floor_stopped(e) for e in events)
     for e in events:
-        tier = failure_tier(e)
+        tier = failure_tier(e, floor_stopped=floor)
         if tier is None:
             continue
         sub = 0.0
@@ -308,7 +311,9 @@ def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[st
     if e.get("kind") == "stall" and fr:
         out["flight_recorder"] = {str(r): v.get("last_enqueued_collective") for r, v in fr.items()}
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
-                "exc_type", "message", "code", "idle_seconds", "detail", "frame", "attempt"):
+                "exc_type", "message", "code", "idle_seconds", "detail", "frame", "attempt",
+                "source", "loss_scale", "origin_ranks", "checkpoint", "stage", "microbatch",
+                "site"):
         if key in e:
             out[key] = e[key]
     return out
@@ -317,9 +322,25 @@ def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[st
 TIER_NAMES = {0: "origin", 1: "vanished", 2: "stall", 3: "consequence"}
 
 
-def failure_tier(e: dict[str, Any]) -> int | None:
-    """0 origin, 1 vanished, 2 stall, 3 consequence, None: not a failure (see module doc)."""
+def _floor_stopped(e: dict[str, Any]) -> bool:
+    """A ``loss_scale_floor`` event that stops the run: ddpmon's ``raise`` or DeepSpeed's own
+    exception at its minimum scale."""
+    return e.get("kind") == "loss_scale_floor" and (
+        e.get("action") == "raise" or e.get("source") == "deepspeed"
+    )
+
+
+def failure_tier(e: dict[str, Any], *, floor_stopped: bool = False) -> int | None:
+    """0 origin, 1 vanished, 2 stall, 3 consequence, None: not a failure (see module doc).
+
+    ``floor_stopped``: the loss-scale floor stopped the run; it is then the failure, and the
+    overflows the scaler absorbed before it (named in its event) and the exception it raised
+    are its consequences."""
     kind = e.get("kind")
+    if kind == "loss_scale_floor":
+        return 0 if _floor_stopped(e) else 3
+    if floor_stopped and kind == "nonfinite" and e.get("skipped_by") == "scaler":
+        return 3
     if kind == "nonfinite":
         where = str(e.get("where", "")).lower()
         if e.get("origin") is True:
@@ -335,8 +356,10 @@ def failure_tier(e: dict[str, Any]) -> int | None:
         reason = e.get("reason")
         if reason == "exception":
             text = f"{e.get('exc_type', '')} {e.get('message', '')}"
-            if e.get("exc_type") == "NonFiniteGradientError":  # on_nonfinite=raise: a reaction
-                return 3
+            if e.get("exc_type") in ("NonFiniteGradientError", "LossScaleFloorError"):
+                return 3  # on_nonfinite / on_loss_scale_floor = raise: a reaction
+            if floor_stopped and "loss scale already at minimum" in text:
+                return 3  # DeepSpeed's own, recorded as loss_scale_floor first
             return 3 if COMM_ERROR.search(text) else 0
         code = e.get("code")
         if reason == "keyboard_interrupt":
@@ -420,9 +443,10 @@ def describe(e: dict[str, Any]) -> str:
     parts: list[str] = []
     if kind == "signal":
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
-    for key in ("param", "tensor", "nonfinite", "origin", "where", "action", "exc_type",
-                "message", "code", "reason", "idle_seconds", "loss_scale", "floor", "frame",
-                "detail", "seconds", "not_restored", "not_stated", "error", "path"):
+    for key in ("param", "tensor", "nonfinite", "origin", "stage", "microbatch", "site", "where",
+                "action", "exc_type", "message", "code", "reason", "idle_seconds", "loss_scale",
+                "floor", "frame", "detail", "seconds", "not_restored", "not_stated", "error",
+                "path"):
         v = e.get(key)
         if v is None or v == "":
             continue

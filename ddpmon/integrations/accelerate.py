@@ -52,6 +52,21 @@ def parts_from_accelerator(accelerator: Any) -> AcceleratorParts:
     )
 
 
+def deepspeed_engine(accelerator: Any, model: Any) -> Any | None:
+    """The ``DeepSpeedEngine`` Accelerate prepared, when ``model`` is that engine or the module
+    inside it (``accelerator.unwrap_model(model)``); else None. Under DeepSpeed the callbacks
+    and loops hold the unwrapped module and Accelerate's optimizer wrapper (whose ``step`` is a
+    no-op): ddpmon measures through the engine, which Accelerate keeps at
+    ``accelerator.deepspeed_engine_wrapped.engine``."""
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = getattr(wrapped, "engine", None)
+    if engine is None:
+        return None
+    if model is engine or model is getattr(engine, "module", None):
+        return engine
+    return None
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` (others unchanged).
 

@@ -2,10 +2,11 @@
 
 The callback attaches in ``on_fit_start``, the first hook after the strategy has wrapped the
 model (``trainer.strategy.model``: DDP and the like) and built the optimizers, with the precision
-plugin's GradScaler (``16-mixed``). It observes the loss the closure is about to backpropagate
-(the step in progress; the value stays on its device) and, after each optimizer step, hands the
-gradient norm the user logged (``grad_norm_key``) to ``mon.observe_grad_norm``. It closes the
-monitor on teardown and on an exception.
+plugin's GradScaler (``16-mixed``); under ``DeepSpeedStrategy``, the strategy's
+``deepspeed_engine`` (Lightning runs that strategy on CUDA only). It observes the loss the
+closure is about to backpropagate (the step in progress; the value stays on its device) and,
+after each optimizer step, hands the gradient norm the user logged (``grad_norm_key``) to
+``mon.observe_grad_norm``. It closes the monitor on teardown and on an exception.
 
 Works with the ``lightning`` package and with ``pytorch_lightning``: ``DdpmonCallback`` subclasses
 the ``Callback`` of ``lightning.pytorch`` when it is installed, else of ``pytorch_lightning``;
@@ -69,8 +70,12 @@ class _DdpmonLightning:
                 len(optimizers),
             )
         model = trainer.strategy.model  # the strategy's wrapper (DDP, ...) or the module itself
+        optimizer = optimizers[0]
+        engine = _deepspeed_engine(trainer.strategy)
+        if engine is not None:  # DeepSpeedStrategy: measure through the engine it built
+            model, optimizer = engine, engine.optimizer
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.monitor = attach_monitor(model, optimizers[0], scaler, None, self.options)
+        self.monitor = attach_monitor(model, optimizer, scaler, None, self.options)
         self._scaler = scaler
         _time_checkpoints(trainer, self.monitor)
         self._accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
@@ -151,6 +156,18 @@ class _DdpmonLightning:
             if value is not None:
                 return value
         return None
+
+
+def _deepspeed_engine(strategy: Any) -> Any:
+    """The ``DeepSpeedEngine`` of Lightning's ``DeepSpeedStrategy`` (``deepspeed_engine``, else
+    ``strategy.model`` when that is the engine), or None for every other strategy."""
+    from ..strategies.deepspeed import is_engine
+
+    for name in ("deepspeed_engine", "model"):
+        candidate = getattr(strategy, name, None)
+        if candidate is not None and is_engine(candidate):
+            return candidate
+    return None
 
 
 def _time_checkpoints(trainer: Any, monitor: Any) -> None:

@@ -7,7 +7,9 @@ inside (whose step hooks fire once per optimizer step, never per micro-batch of 
 accumulation). Transformers gives a callback no reference to its Trainer, so the callback finds
 the calling Trainer on the call stack (``Trainer(..., callbacks=[cb])`` or
 ``trainer.add_callback(cb)``) or takes it from ``DdpmonCallback(trainer=...)``; from the Trainer
-it uses the public ``model_wrapped`` and ``accelerator`` (whose GradScaler serves fp16).
+it uses the public ``model_wrapped`` and ``accelerator`` (whose GradScaler serves fp16). With a
+DeepSpeed config ``model_wrapped`` is the ``DeepSpeedEngine`` (also ``trainer.deepspeed``), so
+ddpmon attaches to the engine as ``ddpmon.attach(engine)`` does (docs/parallelism.md, DeepSpeed).
 
 Per step it adds no host read. The loss is summed on the device from the model output's ``loss``
 of each micro-batch (a forward hook), weighted as the Trainer weights it, so ``ddpmon_loss`` is
@@ -60,6 +62,7 @@ class DdpmonCallback(TrainerCallback):
         trainer = self._trainer or _calling_trainer()
         accelerator = None
         if trainer is not None:
+            # DDP wrapper, or the DeepSpeedEngine under a DeepSpeed config
             model = getattr(trainer, "model_wrapped", None) or model
             accelerator = getattr(trainer, "accelerator", None)
         else:

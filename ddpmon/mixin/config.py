@@ -102,12 +102,13 @@ class MixinConfig:
     straggler_min_seconds: float = 0.05
     """...and at least this many seconds per step above it (a run median of 0 flags nothing)."""
     straggler_for: str = "10m"
-    allreduce_slow_factor: float = 4.0
-    allreduce_slow_baseline: str = "1h"
-    """All-reduce p99 is compared with its own median over this window."""
-    allreduce_slow_min_seconds: float = 0.005
-    """All-reduce p99 below this is never slow (4x of microseconds is noise)."""
-    allreduce_slow_for: str = "10m"
+    collective_slow_factor: float = 4.0
+    collective_slow_baseline: str = "1h"
+    """A rank's mean collective time (per op) is compared with its own median over this
+    window."""
+    collective_slow_min_seconds: float = 0.005
+    """A mean collective time below this is never slow (4x of microseconds is noise)."""
+    collective_slow_for: str = "10m"
 
     # --- memory ---
     gpu_memory_full_ratio: float = 0.95
@@ -193,6 +194,15 @@ class MixinConfig:
         return dataclasses.replace(self, **changes)
 
 
+RENAMED_FIELDS = {
+    "allreduce_slow_factor": "collective_slow_factor",
+    "allreduce_slow_baseline": "collective_slow_baseline",
+    "allreduce_slow_min_seconds": "collective_slow_min_seconds",
+    "allreduce_slow_for": "collective_slow_for",
+}
+"""Old field names a config file may still use (old -> new; see docs/architecture.md)."""
+
+
 def load_config(path: str | Path) -> MixinConfig:
     """A :class:`MixinConfig` from a YAML mapping of field names to values (unknown names and
     bad values are errors that name the file and the field)."""
@@ -205,6 +215,11 @@ def load_config(path: str | Path) -> MixinConfig:
         raise ValueError(f"{path}: cannot read mixin config: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of MixinConfig fields")
+    for old, new in RENAMED_FIELDS.items():
+        if old in data:
+            if new in data:
+                raise ValueError(f"{path}: {old} is the old name of {new}: give one of them")
+            data[new] = data.pop(old)
     known = {f.name: f for f in dataclasses.fields(MixinConfig)}
     unknown = sorted(set(data) - set(known))
     if unknown:

@@ -59,8 +59,8 @@ def dependent(expr: str) -> bool:
     return bool(re.search(r"\b(?:rank|run):ddpmon_", expr))
 
 
-def _median(cfg: MixinConfig, expr: str) -> str:
-    return f"quantile {cfg.by_run} (0.5, {expr})"
+def _median(cfg: MixinConfig, expr: str, by: str = "") -> str:
+    return f"quantile {by or cfg.by_run} (0.5, {expr})"
 
 
 RANK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -68,10 +68,11 @@ RANK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 """Upper bounds (seconds) of the run-wide distributions of per-rank latencies."""
 
 
-def _ranks_bucket(cfg: MixinConfig, record: str) -> str:
-    """Per run, how many ranks have ``record`` <= each bound, as cumulative ``le`` buckets (0
-    where none is), so a heatmap reads len(RANK_BUCKETS) + 1 series whatever the rank count."""
-    by = cfg.by_run
+def _ranks_bucket(cfg: MixinConfig, record: str, by: str = "") -> str:
+    """Per run (or ``by``), how many ranks have ``record`` <= each bound, as cumulative ``le``
+    buckets (0 where none is), so a heatmap reads len(RANK_BUCKETS) + 1 series per group
+    whatever the rank count."""
+    by = by or cfg.by_run
     terms = [
         f'label_replace(count {by} ({record} <= {b:g}) or count {by} ({record}) * 0, '
         f'"le", "{b:g}", "", "")'
@@ -88,8 +89,10 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     by_step = grad_norm_by_step(cfg)
     skipped = sel(cfg, m.AMP_SKIPPED_STEPS.name)
     step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
-    allreduce_per_step = (
-        f"{_rate(cfg, m.ALLREDUCE_DURATION.name + '_sum')}\n/\n{_rate(cfg, m.STEPS.name)}"
+    collective = m.COLLECTIVE_DURATION.name
+    by_op = f"by ({run_labels}, op)"
+    collective_per_step = (
+        f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
     )
     gw = cfg.gauge_window
     numerics = [
@@ -173,26 +176,32 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     ]
     communication = [
         {
-            # The overview's per-rank p50: histogram_quantile over raw buckets of 1024 ranks
+            # Per rank and op, exact; NaN (no collective of that op in the window) dropped so
+            # the CollectiveSlow baseline (quantile_over_time) stays finite.
+            "record": n.COLLECTIVE_MEAN,
+            "expr": f"({_mean(cfg, collective)}) >= 0",
+        },
+        {
+            # The overview's per-rank p99: histogram_quantile over raw buckets of 1024 ranks
             # is too slow for a dashboard, a recorded series per rank is not.
-            "record": n.ALLREDUCE_P50,
-            "expr": _quantile(cfg, "0.5", m.ALLREDUCE_DURATION.name),
-        },
-        {"record": n.ALLREDUCE_P99, "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name)},
-        {"record": n.ALLREDUCE_P50_RUN_MEDIAN, "expr": _median(cfg, n.ALLREDUCE_P50)},
-        {"record": n.ALLREDUCE_P99_RUN_MEDIAN, "expr": _median(cfg, n.ALLREDUCE_P99)},
-        {"record": n.ALLREDUCE_P50_RANKS, "expr": _ranks_bucket(cfg, n.ALLREDUCE_P50)},
-        {"record": n.ALLREDUCE_P99_RANKS, "expr": _ranks_bucket(cfg, n.ALLREDUCE_P99)},
-        {
-            "record": n.ALLREDUCE_RUN_P99,
-            "expr": _quantile(cfg, "0.99", m.ALLREDUCE_DURATION.name, run_labels),
+            "record": n.COLLECTIVE_P99,
+            "expr": _quantile(cfg, "0.99", collective),
         },
         {
-            # Step time minus the time spent in all-reduce: the fast ranks of a DDP run wait
-            # for the slow one inside the all-reduce, so wall step time alone cannot tell them
-            # apart. Runs without all-reduce (one process) count it as zero.
+            "record": n.COLLECTIVE_RUN_P99,
+            "expr": _quantile(cfg, "0.99", collective, f"{run_labels}, op"),
+        },
+        # Per run and op: the median rank and how many ranks fall in each latency bucket.
+        {"record": n.COLLECTIVE_MEAN_RUN_MEDIAN, "expr": _median(cfg, n.COLLECTIVE_MEAN, by_op)},
+        {"record": n.COLLECTIVE_P99_RUN_MEDIAN, "expr": _median(cfg, n.COLLECTIVE_P99, by_op)},
+        {"record": n.COLLECTIVE_MEAN_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_MEAN, by_op)},
+        {"record": n.COLLECTIVE_P99_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_P99, by_op)},
+        {
+            # Step time minus the time spent in collectives (every op): the fast ranks of a
+            # run wait for the slow one inside the collective, so wall step time alone cannot
+            # tell them apart. Runs without collectives (one process) count it as zero.
             "record": n.COMPUTE_MEAN,
-            "expr": f"clamp_min(\n  ({step_mean})\n  - (({allreduce_per_step}) or "
+            "expr": f"clamp_min(\n  ({step_mean})\n  - (({collective_per_step}) or "
             f"({step_mean}) * 0),\n  0\n)",
         },
         {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},

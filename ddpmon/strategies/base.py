@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from ..probes.comm import CollectiveRecorder, CommTiming
 from ..probes.grads import NormVector, ParamIndex, per_param_norms
 
 __all__ = [
@@ -36,17 +37,6 @@ __all__ = [
     "NormVector",
     "SourceEnv",
 ]
-
-
-@dataclass(slots=True)
-class CommTiming:
-    """Collective timings and volume seen during one step."""
-
-    seconds: list[float] = field(default_factory=list)
-    """Wall-clock durations (CPU backends)."""
-    events: list[tuple[Any, Any]] = field(default_factory=list)
-    """CUDA ``(start, end)`` event pairs, resolved at readback (never synchronised here)."""
-    bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -63,8 +53,12 @@ class GradSummaries:
     local_is_reduced: bool = False
     """True for a single-process model: local and reduced are the same gradients."""
     comm: CommTiming | None = None
+    """Collectives timed this step (the pipeline fills it from ``GradientSource.collectives``)."""
     identical_ranks: torch.Tensor | None = None
     """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
+    pp: Any = None
+    """Pipeline parallel: the step's ``pipeline_parallel.PPStep`` (pp-reduced norm, origin
+    probes); its source finishes the record (global norm, per-stage origin)."""
 
 
 @dataclass(slots=True)
@@ -105,6 +99,8 @@ class GradientSource(ABC):
         self.env = env
         self.index = env.index
         self._handles: list[Any] = []
+        self.collectives = CollectiveRecorder(env.on_error)
+        """Where this strategy records the collectives it sees (``ddpmon.probes.comm``)."""
 
     def install(self) -> None:  # noqa: B027 (optional hook)
         """Register the hooks this strategy needs (default: none)."""

@@ -12,15 +12,15 @@ lazily at readback).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..probes.comm import CollectiveRecorder, tensor_bytes
 from ..probes.grads import ParamIndex, full_pass, per_param_norms
-from .base import CommTiming, GradientSource, GradSummaries, NormVector, SourceEnv
+from .base import GradientSource, GradSummaries, NormVector, SourceEnv
 
 log = logging.getLogger("ddpmon.comm")
 
@@ -33,9 +33,6 @@ class BucketParts:
     local_positions: list[int] = field(default_factory=list)
     reduced_norms: list[torch.Tensor] = field(default_factory=list)
     reduced_positions: list[int] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    events: list[tuple[Any, Any]] = field(default_factory=list)
-    bytes: int = 0
     buckets: int = 0
     reduced_complete: bool = True
     local_buckets: int = 0
@@ -58,6 +55,7 @@ class CommProbe:
         data_check_interval: int = 10,
         local_norm_every: int = 1,
         grads_are_bucket_views: bool = False,
+        collectives: CollectiveRecorder | None = None,
     ) -> None:
         if inner_hook is None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -73,6 +71,8 @@ class CommProbe:
         self._local_norm_every = max(1, local_norm_every)
         self._grads_are_bucket_views = grads_are_bucket_views
         self._steps_taken = 0
+        self.collectives = collectives or CollectiveRecorder(on_error)
+        """Each bucket's all-reduce is recorded here as one ``all_reduce``."""
 
     def current(self) -> BucketParts:
         """What has been collected so far for the step in progress (read-only use)."""
@@ -141,13 +141,16 @@ class CommProbe:
                 parts.local_buckets += 1
                 if data_check:
                     self._launch_fingerprint(parts, local_norms)
-            buffer = bucket.buffer()
-            parts.bytes += buffer.numel() * buffer.element_size()
             parts.buckets += 1
         except Exception as exc:  # never let a probe break the all-reduce
             positions = None
             self._on_error("comm", exc)
-        start = self._start_timer()
+        buffer, start = None, None
+        try:
+            buffer = bucket.buffer()
+            start = self.collectives.start(buffer)
+        except Exception as exc:
+            self._on_error("comm", exc)
         fut = self.inner_hook(self.inner_state, bucket)
         shapes = [p.numel() for p in bucket.parameters()] if positions is not None else None
 
@@ -155,7 +158,8 @@ class CommProbe:
             value = f.value()  # re-raises a failed all-reduce: that error is the user's
             tensor = value[0] if isinstance(value, (list, tuple)) else value
             try:
-                self._stop_timer(parts, start)
+                if start is not None:
+                    self.collectives.stop("all_reduce", start, tensor_bytes(buffer))
                 if positions is not None and shapes is not None and tensor.numel() == sum(shapes):
                     views, offset = [], 0
                     for n in shapes:
@@ -184,26 +188,6 @@ class CommProbe:
             parts.local_norms.append(per_param_norms([g.detach() for g, _ in pairs]))
             parts.local_positions.extend(i for _, i in pairs)
 
-    @staticmethod
-    def _start_timer() -> Any:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            try:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record()
-                return event
-            except Exception:
-                pass
-        return time.perf_counter()
-
-    @staticmethod
-    def _stop_timer(parts: BucketParts, start: Any) -> None:
-        if isinstance(start, float):
-            parts.seconds.append(time.perf_counter() - start)
-        else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            parts.events.append((start, end))
-
 
 class DDPSource(GradientSource):
     """``DistributedDataParallel``: norms from the comm hook (which wraps the user's own hook)."""
@@ -224,6 +208,7 @@ class DDPSource(GradientSource):
             data_check_interval=env.data_check_interval,
             local_norm_every=env.local_norm_every,
             grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)),
+            collectives=self.collectives,
         )
         try:
             model.register_comm_hook(None, probe.hook)
@@ -244,7 +229,6 @@ class DDPSource(GradientSource):
             # No bucket this step (the hook is off): the final .grad tensors, as they are now.
             return GradSummaries(reduced=full_pass(self.index, scaled=self.env.grads_scaled_now()))
         out = GradSummaries(
-            comm=CommTiming(parts.seconds, parts.events, parts.bytes),
             local_complete=parts.local_buckets == parts.buckets,
         )
         if parts.reduced_complete and parts.reduced_norms:

@@ -12,26 +12,39 @@ are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``aver
   closes an accumulation boundary (gradients reduced, not yet clipped or unscaled). One fused norm
   pass over this rank's reduced partitions (ZeRO-1/2: each parameter's slice; ZeRO-3: the grad
   partitions, whose padding is zero), one SUM all-reduce of one float64 per parameter over the
-  data-parallel group, divided by the loss scale (a host float). Stage 0: the replicated
+  data-parallel group (issued async, waited when the step closes, after DeepSpeed's own step
+  collectives), divided by the loss scale (a host float). Stage 0: the replicated
   ``param.grad`` after DeepSpeed's all-reduce, no collective.
 - **Local norm and NaN origin**: a tensor hook per parameter sees each micro-batch's gradient
   before DeepSpeed's post-accumulate hooks copy it into a reduction bucket (ZeRO-2/3 reduce every
-  micro-batch). The hook reduces it at once to one device float64 (sum of squares), because
-  DeepSpeed re-points the gradient's storage at its bucket right after. Micro-batches fold by
-  adding squares: the step's local norm of a parameter is sqrt(sum over micro-batches of
-  ||g_mb||^2); a parameter is non-finite when any micro-batch's gradient was.
+  micro-batch). The hook reduces it at once to one device float64 (its squared norm; on CPU
+  accumulated in float32, an overflow re-measured in float64), because DeepSpeed re-points the
+  gradient's storage at its bucket right after. Micro-batches fold by adding squares: the step's
+  local norm of a parameter is sqrt(sum over micro-batches of ||g_mb||^2); a parameter is
+  non-finite when any micro-batch's gradient was.
+- **Collectives** (``CommTimer``): the ``deepspeed.comm`` functions ZeRO calls (``dist.<op>`` is
+  looked up at call time) are wrapped while a source is attached and restored at close:
+  ``all_reduce``, ``reduce``, ``reduce_scatter_fn`` / ``reduce_scatter_tensor`` /
+  ``reduce_scatter``, ``all_gather_into_tensor`` / ``allgather_fn`` / ``all_gather``,
+  ``broadcast``. Each call
+  is timed through the source's ``CollectiveRecorder`` (wall time on CPU, events on GPU, async
+  handles at completion); DeepSpeed's ``comms_logger`` is never used (it synchronises after
+  every op).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from ..agent.floor import LossScaleFloorError, is_deepspeed_min_scale
+from ..probes.comm import CollectiveRecorder, tensor_bytes
 from ..probes.grads import per_param_norms
 from .base import GradientSource, GradSummaries, NormVector
 
@@ -41,6 +54,7 @@ __all__ = [
     "DeepSpeedSource",
     "EngineFacts",
     "BARE_MODULE_WARNING",
+    "CommTimer",
     "EngineSteps",
     "attach_error",
     "engine_facts",
@@ -176,17 +190,23 @@ class DeepSpeedSource(GradientSource):
         self.facts = engine_facts(self.engine)
         self.name = f"deepspeed-zero{self.facts.stage}"  # type: ignore[misc]
         self._sq: list[torch.Tensor | None] = [None] * len(self.index)
-        self._reduced: NormVector | None = None
+        self._pending: tuple[torch.Tensor, Any, float | torch.Tensor] | None = None
+        """This step's squared norms, their all-reduce in flight and the scale to divide by."""
         self._positions: dict[tuple, torch.Tensor] = {}
         self._scale_used: float | torch.Tensor = 1.0
         """The loss scale this step's gradients carry, noted before ``engine.step`` updates it."""
         self._local_on = "DeepCompile" not in self.facts.unreadable
         self._reduced_on = not self.facts.unreadable
+        self._comm: CommTimer | None = None
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
         for feature in self.facts.unreadable:
             log.warning(_warning(feature))
+        try:
+            self._comm = CommTimer(self.collectives)
+        except Exception as exc:  # no deepspeed.comm to wrap: no timings, the rest works
+            self.env.on_error("comm", exc)
         if not self._local_on:
             return
         for pos, param in enumerate(self.index.params):
@@ -198,7 +218,7 @@ class DeepSpeedSource(GradientSource):
 
         def hook(grad: torch.Tensor) -> None:
             try:
-                norm = torch.linalg.vector_norm(grad.detach(), dtype=torch.float64)
+                norm = _local_norm(grad.detach())
                 prev = sq[pos]
                 sq[pos] = norm * norm if prev is None else prev + norm * norm
             except Exception as exc:  # never into backward
@@ -233,7 +253,7 @@ class DeepSpeedSource(GradientSource):
         then reports norms of 0 for that step (never NaN, which would read as a non-finite
         gradient), as the other strategies do. The failure is counted on the rank it happened.
         """
-        self._reduced = None
+        self._pending = None
         if not self._reduced_on:
             return
         collective = self.facts.stage in (1, 2, 3)
@@ -251,15 +271,27 @@ class DeepSpeedSource(GradientSource):
             failed = exc
             sq = torch.zeros(n + 1, dtype=torch.float64, device=_device([], self.index))
             sq[n] = 1.0
-        if collective:
+        work = None
+        if collective:  # waited at collect(): by then DeepSpeed's own step collectives are done
             group = getattr(self.engine.optimizer, "dp_process_group", None)
-            torch.distributed.all_reduce(sq, group=group)
-        norms = sq[:n].sqrt() / self._scale_used
-        if collective:  # a device-side choice: nothing is read on the host
-            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
-        self._reduced = NormVector(norms, self.index.all_positions, scaled=False)
+            work = torch.distributed.all_reduce(sq, group=group, async_op=True)
+        self._pending = (sq, work, self._scale_used)
         if failed is not None:
             raise failed
+
+    def _finish_reduced(self) -> NormVector | None:
+        """The all-reduced norms of the step (the wait is a stream wait on a GPU, no host read)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        sq, work, scale = pending
+        n = len(self.index)
+        if work is not None:
+            work.wait()
+        norms = sq[:n].sqrt() / scale
+        if work is not None:  # a device-side choice: nothing is read on the host
+            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
+        return NormVector(norms, self.index.all_positions, scaled=False)
 
     def _position_tensor(self, positions: list[int], device: torch.device) -> torch.Tensor:
         """The positions as a device index, built once (a host-to-device copy of a pageable
@@ -298,7 +330,7 @@ class DeepSpeedSource(GradientSource):
 
     # ------------------------------------------------------------------ per step
     def collect(self) -> GradSummaries:
-        reduced, self._reduced = self._reduced, None
+        reduced = self._finish_reduced()
         local = None
         present = [(i, t) for i, t in enumerate(self._sq) if t is not None]
         self._sq[:] = [None] * len(self._sq)
@@ -309,7 +341,25 @@ class DeepSpeedSource(GradientSource):
 
     def close(self) -> None:
         super().close()
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
         _attached.discard(self.engine)
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def _local_norm(grad: torch.Tensor) -> torch.Tensor:
+    """A float64 0-d norm of one micro-batch's gradient. On CPU accumulated in float32 (a third
+    of the float64 cost) and re-measured in float64 when that overflowed, as ``per_param_norms``
+    does (reading a CPU scalar is not a device sync); on a GPU in float64."""
+    if not grad.is_cpu:
+        return torch.linalg.vector_norm(grad, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(grad, dtype=None if grad.dtype in _WIDE else torch.float32)
+    if not math.isfinite(float(norm)):
+        return torch.linalg.vector_norm(grad, dtype=torch.float64)
+    return norm.to(torch.float64)
 
 
 def _device(tensors: list[torch.Tensor], index) -> torch.device:
@@ -340,11 +390,13 @@ class EngineSteps:
         source: DeepSpeedSource,
         on_step: Callable[[StepFacts], None],
         on_error: Callable[[str, BaseException], None],
+        on_min_scale: Callable[[BaseException, float | None], None] | None = None,
     ) -> None:
         self.engine = engine
         self.source = source
         self._on_step = on_step
         self._on_error = on_error
+        self._on_min_scale = on_min_scale
         self._original = engine.step
         self._fp16 = source.facts.precision == "fp16"
         engine.step = self._step  # instance attribute shadows the method
@@ -369,11 +421,18 @@ class EngineSteps:
             before, skipped = engine.global_steps, engine.skipped_steps
         except Exception as exc:
             self._on_error("step", exc)
-        result = self._original(*args, **kwargs)
+        try:
+            result = self._original(*args, **kwargs)
+        except Exception as exc:
+            if self._on_min_scale is not None and is_deepspeed_min_scale(exc):
+                self._on_min_scale(exc, self._scale())  # records; raise mode re-raises chained
+            raise
         if before is not None:
             try:
                 if engine.global_steps != before:
                     self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale()))
+            except LossScaleFloorError:
+                raise  # on_loss_scale_floor=raise: the one exception meant for the loop
             except Exception as exc:
                 self._on_error("step", exc)
         return result
@@ -382,3 +441,117 @@ class EngineSteps:
         if self.engine.__dict__.get("step") == self._step:
             del self.engine.step
         _attached.discard(self.engine)
+
+
+_DS_OPS = {
+    "all_reduce": "all_reduce",
+    "reduce": "reduce",
+    "reduce_scatter_fn": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",
+    "all_gather_into_tensor": "all_gather",
+    "allgather_fn": "all_gather",
+    "all_gather": "all_gather",
+    "broadcast": "broadcast",
+}
+"""``deepspeed.comm`` function -> ``op``. The package attributes are wrapped: ZeRO modules call
+``dist.<name>`` on the package, while ``reduce_scatter_fn`` and ``allgather_fn`` call the
+underlying function from ``deepspeed.comm.comm``'s own globals, so nothing is counted twice."""
+
+_FULL_BUFFER_ARG = {"all_gather_into_tensor": 0, "allgather_fn": 0}
+"""Functions whose bytes are the (gathered) output, their first argument; for the others the
+buffer is the input: ``tensor`` (all-reduce, reduce), the second argument (reduce-scatter)."""
+
+
+def _ds_bytes(name: str, args: tuple, kwargs: dict) -> int:
+    if name in _FULL_BUFFER_ARG:
+        value = args[0] if args else kwargs.get("output_tensor")
+    elif name in ("all_reduce", "reduce", "broadcast"):
+        value = args[0] if args else kwargs.get("tensor")
+    elif name == "all_gather":
+        value = args[0] if args else kwargs.get("tensor_list")
+    elif name == "reduce_scatter":
+        value = args[1] if len(args) > 1 else kwargs.get("input_list")
+    else:  # reduce_scatter_fn, reduce_scatter_tensor: (output, input)
+        value = args[1] if len(args) > 1 else kwargs.get("tensor")
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(t) for t in value)
+    return tensor_bytes(value)
+
+
+class CommTimer:
+    """Times the ``deepspeed.comm`` collectives (see the module doc) into the recorders of the
+    attached sources. One set of wrappers per process, installed with the first source and
+    restored (where still ours) when the last one closes."""
+
+    _recorders: ClassVar[list[CollectiveRecorder]] = []
+    _originals: ClassVar[dict[str, Callable]] = {}
+
+    def __init__(self, recorder: CollectiveRecorder) -> None:
+        self.recorder = recorder
+        cls = type(self)
+        if not cls._recorders:
+            cls._install()
+        cls._recorders.append(recorder)
+
+    @classmethod
+    def _install(cls) -> None:
+        import deepspeed.comm as dscomm
+
+        for name, op in _DS_OPS.items():
+            original = getattr(dscomm, name, None)
+            if not callable(original):
+                continue
+            cls._originals[name] = original
+            setattr(dscomm, name, cls._wrap(name, op, original))
+
+    @classmethod
+    def _wrap(cls, name: str, op: str, original: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            recorders = cls._recorders
+            if not recorders:
+                return original(*args, **kwargs)
+            try:
+                nbytes = _ds_bytes(name, args, kwargs)
+            except Exception:
+                nbytes = 0
+            first = recorders[0]
+            if len(recorders) == 1:
+                return first.call(op, nbytes, original, *args, **kwargs)
+            try:
+                timer = first.start(_first_arg(args, kwargs))
+            except Exception:
+                return original(*args, **kwargs)
+            result = original(*args, **kwargs)
+            for rec in recorders:  # several engines in one process: each sees every op
+                if result is not None and callable(getattr(result, "get_future", None)):
+                    rec.stop_at_completion(op, timer, nbytes, result)
+                else:
+                    rec.stop(op, timer, nbytes)
+            return result
+
+        timed.__wrapped__ = original  # type: ignore[attr-defined]
+        timed._ddpmon_comm_timer = True  # type: ignore[attr-defined]
+        return timed
+
+    def close(self) -> None:
+        cls = type(self)
+        if self.recorder in cls._recorders:
+            cls._recorders.remove(self.recorder)
+        if cls._recorders:
+            return
+        import deepspeed.comm as dscomm
+
+        for name, original in cls._originals.items():
+            current = getattr(dscomm, name, None)
+            if getattr(current, "_ddpmon_comm_timer", False):
+                setattr(dscomm, name, original)
+            # else: someone wrapped it after us; leave their wrapper (ours is then inert)
+        cls._originals.clear()
+
+
+def _first_arg(args: tuple, kwargs: dict) -> Any:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    return None

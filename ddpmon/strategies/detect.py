@@ -2,7 +2,9 @@
 
 ``SOURCES`` maps a strategy name to its gradient source (``module:Class``, imported lazily so
 that FSDP2/DTensor code is only loaded where it is used). A model ddpmon cannot analyse
-(pipeline parallel, FSDP1) gets one warning and local numbers only.
+(FSDP1; a pipelining module attached without ``schedule=``) gets one warning and local numbers
+only. Pipeline parallel proper goes through ``attach(model_parts, opt, schedule=)``
+(``pipeline_parallel``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ SOURCES: dict[str, str] = {
     "hsdp+tp": "ddpmon.strategies.fsdp:FSDPSource",
     "deepspeed": "ddpmon.strategies.deepspeed:DeepSpeedSource",
 }
+
+
+PIPELINE_HINT = (
+    "ddpmon: a torch.distributed.pipelining module was attached without its schedule; "
+    "attach the stage modules with ddpmon.attach(model_parts, optimizer, schedule=schedule) "
+    "(docs/parallelism.md, Pipeline parallel). Reporting this rank's local numbers only."
+)
 
 
 def detect_strategy(model: torch.nn.Module) -> str:
@@ -57,6 +66,9 @@ def detect_strategy(model: torch.nn.Module) -> str:
 
 def make_source(strategy: str, env: SourceEnv) -> GradientSource:
     target = SOURCES.get(strategy)
+    if strategy == "unsupported:pipeline-parallel":
+        log.warning(PIPELINE_HINT)
+        target = SOURCES["plain"]
     if target is None:
         log.warning(
             "ddpmon: %s is not supported yet; reporting this rank's local gradient numbers only "

@@ -8,6 +8,10 @@ Where each number comes from (why: see the Parallelism section of the docs):
   ``set_requires_gradient_sync(False)`` micro-steps, already in the reduce dtype). One fused
   norm pass over it, per (rank row, parameter) slice, gives exact per-parameter norms and the
   origin FQN; it is the only pass over full-size local gradients, run while they are hot.
+  On CPU, as for DDP, that pass runs every ``local_norm_every`` steps; on the other steps one
+  ``sum`` of the buffer (a NaN or Inf anywhere makes it non-finite; ~15x cheaper than the norm
+  pass) is read on the host, free on CPU, and only a non-finite sum runs the norm pass, right
+  there: the origin stays exact on every step.
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
   one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
   async all-reduce of the per-parameter partial squares over the shard dim(s)
@@ -18,6 +22,7 @@ Where each number comes from (why: see the Parallelism section of the docs):
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from ..probes.comm import tensor_bytes
 from ..probes.grads import per_param_norms
 from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms, ShardedSource
@@ -34,12 +40,15 @@ log = logging.getLogger("ddpmon")
 
 try:
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
 except ImportError:  # pragma: no cover - torch without FSDP2
     FSDPModule = None  # type: ignore[assignment,misc]
-    ReduceScatter = object  # type: ignore[assignment,misc]
-    DefaultReduceScatter = None  # type: ignore[assignment,misc]
+    AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
+    DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
 
 # Reduce dtypes FSDP2 does not pre-divide (it pre-divides fp16 to avoid overflow).
 _UNSCALED_REDUCE_DTYPES = (torch.float32, torch.bfloat16)
@@ -55,6 +64,10 @@ class _Unit:
     positions: list[int]
     columns: list[int]
     reductions: int = 0
+    hsdp: bool = False
+    scattered: Any = None
+    """Timer marking the end of this unit's last reduce-scatter: where HSDP's all-reduce over
+    the replicate dim starts (FSDP2 issues it right after, in stream order on GPU)."""
 
     @property
     def row_numel(self) -> int:
@@ -80,13 +93,60 @@ class _ProbedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         self.source.observe_reduce_input(self.unit, input_tensor, group)
-        return self.inner(
+        rec = self.source.collectives
+        result = rec.call(
+            "reduce_scatter",
+            tensor_bytes(input_tensor),
+            self.inner,
             output_tensor=output_tensor,
             input_tensor=input_tensor,
             group=group,
             op=op,
             async_op=async_op,
         )
+        if self.unit.hsdp:
+            self.unit.scattered = rec.start(output_tensor)
+        return result
+
+
+class _TimedAllGather(AllGather):  # type: ignore[misc,valid-type]
+    """FSDP2's all-gather, unchanged, timed (``all_gather``; bytes: the gathered output)."""
+
+    def __init__(self, inner: Any, source: FSDPSource) -> None:
+        self.inner = inner
+        self.source = source
+
+    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        return self.source.collectives.call(
+            "all_gather",
+            tensor_bytes(output_tensor),
+            self.inner,
+            output_tensor=output_tensor,
+            input_tensor=input_tensor,
+            group=group,
+            async_op=async_op,
+        )
+
+
+class _AllReduceTimer:
+    """HSDP: FSDP2's all-reduce hook runs right after the replicate-dim all-reduce (on its
+    stream): the time since the unit's reduce-scatter ended is that all-reduce. Calls the
+    user's own hook, if any, after."""
+
+    def __init__(self, unit: _Unit, source: FSDPSource, inner: Any) -> None:
+        self.unit = unit
+        self.source = source
+        self.inner = inner
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        start, self.unit.scattered = self.unit.scattered, None
+        if start is not None:
+            self.source.collectives.stop("all_reduce", start, tensor_bytes(reduce_output))
+        if self.inner is not None:
+            self.inner(reduce_output)
 
 
 def _param_groups(module: torch.nn.Module) -> list[Any]:
@@ -120,11 +180,17 @@ class FSDPSource(ShardedSource):
         self._norms: ShardedNorms | None = None
         self._units: list[_Unit] = []
         self._restore: list[tuple[torch.nn.Module, Any]] = []
+        self._restore_gather: list[tuple[torch.nn.Module, Any]] = []
+        self._restore_hook: list[tuple[torch.nn.Module, Any]] = []
         self._all_probed = False
         self._reduced_since_end = 0
         self._pieces: list[_LocalPiece] = []
         self._local_exact = True
         self._scaled = False
+        self._local_every = max(1, int(env.local_norm_every))
+        self._steps = 0
+        self._skipped_units = 0
+        """Units whose norm pass this step was replaced by the (finite) sum check."""
 
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:
@@ -168,11 +234,30 @@ class FSDPSource(ShardedSource):
             positions.append(pos)
             columns.append(_columns(fsdp_param))
         inner = getattr(group, "_reduce_scatter_comm", None) or DefaultReduceScatter()
-        unit = _Unit(positions=positions, columns=columns)
+        unit = _Unit(positions=positions, columns=columns, hsdp=bool(getattr(group, "_is_hsdp", 0)))
         module.set_custom_reduce_scatter(_ProbedReduceScatter(inner, unit, self))
         self._restore.append((module, inner))
         self._units.append(unit)
+        self._time_gathers(module, group, unit)
         return True
+
+    def _time_gathers(self, module: torch.nn.Module, group: Any, unit: _Unit) -> None:
+        """All-gathers (``set_custom_all_gather``) and, under HSDP, the replicate-dim
+        all-reduce (``set_all_reduce_hook``, the user's own hook kept). Public FSDP2 APIs,
+        undone at close; a failure costs only these timings."""
+        try:
+            gather = getattr(group, "_all_gather_comm", None) or DefaultAllGather()
+            module.set_custom_all_gather(_TimedAllGather(gather, self))
+            self._restore_gather.append((module, gather))
+        except Exception as exc:
+            self.env.on_error("comm", exc)
+        if unit.hsdp:
+            try:
+                user_hook = getattr(group, "_all_reduce_hook", None)
+                module.set_all_reduce_hook(_AllReduceTimer(unit, self, user_hook))
+                self._restore_hook.append((module, user_hook))
+            except Exception as exc:
+                self.env.on_error("comm", exc)
 
     def close(self) -> None:
         for module, inner in self._restore:
@@ -181,6 +266,19 @@ class FSDPSource(ShardedSource):
             except Exception:
                 pass
         self._restore.clear()
+        for module, gather in self._restore_gather:
+            try:
+                module.set_custom_all_gather(gather)
+            except Exception:
+                pass
+        self._restore_gather.clear()
+        for module, hook in self._restore_hook:
+            try:
+                for group in _param_groups(module):  # set_all_reduce_hook refuses None
+                    group._all_reduce_hook = hook
+            except Exception:
+                pass
+        self._restore_hook.clear()
         if self._norms is not None:
             try:
                 self._norms.wait()
@@ -201,6 +299,9 @@ class FSDPSource(ShardedSource):
         try:
             unit.reductions += 1
             with torch.no_grad():
+                if not self._local_pass_now(flat):
+                    self._skipped_units += 1
+                    return
                 world = group.size()
                 if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
                     self._local_exact = False  # pre-divided: the flag holds, the norm does not
@@ -216,6 +317,15 @@ class FSDPSource(ShardedSource):
         except Exception as exc:
             self._local_exact = False
             self.env.on_error("grads", exc)
+
+    def _local_pass_now(self, flat: torch.Tensor) -> bool:
+        """Measure this unit's local norms? Always on accelerators (the pass costs microseconds
+        there, and the check below would read a device value) and on every
+        ``local_norm_every``-th step on CPU; on other CPU steps only when the buffer's sum is
+        non-finite (read on the host: a CPU tensor, no sync)."""
+        if flat.device.type != "cpu" or self._steps % self._local_every == 0:
+            return True
+        return not math.isfinite(float(flat.sum()))
 
     def on_backward_end(self) -> None:
         reduced = self._reduced_since_end > 0 or not self._all_probed
@@ -245,6 +355,8 @@ class FSDPSource(ShardedSource):
     def _local_vector(self) -> tuple[NormVector | None, bool]:
         pieces, self._pieces = self._pieces, []
         exact, self._local_exact = self._local_exact, True
+        skipped, self._skipped_units = self._skipped_units, 0
+        self._steps += 1
         twice = any(u.reductions > 1 for u in self._units)
         for unit in self._units:
             unit.reductions = 0
@@ -253,7 +365,9 @@ class FSDPSource(ShardedSource):
         device = pieces[0].norms.device
         norms = torch.cat([_on(p.norms, device) for p in pieces])
         positions = [pos for p in pieces for pos in p.positions]
-        complete = exact and self._all_probed and not twice and not self.local_is_partial
+        complete = (
+            exact and self._all_probed and not twice and not self.local_is_partial and not skipped
+        )
         return NormVector(norms, positions, self._scaled), complete
 
 

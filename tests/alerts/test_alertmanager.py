@@ -90,12 +90,12 @@ def test_one_page_per_incident_in_a_real_alertmanager(tmp_path: Path) -> None:
         _a("DdpmonTrainingStalled", "critical", "r1"),
         _a("DdpmonRankDesync", "warning", "r1", "0"),
         _a("DdpmonStraggler", "warning", "r1", "0"),
-        _a("DdpmonAllReduceSlow", "warning", "r1"),
+        _a("DdpmonCollectiveSlow", "warning", "r1"),
         # r2: a stall with no dead rank pages.
         _a("DdpmonTrainingStalled", "critical", "r2"),
         # r3: a data-starved rank; the healthy ranks' slow all-reduce is its symptom.
         _a("DdpmonDataStarved", "warning", "r3", "3"),
-        _a("DdpmonAllReduceSlow", "warning", "r3"),
+        _a("DdpmonCollectiveSlow", "warning", "r3"),
         # r4: persistent overflows: the floor pages, not the non-finite gradients.
         _a("DdpmonLossScaleAtFloor", "critical", "r4", "1"),
         _a("DdpmonLossScaleCollapsing", "warning", "r4", "1"),
@@ -140,7 +140,7 @@ def test_one_page_per_incident_in_a_real_alertmanager(tmp_path: Path) -> None:
     }
     assert inhibited == {
         ("DdpmonRanksMissing", "r1"), ("DdpmonTrainingStalled", "r1"),
-        ("DdpmonRankDesync", "r1"), ("DdpmonStraggler", "r1"), ("DdpmonAllReduceSlow", "r1"),
-        ("DdpmonAllReduceSlow", "r3"),
+        ("DdpmonRankDesync", "r1"), ("DdpmonStraggler", "r1"), ("DdpmonCollectiveSlow", "r1"),
+        ("DdpmonCollectiveSlow", "r3"),
         ("DdpmonLossScaleCollapsing", "r4"), ("DdpmonNonFiniteGradients", "r4"),
     }

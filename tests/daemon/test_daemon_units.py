@@ -176,6 +176,23 @@ def test_first_failure_prefers_cause_over_consequences(tmp_path: Path) -> None:
     assert outcome.first_failure([]) is None
 
 
+def test_loss_scale_floor_that_stopped_the_run_is_the_first_failure(tmp_path: Path) -> None:
+    """Many overflows the scaler absorbed (more than the per-file quota), then the floor policy
+    raised: the floor is the cause; with only a recorded floor the origin overflow stays it."""
+    absorbed = [
+        {"ts": 11.0 + i, "step": i, "kind": "nonfinite", "origin": True, "skipped_by": "scaler"}
+        for i in range(8)
+    ]
+    floor = {"ts": 30.0, "step": 9, "kind": "loss_scale_floor", "action": "raise",
+             "source": "ddpmon"}
+    _events(tmp_path, 1, [{"ts": 10.0, "step": None, "kind": "start"}, *absorbed, floor])
+    first = outcome.first_failure(outcome.event_failures(tmp_path))
+    assert first is not None and (first["kind"], first["step"]) == ("loss_scale_floor", 9)
+    _events(tmp_path, 1, [*absorbed, {**floor, "action": "record"}])
+    first = outcome.first_failure(outcome.event_failures(tmp_path))
+    assert first is not None and (first["kind"], first["step"]) == ("nonfinite", 0)
+
+
 def test_settings_validation(tmp_path: Path) -> None:
     cfg = tmp_path / "d.yaml"
     cfg.write_text("entrypoints: {x: {module: a.b}}\nmax_nproc: 2\n")

@@ -13,7 +13,8 @@ from tests.support import grafana
 BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
 RANGE = re.compile(r"\[([^\]]*)\]")
 RUN_AGG = re.compile(
-    r"^((sum|max|min|count|quantile) by \(run\) |histogram_quantile\([0-9.]+, sum by \(run, le\))"
+    r"^((sum|max|min|count|quantile) by \(run(, op)?\) "
+    r"|histogram_quantile\([0-9.]+, sum by \(run(, op)?, le\))"
     r"|^run:ddpmon_\w+:\w+\{"
 )
 LAYERS = ["Numerics", "Data supply", "Memory", "Communication"]
@@ -107,12 +108,12 @@ def test_overview_has_the_issue_panels() -> None:
         "Allocator memory per rank",
         "Device memory (NVML)",
         "Headroom to OOM",
-        "All-reduce p50 across ranks",
-        "All-reduce p99 across ranks",
-        "All-reduce latency per rank",
-        "All-reduce bytes",
+        "Collective mean across ranks",
+        "Collective p99 across ranks",
+        "Collective latency per op",
+        "Collective bytes",
         "Compute-time skew vs run median",
-        "All-reduce p99 by node",
+        "Collective mean by node",
         "OOMs and allocator retries",
         "Step drift between ranks",
     ):

@@ -79,7 +79,7 @@ def nan_run(tmp_path_factory) -> Path:
 
 
 EXPECTED_PLOTS = {"plot-loss", "plot-norms", "plot-groups", "plot-scale", "plot-time",
-                  "plot-memory", "plot-allreduce"}
+                  "plot-memory", "plot-collectives"}
 
 
 def test_report_of_a_nan_run_renders_and_names_the_first_failure(nan_run, tmp_path):
@@ -121,7 +121,7 @@ def test_a_thousand_ranks_stay_readable(tmp_path):
                 step=s, wall_time=float(s), duration_seconds=0.1 * slow + 0.01 * rng.random(),
                 data_wait_seconds=0.001, loss=2.0 / (1 + s), grad_norm=1.0,
                 grad_local_norm=1.0 + 0.05 * rng.random(), group_norms={"embed": 0.5, "head": 0.8},
-                loss_scale=65536.0, allreduce_seconds=[0.001 * (1 + rng.random())],
+                loss_scale=65536.0, collective_seconds={"all_reduce": [0.001 * (1 + rng.random())]},
             )
             w.put(row_of(rec, groups, 1 << 30))
         w.close()

@@ -36,7 +36,7 @@ def record(step: int, **kw) -> StepRecord:
         grad_local_norm=0.5 + step,
         group_norms={"embed": 0.1 * step, "encoder": 0.2 * step, "head": 0.3 * step},
         loss_scale=65536.0,
-        allreduce_seconds=[0.001, 0.003],
+        collective_seconds={"all_reduce": [0.001], "reduce_scatter": [0.003]},
     )
     base.update(kw)
     return StepRecord(**base)
@@ -58,12 +58,34 @@ def test_round_trip_keeps_every_column(tmp_path):
     assert c["grad_norm"][2] == pytest.approx(3.0)
     assert math.isnan(c["loss"][1]) and c["origin"][1] and not c["origin"][0]
     assert list(c["skipped_by"]) == [0, 1, 0] and c["amp_skipped"][1]
-    assert c["allreduce_count"][0] == 2
-    assert c["allreduce_mean_seconds"][0] == pytest.approx(0.002)
-    assert c["allreduce_max_seconds"][0] == pytest.approx(0.003)
+    assert c["collective_count"][0] == 2  # every op of the step
+    assert c["collective_mean_seconds"][0] == pytest.approx(0.002)
+    assert c["collective_max_seconds"][0] == pytest.approx(0.003)
     assert c["memory_bytes"][0] == 123 and c["memory_bytes"][2] == 456
     assert h.group("head")[1] == pytest.approx(0.3)
     assert h.group("embed")[2] == pytest.approx(1.5) and math.isnan(h.group("head")[2])
+
+
+def test_files_with_the_old_allreduce_columns_still_read(tmp_path):
+    """Files written before the collective_* rename name the columns allreduce_*."""
+    import pyarrow as pa
+
+    from ddpmon.forensics.history_schema import OLD_NAMES
+
+    path = tmp_path / "history.rank0.arrow"
+    w = HistoryWriter(path, GROUPS, meta={"rank": "0"}, flush_seconds=0.05)
+    w.put(row_of(record(0), GROUPS, 1))
+    w.close()
+    with pa.ipc.open_stream(path) as reader:
+        table = reader.read_all()
+    old = table.rename_columns([OLD_NAMES.get(n, n) for n in table.column_names])
+    old = old.replace_schema_metadata(table.schema.metadata)
+    assert "allreduce_count" in old.column_names and "collective_count" not in old.column_names
+    with pa.ipc.new_stream(path, old.schema) as writer:
+        writer.write_table(old)
+    c = read_history(path).columns
+    assert c["collective_count"][0] == 2
+    assert c["collective_max_seconds"][0] == pytest.approx(0.003)
 
 
 def test_sigkill_loses_at_most_the_last_flush(tmp_path, procs):

@@ -105,13 +105,23 @@ def clean_run(tmp_path_factory):
     return run_workers(tmp_path_factory.mktemp("clean"), "clean", steps=6)
 
 
-def test_allreduce_histogram_counts_every_bucket_of_every_step_through_a_user_hook(clean_run):
+def test_collective_histogram_counts_every_bucket_of_every_step_through_a_user_hook(clean_run):
     results = clean_run
     for r in results:
         calls = r["hook_calls"]
         assert calls >= 2 * 6, "small buckets should give several all-reduces per step"
-        assert value(r, "ddpmon_allreduce_duration_seconds_count") == calls
-        assert value(r, "ddpmon_allreduce_bytes_total") > 0
+        op = {"op": "all_reduce"}
+        count = value(r, "ddpmon_collective_duration_seconds_count", **op)
+        assert count == calls
+        assert value(r, "ddpmon_collective_bytes_total", **op) > 0
+        mean = value(r, "ddpmon_collective_duration_seconds_sum", **op) / count
+        step_mean = value(r, "ddpmon_step_duration_seconds_sum") / value(
+            r, "ddpmon_step_duration_seconds_count"
+        )
+        assert 0 < mean < step_mean  # wall time of one bucket, inside its step
+        assert {k[1] for k in r["metrics"] if k[0] == "ddpmon_collective_bytes_total"} == {
+            (("op", "all_reduce"),)
+        }  # DDP issues nothing else: no other op is exported
         assert value(r, "ddpmon_grad_local_norm") > 0
         # Post-reduce norms are identical across ranks; local ones differ (different data).
     assert value(results[0], "ddpmon_grad_norm") == pytest.approx(

@@ -103,7 +103,7 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
             what=f"both ranks past step {NAN_STEP + 40}: {demo.log_tail(5)}",
         )
         wait_for(
-            lambda: _ranks(prom.query(f"{names.ALLREDUCE_P99}{sel}")) == RANKS
+            lambda: _ranks(prom.query(f"{names.COLLECTIVE_P99}{sel}")) == RANKS
             and _ranks(prom.query(f"{names.STEP_P99}{sel}")) == RANKS
             and _ranks(prom.query(f"{names.COMPUTE_MEAN}{sel}")) == RANKS,
             timeout=30,

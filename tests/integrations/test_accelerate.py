@@ -48,7 +48,8 @@ def test_counts_optimizer_steps_not_micro_batches(run: WorkerRun) -> None:
 
 def test_grad_norm_equals_the_loops_clip_norm(run: WorkerRun) -> None:
     check_norms(run, range(NAN_STEP))
-    assert (run.sample(0, "ddpmon_allreduce_bytes_total") or 0) > 0  # DDP comm hook in place
+    # DDP comm hook in place
+    assert (run.sample(0, "ddpmon_collective_bytes_total", op="all_reduce") or 0) > 0
 
 
 def test_nan_in_one_ranks_gradient_is_named_with_that_rank(run: WorkerRun) -> None:

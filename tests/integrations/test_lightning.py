@@ -59,7 +59,7 @@ def test_attaches_to_the_wrapped_model_and_the_plugin_scaler(run: WorkerRun) -> 
         assert res["http_ok"] is True, f"/metrics did not answer during training: {res['http_ok']}"
         assert res["scaler"] == ("GradScaler" if run.label == "16-mixed" else "NoneType")
         # The DDP comm hook saw the all-reduces: ddpmon attached to the strategy's DDP wrapper.
-        assert (run.sample(rank, "ddpmon_allreduce_bytes_total") or 0) > 0
+        assert (run.sample(rank, "ddpmon_collective_bytes_total", op="all_reduce") or 0) > 0
 
 
 def test_steps_equal_the_trainers_global_steps(run: WorkerRun) -> None:

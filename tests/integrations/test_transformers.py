@@ -50,7 +50,7 @@ def test_attaches_to_the_prepared_ddp_model(run: WorkerRun) -> None:
         assert res["attached"], res["monitor_error"]
         assert res["http_ok"] is True, f"/metrics did not answer during training: {res['http_ok']}"
         # The DDP comm hook saw the all-reduces: the callback found the DDP wrapper.
-        assert (run.sample(rank, "ddpmon_allreduce_bytes_total") or 0) > 0
+        assert (run.sample(rank, "ddpmon_collective_bytes_total", op="all_reduce") or 0) > 0
 
 
 def test_counts_optimizer_steps_not_micro_batches(run: WorkerRun) -> None:

@@ -4,6 +4,7 @@ A tiny GPT-2 built from a config (no downloads), synthetic tokens, gradient accu
 ``--accumulate`` micro-batches, the Trainer logging its grad norm every step. At ``--wrong-step``
 (ddpmon's 0-based step index) the reported norm is scaled by ``--factor``; at ``--nan-step``
 rank ``--nan-rank`` gets a NaN in one parameter's local gradient before DDP's all-reduce.
+``--deepspeed-stage N``: the Trainer runs DeepSpeed ZeRO-N from a config with "auto" values.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Recorder(TrainerCallback):
             "monitor_steps": mon.step if mon is not None else None,
             "observe_grad_norm": hasattr(mon, "observe_grad_norm"),
             "scaler": type(getattr(mon, "scaler", None)).__name__,
+            "strategy": mon.state.strategy if mon is not None and mon.enabled else None,
             "true_norms": {k: _f(v) for k, v in logged.items()},
             "ddpmon_norms": {k: _f(v) for k, v in self.norms.items()},
             "trainer_losses": {k: _f(v) for k, v in logged_losses.items()},
@@ -111,6 +113,7 @@ def main() -> None:
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--fp16", action="store_true")
+    p.add_argument("--deepspeed-stage", type=int, default=None)
     a = p.parse_args()
     out = Path(a.out)
     torch.manual_seed(0)
@@ -144,6 +147,7 @@ def main() -> None:
         dataloader_num_workers=0,
         fp16=a.fp16,
         seed=0,
+        deepspeed=ds_config(a.deepspeed_stage) if a.deepspeed_stage is not None else None,
     )
     ddpmon_cb = DdpmonCallback(**agent_options(a.port, out))
     trainer = Trainer(
@@ -158,6 +162,19 @@ def main() -> None:
         ],
     )
     trainer.train()
+
+
+def ds_config(stage: int) -> dict:
+    """A DeepSpeed config as users write one for the Trainer: "auto" filled from the args."""
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
 
 
 def _scrape(mon) -> bool | str:

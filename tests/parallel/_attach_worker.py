@@ -113,6 +113,48 @@ def plain_steps(model, opt, mon, params, gen) -> list[dict]:
     return steps
 
 
+class _Counted:
+    """The user's own FSDP2 comm (or all-reduce hook): counts calls, delegates to torch's."""
+
+    def __init__(self, inner, counts: dict, key: str) -> None:
+        self.inner, self.counts, self.key = inner, counts, key
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args, **kwargs):
+        self.counts[self.key] += 1
+        return self.inner(*args, **kwargs) if self.inner is not None else None
+
+
+def count_collectives(model) -> dict:
+    """Install counting comms on every FSDP2 unit before attach (ddpmon wraps them): an
+    independent count of what FSDP2 issues, per op."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    class RS(_Counted, ReduceScatter):
+        pass
+
+    class AG(_Counted, AllGather):
+        pass
+
+    counts = {"reduce_scatter": 0, "all_gather": 0, "all_reduce": 0, "units": 0}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            counts["units"] += 1
+            module.set_custom_reduce_scatter(RS(DefaultReduceScatter(), counts, "reduce_scatter"))
+            module.set_custom_all_gather(AG(DefaultAllGather(), counts, "all_gather"))
+            state = module._get_fsdp_state()
+            if any(g._is_hsdp for g in state._fsdp_param_groups):
+                module.set_all_reduce_hook(_Counted(None, counts, "all_reduce"))
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -121,11 +163,14 @@ def main() -> None:
     )
     parser.add_argument("--scaler", action="store_true", help="GradScaler run (clean steps)")
     parser.add_argument("--strategy", default="fsdp2", help="fsdp2 (full loop) or another kind")
+    parser.add_argument(
+        "--collectives", action="store_true", help="plain loop, FSDP2 comms counted by the user"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
-    if args.strategy != "fsdp2":
+    if args.strategy != "fsdp2" or args.collectives:
         model, info = build(args.strategy, "nested")
     else:
         torch.manual_seed(0)
@@ -135,6 +180,7 @@ def main() -> None:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         info = {"data_seed": rank}
+    counts = count_collectives(model) if args.collectives else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if args.scaler else None
     # Picking the port here, not in the test, keeps the window in which another process of a
@@ -155,14 +201,15 @@ def main() -> None:
         raise SystemExit(3)
     params = list(model.parameters())
     gen = torch.Generator().manual_seed(1000 + info["data_seed"])
-    if scaler is not None or args.strategy != "fsdp2":
+    if scaler is not None or args.strategy != "fsdp2" or args.collectives:
         if scaler is not None:
             steps = scaled_steps(model, opt, scaler, mon, params, gen)
         else:
             steps = plain_steps(model, opt, mon, params, gen)
         text = scrape(mon.port)
         Path(args.out, f"rank{rank}.metrics").write_text(text)
-        Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rank": rank, "steps": steps}))
+        result = {"rank": rank, "steps": steps, "counts": counts}
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
         mon.close()
         destroy_process_group_now()
         return

@@ -95,6 +95,9 @@ def ds_config(cfg: dict) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        # DeepSpeed's own op counter, the reference for ddpmon's collective counts (it
+        # synchronises after every op: fine in a test, never used by ddpmon itself)
+        "comms_logger": {"enabled": True, "prof_all": True, "verbose": False, "debug": False},
     }
     if cfg["precision"] == "fp16":
         conf["fp16"] = {
@@ -146,6 +149,7 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
 
         mon.source._reduced_pieces = failing
     second = ddpmon.attach(engine, port=0, run_dir=str(out / "runs"), run_id=f"ds2-{name}")
+    deepspeed.comm.comms_logger.reset_data()  # count from here, as ddpmon does
     ref_local: dict[int, float] = {}
     names = dict(engine.module.named_parameters())
     sq = {n: 0.0 for n in names}
@@ -197,6 +201,10 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
     for h in handles:
         h.remove()
     mon.flush()
+    ds_comm = {
+        op: sum(v[0] for v in sizes.values())
+        for op, sizes in deepspeed.comm.comms_logger.get_raw_data().items()
+    }
     records = [r.as_dict() for r in mon.recent_steps()]
     state = mon.state
     result = {
@@ -224,6 +232,15 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
         "ds_scales": scales,
         "module_attach_error": module_attach.error,
         "run_path": str(mon.run_path),
+        "ds_comm_counts": ds_comm,
+        "collective_counts": {
+            op: h.count for op, h in state.collective_duration.items()
+        },
+        "collective_means": {
+            op: h.sum / h.count for op, h in state.collective_duration.items() if h.count
+        },
+        "collective_bytes": dict(state.collective_bytes_total),
+        "step_mean": state.step_duration.sum / max(1, state.step_duration.count),
     }
     result["exposition"] = mon.exposition.render().decode()
     mon.close()

@@ -36,6 +36,7 @@ NAN_PARAM = "blocks.1.w_in.weight"
 NAN_RANK = 1
 NAN_STEP = 2
 USER_MAX_NORM = 0.05
+SAMPLED_EVERY = 4  # the "sampled" scenario's local_norm_every: NAN_STEP is not a sampled step
 TOUCH_STEP = 1  # far below the real norms: the user's clip always changes the gradients
 
 
@@ -169,7 +170,14 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
     kind = detect_strategy(model)
     index = ParamIndex(model)
     errors: list[str] = []
-    env = SourceEnv(model=model, index=index, on_error=lambda p, e: errors.append(f"{p}: {e!r}"))
+    env = SourceEnv(
+        model=model,
+        index=index,
+        on_error=lambda p, e: errors.append(f"{p}: {e!r}"),
+        # every step, so each step's local numbers are checked; "sampled" runs the CPU default
+        # way (one norm pass every SAMPLED_EVERY steps, a sum check on the others)
+        local_norm_every=SAMPLED_EVERY if scenario == "sampled" else 1,
+    )
     source = make_source(kind, env)
     source.install()
     params = list(index.params)
@@ -191,7 +199,7 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
             )
         else:
             local_ref = None
-        if scenario == "nan" and step == NAN_STEP and dist.get_rank() == NAN_RANK:
+        if scenario in ("nan", "sampled") and step == NAN_STEP and dist.get_rank() == NAN_RANK:
             _poison_next_grad(model.get_submodule(NAN_PARAM.rsplit(".", 1)[0]))
         opt.zero_grad(set_to_none=True)
         for m, x in enumerate(batches):
@@ -297,10 +305,11 @@ SCENARIOS = {
         ("accum", 6, 2),
         ("nan", 3, 1),
         ("unused", 3, 1),
+        ("sampled", 5, 1),
     ],
-    "hsdp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1)],
+    "hsdp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("sampled", 5, 1)],
     "tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("partial", 3, 1)],
-    "fsdp2+tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1)],
+    "fsdp2+tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("sampled", 5, 1)],
 }
 
 

@@ -13,7 +13,14 @@ import math
 
 import pytest
 
-from tests.parallel._worker import NAN_PARAM, NAN_RANK, NAN_STEP, TOUCH_STEP, USER_MAX_NORM
+from tests.parallel._worker import (
+    NAN_PARAM,
+    NAN_RANK,
+    NAN_STEP,
+    SAMPLED_EVERY,
+    TOUCH_STEP,
+    USER_MAX_NORM,
+)
 
 REL = 1e-5
 STRATEGIES = [
@@ -65,7 +72,7 @@ def test_reduced_norm_is_torchs_pre_clip_norm_every_step(ranks_of, strategy, n, 
         for name, scenario in rank["scenarios"].items():
             width = len(scenario["group_names"])
             for rec in scenario["records"]:
-                if name == "nan" and rec["step"] >= NAN_STEP:
+                if name in ("nan", "sampled") and rec["step"] >= NAN_STEP:
                     continue
                 ref = rec["ref_total"]
                 assert ref > 2 * USER_MAX_NORM  # the user's clip really changed the gradients
@@ -94,10 +101,10 @@ def test_local_pre_reduction_norms(ranks_of, strategy, n, kind, complete):
     seen_distinct = set()
     for rank in ranks_of(strategy, n):
         for name, scenario in rank["scenarios"].items():
-            if name == "unused":
-                continue  # its own test
+            if name in ("unused", "sampled"):
+                continue  # their own tests
             for rec in scenario["records"]:
-                if name == "nan" and rec["step"] >= NAN_STEP:
+                if name in ("nan", "sampled") and rec["step"] >= NAN_STEP:
                     continue
                 local = rec["local"]
                 assert local is not None, (name, rec["step"])
@@ -125,6 +132,36 @@ def test_nan_in_one_named_gradient_on_one_rank(ranks_of, strategy, n, kind, _):
         if expected >= 0:
             slot = rec["local"]["positions"].index(target)
             assert math.isnan(rec["local"]["norms"][slot])
+
+
+@pytest.mark.parametrize(("strategy", "n"), [("fsdp2", 2), ("hsdp", 4), ("fsdp2+tp", 4)])
+def test_sampled_local_pass_keeps_the_origin_exact_on_every_step(ranks_of, strategy, n):
+    """``local_norm_every`` on CPU: the norm pass over the reduce-scatter input runs on sampled
+    steps only; on the others a sum of the buffer decides, and a non-finite one runs the pass at
+    once. The NaN at a non-sampled step is still named on its rank only, and the reduced norms
+    are those of every step."""
+    results = ranks_of(strategy, n)
+    names = results[0]["scenarios"]["sampled"]["names"]
+    target = names.index(NAN_PARAM)
+    assert NAN_STEP % SAMPLED_EVERY != 0
+    for rank in results:
+        records = rank["scenarios"]["sampled"]["records"]
+        for rec in records[:NAN_STEP]:
+            sampled = rec["step"] % SAMPLED_EVERY == 0
+            assert (rec["local"] is not None) is sampled, rec["step"]
+            assert _close(_total(rec["reduced"]), rec["ref_total"])
+            if sampled and rec["local_ref"] is not None:
+                assert _close(_total(rec["local"]), rec["local_ref"])
+        rec = records[NAN_STEP]
+        assert _first_bad(rec["reduced"]) == target
+        if rank["rank"] == NAN_RANK:
+            assert _first_bad(rec["local"]) == target
+            assert rec["local_complete"] is False  # only the unit with the NaN was measured
+        else:
+            assert rec["local"] is None  # its sums were finite: no pass, no origin
+        # After the NaN step was applied every rank's gradients are non-finite: measured.
+        for rec in records[NAN_STEP + 1 :]:
+            assert rec["local"] is not None and _first_bad(rec["local"]) >= 0
 
 
 def test_fsdp2_accumulation_measures_once_and_matches(ranks_of):
@@ -180,6 +217,6 @@ def test_clip_norm_reuses_the_reduction_only_for_unchanged_gradients(
             touched = 1 if len(scenario["records"]) > TOUCH_STEP else 0
             assert scenario["clip_reused"] == len(scenario["records"]) - touched, name
             for rec in scenario["records"]:
-                if name == "nan" and rec["step"] >= NAN_STEP:
+                if name in ("nan", "sampled") and rec["step"] >= NAN_STEP:
                     continue
                 assert _close(rec["clip_after"], rec["post_clip_norm"]), (name, rec["step"])

@@ -19,7 +19,7 @@ DESIGN_ALERTS = {
     "DdpmonRanksMissing": "critical",
     "DdpmonRankDesync": "warning",
     "DdpmonStraggler": "warning",
-    "DdpmonAllReduceSlow": "warning",
+    "DdpmonCollectiveSlow": "warning",
     "DdpmonGpuMemoryNearlyFull": "warning",
     # Issue 15: an OOM is critical; retries are their own warning.
     "DdpmonCudaOOM": "critical",

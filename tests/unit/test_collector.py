@@ -15,7 +15,7 @@ from ddpmon.identity import RankIdentity
 from ddpmon.sources.allocator import AllocatorSource
 from ddpmon.sources.host import ProcessSource
 from ddpmon.sources.nvml import NvmlSource
-from ddpmon.state import FirstNonfinite, MetricState
+from ddpmon.state import FirstNonfinite, MetricState, StepRecord
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "exposition.txt"
 
@@ -99,13 +99,14 @@ def make_state(groups=4) -> MetricState:
     s.grad_nonfinite_steps_total, s.grad_nonfinite_origin_steps_total = 3, 1
     s.first_nonfinite = FirstNonfinite(20, "encoder.layers.0.linear1.weight", "nan")
     s.amp_enabled, s.loss_scale, s.amp_skipped_steps_total = True, 0.5, 17
-    s.allreduce_bytes_total = 1 << 20
     for v in (0.02, 0.3, 1.5, 100.0):
         s.step_duration.observe(v)
     for v in (0.0005, 0.004):
         s.data_wait.observe(v)
-    for v in (0.0002, 0.003, 0.003):
-        s.allreduce_duration.observe(v)
+    s.apply(StepRecord(step=41, wall_time=1700000042.5, duration_seconds=None,
+                       data_wait_seconds=None, collective_seconds={"all_reduce": [0.0002, 0.003,
+                       0.003]}, collective_bytes={"all_reduce": 1 << 20}))
+    s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
     s.agent_errors = {"comm": 1}
     s.grad_nonfinite_poisoned_steps_total, s.grad_norm_mismatch_total = 2, 1
     s.stall_threshold_seconds, s.strategy = 300.0, "ddp"
@@ -186,6 +187,34 @@ def test_nvml_absent_reports_collector_failure_not_an_error_page():
 def test_series_budget_with_default_group_bound():
     text = make_exposition(make_state(groups=32)).render().decode()
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(series) <= 150, len(series)
+
+
+@pytest.mark.parametrize(
+    "ops",
+    [
+        ("all_reduce",),  # DDP
+        ("reduce_scatter", "all_gather"),  # FSDP2
+        ("all_reduce", "reduce_scatter", "all_gather"),  # HSDP
+        ("all_reduce", "reduce_scatter", "all_gather", "broadcast"),  # DeepSpeed ZeRO-3
+        ("all_reduce", "reduce", "all_gather"),  # DeepSpeed ZeRO-1/2
+        ("reduce_scatter", "all_gather", "send", "recv"),  # PP + FSDP2
+        ("all_reduce", "send", "recv"),  # PP + DDP
+    ],
+)
+def test_series_budget_holds_for_every_strategy_op_set(ops):
+    """Only the ops a rank issues are exported; each costs 8 series."""
+    state = make_state(groups=32)
+    state.collective_duration.clear()
+    state.collective_bytes_total.clear()
+    state.apply(StepRecord(step=42, wall_time=1700000043.0, duration_seconds=None,
+                           data_wait_seconds=None,
+                           collective_seconds={op: [0.001] for op in ops},
+                           collective_bytes=dict.fromkeys(ops, 8)))
+    text = make_exposition(state).render().decode()
+    series = [line for line in text.splitlines() if line and not line.startswith("#")]
+    per_op = [s for s in series if s.startswith("ddpmon_collective_")]
+    assert len(per_op) == 8 * len(ops)
     assert len(series) <= 150, len(series)
 
 

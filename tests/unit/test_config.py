@@ -33,6 +33,16 @@ def test_env_values_are_parsed_and_lose_to_arguments():
             {},
             "on_nonfinite='ignore': expected one of record, skip, raise",
         ),
+        (
+            {"on_loss_scale_floor": "skip"},
+            {},
+            "on_loss_scale_floor='skip': expected one of record, raise",
+        ),
+        (
+            {},
+            {"DDPMON_LOSS_SCALE_FLOOR_STEPS": "0"},
+            "loss_scale_floor_steps=0: expected an integer from 1 to 1000000",
+        ),
         ({}, {"DDPMON_ENABLED": "maybe"}, "DDPMON_ENABLED='maybe': expected a boolean"),
         ({"stall_seconds": float("nan")}, {}, "stall_seconds=nan: expected a finite number >= 1.0"),
         ({"run_id": "a/b"}, {}, "run_id='a/b': must not contain path separators"),

@@ -54,13 +54,18 @@ RANK = "Rank {{ $labels.rank }} of run {{ $labels.run }}"
 RUN = "Run {{ $labels.run }}"
 
 
-def rank_list(query: str, cfg: MixinConfig, *, worst_first: bool = True) -> str:
+def rank_list(
+    query: str, cfg: MixinConfig, *, worst_first: bool = True, fill: tuple[str, ...] = ()
+) -> str:
     """Go template listing the ``rank`` labels of a PromQL query, comma separated, at most
     ``alert_rank_cap`` of them: the highest values first, or sorted by rank.
 
-    Each ``%s`` in ``query`` is filled with the alert's ``run`` label.
+    Each ``%s`` in ``query`` is filled with the alert's ``run`` label, or with the alert's
+    labels named in ``fill``, in turn (``run, op, run, op...``).
     """
-    args = " $labels.run" * query.count("%s")
+    fill = fill or ("run",)
+    names = [fill[i % len(fill)] for i in range(query.count("%s"))]
+    args = "".join(f" $labels.{name}" for name in names)
     capped = f"topk({cfg.alert_rank_cap}, {query})"
     pipeline = (
         f"query (printf `sort_desc({capped})`{args})"

@@ -1,8 +1,8 @@
-"""Communication alerts: hangs, lost ranks, ranks that drift apart, stragglers, slow all-reduce.
+"""Communication alerts: hangs, lost ranks, ranks that drift apart, stragglers, slow collectives.
 
-One killed rank makes its peers hang in the next all-reduce: RankDown (the cause) pages, and
-Alertmanager inhibits the run's TrainingStalled, RankDesync, Straggler and AllReduceSlow. Stall
-and slow all-reduce are run-wide symptoms: one alert per run naming the worst ranks.
+One killed rank makes its peers hang in the next collective: RankDown (the cause) pages, and
+Alertmanager inhibits the run's TrainingStalled, RankDesync, Straggler and CollectiveSlow. Stall
+and slow collectives are run-wide symptoms: one alert per run (and op) naming the worst ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from ddpmon.mixin.rules import sel
 
 L = Layer.COMMUNICATION
 BY_RUN = 'run="%s"'
+BY_RUN_OP = 'run="%s",op="%s"'
 
 
 def alerts(c: MixinConfig) -> list[Alert]:
@@ -32,11 +33,12 @@ def alerts(c: MixinConfig) -> list[Alert]:
         r = f"{{{run}}}" if run else ""
         return f"{n.HEARTBEAT_AGE}{r} > {c.first_step_seconds:g}\nand {stepped(run)} == 0"
 
-    def slow(run: str = "") -> str:
-        p99 = f"{n.ALLREDUCE_P99}{{{run}}}" if run else n.ALLREDUCE_P99
+    def slow(match: str = "") -> str:
+        mean = f"{n.COLLECTIVE_MEAN}{{{match}}}" if match else n.COLLECTIVE_MEAN
         return (
-            f"{p99}\n>\n{c.allreduce_slow_factor:g} * quantile_over_time(0.5, "
-            f"{p99}[{c.allreduce_slow_baseline}])\nand\n{p99} > {c.allreduce_slow_min_seconds:g}"
+            f"{mean}\n>\n{c.collective_slow_factor:g} * quantile_over_time(0.5, "
+            f"{mean}[{c.collective_slow_baseline}])\nand\n{mean} > "
+            f"{c.collective_slow_min_seconds:g}"
         )
 
     missing = (
@@ -104,12 +106,12 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"{c.straggler_min_seconds:g}s above it.",
         ),
         Alert(
-            "DdpmonAllReduceSlow", L, "warning",
-            f"max {c.by_run} (\n{slow()}\n)",
-            c.allreduce_slow_for,
-            "All-reduce latency is far above its baseline.",
-            f"{RUN}: all-reduce p99 reached {{{{ $value | humanizeDuration }}}}, more than "
-            f"{c.allreduce_slow_factor:g}x its {c.allreduce_slow_baseline} median. Slowest "
-            f"ranks: {rank_list(slow(BY_RUN), c)}.",
+            "DdpmonCollectiveSlow", L, "warning",
+            f"max by ({', '.join(c.run_labels)}, op) (\n{slow()}\n)",
+            c.collective_slow_for,
+            "A collective's latency is far above its baseline.",
+            f"{RUN}: mean {{{{ $labels.op }}}} time reached {{{{ $value | humanizeDuration }}}}, "
+            f"more than {c.collective_slow_factor:g}x its {c.collective_slow_baseline} median. "
+            f"Slowest ranks: {rank_list(slow(BY_RUN_OP), c, fill=('run', 'op'))}.",
         ),
     ]

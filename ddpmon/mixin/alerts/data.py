@@ -2,7 +2,7 @@
 
 A starved rank holds the run back like a straggler, but its cause is the input pipeline: its
 peers finish their step and wait for it inside the all-reduce, so their all-reduce time grows
-(DdpmonAllReduceSlow, which Alertmanager inhibits while DdpmonDataStarved fires for the run).
+(DdpmonCollectiveSlow, which Alertmanager inhibits while DdpmonDataStarved fires for the run).
 DdpmonStraggler deliberately excludes data wait; this alert is the one that names the rank.
 """
 

@@ -52,15 +52,16 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"last_over_time({sel(c, m.AMP_LOSS_SCALE.name)}[{gw}])\n<=\n"
             f"last_over_time({sel(c, m.AMP_LOSS_SCALE_FLOOR.name)}[{gw}])",
             c.loss_scale_floor_for,
-            "AMP loss scale is at its floor; fp16 training has stopped making progress.",
-            f"{RANK}: the GradScaler loss scale is {{{{ $value }}}}, at or below the floor the "
-            "agent was configured with; every step overflows and is skipped.",
+            "The fp16 loss scale is at its floor; training has stopped making progress.",
+            f"{RANK}: the loss scale (GradScaler or DeepSpeed's) is {{{{ $value }}}}, at or "
+            "below the floor the agent was configured with (loss_scale_floor); every step "
+            "overflows and is skipped. on_loss_scale_floor=\"raise\" stops the run instead.",
         ),
         Alert(
             "DdpmonLossScaleCollapsing", L, "warning",
             f"{n.SKIPPED_RATIO} > {c.loss_scale_collapse_ratio:g}",
             c.loss_scale_collapse_for,
-            "Most optimizer steps are being skipped by the AMP GradScaler.",
+            "Most optimizer steps are being skipped by the loss scaler (GradScaler or DeepSpeed).",
             f"{RANK}: {{{{ $value | humanizePercentage }}}} of the steps in the last "
             f"{c.rate_window} were skipped for inf/NaN gradients; the loss scale is collapsing.",
         ),

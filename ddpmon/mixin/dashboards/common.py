@@ -17,7 +17,7 @@ def annotations(cfg: MixinConfig) -> tuple[Annotation, ...]:
         ),
         Annotation(
             "Skipped steps", "yellow", expand(Q.ANN_SKIPPED, cfg),
-            "optimizer steps skipped by the GradScaler",
+            "optimizer steps skipped by the loss scaler",
         ),
         Annotation("Checkpoints", "blue", expand(Q.ANN_CHECKPOINTS, cfg), "checkpoint saved"),
         Annotation(

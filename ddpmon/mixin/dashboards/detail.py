@@ -95,7 +95,7 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Loss scale", "timeseries", "short",
                 (q(Q.LOSS_SCALE, "scale"), q(Q.LOSS_SCALE_FLOOR, "floor")),
-                "AMP GradScaler scale and its configured floor.",
+                "fp16 loss scale (GradScaler or DeepSpeed's) and its configured floor.",
                 log_scale=True, dashed_series=("floor",),
             ),
             PanelSpec(
@@ -104,7 +104,7 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     q(Q.NONFINITE_REDUCED, "non-finite reduced grads"),
                     q(Q.NONFINITE_ORIGIN, "non-finite local grads (origin)"),
                     q(Q.NONFINITE_LOSS, "non-finite losses"),
-                    q(Q.SKIPPED, "skipped by GradScaler"),
+                    q(Q.SKIPPED, "skipped by the loss scaler"),
                 ),
                 "Counts per rate interval.",
             ),
@@ -193,19 +193,20 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
         "Communication",
         (
             PanelSpec(
-                "All-reduce latency", "timeseries", "s",
+                "Collective latency", "timeseries", "s",
                 (
-                    q(Q.ALLREDUCE_P50, "p50"),
-                    q(Q.ALLREDUCE_P99, "p99"),
-                    q(Q.ALLREDUCE_RUN_P99, "run p99", RUN),
+                    q(Q.COLLECTIVE_MEAN, "mean {{op}}"),
+                    q(Q.COLLECTIVE_P99, "p99 {{op}}"),
+                    q(Q.COLLECTIVE_RUN_P99, "run p99 {{op}}", RUN),
                 ),
-                "Per-bucket all-reduce time of this rank against the run.",
+                "Time of one collective per op on this rank (exact mean; p99 from coarse "
+                "buckets) against the run's p99.",
                 dashed_series=("run p99",),
             ),
             PanelSpec(
-                "All-reduce bytes", "timeseries", "Bps",
-                (q(Q.ALLREDUCE_BYTES, "bytes/s"),),
-                "Gradient bytes all-reduced per second.",
+                "Collective bytes", "timeseries", "Bps",
+                (q(Q.COLLECTIVE_BYTES, "{{op}}"),),
+                "Bytes passed to collectives per second, per op.",
             ),
             PanelSpec(
                 "Compute time vs run median", "timeseries", "suffix:×",

@@ -6,6 +6,7 @@ The SDK is an optional extra (``ddpmon[dashboards]``) and is imported only here,
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from ddpmon.mixin.config import MixinConfig
@@ -138,8 +139,11 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
                         cb.GraphThresholdsStyleConfig().mode(cm.GraphTresholdsStyleMode.DASHED)
                     )
                 for legend in p.dashed_series:
-                    builder = builder.override_by_name(
-                        legend,
+                    # A legend with a label in it ("run p99 {{op}}") names one series per value:
+                    # match them all by their fixed prefix.
+                    prefix = legend.split("{{")[0].rstrip()
+                    builder = builder.override_by_regexp(
+                        f"^{re.escape(prefix)}( .*)?$",
                         [
                             dm.DynamicConfigValue(
                                 "custom.lineStyle", {"fill": "dash", "dash": [10, 10]}

@@ -169,14 +169,15 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     q(Q.LOSS_SCALE_LOWEST, "lowest {{rank}}"),
                     q(Q.LOSS_SCALE_FLOOR, "floor", RUN),
                 ),
-                "AMP GradScaler scale of the k ranks with the lowest scale; the dashed red "
+                "fp16 loss scale (GradScaler or DeepSpeed's) of the k ranks with the lowest "
+                "scale; the dashed red "
                 "line is the configured floor, at which DdpmonLossScaleAtFloor fires.",
                 log_scale=True, dashed_series=("floor",), rank_links=True,
             ),
             PanelSpec(
                 "Skipped steps", "timeseries", "percentunit",
                 (q(Q.SKIPPED_TOP, "rank {{rank}}"),),
-                "Fraction of steps the GradScaler skipped (inf/NaN found and absorbed: "
+                "Fraction of steps the loss scaler skipped (inf/NaN found and absorbed: "
                 "visible, never paged; DdpmonLossScaleCollapsing warns above the red line).",
                 thresholds=((cfg.loss_scale_collapse_ratio, "red"),), rank_links=True,
             ),
@@ -289,46 +290,49 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
         "Communication",
         (
             PanelSpec(
-                "All-reduce p50 across ranks", "heatmap", "s",
-                (q(Q.ALLREDUCE_P50_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
-                "Distribution of the ranks' all-reduce median: y = latency bucket, colour = "
-                f"number of ranks; the bulk is the typical collective. {DIST}",
+                "Collective mean across ranks", "heatmap", "s",
+                (q(Q.COLLECTIVE_MEAN_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
+                "Distribution of the ranks' mean time per collective, one entry per rank and "
+                "op (all_reduce, reduce_scatter, all_gather, reduce, broadcast, send, recv): y = "
+                "latency bucket, colour = number of entries; each op the run issues is its own "
+                f"band. {DIST}",
             ),
             PanelSpec(
-                "All-reduce p99 across ranks", "heatmap", "s",
-                (q(Q.ALLREDUCE_P99_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
-                "Distribution of the ranks' all-reduce p99: a few slow ranks are a separate "
-                f"band, a fabric-wide problem moves the whole distribution up. {DIST}",
+                "Collective p99 across ranks", "heatmap", "s",
+                (q(Q.COLLECTIVE_P99_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
+                "Distribution of the ranks' p99 per op, from coarse (factor-8) buckets: a few "
+                "slow ranks are a separate band, a fabric-wide problem moves the whole "
+                f"distribution up. {DIST}",
             ),
             PanelSpec(
-                "All-reduce p99 by node", "timeseries", "s",
-                (q(Q.ALLREDUCE_P99_BY_NODE, "{{node}}", RUN),),
-                "Worst rank's all-reduce p99 per node, the k slowest nodes: one node high is "
-                "its NIC or links; all high is the fabric.",
+                "Collective mean by node", "timeseries", "s",
+                (q(Q.COLLECTIVE_MEAN_BY_NODE, "{{node}} {{op}}", RUN),),
+                "Worst rank's mean time per op on each node, the k slowest nodes: one node "
+                "high is its NIC or links; all high is the fabric.",
                 width=24,
             ),
             PanelSpec(
-                "All-reduce latency per rank", "timeseries", "s",
+                "Collective latency per op", "timeseries", "s",
                 (
-                    q(Q.ALLREDUCE_P50_MEDIAN, "median rank p50", RUN),
-                    q(Q.ALLREDUCE_P99_MEDIAN, "median rank p99", RUN),
-                    q(Q.ALLREDUCE_RUN_P99, "run p99", RUN),
-                    q(Q.ALLREDUCE_P99_TOP, "p99 {{rank}}"),
-                    q(Q.ALLREDUCE_P50_TOP, "p50 {{rank}}"),
+                    q(Q.COLLECTIVE_MEAN_MEDIAN, "median rank mean {{op}}", RUN),
+                    q(Q.COLLECTIVE_P99_MEDIAN, "median rank p99 {{op}}", RUN),
+                    q(Q.COLLECTIVE_RUN_P99, "run p99 {{op}}", RUN),
+                    q(Q.COLLECTIVE_MEAN_TOP, "mean {{rank}} {{op}}"),
                 ),
-                "Per-bucket all-reduce time, launch to completion: the run p99, the median "
-                "rank's p50 and p99, and p50/p99 of the k slowest ranks (each picked by its "
-                "own quantile over the time range).",
-                width=24, dashed_series=("median rank p50", "median rank p99", "run p99"),
+                "Time of one collective, issue to completion, per op (DDP: one per gradient "
+                "bucket; FSDP2: one reduce-scatter and all-gathers per unit; PP: each send and "
+                "receive): the median rank's mean and p99, the run p99, and the mean of the k "
+                "slowest ranks (picked by their mean over the time range).",
+                width=24, dashed_series=("median rank mean", "median rank p99", "run p99"),
                 rank_links=True,
             ),
             PanelSpec(
-                "All-reduce bytes", "timeseries", "Bps",
+                "Collective bytes", "timeseries", "Bps",
                 (
-                    q(Q.ALLREDUCE_BYTES, "selected ranks", RUN),
-                    q(Q.ALLREDUCE_BYTES_TOP, "rank {{rank}}"),
+                    q(Q.COLLECTIVE_BYTES, "{{op}}", RUN),
+                    q(Q.COLLECTIVE_BYTES_TOP, "rank {{rank}} {{op}}"),
                 ),
-                "Gradient bytes all-reduced per second.",
+                "Bytes passed to collectives per second, per op.",
                 rank_links=True,
             ),
             PanelSpec(

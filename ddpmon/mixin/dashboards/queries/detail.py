@@ -69,10 +69,14 @@ RSS_MEDIAN = f"max by (run) ({n.RSS_RUN_MEDIAN}{{RR}})"
 CPU = f"rate({m.PROCESS_CPU_SECONDS.name}{{D}}[$__rate_interval])"
 
 # --- Communication ---
-ALLREDUCE_P50 = hq(0.5, f"{m.ALLREDUCE_DURATION.name}", "rank", "{D}")
-ALLREDUCE_P99 = hq(0.99, f"{m.ALLREDUCE_DURATION.name}", "rank", "{D}")
-ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
-ALLREDUCE_BYTES = f"rate({m.ALLREDUCE_BYTES.name}{{D}}[$__rate_interval])"
+COLLECTIVE_MEAN = (
+    f"sum by (rank, op) (rate({m.COLLECTIVE_DURATION.sample('sum')}{{D}}[$__rate_interval]))"
+    f" / sum by (rank, op) (rate({m.COLLECTIVE_DURATION.sample('count')}{{D}}"
+    "[$__rate_interval]))"
+)
+COLLECTIVE_P99 = hq(0.99, f"{m.COLLECTIVE_DURATION.name}", "rank, op", "{D}")
+COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
+COLLECTIVE_BYTES = f"rate({m.COLLECTIVE_BYTES.name}{{D}}[$__rate_interval])"
 COMPUTE_SKEW = (
     f"{n.COMPUTE_MEAN}{{DR}} / on (run) group_left "
     f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})"

@@ -122,19 +122,23 @@ RSS_MEDIAN = f"max by (run) ({n.RSS_RUN_MEDIAN}{{RR}})"
 RSS_TOP = gauge_top("topk", f"{m.PROCESS_RESIDENT_MEMORY.name}")
 
 # --- Communication ---
-ALLREDUCE_P50_HEATMAP = f"max by (le) ({n.ALLREDUCE_P50_RANKS}{{RR}})"
-ALLREDUCE_P99_HEATMAP = f"max by (le) ({n.ALLREDUCE_P99_RANKS}{{RR}})"
-ALLREDUCE_P99_BY_NODE = (
-    f"max by (node) ({n.ALLREDUCE_P99}{{SR}}) and on (node) "
-    f"topk({{K}}, max by (node) (max_over_time({n.ALLREDUCE_P99}{{SR}}[$__range] @ end())))"
+# Entries (rank, op) per bucket: the ruler's per-op counts summed over the ops.
+COLLECTIVE_MEAN_HEATMAP = f"sum by (le) ({n.COLLECTIVE_MEAN_RANKS}{{RR}})"
+COLLECTIVE_P99_HEATMAP = f"sum by (le) ({n.COLLECTIVE_P99_RANKS}{{RR}})"
+COLLECTIVE_MEAN_BY_NODE = (
+    f"max by (node, op) ({n.COLLECTIVE_MEAN}{{SR}}) and on (node) "
+    f"topk({{K}}, max by (node) (max_over_time({n.COLLECTIVE_MEAN}{{SR}}[$__range] @ end())))"
 )
-ALLREDUCE_P50_MEDIAN = f"max by (run) ({n.ALLREDUCE_P50_RUN_MEDIAN}{{RR}})"
-ALLREDUCE_P99_MEDIAN = f"max by (run) ({n.ALLREDUCE_P99_RUN_MEDIAN}{{RR}})"
-ALLREDUCE_RUN_P99 = f"{n.ALLREDUCE_RUN_P99}{{RR}}"
-ALLREDUCE_P99_TOP = gauge_top("topk", n.ALLREDUCE_P99, "{SR}")
-ALLREDUCE_P50_TOP = gauge_top("topk", n.ALLREDUCE_P50, "{SR}")
-ALLREDUCE_BYTES = f"sum by (run) (rate({m.ALLREDUCE_BYTES.name}{{S}}[$__rate_interval]))"
-ALLREDUCE_BYTES_TOP = rate_top("topk", f"rate({m.ALLREDUCE_BYTES.name}{{S}}[$__rate_interval])")
+COLLECTIVE_MEAN_MEDIAN = f"max by (run, op) ({n.COLLECTIVE_MEAN_RUN_MEDIAN}{{RR}})"
+COLLECTIVE_P99_MEDIAN = f"max by (run, op) ({n.COLLECTIVE_P99_RUN_MEDIAN}{{RR}})"
+COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
+COLLECTIVE_MEAN_TOP = gauge_top("topk", n.COLLECTIVE_MEAN, "{SR}")
+COLLECTIVE_BYTES = (
+    f"sum by (run, op) (rate({m.COLLECTIVE_BYTES.name}{{S}}[$__rate_interval]))"
+)
+COLLECTIVE_BYTES_TOP = rate_top(
+    "topk", f"rate({m.COLLECTIVE_BYTES.name}{{S}}[$__rate_interval])"
+)
 COMPUTE_SKEW_TOP = ranked(
     "topk",
     f"{n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
