@@ -60,4 +60,8 @@ STEP_P99_RANKS = "run:ddpmon_step_duration_seconds:p99_ranks_bucket"
 # Per run and op (one set of buckets per op the run issues).
 COLLECTIVE_MEAN_RANKS = "run:ddpmon_collective_duration_seconds:mean_ranks_bucket"
 COLLECTIVE_P99_RANKS = "run:ddpmon_collective_duration_seconds:p99_ranks_bucket"
+RANK_PROBLEMS = "run:ddpmon_rank_problems:count"
+"""Per rank (its target labels kept), how many of the rank-health table's problems hold: down,
+stalled, behind, straggler, starved, memory. ``run:`` because it compares the rank with its run
+(leader, median compute time), so it runs where the whole run is seen, not on a shard."""
 WORLD_SIZE = "run:ddpmon_world_size:max"

@@ -27,10 +27,6 @@ HEARTBEAT_AGE = f"max by (run) ({n.HEARTBEAT_AGE}{{RR}})"
 FIRING_ALERTS = f"count(ALERTS{{{ALERT_SELECTOR}}}) or vector(0)"
 
 
-def _problem(name: str, expr: str) -> str:
-    return f'label_replace({expr}, "problem", "{name}", "", "")'
-
-
 def rank_health(cfg: MixinConfig) -> dict[str, str]:
     """Instant queries of the rank-health table, one value per rank each (refId -> query)."""
     behind = f"max by (rank) ({n.STEP_LEADER}{{RR}} - on (run) group_right {m.STEP.name}{{S}})"
@@ -39,24 +35,12 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
         f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}}))"
     )
     age = f"max by (rank) ({n.HEARTBEAT_AGE}{{SR}})"
-    stalled = (
-        f"max by (rank) ({n.HEARTBEAT_AGE}{{SR}} > {n.STALL_THRESHOLD}{{SR}})"
-    )
     share = f"max by (rank) ({n.DATA_WAIT_RATIO}{{SR}})"
     used = f"max by (rank) ({n.GPU_ALLOCATED_RATIO}{{SR}})"
     up = "max by (rank) (up{S})"
-    problems = " or ".join(
-        (
-            _problem("down", f"{up} == 0"),
-            _problem("stalled", stalled),
-            _problem("behind", f"{behind} > {cfg.rank_desync_steps:g}"),
-            _problem("straggler", f"{skew} > {cfg.straggler_ratio:g}"),
-            _problem("starved", f"{share} > {cfg.data_starved_share:g}"),
-            _problem("memory", f"{used} > {cfg.gpu_memory_full_ratio:g}"),
-        )
-    )
     return {
-        "A": f"count by (rank) ({problems}) or max by (rank) ({m.STEP.name}{{S}}) * 0",
+        # Recorded by the ruler (the same problems and thresholds, see rules.rank_problems).
+        "A": f"max by (rank) ({n.RANK_PROBLEMS}{{SR}})",
         "B": up,
         "C": age,
         "D": behind,
