@@ -22,7 +22,7 @@ PYTEST_XDIST ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 stack rules dashboards debs clean multinode scaleout
+.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -83,6 +83,13 @@ bench-dashboards: $(STAMP) debs
 # The same at 4,096 ranks (heavy: ~4x the samples; its own section in benchmarks/RESULTS.md).
 bench-dashboards-4096: $(STAMP) debs
 	$(BIN)/python benchmarks/dashboards_scale.py --ranks 4096 --write-results
+
+# 16,384 ranks on VictoriaMetrics (the store past one Prometheus), series_profile=large, with
+# every rule group's evaluation time (~16x the 1,024-rank samples: the better part of an hour
+# on 2 shared cores; BENCH16K_ARGS="--store prometheus" for one Prometheus, if it fits).
+bench-dashboards-16384: $(STAMP) debs
+	$(BIN)/python benchmarks/dashboards_scale.py --ranks 16384 --store victoria-metrics \
+	  --series-profile large --rule-times --write-results $(BENCH16K_ARGS)
 
 # Two nodes on this machine (network namespaces, needs root): torchrun across them, a daemon
 # per node, one Prometheus; prints what each check sees (tests/multinode).

@@ -36,16 +36,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddpmon.config import DEFAULT_PORT, Config  # noqa: E402
+from ddpmon.config import DEFAULT_PORT, SERIES_PROFILES, Config  # noqa: E402
+from ddpmon.export.collector import exports_group_norms  # noqa: E402
 from ddpmon.mixin import dashboards  # noqa: E402
-from ddpmon.mixin.render import RULES_FILE  # noqa: E402
+from ddpmon.mixin.render import ALERTS_FILE, RULES_FILE  # noqa: E402
 from ddpmon.mixin.render import generate as generate_rules  # noqa: E402
-from ddpmon.services import Prometheus, find_binary  # noqa: E402
+from ddpmon.mixin.rules import dependent  # noqa: E402
+from ddpmon.services import ManagedProcess, Prometheus, find_binary  # noqa: E402
 from tests.support import grafana  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "golden" / "exposition.txt"
@@ -53,9 +56,18 @@ RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 SECTION = "## Dashboards at 1024 ranks"
 
 
-def section(ranks: int) -> str:
-    """RESULTS.md heading of a run at ``ranks`` (1024 and 4096 sit side by side)."""
-    return SECTION.replace("1024", str(ranks))
+STORES = ("prometheus", "victoria-metrics")
+
+
+def section(ranks: int, store: str = "prometheus", profile: str = "full") -> str:
+    """RESULTS.md heading of a run at ``ranks`` (1024 and 4096 sit side by side); runs on
+    VictoriaMetrics or under another series profile get their own."""
+    head = SECTION.replace("1024", str(ranks))
+    if store != "prometheus":
+        head += " on VictoriaMetrics"
+    if profile != "full":
+        head += f" (series_profile={profile})"
+    return head
 
 
 def target_series(ranks: int) -> int:
@@ -221,10 +233,70 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
     return table[name]
 
 
+def exports(family: str, m: RankModel, profile: str) -> bool:
+    """Whether rank ``m`` exports ``family`` at all: the synthetic NaN origin alone has a
+    first-non-finite info series; under ``series_profile=large`` only rank 0 exports the group
+    norms (``ddpmon.export.collector.exports_group_norms`` for a DDP run)."""
+    if family == "ddpmon_grad_first_nonfinite_info":
+        return m.origin
+    if family == "ddpmon_grad_group_norm":
+        return exports_group_norms(profile, m.rank, "ddp")
+    return True
+
+
+class Sink:
+    """Where the synthetic samples go: an OpenMetrics file (promtool) or, in batches, a
+    VictoriaMetrics import endpoint (timestamps in milliseconds there)."""
+
+    def __init__(self, path: Path | None = None, import_url: str | None = None) -> None:
+        self.path, self.import_url = path, import_url
+        self.millis = import_url is not None
+        self._file = open(path, "w", buffering=1 << 22) if path is not None else None  # noqa: SIM115
+        self._batch: list[str] = []
+        self._size = 0
+        self.post_s = 0.0
+        """Seconds spent in the store's import calls (its ingestion time)."""
+
+    def family(self, name: str, kind: str) -> None:
+        if self._file is not None:
+            self._file.write(f"# TYPE {name} {kind}\n")
+
+    def write(self, lines: list[str]) -> None:
+        if self._file is not None:
+            self._file.writelines(lines)
+            return
+        self._batch.extend(lines)
+        self._size += len(lines)
+        if self._size >= 400_000:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._batch:
+            return
+        body = "".join(self._batch).encode()
+        self._batch, self._size = [], 0
+        t0 = time.perf_counter()
+        req = urllib.request.Request(self.import_url, data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            resp.read()
+        self.post_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.write("# EOF\n")
+            self._file.close()
+        else:
+            self.flush()
+
+
 def write_openmetrics(
-    path: Path, *, ranks: int, hours: float, interval: int, groups: int, end: int
+    path: Path | Sink, *, ranks: int, hours: float, interval: int, groups: int, end: int,
+    profile: str = "full",
 ) -> tuple[int, int]:
-    """Write the file; return ``(series, samples)``."""
+    """Write the samples (to a file at ``path``, or into a ``Sink``); return
+    ``(series, samples)``."""
+    sink = path if isinstance(path, Sink) else Sink(path)
+    scale = 1000 if sink.millis else 1
     rng = random.Random(1024)
     models = [RankModel(r, ranks, rng) for r in range(ranks)]
     templates = golden_templates(groups)
@@ -235,16 +307,14 @@ def write_openmetrics(
     families: dict[str, list[Template]] = {}
     for t in templates:
         families.setdefault(t.family, []).append(t)
-    with open(path, "w", buffering=1 << 22) as out:
+    try:
         for family, temps in families.items():
             kind = {"unknown": "gauge"}.get(temps[0].kind, temps[0].kind)
-            out.write(f"# TYPE {family} {kind}\n")
+            sink.family(family, kind)
+            chosen = [m for m in models if exports(family, m, profile)]
             per_rank = [
-                [(t, f"{t.sample}{series_labels(t, m, ranks)} ") for t in temps]
-                for m in models
-                if family != "ddpmon_grad_first_nonfinite_info" or m.origin
+                [(t, f"{t.sample}{series_labels(t, m, ranks)} ") for t in temps] for m in chosen
             ]
-            chosen = [m for m in models if family != "ddpmon_grad_first_nonfinite_info" or m.origin]
             series += sum(len(x) for x in per_rank)
             for i in range(points):
                 if family == "ddpmon_grad_first_nonfinite_info" and i < nonfinite_at:
@@ -262,11 +332,12 @@ def write_openmetrics(
                             v = value(t, m, i, seconds, nonfinite_at)
                         # Unix timestamps need more digits than .6g (1000 s steps).
                         text = f"{v:.6g}" if abs(v) < 1e6 else f"{v:.13g}"
-                        lines.append(f"{prefix}{text} {ts}\n")
-                out.writelines(lines)
+                        lines.append(f"{prefix}{text} {ts * scale}\n")
+                sink.write(lines)
                 samples += len(lines)
         # `up`, one per target, as Prometheus records it for every scrape.
-        out.write("# TYPE up gauge\n")
+        sink.family("up", "gauge")
+
         def up_labels(m: RankModel) -> str:
             labels = sorted({"job": "ddpmon", **target_labels(m)}.items())
             return ",".join(f'{k}="{v}"' for k, v in labels)
@@ -275,9 +346,10 @@ def write_openmetrics(
         series += len(ups)
         for i in range(points):
             ts = start + i * interval
-            out.writelines(f"{u}{ts}\n" for u in ups)
+            sink.write([f"{u}{ts * scale}\n" for u in ups])
             samples += len(ups)
-        out.write("# EOF\n")
+    finally:
+        sink.close()
     return series, samples
 
 
@@ -331,15 +403,172 @@ def run_queries(
             }
 
 
+class VictoriaMetrics:
+    """Single-node VictoriaMetrics (Debian's ``victoria-metrics``) on loopback, its query cache
+    off so that repeated queries are timed as a first dashboard load."""
+
+    def __init__(self, workdir: Path, port: int) -> None:
+        self.workdir, self.port = workdir, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.data = workdir / "data"
+        self._process: ManagedProcess | None = None
+
+    def start(self, timeout: float = 120.0) -> VictoriaMetrics:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            find_binary("victoria-metrics"),
+            f"-storageDataPath={self.data}",
+            f"-httpListenAddr=127.0.0.1:{self.port}",
+            "-retentionPeriod=100y",
+            "-search.disableCache",
+            "-search.latencyOffset=0s",
+            "-search.maxUniqueTimeseries=10000000",
+            "-search.maxSamplesPerQuery=2000000000",
+            "-search.maxQueryDuration=300s",
+            "-memory.allowedPercent=25",
+            "-dedup.minScrapeInterval=1ms",  # a rule replayed twice (--reuse) stores once
+            "-loggerLevel=WARN",
+        ]
+        self._process = ManagedProcess("victoria-metrics", cmd, self.workdir / "vm.log")
+        self._process.start()
+        self._process.wait_ready(f"{self.url}/health", timeout)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._process.proc if self._process else None
+        return proc.pid if proc is not None else None
+
+    def flush(self) -> None:
+        """Make everything imported searchable now (VictoriaMetrics buffers for ~1 s)."""
+        with urllib.request.urlopen(f"{self.url}/internal/force_flush", timeout=120) as resp:
+            resp.read()
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop(timeout=60)
+
+
+class PeakRss:
+    """Polls a process tree's resident memory (twice a second) and keeps the peak; with
+    ``limit`` bytes, kills the tree past it, so a benchmark cannot take a shared machine down."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        import threading
+
+        self.limit, self.peak, self.killed = limit, 0, False
+        self._pids: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def watch(self, pid: int | None) -> None:
+        if pid is not None:
+            self._pids.append(pid)
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.5):
+            total = 0
+            procs = []
+            for pid in list(self._pids):
+                try:
+                    p = psutil.Process(pid)
+                    procs += [p, *p.children(recursive=True)]
+                except psutil.Error:
+                    continue
+            for p in procs:
+                try:
+                    total += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak = max(self.peak, total)
+            if self.limit and total > self.limit:
+                self.killed = True
+                for p in procs:
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+def rule_group_times(url: str, end: int, repeats: int) -> list[dict]:
+    """Each shipped rule group's evaluation cost at the end of the hour: its rules' queries
+    run one after the other as instant queries, as a ruler runs a group (median of
+    ``repeats``). Recording rules first, then alerts."""
+    rows = []
+    for name, text in generate_rules().items():
+        if name not in (RULES_FILE, ALERTS_FILE):
+            continue
+        for group in yaml.safe_load(text)["groups"]:
+            totals = []
+            for _ in range(repeats):
+                total = 0.0
+                for rule in group["rules"]:
+                    seconds, body = _get(url, "query", {"query": rule["expr"], "time": str(end)})
+                    if body.get("status") != "success":
+                        raise RuntimeError(f"{group['name']}: {rule['expr']}: {body}")
+                    total += seconds
+                totals.append(total)
+            rows.append({
+                "file": name, "group": group["name"], "rules": len(group["rules"]),
+                "median_s": statistics.median(totals), "max_s": max(totals),
+            })
+    return rows
+
+
+def rule_passes(base: Path) -> list[Path]:
+    """The shipped recording rules split for a backfill: raw-series rules first, then the
+    run-wide medians that read them (a backfill sees only what is already in the store)."""
+    groups = yaml.safe_load(generate_rules()[RULES_FILE])["groups"]
+    paths = []
+    for i, keep in enumerate((lambda e: not dependent(e), dependent), start=1):
+        chosen = [
+            {"name": g["name"], "rules": [r for r in g["rules"] if keep(r["expr"])]}
+            for g in groups
+        ]
+        path = base / f"rules-pass{i}.yml"
+        path.write_text(yaml.safe_dump({"groups": [g for g in chosen if g["rules"]]},
+                                       sort_keys=False))
+        paths.append(path)
+    return paths
+
+
 def total_series(url: str, end: int) -> int:
     _, body = _get(url, "query", {"query": 'count({__name__=~".+"})', "time": str(end)})
     return int(float(body["data"]["result"][0]["value"][1]))
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def markdown(rows: list[dict], meta: dict, rule_rows: list[dict] | None = None) -> str:
     slow = [r for r in rows if r["median_s"] > TARGET_LATENCY_S]
+    vm = meta.get("store") == "victoria-metrics"
+    if vm:
+        how = (
+            f"Streamed into VictoriaMetrics {meta['store_version']} through "
+            f"`/api/v1/import/prometheus` while being generated: {meta['gen_s']:.0f} s in all, "
+            f"of which {meta['ingest_s']:.0f} s in the store's import calls (its ingestion "
+            "time); the shipped recording rules backfilled over the hour with `vmalert "
+            f"-replay` (two passes: the run-wide medians read the per-rank records) in "
+            f"{meta['rules_s']:.0f} s. Query cache off (`-search.disableCache`): "
+            "every repetition is timed as a first dashboard load."
+        )
+    else:
+        how = (
+            f"Written in {meta['gen_s']:.0f} s, `promtool tsdb create-blocks-from openmetrics` "
+            f"{meta['promtool_s']:.0f} s; the shipped recording rules (`ddpmon-rules.yml`, which "
+            "the dashboards read for per-rank histogram quantiles, means and run-wide medians) "
+            "backfilled with `promtool tsdb create-blocks-from rules` (two passes: the medians "
+            f"read the per-rank records) in {meta['rules_s']:.0f} s. "
+            f"Prometheus {meta['prometheus']}."
+        )
+    profile = meta.get("profile", "full")
     lines = [
-        section(meta["ranks"]),
+        section(meta["ranks"], meta.get("store", "prometheus"), profile),
         "",
         f"Command: `{meta['command']}`",
         "",
@@ -349,24 +578,43 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "scrape intervals every rate window reads the same number of samples as at a 15 s "
         "scrape), the agent's series "
         f"set from `tests/golden/exposition.txt` with {meta['groups']} gradient groups (the "
-        "default cap), target labels `job`/`instance` (and, from the benchmark version after this "
-        "table, the file_sd labels `run`/`rank`/`node`/`local_rank` on every series and `up`) "
-        "and `up`. "
-        f"Written in {meta['gen_s']:.0f} s, `promtool tsdb create-blocks-from openmetrics` "
-        f"{meta['promtool_s']:.0f} s; the shipped recording rules (`ddpmon-rules.yml`, which "
-        "the dashboards read for per-rank histogram quantiles and means) backfilled with "
-        f"`promtool tsdb create-blocks-from rules` in {meta['rules_s']:.0f} s. "
-        f"Prometheus {meta['prometheus']}; machine: {meta['cpus']} CPUs shared with other "
-        f"work (load average {meta['load']} at the start).",
+        "default cap"
+        + (", from rank 0 only: `series_profile=large`" if profile == "large" else "")
+        + "), target labels `job`/`instance` and the file_sd labels "
+        "`run`/`rank`/`node`/`local_rank` on every series and `up`, and `up`. "
+        f"{how} Machine: {meta['cpus']} CPUs shared with other "
+        f"work (load average {meta['load']} at the start); peak resident memory of the store "
+        f"{meta.get('peak_rss', 0) / 2**30:.1f} GiB"
+        + (f", of promtool {meta['promtool_rss'] / 2**30:.1f} GiB" if meta.get("promtool_rss")
+           else "")
+        + ".",
         "",
         f"**Series: {meta['series']:,} from the agents** (target <= "
         f"{target_series(meta['ranks']):,}; "
-        f"{meta['series'] / meta['ranks']:.0f} per rank), {meta['tsdb_series']:,} in the TSDB "
-        f"with the recorded series; **TSDB on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB** (blocks "
-        "of the hour, recording rules included). "
+        f"{meta['series'] / meta['ranks']:.0f} per rank), {meta['tsdb_series']:,} in the store "
+        f"with the recorded series; **on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB** (the hour, "
+        "recording rules included). "
         f"**Slowest query: {max(r['median_s'] for r in rows):.3f} s** (target <= "
         f"{TARGET_LATENCY_S:g} s); {len(slow)} of {len(rows)} queries over the target.",
         "",
+    ]
+    if rule_rows:
+        interval = meta["interval"]
+        lines += [
+            "Rule groups at the end of the hour (each rule's query run as an instant query, "
+            "one after the other, as a ruler evaluates a group; median of "
+            f"{meta['repeats']}), against a {interval} s evaluation interval:",
+            "",
+            "| file | group | rules | duration s | share of the interval |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in rule_rows:
+            lines.append(
+                f"| {r['file']} | {r['group']} | {r['rules']} | {r['median_s']:.3f} "
+                f"({r['max_s']:.3f}) | {r['median_s'] / interval:.1%} |"
+            )
+        lines.append("")
+    lines += [
         "Range queries cover the last hour with step = scrape interval "
         f"({meta['interval']} s) and `$__rate_interval` = {4 * meta['interval']} s (Grafana: "
         "4 x scrape interval); instant queries (tables) run at the end of the hour. Overview: "
@@ -387,15 +635,168 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(text: str, ranks: int = 1024) -> None:
-    """Replace (or append) only this benchmark's section of RESULTS.md (one per rank count)."""
+def write_section(text: str, ranks: int = 1024, store: str = "prometheus",
+                  profile: str = "full") -> None:
+    """Replace (or append) only this benchmark's section of RESULTS.md (one per rank count,
+    store and profile)."""
     current = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(rf"^{re.escape(section(ranks))}\n.*?(?=^## |\Z)", re.S | re.M)
+    head = section(ranks, store, profile)
+    pattern = re.compile(rf"^{re.escape(head)}\n.*?(?=^## |\Z)", re.S | re.M)
     if pattern.search(current):
         new = pattern.sub(lambda _m: text + "\n", current)
     else:
         new = current.rstrip("\n") + "\n\n" + text
     RESULTS.write_text(new.rstrip("\n") + "\n")
+
+
+def _queries(url: str, args: argparse.Namespace, end: int) -> list[dict]:
+    rows = []
+    for row in run_queries(
+        url, end=end, hours=args.hours, interval=args.interval,
+        repeats=args.repeats, detail_rank=str(args.ranks // 7),
+    ):
+        rows.append(row)
+        print(f"{row['median_s']:7.3f} s {row['series']:6d} series  "
+              f"{row['dashboard'][9:]} / {row['panel']} {row['ref']}", flush=True)
+    return rows
+
+
+def _on_prometheus(base: Path, args: argparse.Namespace, end: int, meta: dict,
+                   rss: PeakRss) -> tuple[list[dict], list[dict]]:
+    om = base / "metrics.om"
+    t0 = time.perf_counter()
+    meta["series"], meta["samples"] = write_openmetrics(
+        om, ranks=args.ranks, hours=args.hours, interval=args.interval,
+        groups=args.groups, end=end, profile=args.series_profile,
+    )
+    meta["gen_s"] = time.perf_counter() - t0
+    print(f"wrote {meta['samples']:,} samples of {meta['series']:,} series "
+          f"({om.stat().st_size / 1e6:.0f} MB) in {meta['gen_s']:.1f} s", flush=True)
+    prom_dir = base / "prometheus"
+    data = prom_dir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    promtool = subprocess.Popen(
+        [find_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", "-q",
+         str(om), str(data)],
+    )
+    tool_rss = PeakRss(rss.limit)
+    tool_rss.watch(promtool.pid)
+    try:
+        if promtool.wait(timeout=3600) != 0:
+            raise RuntimeError(
+                "promtool create-blocks-from openmetrics failed"
+                + (f": killed past {rss.limit / 2**30:.0f} GiB" if tool_rss.killed else "")
+            )
+    finally:
+        tool_rss.stop()
+    meta["promtool_s"] = time.perf_counter() - t0
+    meta["promtool_rss"] = tool_rss.peak
+    om.unlink()
+    print(f"promtool created blocks in {meta['promtool_s']:.1f} s "
+          f"(peak RSS {tool_rss.peak / 2**30:.1f} GiB)", flush=True)
+    version = subprocess.run(
+        [find_binary("prometheus"), "--version"], capture_output=True, text=True, check=True
+    )
+    meta["prometheus"] = version.stdout.split()[2] if version.stdout else "?"
+    sd = base / "sd"
+    sd.mkdir(exist_ok=True)
+    # The dashboards read per-rank histogram quantiles and run-wide medians from the shipped
+    # recording rules: backfill them over the same hour, as a Prometheus running them would
+    # have, in two passes (the medians read the first pass's records).
+    t0 = time.perf_counter()
+    for i, rules in enumerate(rule_passes(base), start=1):
+        prom = Prometheus(prom_dir, sd_dir=sd)
+        prom.start(timeout=600)
+        rss.watch(prom._process.proc.pid if prom._process and prom._process.proc else None)
+        backfill = base / f"rules-blocks-{i}"
+        try:
+            subprocess.run(
+                [find_binary("promtool"), "tsdb", "create-blocks-from", "rules", "-q",
+                 f"--start={end - int(args.hours * 3600)}", f"--end={end}",
+                 f"--url={prom.url}", f"--output-dir={backfill}",
+                 f"--eval-interval={args.interval}s", str(rules)],
+                check=True, timeout=3600, capture_output=True,
+            )
+        finally:
+            prom.stop()
+        for block in backfill.iterdir():
+            if block.is_dir():
+                shutil.move(str(block), data / block.name)
+    meta["rules_s"] = time.perf_counter() - t0
+    print(f"promtool backfilled the recording rules in {meta['rules_s']:.1f} s", flush=True)
+    meta["tsdb_bytes"] = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
+    print(f"TSDB on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB", flush=True)
+    prom = Prometheus(prom_dir, sd_dir=sd)
+    prom.start(timeout=600)
+    rss.watch(prom._process.proc.pid if prom._process and prom._process.proc else None)
+    try:
+        meta["tsdb_series"] = total_series(prom.url, end)
+        rows = _queries(prom.url, args, end)
+        rule_rows = rule_group_times(prom.url, end, args.repeats) if args.rule_times else []
+    finally:
+        prom.stop()
+    return rows, rule_rows
+
+
+def _on_victoria_metrics(base: Path, args: argparse.Namespace, end: int, meta: dict,
+                         rss: PeakRss) -> tuple[list[dict], list[dict]]:
+    from ddpmon.services import free_port
+
+    version = subprocess.run(  # Debian's build prints no -version: ask the package
+        ["dpkg-query", "-W", "-f=${Version}", "victoria-metrics"], capture_output=True, text=True
+    )
+    meta["store_version"] = version.stdout.strip() or "(version unknown)"
+    vm = VictoriaMetrics(base / "victoria-metrics", free_port()).start()
+    rss.watch(vm.pid)
+    try:
+        saved = base / "import.json"
+        if args.reuse and saved.exists():  # the store's data from an earlier run: no import
+            meta.update(json.loads(saved.read_text()))
+            end = meta["end"]
+        else:
+            sink = Sink(import_url=f"{vm.url}/api/v1/import/prometheus")
+            t0 = time.perf_counter()
+            meta["series"], meta["samples"] = write_openmetrics(
+                sink, ranks=args.ranks, hours=args.hours, interval=args.interval,
+                groups=args.groups, end=end, profile=args.series_profile,
+            )
+            vm.flush()
+            meta["gen_s"] = time.perf_counter() - t0
+            meta["ingest_s"] = sink.post_s
+            meta["end"] = end
+            keys = ("series", "samples", "gen_s", "ingest_s", "end", "load")
+            saved.write_text(json.dumps({k: meta[k] for k in keys}))
+        print(f"imported {meta['samples']:,} samples of {meta['series']:,} series in "
+              f"{meta['gen_s']:.1f} s ({meta['ingest_s']:.1f} s in import calls)", flush=True)
+        start = end - int(args.hours * 3600)
+        iso = "%Y-%m-%dT%H:%M:%SZ"
+        t0 = time.perf_counter()
+        for rules in rule_passes(base):
+            replay = subprocess.run(
+                [find_binary("vmalert"), f"-rule={rules}", f"-datasource.url={vm.url}",
+                 f"-remoteWrite.url={vm.url}", f"-evaluationInterval={args.interval}s",
+                 f"-replay.timeFrom={time.strftime(iso, time.gmtime(start))}",
+                 f"-replay.timeTo={time.strftime(iso, time.gmtime(end))}",
+                 "-replay.disableProgressBar", "-replay.rulesDelay=0s",
+                 "-replay.maxDatapointsPerQuery=100000", "-loggerLevel=WARN",
+                 f"-httpListenAddr=127.0.0.1:{free_port()}"],
+                capture_output=True, text=True, timeout=3600,
+            )
+            if replay.returncode != 0:
+                raise RuntimeError(f"vmalert -replay failed: {replay.stderr[-3000:]}")
+            time.sleep(2)  # vmalert's remote write flushes on exit; let the store take it in
+            vm.flush()
+        meta["rules_s"] = time.perf_counter() - t0
+        print(f"vmalert replayed the recording rules in {meta['rules_s']:.1f} s", flush=True)
+        meta["tsdb_bytes"] = sum(f.stat().st_size for f in vm.data.rglob("*") if f.is_file())
+        print(f"store on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB", flush=True)
+        meta["tsdb_series"] = total_series(vm.url, end)
+        rows = _queries(vm.url, args, end)
+        rule_rows = rule_group_times(vm.url, end, args.repeats) if args.rule_times else []
+    finally:
+        vm.stop()
+    return rows, rule_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,99 +806,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=int, default=60, help="seconds between samples")
     p.add_argument("--groups", type=int, default=Config().max_groups)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--store", choices=STORES, default="prometheus",
+                   help="prometheus (promtool blocks) or victoria-metrics (streamed import)")
+    p.add_argument("--series-profile", choices=SERIES_PROFILES, default="full",
+                   help="the agents' series_profile: large exports group norms from rank 0 only")
+    p.add_argument("--rule-times", action="store_true",
+                   help="also time every shipped rule group at the end of the hour")
+    p.add_argument("--max-rss-gib", type=float, default=16.0,
+                   help="kill the store or promtool past this resident memory (shared machine)")
     p.add_argument("--workdir", default=None, help="keep files here instead of a temp dir")
+    p.add_argument("--reuse", action="store_true",
+                   help="victoria-metrics: query the store kept in --workdir by an earlier run "
+                   "(rules replayed again, no import)")
     p.add_argument("--write-results", action="store_true",
-                   help=f"update {SECTION!r} (or the section of --ranks)")
+                   help=f"update {SECTION!r} (or the section of --ranks/--store/--series-profile)")
     args = p.parse_args(argv)
 
     base = Path(args.workdir or tempfile.mkdtemp(prefix="ddpmon-dash-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     end = int(time.time()) // args.interval * args.interval - args.interval
     meta = {
-        "command": "make bench-dashboards  # python benchmarks/dashboards_scale.py "
+        "command": "python benchmarks/dashboards_scale.py "
         + " ".join(a for a in (argv if argv is not None else sys.argv[1:])),
         "ranks": args.ranks,
         "hours": args.hours,
         "interval": args.interval,
         "groups": args.groups,
         "repeats": args.repeats,
+        "store": args.store,
+        "profile": args.series_profile,
         "cpus": os.cpu_count(),
         "load": " / ".join(f"{x:.1f}" for x in os.getloadavg()),
     }
+    rss = PeakRss(int(args.max_rss_gib * 2**30))
     try:
-        om = base / "metrics.om"
-        t0 = time.perf_counter()
-        meta["series"], meta["samples"] = write_openmetrics(
-            om, ranks=args.ranks, hours=args.hours, interval=args.interval,
-            groups=args.groups, end=end,
-        )
-        meta["gen_s"] = time.perf_counter() - t0
-        print(f"wrote {meta['samples']:,} samples of {meta['series']:,} series "
-              f"({om.stat().st_size / 1e6:.0f} MB) in {meta['gen_s']:.1f} s", flush=True)
-        prom_dir = base / "prometheus"
-        data = prom_dir / "data"
-        data.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        subprocess.run(
-            [find_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics", "-q",
-             str(om), str(data)],
-            check=True, timeout=1800,
-        )
-        meta["promtool_s"] = time.perf_counter() - t0
-        om.unlink()
-        print(f"promtool created blocks in {meta['promtool_s']:.1f} s", flush=True)
-        version = subprocess.run(
-            [find_binary("prometheus"), "--version"], capture_output=True, text=True, check=True
-        )
-        meta["prometheus"] = version.stdout.split()[2] if version.stdout else "?"
-        sd = base / "sd"
-        sd.mkdir(exist_ok=True)
-        prom = Prometheus(prom_dir, sd_dir=sd)
-        prom.start(timeout=120)
-        # The dashboards read per-rank histogram quantiles from the shipped recording rules:
-        # backfill them over the same hour, as a Prometheus running them would have.
-        rules = base / RULES_FILE
-        rules.write_text(generate_rules()[RULES_FILE])
-        backfill = base / "rules-blocks"
-        t0 = time.perf_counter()
-        try:
-            subprocess.run(
-                [find_binary("promtool"), "tsdb", "create-blocks-from", "rules", "-q",
-                 f"--start={end - int(args.hours * 3600)}", f"--end={end}",
-                 f"--url={prom.url}", f"--output-dir={backfill}",
-                 f"--eval-interval={args.interval}s", str(rules)],
-                check=True, timeout=1800, capture_output=True,
-            )
-        finally:
-            prom.stop()
-        meta["rules_s"] = time.perf_counter() - t0
-        print(f"promtool backfilled the recording rules in {meta['rules_s']:.1f} s", flush=True)
-        for block in backfill.iterdir():
-            if block.is_dir():
-                shutil.move(str(block), data / block.name)
-        meta["tsdb_bytes"] = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
-        print(f"TSDB on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB", flush=True)
-        prom = Prometheus(prom_dir, sd_dir=sd)
-        prom.start(timeout=120)
-        try:
-            meta["tsdb_series"] = total_series(prom.url, end)
-            rows = []
-            for row in run_queries(
-                prom.url, end=end, hours=args.hours, interval=args.interval,
-                repeats=args.repeats, detail_rank=str(args.ranks // 7),
-            ):
-                rows.append(row)
-                print(f"{row['median_s']:7.3f} s {row['series']:6d} series  "
-                      f"{row['dashboard'][9:]} / {row['panel']} {row['ref']}", flush=True)
-        finally:
-            prom.stop()
+        run = _on_victoria_metrics if args.store == "victoria-metrics" else _on_prometheus
+        rows, rule_rows = run(base, args, end, meta, rss)
     finally:
+        rss.stop()
         if not args.workdir:
             shutil.rmtree(base, ignore_errors=True)
-    text = markdown(rows, meta)
+    if rss.killed:
+        print(f"the store went past {args.max_rss_gib:g} GiB and was stopped", file=sys.stderr)
+        return 2
+    meta["peak_rss"] = rss.peak
+    text = markdown(rows, meta, rule_rows)
     print(text)
     if args.write_results:
-        write_section(text, args.ranks)
+        write_section(text, args.ranks, args.store, args.series_profile)
         print(f"updated {RESULTS}")
     slow = [r for r in rows if r["median_s"] > TARGET_LATENCY_S]
     return 1 if slow or meta["series"] > target_series(args.ranks) else 0

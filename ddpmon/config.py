@@ -20,6 +20,7 @@ and below Linux's ephemeral range (32768-60999). The node daemon uses ``DEFAULT_
 """
 
 ON_NONFINITE_CHOICES = ("record", "skip", "raise")
+SERIES_PROFILES = ("full", "large")
 ON_LOSS_SCALE_FLOOR_CHOICES = ("record", "raise")
 ENV_PREFIX = "DDPMON_"
 
@@ -91,6 +92,18 @@ class Config:
     announce: bool = False
     """Print one line per rank to stderr at attach, naming its /metrics endpoint (off: ddpmon
     writes nothing to stderr on a healthy run)."""
+    series_profile: str = "full"
+    """Which series each rank exports. ``full``: everything on every rank. ``large`` (very
+    large jobs): the reduced per-group norms (``ddpmon_grad_group_norm``, up to ``max_groups``
+    series), identical on every rank of a supported strategy, only from rank 0; every other
+    series stays per rank. See docs/deployment.md for the counts."""
+    linger_seconds: float = 20.0
+    """At ``close()``, keep serving /metrics until a store's scraper (Prometheus, vmagent) has
+    taken the final step, for at most this long, so a run's last values reach the store. A rank
+    scraped before waits at most one scrape interval; one never scraped waits only if it
+    published its target (``sd_dir``, ``daemon_url``), and only until this long after attach.
+    Set a little over your scrape interval (the default covers the shipped 5 s and 15 s); 0
+    never waits."""
     grad_norm_tolerance: float = 1e-3
     """Relative difference above which a trainer-reported grad norm (``observe_grad_norm``)
     counts as a mismatch with ddpmon's own."""
@@ -123,9 +136,15 @@ class Config:
         if self.on_nonfinite not in ON_NONFINITE_CHOICES:
             choices = ", ".join(ON_NONFINITE_CHOICES)
             raise ConfigError(f"on_nonfinite={self.on_nonfinite!r}: expected one of {choices}")
+        if self.series_profile not in SERIES_PROFILES:
+            choices = ", ".join(SERIES_PROFILES)
+            raise ConfigError(
+                f"series_profile={self.series_profile!r}: expected one of {choices}"
+            )
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
+        _check_float("linger_seconds", self.linger_seconds, 0.0, 600.0)
         _check_float("grad_norm_tolerance", self.grad_norm_tolerance, 0.0, 1.0)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,9 @@ class Endpoint:
         self._sd: Any = None
         self._daemon: tuple[str, dict] | None = None
         self.url: str | None = None
+        self.opened_at = time.monotonic()
+        self.lingered: str = ""
+        """How close() ended its linger: ``scraped``, ``timeout`` or ``no-wait``."""
 
     @classmethod
     def open(
@@ -105,6 +109,40 @@ class Endpoint:
                 register_rank(cfg.daemon_url, info)
                 self._daemon = (cfg.daemon_url, info)
 
+    def linger(self, seconds: float, final_at: float, rank: int) -> str:
+        """Keep serving until a store's scraper took an answer rendered at or after
+        ``final_at`` (monotonic), within the bound of ``delivery.linger_until``. Returns how it
+        ended: ``scraped``, ``timeout`` or ``no-wait``."""
+        from ..export.delivery import linger_until
+
+        if self.server is None:
+            self.lingered = "no-wait"
+            return self.lingered
+        deliveries = self.server.deliveries
+        deadline = linger_until(
+            now=time.monotonic(),
+            linger_seconds=seconds,
+            store_scraped=deliveries.store_scrapes > 0,
+            published=self._sd is not None or self._daemon is not None,
+            opened_at=self.opened_at,
+        )
+        if deadline is None:
+            self.lingered = "no-wait"
+        elif deliveries.wait_for_store_scrape(final_at, deadline):
+            self.lingered = "scraped"
+        else:
+            self.lingered = "timeout"
+            interval = deliveries.store_interval
+            if rank == 0 and interval is not None and interval > seconds:
+                log.warning(
+                    "ddpmon: the store's scraper did not come back within linger_seconds=%g "
+                    "(it scrapes every %.0f s): the final steps may be missing from the store; "
+                    "set linger_seconds a little over the scrape interval",
+                    seconds,
+                    interval,
+                )
+        return self.lingered
+
     def close(self) -> None:
         if self._sd is not None:
             try:
@@ -146,4 +184,6 @@ def _collector(
         min_interval=cfg.live_refresh_seconds,
         on_error=guard.error,
     )
-    return DdpmonCollector(state, ident, run_id, build_versions(), live)
+    return DdpmonCollector(
+        state, ident, run_id, build_versions(), live, series_profile=cfg.series_profile
+    )

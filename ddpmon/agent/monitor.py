@@ -13,6 +13,7 @@ import contextlib
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -334,7 +335,10 @@ class Monitor:
         return self.source.clip_norm(params)
 
     def close(self) -> None:
-        """Flush pending readbacks, write the summary, stop the server. Idempotent."""
+        """Flush pending readbacks, write the summary, stop the server. Idempotent.
+
+        Before the server stops, the rank lingers until a store's scraper has taken the final
+        values (``linger_seconds`` bounds it; see ``export/delivery.py`` for when it waits)."""
         with self._lock:
             if self._closed:
                 return
@@ -358,7 +362,12 @@ class Monitor:
         for sink in self.pipeline.sinks:
             with self.guard(sink.probe):
                 sink.close()
-        self.endpoint.close()
+        final_at = time.monotonic()  # every value is final: a scrape rendered now has them all
+        try:
+            with self.guard("server"):
+                self.endpoint.linger(self.config.linger_seconds, final_at, self.identity.rank)
+        finally:
+            self.endpoint.close()
         try:
             atexit.unregister(self.close)
         except Exception:

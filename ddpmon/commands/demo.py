@@ -20,6 +20,10 @@ from .. import metrics
 from ..config import DEFAULT_PORT
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError
 
+DEMO_LINGER_SECONDS = 6.0
+"""The demo's ranks wait at most this long at close for the store (``ddpmon stack`` scrapes
+every 5 s); shorter than the agent's default, so a demo without a stack ends promptly."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run a monitored multi-rank CPU training (gloo)")
@@ -57,6 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-amp", action="store_true", help="fp32, no GradScaler")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after training")
+    p.add_argument("--linger", type=float, default=DEMO_LINGER_SECONDS, metavar="S",
+                   help="the ranks' linger_seconds: at close, wait up to S s for a store's "
+                   f"scraper to take the last step (default {DEMO_LINGER_SECONDS:g}: a little "
+                   "over the 5 s scrape interval of `ddpmon stack`; 0: never wait)")
     p.add_argument("--no-progress", action="store_true", help="plain output, no live table")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
                    help="rank 0 saves a checkpoint after every K-th step (0: never)")
@@ -112,6 +120,8 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
         str(args.pg_timeout),
         "--hold",
         str(args.hold),
+        "--linger",
+        str(args.linger),
         "--seed",
         str(args.seed),
     ]

@@ -75,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on-nonfinite", default=None)
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after the last step")
+    p.add_argument("--linger", type=float, default=6.0, help="the agent's linger_seconds")
     p.add_argument("--seed", type=int, default=0)
     add_checkpoint_arguments(p)
     return p.parse_args(argv)
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             "sd_dir": args.sd_dir,
             "daemon_url": args.daemon_url,
             "on_nonfinite": args.on_nonfinite,
+            "linger_seconds": args.linger,
         }.items()
         if v is not None
     }

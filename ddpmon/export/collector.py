@@ -98,6 +98,27 @@ class LiveSources:
             return None
 
 
+REDUCED_STRATEGIES = ("ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp", "hsdp+tp")
+"""Strategies whose reduced norms are the whole model's, identical on every rank (DeepSpeed ZeRO
+too, as ``deepspeed-zero<N>``). ``plain`` (no wrapper: ranks may train different things) and
+``unsupported:*`` (local numbers only) are not."""
+
+
+def reduced_norms_identical(strategy: str) -> bool:
+    """True when every rank of the job computes the same reduced global and group norms."""
+    return strategy in REDUCED_STRATEGIES or strategy.startswith("deepspeed-zero")
+
+
+def exports_group_norms(profile: str, rank: int, strategy: str) -> bool:
+    """Whether this rank exports ``ddpmon_grad_group_norm`` under ``series_profile``.
+
+    ``large``: only rank 0, where every rank's copy is the same (``reduced_norms_identical``).
+    Rank 0 because it always exists and is the rank a dashboard falls back to; a lost rank 0 is
+    a RankDown page of its own. The global norm stays on every rank: one series each, and the
+    copies are what DdpmonGradDesync compares to catch replicas that diverged."""
+    return profile != "large" or rank == 0 or not reduced_norms_identical(strategy)
+
+
 class DdpmonCollector(Collector):
     """Yields one family per catalogue entry that has data, in catalogue order."""
 
@@ -108,12 +129,14 @@ class DdpmonCollector(Collector):
         run_id: str,
         versions: dict[str, str],
         live: LiveSources | None = None,
+        series_profile: str = "full",
     ) -> None:
         self.state = state
         self.identity = identity
         self.run_id = run_id
         self.versions = versions
         self.live = live
+        self.series_profile = series_profile
 
     def collect(self) -> Iterator[Metric]:
         live = self.live.refresh_if_stale() if self.live is not None else None
@@ -169,7 +192,7 @@ class DdpmonCollector(Collector):
             out[m.GRAD_NORM] = _one(s.grad_norm)
         if s.grad_local_norm is not None:
             out[m.GRAD_LOCAL_NORM] = _one(s.grad_local_norm)
-        if s.group_norms:
+        if s.group_norms and exports_group_norms(self.series_profile, ident.rank, s.strategy):
             out[m.GRAD_GROUP_NORM] = [((g, ), v) for g, v in list(s.group_norms.items())]
         if s.collective_duration or s.collective_bytes_total:
             out[m.COLLECTIVE_DURATION] = [

@@ -46,6 +46,8 @@ class Conn:
     out: memoryview | None = None
     close_after: bool = False
     served: int = 0
+    on_sent: Callable[[], None] | None = None
+    """Called on the loop thread once the current response's last byte reached the socket."""
     eof: bool = False  # the client half-closed; answer what is buffered, then close
 
 
@@ -105,9 +107,18 @@ class ConnectionLoop:
 
     # ---------------------------------------------------------------- used by the HTTP layer
 
-    def respond(self, conn: Conn, data: bytes, *, close_after: bool) -> None:
-        """Start writing ``data``; afterwards read the next request or close gracefully."""
+    def respond(
+        self,
+        conn: Conn,
+        data: bytes,
+        *,
+        close_after: bool,
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
+        """Start writing ``data``; afterwards read the next request or close gracefully.
+        ``on_sent``: called once every byte of ``data`` is in the socket (never if dropped)."""
         conn.out = memoryview(data)
+        conn.on_sent = on_sent
         conn.close_after = close_after
         conn.state = "write"
         conn.deadline = time.monotonic() + self.limits.write_timeout
@@ -358,6 +369,9 @@ class ConnectionLoop:
             self._sel_set(conn, selectors.EVENT_WRITE)
             return
         conn.out = None
+        if conn.on_sent is not None:
+            sent, conn.on_sent = conn.on_sent, None
+            sent()
         if conn.close_after:
             if conn.eof and conn.inbuf:  # pipelined requests before the half-close
                 conn.state = "read"

@@ -11,7 +11,7 @@ worker thread so the loop keeps serving; credentials that verified before are an
 
 Interface used by the agent and the daemon: ``MetricsServer(render, bind=..., port=...,
 web_config=None)``, ``.start()`` (``WebConfigError``, ``PortInUseError``), ``.port``,
-``.close()``.
+``.close()``, ``.deliveries`` (which answers reached a store's scraper, for linger).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from email.utils import formatdate
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ddpmon.export.connections import Conn, ConnectionLoop
+from ddpmon.export.delivery import Deliveries, is_store_scraper
 from ddpmon.export.http11 import HttpError, Limits, parse_request_head, response_head
 from ddpmon.export.webconfig import BasicAuth, WebConfig, WebConfigError, load_web_config
 
@@ -57,6 +58,7 @@ class _AuthCheck:
     method: str
     path: str
     keep: bool
+    store: bool
 
 
 class MetricsServer:
@@ -95,6 +97,8 @@ class MetricsServer:
             "errors": 0,
         }
         """Counters for tests and debugging; ``status_<code>`` keys count responses."""
+        self.deliveries = Deliveries()
+        """Delivered /metrics answers: what the agent's close() waits on (linger)."""
 
     @property
     def port(self) -> int:
@@ -181,6 +185,7 @@ class MetricsServer:
         conn.served += 1
         keep = request.keep_alive and conn.served < self.limits.max_requests_per_connection
         method, path = request.method, request.path
+        store = is_store_scraper(request.headers)
         auth = self._cfg.auth if self._cfg else None
         if auth is not None:
             creds = BasicAuth.parse_header(request.headers.get("authorization"))
@@ -193,11 +198,11 @@ class MetricsServer:
                     return
                 self._connections.park(conn)
                 self._auth_pending += 1
-                self._auth_q.put(_AuthCheck(conn, *creds, method, path, keep))
+                self._auth_q.put(_AuthCheck(conn, *creds, method, path, keep, store))
                 return
-        self._route(conn, method, path, keep)
+        self._route(conn, method, path, keep, store)
 
-    def _route(self, conn: Conn, method: str, path: str, keep: bool) -> None:
+    def _route(self, conn: Conn, method: str, path: str, keep: bool, store: bool) -> None:
         if path not in ("/metrics", "/"):
             self._respond(conn, 404, method, keep)
         elif method not in ("GET", "HEAD"):
@@ -205,13 +210,17 @@ class MetricsServer:
         elif path == "/":
             self._respond(conn, 200, method, keep, self._index_html, "text/html; charset=utf-8")
         else:
+            rendered_at = time.monotonic()
             try:
                 body = self._render()
             except Exception:
                 log.warning("ddpmon http: render failed", exc_info=True)
                 self._respond(conn, 500, method, False)
                 return
-            self._respond(conn, 200, method, keep, body, self._content_type)
+            sent = None
+            if method == "GET":
+                sent = functools.partial(self.deliveries.delivered, rendered_at, store)
+            self._respond(conn, 200, method, keep, body, self._content_type, on_sent=sent)
 
     def _error(self, conn: Conn, code: int) -> None:
         conn.inbuf.clear()
@@ -226,6 +235,7 @@ class MetricsServer:
         body: bytes | None = None,
         ctype: str = "text/plain; charset=utf-8",
         extra: dict[str, str] | None = None,
+        on_sent: Callable[[], None] | None = None,
     ) -> None:
         extra = dict(extra or {})
         if self._cfg is not None:
@@ -234,7 +244,7 @@ class MetricsServer:
         key = f"status_{code}"
         self.stats[key] = self.stats.get(key, 0) + 1
         data = head + body if method != "HEAD" else head
-        self._connections.respond(conn, data, close_after=not keep or conn.eof)
+        self._connections.respond(conn, data, close_after=not keep or conn.eof, on_sent=on_sent)
 
     def _date(self) -> str:
         now = int(time.time())
@@ -265,7 +275,7 @@ class MetricsServer:
             return
         try:
             if ok:
-                self._route(conn, check.method, check.path, check.keep)
+                self._route(conn, check.method, check.path, check.keep, check.store)
             else:
                 self._respond(conn, 401, check.method, check.keep)
         except Exception:

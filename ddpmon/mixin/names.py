@@ -42,4 +42,26 @@ COLLECTIVE_RUN_P99 = "run:ddpmon_collective_duration_seconds:p99"
 GRAD_NORM_RUN_MAX = "run:ddpmon_grad_norm:max_finite"
 GRAD_NORM_RUN_SPREAD = "run:ddpmon_grad_norm:relative_spread"
 RANKS_REPORTING = "run:ddpmon_ranks_reporting:count"
+# Run-wide medians and minima the dashboards draw as one line: computed by the ruler that sees
+# the whole run, so a panel reads one series per run instead of aggregating every rank's.
+LOSS_RUN_MEDIAN = "run:ddpmon_loss:median"
+LOCAL_NORM_RUN_MEDIAN = "run:ddpmon_grad_local_norm:median"
+STEP_RUN_MIN = "run:ddpmon_step:min"
+STEPS_RATE_RUN_MEDIAN = "run:ddpmon_steps:rate_median"
+STEP_P99_RUN_MEDIAN = "run:ddpmon_step_duration_seconds:p99_median"
+# Per run and op: the median rank's mean and p99 time per collective.
+COLLECTIVE_MEAN_RUN_MEDIAN = "run:ddpmon_collective_duration_seconds:mean_median"
+COLLECTIVE_P99_RUN_MEDIAN = "run:ddpmon_collective_duration_seconds:p99_median"
+RSS_RUN_MEDIAN = "run:ddpmon_process_resident_memory_bytes:median"
+# How many of the run's ranks have a per-rank value at or below each ``le`` (cumulative, like a
+# histogram's buckets): the distributions "across ranks" read these few series per run.
+DATA_WAIT_RANKS = "run:ddpmon_data_wait_seconds:mean_ranks_bucket"
+STEP_P99_RANKS = "run:ddpmon_step_duration_seconds:p99_ranks_bucket"
+# Per run and op (one set of buckets per op the run issues).
+COLLECTIVE_MEAN_RANKS = "run:ddpmon_collective_duration_seconds:mean_ranks_bucket"
+COLLECTIVE_P99_RANKS = "run:ddpmon_collective_duration_seconds:p99_ranks_bucket"
+RANK_PROBLEMS = "run:ddpmon_rank_problems:count"
+"""Per rank (its target labels kept), how many of the rank-health table's problems hold: down,
+stalled, behind, straggler, starved, memory. ``run:`` because it compares the rank with its run
+(leader, median compute time), so it runs where the whole run is seen, not on a shard."""
 WORLD_SIZE = "run:ddpmon_world_size:max"

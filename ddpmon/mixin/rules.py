@@ -1,6 +1,8 @@
 """Recording rules: per-rank and per-run aggregates that alerts and dashboards share.
 
-Names (``ddpmon/mixin/names.py``) follow Prometheus' ``level:metric:operations``. Per-rank
+Names (``ddpmon/mixin/names.py``) follow Prometheus' ``level:metric:operations``. A ``run:``
+median of a ``rank:`` record reads that record (one level of nesting, never more; a record
+comes after its inputs in its group); ``dependent`` tells such rules apart, for backfills. Per-rank
 records aggregate nothing away, so every target label survives (job, instance, namespace,
 cluster, node...); per-run records aggregate ``by`` ``MixinConfig.run_labels``. Rates use
 ``MixinConfig.rate_window``. Quantile records drop NaN (no observations in the window) so that
@@ -8,6 +10,8 @@ cluster, node...); per-run records aggregate ``by`` ``MixinConfig.run_labels``. 
 """
 
 from __future__ import annotations
+
+import re
 
 from ddpmon import metrics as m
 from ddpmon.mixin import names as n
@@ -50,6 +54,66 @@ def _quantile(cfg: MixinConfig, q: str, histogram: str, by: str = "") -> str:
     return f"histogram_quantile({q}, {buckets}) >= 0"
 
 
+def dependent(expr: str) -> bool:
+    """True when ``expr`` reads another recording rule's output (a second-order rule)."""
+    return bool(re.search(r"\b(?:rank|run):ddpmon_", expr))
+
+
+def _median(cfg: MixinConfig, expr: str, by: str = "") -> str:
+    return f"quantile {by or cfg.by_run} (0.5, {expr})"
+
+
+RANK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                0.5, 1, 2.5, 5, 10, 25, 60)
+"""Upper bounds (seconds) of the run-wide distributions of per-rank latencies."""
+
+
+def _ranks_bucket(cfg: MixinConfig, record: str, by: str = "") -> str:
+    """Per run (or ``by``), how many ranks have ``record`` <= each bound, as cumulative ``le``
+    buckets (0 where none is), so a heatmap reads len(RANK_BUCKETS) + 1 series per group
+    whatever the rank count."""
+    by = by or cfg.by_run
+    terms = [
+        f'label_replace(count {by} ({record} <= {b:g}) or count {by} ({record}) * 0, '
+        f'"le", "{b:g}", "", "")'
+        for b in RANK_BUCKETS
+    ]
+    terms.append(f'label_replace(count {by} ({record} >= 0), "le", "+Inf", "", "")')
+    return "\nor\n".join(terms)
+
+
+def _problem(name: str, expr: str) -> str:
+    return f'label_replace({expr}, "problem", "{name}", "", "")'
+
+
+def rank_problems(cfg: MixinConfig) -> str:
+    """Per rank, the number of problems the rank-health table names (0 for a healthy rank that
+    reports its step). Recorded so the table reads one series per rank: computed per dashboard
+    load it took 2.8 s at 16,384 ranks. Reads first-order records and raw series only (the run's
+    median compute time inline), so dashboards stay one level of nesting deep."""
+    run_labels = ", ".join(cfg.run_labels)
+    step = sel(cfg, m.STEP.name)
+    behind = f"{n.STEP_LEADER} - on ({run_labels}) group_right {step}"
+    skew = (
+        f"{n.COMPUTE_MEAN} / on ({run_labels}) group_left "
+        f"quantile {cfg.by_run} (0.5, {n.COMPUTE_MEAN})"
+    )
+    problems = "\nor\n".join(
+        (
+            _problem("down", f"{sel(cfg, 'up')} == 0"),
+            _problem("stalled", f"{n.HEARTBEAT_AGE} > {n.STALL_THRESHOLD}"),
+            _problem("behind", f"{behind} > {cfg.rank_desync_steps:g}"),
+            _problem("straggler", f"{skew} > {cfg.straggler_ratio:g}"),
+            _problem("starved", f"{n.DATA_WAIT_RATIO} > {cfg.data_starved_share:g}"),
+            _problem(
+                "memory",
+                f"max without (gpu) ({n.GPU_ALLOCATED_RATIO}) > {cfg.gpu_memory_full_ratio:g}",
+            ),
+        )
+    )
+    return f"count without (problem) (\n{problems}\n)\nor\n{step} * 0"
+
+
 def recording_rules(cfg: MixinConfig) -> list[dict]:
     """Rule groups in Prometheus' rule file shape, one per layer."""
     by_run = cfg.by_run
@@ -58,6 +122,7 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     skipped = sel(cfg, m.AMP_SKIPPED_STEPS.name)
     step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
     collective = m.COLLECTIVE_DURATION.name
+    by_op = f"by ({run_labels}, op)"
     collective_per_step = (
         f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
     )
@@ -94,6 +159,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             f"  and on ({run_labels}, step) (count by ({run_labels}, step) ({by_step}) > 1)\n"
             ")",
         },
+        {"record": n.LOSS_RUN_MEDIAN, "expr": _median(cfg, sel(cfg, m.LOSS.name))},
+        {
+            "record": n.LOCAL_NORM_RUN_MEDIAN,
+            "expr": _median(cfg, sel(cfg, m.GRAD_LOCAL_NORM.name)),
+        },
     ]
     data = [
         {"record": n.STEP_P99, "expr": _quantile(cfg, "0.99", m.STEP_DURATION.name)},
@@ -118,6 +188,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             f"+ {cfg.stall_seconds:g}",
         },
         {"record": n.STEP_LEADER, "expr": f"max {by_run} ({sel(cfg, m.STEP.name)})"},
+        {"record": n.STEP_RUN_MIN, "expr": f"min {by_run} ({sel(cfg, m.STEP.name)})"},
+        {"record": n.STEPS_RATE_RUN_MEDIAN, "expr": _median(cfg, n.STEPS_RATE)},
+        {"record": n.STEP_P99_RUN_MEDIAN, "expr": _median(cfg, n.STEP_P99)},
+        {"record": n.DATA_WAIT_RANKS, "expr": _ranks_bucket(cfg, n.DATA_WAIT_MEAN)},
+        {"record": n.STEP_P99_RANKS, "expr": _ranks_bucket(cfg, n.STEP_P99)},
     ]
     memory = [
         {
@@ -125,6 +200,10 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             # group_right: the result keeps the NVML series' `gpu` label.
             "expr": f"max_over_time({sel(cfg, m.CUDA_MEMORY_ALLOCATED.name)}[{gw}])\n"
             f"/ ignoring (gpu) group_right\n{sel(cfg, m.GPU_MEMORY_TOTAL.name)}",
+        },
+        {
+            "record": n.RSS_RUN_MEDIAN,
+            "expr": _median(cfg, sel(cfg, m.PROCESS_RESIDENT_MEMORY.name)),
         },
     ]
     communication = [
@@ -144,6 +223,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             "record": n.COLLECTIVE_RUN_P99,
             "expr": _quantile(cfg, "0.99", collective, f"{run_labels}, op"),
         },
+        # Per run and op: the median rank and how many ranks fall in each latency bucket.
+        {"record": n.COLLECTIVE_MEAN_RUN_MEDIAN, "expr": _median(cfg, n.COLLECTIVE_MEAN, by_op)},
+        {"record": n.COLLECTIVE_P99_RUN_MEDIAN, "expr": _median(cfg, n.COLLECTIVE_P99, by_op)},
+        {"record": n.COLLECTIVE_MEAN_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_MEAN, by_op)},
+        {"record": n.COLLECTIVE_P99_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_P99, by_op)},
         {
             # Step time minus the time spent in collectives (every op): the fast ranks of a
             # run wait for the slow one inside the collective, so wall step time alone cannot
@@ -156,6 +240,7 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": n.RANKS_REPORTING, "expr": f"count {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.WORLD_SIZE, "expr": f"max {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
     ]
+    communication.append({"record": n.RANK_PROBLEMS, "expr": rank_problems(cfg)})
     return [
         {"name": f"ddpmon-{m.Layer.NUMERICS.slug}.rules", "rules": numerics},
         {"name": f"ddpmon-{m.Layer.DATA_SUPPLY.slug}.rules", "rules": data},

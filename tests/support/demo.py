@@ -49,6 +49,8 @@ class DemoRun:
     run_id: str = "live"
     nproc: int = 2
     env: dict[str, str] = field(default_factory=dict)
+    linger: float | None = None
+    """The ranks' linger_seconds (``ddpmon demo --linger``); None: the demo's default."""
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -91,6 +93,8 @@ class DemoRun:
         ]
         for spec in self.injects:
             cmd += ["--inject", spec]
+        if self.linger is not None:
+            cmd += ["--linger", str(self.linger)]
         return cmd
 
     def start(self) -> DemoRun:

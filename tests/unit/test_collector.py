@@ -116,9 +116,9 @@ def make_state(groups=4) -> MetricState:
     return s
 
 
-def make_exposition(state=None, nvml=None) -> Exposition:
+def make_exposition(state=None, nvml=None, rank=1, series_profile="full") -> Exposition:
     identity = RankIdentity(
-        rank=1,
+        rank=rank,
         local_rank=1,
         world_size=2,
         node="node-a",
@@ -142,7 +142,10 @@ def make_exposition(state=None, nvml=None) -> Exposition:
         "nccl_version": "2.27.3",
         "python_version": "3.11.7",
     }
-    return Exposition(DdpmonCollector(state or make_state(), identity, "run-1", versions, live))
+    return Exposition(
+        DdpmonCollector(state or make_state(), identity, "run-1", versions, live,
+                        series_profile=series_profile)
+    )
 
 
 def test_golden_exposition():
@@ -215,6 +218,33 @@ def test_series_budget_holds_for_every_strategy_op_set(ops):
     assert len(series) <= 150, len(series)
 
 
+def _series(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_series_profile_large_keeps_group_norms_on_rank_0_only():
+    """Reduced group norms are the same on every rank of DDP/FSDP2/DeepSpeed: under ``large``
+    only rank 0 exports them; everything else (global and local norms, origin) stays per
+    rank. Ranks whose norms are their own (plain, unsupported) keep them."""
+    def render(rank, profile, strategy="ddp"):
+        state = make_state(groups=32)
+        state.strategy = strategy
+        return make_exposition(state, rank=rank, series_profile=profile).render().decode()
+
+    full, large = render(1, "full"), render(1, "large")
+    dropped = set(_series(full)) - set(_series(large))
+    assert len(dropped) == 32 and all(x.startswith("ddpmon_grad_group_norm{") for x in dropped)
+    assert set(_series(large)) <= set(_series(full))
+    for name in ("ddpmon_grad_norm{", "ddpmon_grad_local_norm{",
+                 "ddpmon_grad_nonfinite_origin_steps_total{", "ddpmon_grad_first_nonfinite_info{"):
+        assert any(x.startswith(name) for x in _series(large)), name
+    assert _series(render(0, "large")) == _series(render(0, "full"))
+    for strategy in ("deepspeed-zero3", "fsdp2", "hsdp+tp", "tp"):
+        assert "ddpmon_grad_group_norm{" not in render(1, "large", strategy), strategy
+    for strategy in ("plain", "unsupported:pipeline-parallel"):
+        assert "ddpmon_grad_group_norm{" in render(1, "large", strategy), strategy
+
+
 def test_render_is_cached_until_state_changes():
     state = make_state()
     exposition = make_exposition(state)
@@ -247,3 +277,24 @@ def test_new_counters_are_exported_at_zero_and_stall_gauge_only_when_set():
     assert 'ddpmon_grad_norm_mismatch_total{rank="1",run="run-1"} 0.0' in text
     assert "ddpmon_stall_threshold_seconds" not in text
     assert 'strategy="plain"' in text
+
+
+def test_docs_state_the_default_series_per_rank():
+    """docs/deployment.md's per-rank counts and 16k totals are this collector's, with the
+    default group cap and every core probe counted (an agent exports all of them at zero)."""
+    from ddpmon.config import Config
+    from ddpmon.state import CORE_PROBES
+
+    def count(profile: str, rank: int) -> int:
+        state = make_state(groups=Config().max_groups)
+        state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
+        exposition = make_exposition(state, rank=rank, series_profile=profile)
+        return len(_series(exposition.render().decode()))
+
+    full, large, large0 = count("full", 1), count("large", 1), count("large", 0)
+    assert full <= 150 and large0 == full
+    doc = (Path(__file__).parents[2] / "docs" / "deployment.md").read_text()
+    assert f"**{full} series**" in doc and f"**{large} series**" in doc
+    ranks = 16_384
+    row = f"| 16,384 | {ranks * (full + 1):,} | {(ranks - 1) * (large + 1) + full + 1:,} |"
+    assert row in doc, row

@@ -33,6 +33,7 @@ def test_top_lists_live_ranks_and_marks_dead_ones(tmp_path):
         run_dir=str(tmp_path),
         run_id="toprun",
         sd_dir=str(sd),
+        linger_seconds=0,  # published, but no store scrapes this test
     )
     try:
         for _ in range(3):

@@ -88,7 +88,8 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Grad norm by module group", "timeseries", "none",
                 (q(Q.GROUP_NORM_TOP, "{{group}}"),),
-                "Post-reduce norm per module group (largest k): which layer blows up.",
+                "Post-reduce norm per module group (largest k): which layer blows up. The "
+                "same on every rank: under series_profile=large, rank 0's.",
                 log_scale=True,
             ),
             PanelSpec(

@@ -27,6 +27,11 @@ from ddpmon.mixin.dashboards.model import (
 from ddpmon.mixin.dashboards.promql import expand
 from ddpmon.mixin.dashboards.queries import overview as Q
 
+DIST = (
+    "Every rank of the run, whatever the rank selection: counted per run by the ruler "
+    "(run:...:ranks_bucket), so the panel reads one series per bucket at any rank count."
+)
+
 
 def _run_row(q: Any, cfg: MixinConfig) -> RowSpec:
     health = Q.rank_health(cfg)
@@ -193,10 +198,9 @@ def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
             ),
             PanelSpec(
                 "Data wait across ranks", "heatmap", "s",
-                (q(Q.DATA_WAIT_HEATMAP, "{{rank}}"),),
+                (q(Q.DATA_WAIT_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' mean data wait: y = wait bucket, colour = number of "
-                "ranks; a starved rank is a lone cell far above the rest.",
-                distribution=True,
+                f"ranks; a starved rank is a lone cell far above the rest. {DIST}",
             ),
             PanelSpec(
                 "Steps/s per rank", "timeseries", "suffix: steps/s",
@@ -209,10 +213,9 @@ def _data_row(q: Any, cfg: MixinConfig) -> RowSpec:
             ),
             PanelSpec(
                 "Step time p99 across ranks", "heatmap", "s",
-                (q(Q.STEP_P99_HEATMAP, "{{rank}}"),),
+                (q(Q.STEP_P99_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' p99 step wall time (data wait excluded): y = "
-                "latency bucket, colour = number of ranks.",
-                distribution=True,
+                f"latency bucket, colour = number of ranks. {DIST}",
             ),
             PanelSpec(
                 "Ranks with identical batches", "stat", "short",
@@ -288,20 +291,18 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
         (
             PanelSpec(
                 "Collective mean across ranks", "heatmap", "s",
-                (q(Q.COLLECTIVE_MEAN_HEATMAP, "{{rank}} {{op}}"),),
+                (q(Q.COLLECTIVE_MEAN_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' mean time per collective, one entry per rank and "
                 "op (all_reduce, reduce_scatter, all_gather, reduce, broadcast, send, recv): y = "
                 "latency bucket, colour = number of entries; each op the run issues is its own "
-                "band.",
-                distribution=True,
+                f"band. {DIST}",
             ),
             PanelSpec(
                 "Collective p99 across ranks", "heatmap", "s",
-                (q(Q.COLLECTIVE_P99_HEATMAP, "{{rank}} {{op}}"),),
+                (q(Q.COLLECTIVE_P99_HEATMAP, "{{le}}", RUN, fmt="heatmap"),),
                 "Distribution of the ranks' p99 per op, from coarse (factor-8) buckets: a few "
                 "slow ranks are a separate band, a fabric-wide problem moves the whole "
-                "distribution up.",
-                distribution=True,
+                f"distribution up. {DIST}",
             ),
             PanelSpec(
                 "Collective mean by node", "timeseries", "s",

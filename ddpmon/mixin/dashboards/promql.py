@@ -2,7 +2,8 @@
 
 Query templates carry placeholders that :func:`expand` fills from the config: ``{S}`` (the ranks
 the user selected), ``{R}`` (every rank of the run: medians and leaders are run-wide whatever
-ranks are shown), ``{D}`` (one rank, rank detail), the same three with an ``R`` suffix for
+ranks are shown), ``{D}`` (one rank, rank detail), ``{D0}`` (rank 0 of the run: the copy of a
+series only rank 0 exports under ``series_profile=large``), the same three with an ``R`` suffix for
 recording-rule outputs (``{SR}``, ``{RR}``, ``{DR}``), and ``{K}`` (``dashboard_topk``).
 """
 
@@ -27,6 +28,7 @@ def selectors(cfg: MixinConfig) -> dict[str, str]:
         "S": f'{{{job}, run="$run", rank=~"$rank"}}',
         "R": f'{{{job}, run="$run"}}',
         "D": f'{{{job}, run="$run", rank="$rank"}}',
+        "D0": f'{{{job}, run="$run", rank="0"}}',
         "SR": f'{{{extra}run="$run", rank=~"$rank"}}',
         "RR": f'{{{extra}run="$run"}}',
         "DR": f'{{{extra}run="$run", rank="$rank"}}',
@@ -36,7 +38,7 @@ def selectors(cfg: MixinConfig) -> dict[str, str]:
 def expand(template: str, cfg: MixinConfig) -> str:
     """Fill a query template's placeholders for ``cfg``."""
     sel = selectors(cfg)
-    for key in ("SR", "RR", "DR", "S", "R", "D"):
+    for key in ("SR", "RR", "DR", "D0", "S", "R", "D"):
         template = template.replace(f"{{{key}}}", sel[key])
     return template.replace("{K}", str(cfg.dashboard_topk))
 

@@ -22,12 +22,18 @@ AGENT_ERRORS = f"sum by (probe) (increase({m.AGENT_ERRORS.name}{{D}}[$__rate_int
 
 # --- Numerics ---
 LOSS = f"{m.LOSS.name}{{D}}"
-LOSS_MEDIAN = f"quantile by (run) (0.5, {m.LOSS.name}{{R}})"
+LOSS_MEDIAN = f"max by (run) ({n.LOSS_RUN_MEDIAN}{{RR}})"
 GRAD_NORM = f"{m.GRAD_NORM.name}{{D}}"
 LOCAL_NORM = f"{m.GRAD_LOCAL_NORM.name}{{D}}"
+_GROUP = m.GRAD_GROUP_NORM.name
 GROUP_NORM_TOP = (
-    f"{m.GRAD_GROUP_NORM.name}{{D}} and on (group) topk({{K}}, "
-    f"max_over_time({m.GRAD_GROUP_NORM.name}{{D}}[$__range] @ end()))"
+    # The reduced group norms are the same on every rank; under series_profile=large only
+    # rank 0 exports them, so a rank that had none of its own in the range shows rank 0's
+    # (never both: a rank scraped a moment after rank 0 must not draw rank 0's for a step).
+    f"({_GROUP}{{D}} or on (group) ({_GROUP}{{D0}} unless on (group) "
+    f"max_over_time({_GROUP}{{D}}[$__range] @ end()))) and on (group) topk({{K}}, "
+    f"max_over_time({_GROUP}{{D}}[$__range] @ end()) or on (group) "
+    f"max_over_time({_GROUP}{{D0}}[$__range] @ end()))"
 )
 LOSS_SCALE = f"{m.AMP_LOSS_SCALE.name}{{D}}"
 LOSS_SCALE_FLOOR = f"{m.AMP_LOSS_SCALE_FLOOR.name}{{D}}"
@@ -43,12 +49,12 @@ FIRST_NONFINITE = (
 # --- Data supply ---
 STEP_P50 = hq(0.5, f"{m.STEP_DURATION.name}", "rank", "{D}")
 STEP_P99 = hq(0.99, f"{m.STEP_DURATION.name}", "rank", "{D}")
-STEP_P99_MEDIAN = f"quantile by (run) (0.5, {n.STEP_P99}{{RR}})"
+STEP_P99_MEDIAN = f"max by (run) ({n.STEP_P99_RUN_MEDIAN}{{RR}})"
 DATA_WAIT_P50 = hq(0.5, f"{m.DATA_WAIT.name}", "rank", "{D}")
 DATA_WAIT_P99 = hq(0.99, f"{m.DATA_WAIT.name}", "rank", "{D}")
-DATA_WAIT_MEDIAN = f"quantile by (run) (0.5, {n.DATA_WAIT_MEAN}{{RR}})"
+DATA_WAIT_MEDIAN = f"max by (run) ({n.DATA_WAIT_RUN_MEDIAN}{{RR}})"
 STEPS_RATE = f"{n.STEPS_RATE}{{DR}}"
-STEPS_RATE_MEDIAN = f"quantile by (run) (0.5, {n.STEPS_RATE}{{RR}})"
+STEPS_RATE_MEDIAN = f"max by (run) ({n.STEPS_RATE_RUN_MEDIAN}{{RR}})"
 
 # --- Memory ---
 RESERVED = f"{m.CUDA_MEMORY_RESERVED.name}{{D}}"
@@ -59,7 +65,7 @@ DEVICE_USED = f"{m.GPU_MEMORY_USED.name}{{D}}"
 ALLOC_RETRIES = f"increase({m.CUDA_ALLOC_RETRIES.name}{{D}}[$__rate_interval])"
 OOMS = f"increase({m.CUDA_OOMS.name}{{D}}[$__rate_interval])"
 RSS = f"{m.PROCESS_RESIDENT_MEMORY.name}{{D}}"
-RSS_MEDIAN = f"quantile by (run) (0.5, {m.PROCESS_RESIDENT_MEMORY.name}{{R}})"
+RSS_MEDIAN = f"max by (run) ({n.RSS_RUN_MEDIAN}{{RR}})"
 CPU = f"rate({m.PROCESS_CPU_SECONDS.name}{{D}}[$__rate_interval])"
 
 # --- Communication ---
@@ -73,7 +79,7 @@ COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
 COLLECTIVE_BYTES = f"rate({m.COLLECTIVE_BYTES.name}{{D}}[$__rate_interval])"
 COMPUTE_SKEW = (
     f"{n.COMPUTE_MEAN}{{DR}} / on (run) group_left "
-    f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}})"
+    f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})"
 )
 STEPS_BEHIND = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{D}}"
 

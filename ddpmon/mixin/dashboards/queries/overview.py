@@ -22,13 +22,9 @@ VERSIONS = (
     f"({m.BUILD_INFO.name}{{R}})"
 )
 STEP_LEADER = f"max by (run) ({n.STEP_LEADER}{{RR}})"
-STEP_SLOWEST = f"min by (run) ({m.STEP.name}{{R}})"
+STEP_SLOWEST = f"min by (run) ({n.STEP_RUN_MIN}{{RR}})"
 HEARTBEAT_AGE = f"max by (run) ({n.HEARTBEAT_AGE}{{RR}})"
 FIRING_ALERTS = f"count(ALERTS{{{ALERT_SELECTOR}}}) or vector(0)"
-
-
-def _problem(name: str, expr: str) -> str:
-    return f'label_replace({expr}, "problem", "{name}", "", "")'
 
 
 def rank_health(cfg: MixinConfig) -> dict[str, str]:
@@ -36,27 +32,15 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
     behind = f"max by (rank) ({n.STEP_LEADER}{{RR}} - on (run) group_right {m.STEP.name}{{S}})"
     skew = (
         f"max by (rank) ({n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
-        f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}}))"
+        f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}}))"
     )
     age = f"max by (rank) ({n.HEARTBEAT_AGE}{{SR}})"
-    stalled = (
-        f"max by (rank) ({n.HEARTBEAT_AGE}{{SR}} > {n.STALL_THRESHOLD}{{SR}})"
-    )
     share = f"max by (rank) ({n.DATA_WAIT_RATIO}{{SR}})"
     used = f"max by (rank) ({n.GPU_ALLOCATED_RATIO}{{SR}})"
     up = "max by (rank) (up{S})"
-    problems = " or ".join(
-        (
-            _problem("down", f"{up} == 0"),
-            _problem("stalled", stalled),
-            _problem("behind", f"{behind} > {cfg.rank_desync_steps:g}"),
-            _problem("straggler", f"{skew} > {cfg.straggler_ratio:g}"),
-            _problem("starved", f"{share} > {cfg.data_starved_share:g}"),
-            _problem("memory", f"{used} > {cfg.gpu_memory_full_ratio:g}"),
-        )
-    )
     return {
-        "A": f"count by (rank) ({problems}) or max by (rank) ({m.STEP.name}{{S}}) * 0",
+        # Recorded by the ruler (the same problems and thresholds, see rules.rank_problems).
+        "A": f"max by (rank) ({n.RANK_PROBLEMS}{{SR}})",
         "B": up,
         "C": age,
         "D": behind,
@@ -67,11 +51,11 @@ def rank_health(cfg: MixinConfig) -> dict[str, str]:
     }
 
 # --- Numerics ---
-LOSS_MEDIAN = f"quantile by (run) (0.5, {m.LOSS.name}{{R}})"
+LOSS_MEDIAN = f"max by (run) ({n.LOSS_RUN_MEDIAN}{{RR}})"
 LOSS_TOP = gauge_top("topk", f"{m.LOSS.name}")
 GRAD_NORM_RUN = f"{n.GRAD_NORM_RUN_MAX}{{RR}}"
 GRAD_NORM_SPREAD = f"{n.GRAD_NORM_RUN_SPREAD}{{RR}}"
-LOCAL_NORM_MEDIAN = f"quantile by (run) (0.5, {m.GRAD_LOCAL_NORM.name}{{R}})"
+LOCAL_NORM_MEDIAN = f"max by (run) ({n.LOCAL_NORM_RUN_MEDIAN}{{RR}})"
 LOCAL_NORM_TOP = gauge_top("topk", f"{m.GRAD_LOCAL_NORM.name}")
 NONFINITE_REDUCED = (
     f"max by (run) (increase({m.GRAD_NONFINITE_STEPS.name}{{S}}[$__rate_interval]))"
@@ -89,12 +73,12 @@ LOSS_SCALE_FLOOR = f"min by (run) ({m.AMP_LOSS_SCALE_FLOOR.name}{{R}})"
 SKIPPED_TOP = gauge_top("topk", n.SKIPPED_RATIO, "{SR}")
 
 # --- Data supply ---
-DATA_WAIT_MEDIAN = f"quantile by (run) (0.5, {n.DATA_WAIT_MEAN}{{RR}})"
+DATA_WAIT_MEDIAN = f"max by (run) ({n.DATA_WAIT_RUN_MEDIAN}{{RR}})"
 DATA_WAIT_TOP = gauge_top("topk", n.DATA_WAIT_MEAN, "{SR}")
-DATA_WAIT_HEATMAP = f"{n.DATA_WAIT_MEAN}{{SR}}"
-STEPS_RATE_MEDIAN = f"quantile by (run) (0.5, {n.STEPS_RATE}{{RR}})"
+DATA_WAIT_HEATMAP = f"max by (le) ({n.DATA_WAIT_RANKS}{{RR}})"
+STEPS_RATE_MEDIAN = f"max by (run) ({n.STEPS_RATE_RUN_MEDIAN}{{RR}})"
 STEPS_RATE_SLOWEST = gauge_top("bottomk", n.STEPS_RATE, "{SR}")
-STEP_P99_HEATMAP = f"{n.STEP_P99}{{SR}}"
+STEP_P99_HEATMAP = f"max by (le) ({n.STEP_P99_RANKS}{{RR}})"
 IDENTICAL_RANKS = (
     f"count by (run) (changes({m.DATA_IDENTICAL_BATCHES.name}{{R}}[$__range] @ end()) > 0) "
     "or vector(0)"
@@ -118,18 +102,19 @@ HEADROOM_TIGHTEST = ranked(
 )
 OOMS = f"sum by (run) (increase({m.CUDA_OOMS.name}{{S}}[$__rate_interval]))"
 RETRIES = f"sum by (run) (increase({m.CUDA_ALLOC_RETRIES.name}{{S}}[$__rate_interval]))"
-RSS_MEDIAN = f"quantile by (run) (0.5, {m.PROCESS_RESIDENT_MEMORY.name}{{R}})"
+RSS_MEDIAN = f"max by (run) ({n.RSS_RUN_MEDIAN}{{RR}})"
 RSS_TOP = gauge_top("topk", f"{m.PROCESS_RESIDENT_MEMORY.name}")
 
 # --- Communication ---
-COLLECTIVE_MEAN_HEATMAP = f"{n.COLLECTIVE_MEAN}{{SR}}"
-COLLECTIVE_P99_HEATMAP = f"{n.COLLECTIVE_P99}{{SR}}"
+# Entries (rank, op) per bucket: the ruler's per-op counts summed over the ops.
+COLLECTIVE_MEAN_HEATMAP = f"sum by (le) ({n.COLLECTIVE_MEAN_RANKS}{{RR}})"
+COLLECTIVE_P99_HEATMAP = f"sum by (le) ({n.COLLECTIVE_P99_RANKS}{{RR}})"
 COLLECTIVE_MEAN_BY_NODE = (
     f"max by (node, op) ({n.COLLECTIVE_MEAN}{{SR}}) and on (node) "
     f"topk({{K}}, max by (node) (max_over_time({n.COLLECTIVE_MEAN}{{SR}}[$__range] @ end())))"
 )
-COLLECTIVE_MEAN_MEDIAN = f"quantile by (run, op) (0.5, {n.COLLECTIVE_MEAN}{{RR}})"
-COLLECTIVE_P99_MEDIAN = f"quantile by (run, op) (0.5, {n.COLLECTIVE_P99}{{RR}})"
+COLLECTIVE_MEAN_MEDIAN = f"max by (run, op) ({n.COLLECTIVE_MEAN_RUN_MEDIAN}{{RR}})"
+COLLECTIVE_P99_MEDIAN = f"max by (run, op) ({n.COLLECTIVE_P99_RUN_MEDIAN}{{RR}})"
 COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
 COLLECTIVE_MEAN_TOP = gauge_top("topk", n.COLLECTIVE_MEAN, "{SR}")
 COLLECTIVE_BYTES = (
@@ -141,10 +126,10 @@ COLLECTIVE_BYTES_TOP = rate_top(
 COMPUTE_SKEW_TOP = ranked(
     "topk",
     f"{n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
-    f"quantile by (run) (0.5, {n.COMPUTE_MEAN}{{RR}})",
+    f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})",
     f"max_over_time({n.COMPUTE_MEAN}{{SR}}[$__range] @ end())",
 )
-STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({m.STEP.name}{{R}})"
+STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({n.STEP_RUN_MIN}{{RR}})"
 STEP_BEHIND_TOP = ranked(
     "bottomk",
     f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{S}}",
