@@ -203,8 +203,13 @@ def test_series_budget_with_default_group_bound():
     ],
 )
 def test_series_budget_holds_for_every_strategy_op_set(ops):
-    """Only the ops a rank issues are exported; each costs 8 series."""
-    state = make_state(groups=32)
+    """Only the ops a rank issues are exported; each costs 8 series. Counted as an agent
+    exports them: every core probe's error counter at zero, the default group cap."""
+    from ddpmon.config import Config
+    from ddpmon.state import CORE_PROBES
+
+    state = make_state(groups=Config().max_groups)
+    state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
     state.collective_duration.clear()
     state.collective_bytes_total.clear()
     state.apply(StepRecord(step=42, wall_time=1700000043.0, duration_seconds=None,
