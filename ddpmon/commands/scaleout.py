@@ -129,12 +129,14 @@ def scale_figures() -> list[str]:
         body = text[m.end():].split("\n## ", 1)[0]
         series = re.search(r"\*\*Series: ([^*]+)\*\*", body)
         slowest = re.search(r"\*\*Slowest query: ([^*]+)\*\*", body)
-        # The heading after "Dashboards at": "16384 ranks" and any qualifier (the store).
-        what = m.group(1).removeprefix("Dashboards at ")
-        what = what.replace(m.group(2), f"{int(m.group(2)):,}", 1)
+        # The heading after "Dashboards at N ranks": any qualifier (the store, the profile).
+        # "on VictoriaMetrics (series_profile=large)" -> "VictoriaMetrics, series_profile=large"
+        qualifier = m.group(1).split(" ranks", 1)[1].strip().removeprefix("on ")
+        qualifier = qualifier.replace(" (", ", ").replace("(", "").replace(")", "")
         out.append(
-            f"{what}: series {series.group(1) if series else '?'}; "
+            f"{int(m.group(2)):,} ranks: series {series.group(1) if series else '?'}; "
             f"slowest panel {slowest.group(1) if slowest else '?'}"
+            + (f" ({qualifier})" if qualifier else "")
         )
     return out or ["(no dashboard scale section in benchmarks/RESULTS.md)"]
 
