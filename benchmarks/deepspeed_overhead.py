@@ -24,44 +24,16 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from two_ranks import residual_net as build_model
+
 STAGES = (2, 3)
 MODES = ("base", "agent")
 PARTS = ("hooks", "engine_step", "allreduce", "step_close", "forward")
-
-
-def build_model(d_model: int, layers: int):
-    import torch
-    from torch import nn
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(d_model)
-            self.w_in = nn.Linear(d_model, 4 * d_model)
-            self.w_out = nn.Linear(4 * d_model, d_model)
-
-        def forward(self, x):
-            return x + self.w_out(torch.relu(self.w_in(self.norm(x))))
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList([Block() for _ in range(layers)])
-            self.head = nn.Linear(d_model, d_model)
-
-        def forward(self, x):
-            for block in self.blocks:
-                x = block(x)
-            return self.head(x)
-
-    torch.manual_seed(0)
-    return Net()
 
 
 def ds_config(stage: int, batch: int) -> dict:
@@ -238,57 +210,17 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/overhead.py: shared helpers
-    from overhead import free_port, write_section
+    from overhead import write_section
+    from two_ranks import bench_parser, launch
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--write", default=None, help="append/replace the section in this file")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = bench_parser(__doc__.splitlines()[0], timeout=900).parse_args()
     if args.worker:
         worker(args)
         return
     load_start = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "result.json")
-        master, base_port = free_port(), free_port()
-        procs = []
-        for rank in range(2):
-            env = dict(
-                os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
-                OMP_NUM_THREADS=str(args.threads), DS_ACCELERATOR="cpu",
-                PYTHONWARNINGS="ignore",
-            )
-            cmd = [
-                sys.executable, __file__, "--worker", "--out", str(out), "--port", str(base_port),
-                *[
-                    f"--{k.replace('_', '-')}={v}"
-                    for k, v in vars(args).items()
-                    if k in ("rounds", "d_model", "layers", "batch", "threads")
-                ],
-            ]
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        try:
-            for proc in procs:
-                proc.wait(timeout=args.timeout)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if any(proc.returncode for proc in procs):
-            raise SystemExit("a rank failed")
-        data = json.loads(out.read_text())
-        data["load"] = [round(load_start[0], 1), round(os.getloadavg()[0], 1)]
-        section = summarize(data, args)
+    data = launch(__file__, args, env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
+    data["load"] = [round(load_start[0], 1), round(os.getloadavg()[0], 1)]
+    section = summarize(data, args)
     print(section)
     if args.write:
         write_section(Path(args.write), section)

@@ -21,35 +21,24 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from two_ranks import residual_blocks
+
 MODES = ("base", "agent")
 MICROBATCHES = 4
 
 
+
 def build_model(d_model: int, layers: int):
-    import torch
+    """The residual blocks and a linear head in one ``nn.Sequential``, split into stages."""
     from torch import nn
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.LayerNorm(d_model)
-            self.w_in = nn.Linear(d_model, 4 * d_model)
-            self.w_out = nn.Linear(4 * d_model, d_model)
-
-        def forward(self, x):
-            return x + self.w_out(torch.relu(self.w_in(self.norm(x))))
-
-    torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(layers)], nn.Linear(d_model, d_model))
-
+    return nn.Sequential(*residual_blocks(d_model, layers), nn.Linear(d_model, d_model))
 
 def worker(args: argparse.Namespace) -> None:
     import torch
@@ -172,68 +161,14 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--write", default=None, help="append/replace the section in this file")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    from two_ranks import bench_parser, launch
+
+    args = bench_parser(__doc__.splitlines()[0]).parse_args()
     if args.worker:
         worker(args)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "result.json")
-        master, base_port = _free_port(), _free_port()
-        procs = []
-        for rank in range(2):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(master),
-                OMP_NUM_THREADS=str(args.threads),
-            )
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                "--out",
-                str(out),
-                "--port",
-                str(base_port),
-                *[
-                    f"--{k.replace('_', '-')}={v}"
-                    for k, v in vars(args).items()
-                    if k in ("rounds", "d_model", "layers", "batch", "threads")
-                ],
-            ]
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        try:
-            for proc in procs:
-                proc.wait(timeout=args.timeout)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        if any(proc.returncode for proc in procs):
-            raise SystemExit("a rank failed")
-        section = summarize(json.loads(out.read_text()), args)
+    section = summarize(launch(__file__, args), args)
     print(section)
     if args.write:
         from overhead import write_section
