@@ -20,10 +20,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from .stack import AlertPrinter
 
 RUN_ID = "scaleout-demo"
 
@@ -54,31 +55,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-class _Receiver(BaseHTTPRequestHandler):
+class _Receiver(AlertPrinter):
     """Alertmanager webhook: prints one line per alert and keeps it for the summary."""
 
+    prefix = "  "
     received: list[dict[str, Any]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server API
-        length = int(self.headers.get("Content-Length", "0"))
-        try:
-            payload: dict[str, Any] = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError:
-            payload = {}
-        for alert in payload.get("alerts", []):
-            labels, notes = alert.get("labels", {}), alert.get("annotations", {})
-            self.received.append(alert)
-            print(
-                f"  [{time.strftime('%H:%M:%S')}] {self.path.strip('/')}: "
-                f"{alert.get('status', '?').upper()} {labels.get('alertname', '?')} "
-                f"({labels.get('severity', '?')}) {notes.get('description', '')}",
-                flush=True,
-            )
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
 
 
 def _demo_command(args: argparse.Namespace, sd_dir: Path, run_dir: Path, port: int) -> list[str]:

@@ -47,8 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-class _Printer(BaseHTTPRequestHandler):
-    """Alertmanager webhook receiver that prints one line per alert."""
+class AlertPrinter(BaseHTTPRequestHandler):
+    """Alertmanager webhook receiver that prints one line per alert (``ddpmon stack``,
+    ``ddpmon scaleout``); a subclass with a ``received`` list also keeps the alerts."""
+
+    prefix = ""
+    received: list[dict[str, Any]] | None = None
 
     def do_POST(self) -> None:  # noqa: N802 - http.server API
         length = int(self.headers.get("Content-Length", "0"))
@@ -58,8 +62,10 @@ class _Printer(BaseHTTPRequestHandler):
             payload = {}
         for alert in payload.get("alerts", []):
             labels, notes = alert.get("labels", {}), alert.get("annotations", {})
+            if self.received is not None:
+                self.received.append(alert)
             print(
-                f"[{time.strftime('%H:%M:%S')}] {self.path.strip('/')}: "
+                f"{self.prefix}[{time.strftime('%H:%M:%S')}] {self.path.strip('/')}: "
                 f"{alert.get('status', '?').upper()} {labels.get('alertname', '?')} "
                 f"({labels.get('severity', '?')}) {notes.get('description', '')}",
                 flush=True,
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    hook = ThreadingHTTPServer(("127.0.0.1", 0), _Printer)
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), AlertPrinter)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
     workdir = tempfile.TemporaryDirectory(prefix="ddpmon-stack-")
     am = prom = None
