@@ -53,7 +53,7 @@ def attach(
     try:
         pp = None
         if schedule is not None:
-            from ..strategies.pipeline_parallel import PipelineSetup, PipelineSetupError
+            from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
 
             try:
                 pp = PipelineSetup(model, schedule, scaler)

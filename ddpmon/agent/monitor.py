@@ -192,7 +192,7 @@ class Monitor:
         )
         self.schedule_step = None
         if pp is not None:
-            from ..strategies.pipeline_parallel import ScheduleStep
+            from ..strategies.pp_probes import ScheduleStep
 
             self.schedule_step = ScheduleStep(pp, self.pipeline, guard.error)
             self.schedule_step.install()

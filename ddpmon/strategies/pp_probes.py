@@ -1,0 +1,361 @@
+"""Pipeline parallel probes: per-micro-batch NaN sites on each stage (forward/backward chunk
+wrappers and a hook on each fresh output, never on the persistent receive buffers), the timing
+of the stages' sends and receives, and the wrapper of ``schedule.step()`` that marks a step
+(docs/parallelism.md, Pipeline parallel)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .pp_setup import (
+    PipelineSetup,
+    StageInfo,
+)
+
+log = logging.getLogger("ddpmon")
+
+PARAM_GRAD_SEQ = 1.0e9
+"""Sequence number of the parameter gradients: after every per-micro-batch event of a step."""
+NO_EVENT = math.inf
+_MAX_EVENTS = 1 << 14
+"""Probe events kept between two collects (4 per micro-batch and stage in a normal step)."""
+
+
+# ---------------------------------------------------------------------------------- probes
+@dataclass(slots=True)
+class PPStep:
+    """What one step's pipeline probes hand to the record (host table + device tensors)."""
+
+    source: Any
+    norm: torch.Tensor
+    """float64 [sum over stages of squared norms, failures]: identical on every pp rank."""
+    flags: torch.Tensor
+    """float64, 2 per local stage (``stages`` order)."""
+    table: list[tuple[int, int, str]]
+    """seq -> (stage, micro-batch, site)."""
+    stages: list[int]
+
+
+class StageProbes:
+    """Wraps each stage's ``forward_one_chunk``/``backward_one_chunk`` on the instance."""
+
+    def __init__(self, setup: PipelineSetup, on_error) -> None:
+        self.setup = setup
+        self.on_error = on_error
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._table: list[tuple[int, int, str]] = []
+        self._events: list[tuple[float, int, torch.Tensor]] = []
+        self._stage_slot = {s.index: k for k, s in enumerate(setup.stages)}
+        self._indices = [s.index for s in setup.stages]
+        self.dropped = 0
+        """Events not recorded because no step collected them (bounded memory)."""
+        self._wrapped: list[tuple[Any, str]] = []
+        self.enabled = True
+
+    def install(self) -> None:
+        for info in self.setup.stages:
+            stage = info.stage
+            self._wrap(stage, "forward_one_chunk", self._forward_wrapper(info))
+            self._wrap(stage, "backward_one_chunk", self._backward_wrapper(info))
+
+    def _wrap(self, stage: Any, name: str, make) -> None:
+        original = getattr(stage, name)
+        setattr(stage, name, make(original))
+        self._wrapped.append((stage, name))
+
+    def uninstall(self) -> None:
+        self.enabled = False
+        for stage, name in self._wrapped:
+            try:
+                if name in vars(stage):
+                    delattr(stage, name)
+            except Exception:
+                pass
+        self._wrapped.clear()
+
+    def _forward_wrapper(self, info: StageInfo):
+        def make(original):
+            def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+                out = original(fwd_chunk_id, *args, **kwargs)
+                if self.enabled and torch.is_grad_enabled():
+                    try:
+                        self._after_forward(info, int(fwd_chunk_id))
+                    except Exception as exc:
+                        self.on_error("grads", exc)
+                return out
+
+            return forward_one_chunk
+
+        return make
+
+    def _backward_wrapper(self, info: StageInfo):
+        def make(original):
+            def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+                out = original(bwd_chunk_id, *args, **kwargs)
+                if self.enabled and not info.is_first:
+                    try:
+                        sent = info.stage.bwd_cache.get(bwd_chunk_id, ())
+                        self._event(info, int(bwd_chunk_id), "activation_grad", 1, _tensors(sent))
+                    except Exception as exc:
+                        self.on_error("grads", exc)
+                return out
+
+            return backward_one_chunk
+
+        return make
+
+    def _after_forward(self, info: StageInfo, mb: int) -> None:
+        cached = info.stage.fwd_cache.get(mb)
+        if cached is None:
+            return
+        outputs, inputs = cached
+        if not info.is_first:
+            self._event(info, mb, "received_activation", 0, _tensors(inputs))
+        site = "output" if info.is_last else "activation"
+        outs = _tensors(outputs)
+        self._event(info, mb, site, 1, outs)
+        if not info.is_last:
+            for t in outs:
+                if t.requires_grad:  # a fresh tensor per micro-batch: hooks cannot pile up
+                    t.register_hook(self._grad_hook(info, mb))
+
+    def _grad_hook(self, info: StageInfo, mb: int):
+        def received(grad: torch.Tensor) -> None:
+            if self.enabled:
+                try:
+                    self._event(info, mb, "received_activation_grad", 0, [grad])
+                except Exception as exc:
+                    self.on_error("grads", exc)
+
+        return received
+
+    def _event(
+        self, info: StageInfo, mb: int, site: str, slot: int, tensors: list[torch.Tensor]
+    ) -> None:
+        """``slot`` 0: received, 1: produced. Two device ops per tensor (``isfinite().all()``),
+        nothing read; the flags are combined once per step in ``take``."""
+        if not tensors:
+            return
+        with torch.no_grad():
+            finite = [torch.isfinite(t.detach()).all() for t in tensors]
+            with self._lock:
+                if len(self._events) >= _MAX_EVENTS:  # no collect for a long time: stay bounded
+                    self.dropped += 1
+                    return
+                seq = self._seq
+                self._seq += 1
+                self._table.append((info.index, mb, site))
+                position = 2 * self._stage_slot[info.index] + slot
+                for ok in finite:
+                    self._events.append((float(seq), position, ok))
+
+    def take(self) -> tuple[torch.Tensor, list[tuple[int, int, str]], list[int]]:
+        """Per local stage [first non-finite receipt, first non-finite product] (sequence
+        numbers, ``inf``: none), as one device vector built with a handful of ops."""
+        with self._lock:
+            events, self._events = self._events, []
+            table, self._table = self._table, []
+            self._seq = 0
+        width = 2 * len(self.setup.stages)
+        if not events:
+            return torch.full((width,), NO_EVENT, dtype=torch.float64), table, self._indices
+        device = events[0][2].device
+        finite = torch.stack([e[2].to(device) for e in events])
+        seqs = _to_device(torch.tensor([e[0] for e in events], dtype=torch.float64), device)
+        where = _to_device(torch.tensor([e[1] for e in events], dtype=torch.long), device)
+        values = torch.where(finite, torch.full_like(seqs, NO_EVENT), seqs)
+        out = torch.full((width,), NO_EVENT, dtype=torch.float64, device=device)
+        return out.scatter_reduce(0, where, values, "amin"), table, self._indices
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a sync: pinned and non-blocking on CUDA (a
+    pageable or blocking copy would wait for the stream)."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """Floating tensors one container level deep."""
+    if isinstance(value, torch.Tensor):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        return []
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+class P2PTiming:
+    """Send/recv time of this rank's stages: ``send`` and ``recv`` in the collective family.
+
+    The stages' ``get_{fwd,bwd}_{send,recv}_ops`` (wrapped on the instance) mark the
+    ``P2POp`` objects they return as ours; ``schedules._batch_p2p``, through which every
+    schedule issues them, is wrapped once per process while a pipeline monitor is attached (a
+    module attribute: torch's schedules look it up at each call) and times marked ops from issue
+    to their ``Work``'s completion (a future callback, never a wait). ``dist.isend``/``irecv``
+    themselves are never patched: ``P2POp`` checks ``op`` by identity."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _original: Any = None
+    _owner: Any = None
+    """``WeakKeyDictionary``: ``P2POp`` -> the ``CollectiveRecorder`` of the stage that made it."""
+
+    def __init__(self, setup: PipelineSetup, recorder: Any, on_error) -> None:
+        self.setup = setup
+        self.recorder = recorder
+        self.on_error = on_error
+        self._wrapped: list[tuple[Any, str]] = []
+        self._installed = False
+
+    def install(self) -> None:
+        try:
+            from torch.distributed.pipelining import schedules
+        except ImportError:  # pragma: no cover - torch without pipelining
+            return
+        for info in self.setup.stages:
+            for name in _P2P_METHODS:
+                original = getattr(info.stage, name, None)
+                if original is None:
+                    continue
+                setattr(info.stage, name, self._marking(original))
+                self._wrapped.append((info.stage, name))
+        cls = type(self)
+        with cls._lock:
+            if cls._users == 0:
+                import weakref
+
+                cls._owner = weakref.WeakKeyDictionary()
+                cls._original = schedules._batch_p2p
+                schedules._batch_p2p = _timed_batch_p2p
+            cls._users += 1
+        self._installed = True
+
+    def _marking(self, original):
+        owner = type(self)
+
+        def get_ops(chunk_id, *args, **kwargs):
+            ops = original(chunk_id, *args, **kwargs)
+            try:
+                table = owner._owner
+                if table is not None:
+                    for op in ops:
+                        table[op] = self.recorder
+            except Exception as exc:
+                self.on_error("comm", exc)
+            return ops
+
+        return get_ops
+
+    def uninstall(self) -> None:
+        for stage, name in self._wrapped:
+            try:
+                if name in vars(stage):
+                    delattr(stage, name)
+            except Exception:
+                pass
+        self._wrapped.clear()
+        if not self._installed:
+            return
+        self._installed = False
+        cls = type(self)
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                try:
+                    from torch.distributed.pipelining import schedules
+
+                    if schedules._batch_p2p is _timed_batch_p2p:
+                        schedules._batch_p2p = cls._original
+                except Exception:
+                    pass
+                cls._owner = None
+
+
+_P2P_METHODS = ("get_fwd_send_ops", "get_fwd_recv_ops", "get_bwd_send_ops", "get_bwd_recv_ops")
+
+
+def _timed_batch_p2p(p2p_ops, *args, **kwargs):
+    """``schedules._batch_p2p`` with ddpmon's P2P ops timed (others pass through untouched)."""
+    original, table = P2PTiming._original, P2PTiming._owner
+    marked = []
+    try:
+        if table is not None:
+            marked = [(op, table.get(op)) for op in p2p_ops]
+            marked = [(op, rec, rec.start(op.tensor)) for op, rec in marked if rec is not None]
+    except Exception:
+        marked = []
+    works = original(p2p_ops, *args, **kwargs)
+    if marked:
+        try:
+            by_op = dict(zip(map(id, p2p_ops), works, strict=False))
+            last = works[-1] if works else None
+            for op, rec, timer in marked:
+                work = by_op.get(id(op), last) if len(works) == len(p2p_ops) else last
+                kind = "send" if op.op is dist.isend else "recv"
+                nbytes = op.tensor.numel() * op.tensor.element_size()
+                if work is None:
+                    rec.stop(kind, timer, nbytes)
+                else:
+                    rec.stop_at_completion(kind, timer, nbytes, work)
+        except Exception as exc:
+            rec_error = marked[0][1]
+            rec_error._error(exc)
+    return works
+
+
+class ScheduleStep:
+    """``schedule.step`` wrapped on the instance: one call is the step's forward and backward."""
+
+    def __init__(self, setup: PipelineSetup, pipeline: Any, on_error) -> None:
+        self.setup = setup
+        self.pipeline = pipeline
+        self.on_error = on_error
+        self.closed = False
+
+    def install(self) -> None:
+        schedule = self.setup.schedule
+        original = schedule.step
+        self._previous = vars(schedule).get("step")  # an instance attribute of its own, if any
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            training = torch.is_grad_enabled() and not self.closed
+            if training:
+                try:
+                    self.pipeline.forward_started(args)
+                except Exception as exc:
+                    self.on_error("step", exc)
+            out = original(*args, **kwargs)
+            if training:
+                self.pipeline.backward_ended()
+            return out
+
+        step.__wrapped__ = original  # type: ignore[attr-defined]
+        schedule.step = step
+        self._step = step
+
+    def uninstall(self) -> None:
+        self.closed = True
+        schedule = self.setup.schedule
+        try:
+            if vars(schedule).get("step") is getattr(self, "_step", None):
+                if self._previous is not None:
+                    schedule.step = self._previous
+                else:
+                    del schedule.step
+        except Exception:
+            pass
