@@ -77,9 +77,9 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"    count {c.by_run} ({unabsorbed_late})\n  )\n)\n"
             f"or\ncount {c.by_run} ({persistent})",
             c.nonfinite_for,
-            "Gradients became NaN/Inf after the all-reduce and no GradScaler absorbed them.",
+            "Gradients became NaN/Inf after the all-reduce and no loss scaler absorbed them.",
             f"{RUN}: reduced gradients were non-finite on {{{{ $value }}}} rank(s) on steps no "
-            f"GradScaler skipped in the last {w} (or on more than {c.nonfinite_persistent_steps}"
+            f"loss scaler skipped in the last {w} (or on more than {c.nonfinite_persistent_steps}"
             f" steps in {c.nonfinite_persistent_window}). Origin rank(s), whose local gradients "
             f"were non-finite before the all-reduce: {rank_list(origin, c, worst_first=False)}.",
         ),
@@ -93,9 +93,9 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"min_over_time({n.LOSS_UNABSORBED}[{young}]) > 0.5\n"
             f"  unless {n.LOSS_UNABSORBED} offset {young}",
             c.nonfinite_for,
-            "The training loss became NaN/Inf and no GradScaler absorbed it.",
+            "The training loss became NaN/Inf and no loss scaler absorbed it.",
             f"{RANK}: the observed loss was non-finite in the last {w} on a step the "
-            "GradScaler did not skip.",
+            "loss scaler (GradScaler or DeepSpeed) did not skip.",
         ),
         Alert(
             "DdpmonGradNormSpike", L, "warning",
