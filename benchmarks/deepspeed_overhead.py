@@ -210,20 +210,12 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/overhead.py: shared helpers
-    from overhead import write_section
-    from two_ranks import bench_parser, launch
+    from two_ranks import bench_main
 
-    args = bench_parser(__doc__.splitlines()[0], timeout=900).parse_args()
-    if args.worker:
-        worker(args)
-        return
-    load_start = os.getloadavg()
-    data = launch(__file__, args, env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"})
-    data["load"] = [round(load_start[0], 1), round(os.getloadavg()[0], 1)]
-    section = summarize(data, args)
-    print(section)
-    if args.write:
-        write_section(Path(args.write), section)
+    bench_main(
+        __file__, worker, summarize, timeout=900,
+        env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+    )
 
 
 if __name__ == "__main__":

@@ -162,18 +162,9 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    from two_ranks import bench_parser, launch
+    from two_ranks import bench_main
 
-    args = bench_parser(__doc__.splitlines()[0]).parse_args()
-    if args.worker:
-        worker(args)
-        return
-    section = summarize(launch(__file__, args), args)
-    print(section)
-    if args.write:
-        from overhead import write_section
-
-        write_section(Path(args.write), section)
+    bench_main(__file__, worker, summarize)
 
 
 if __name__ == "__main__":

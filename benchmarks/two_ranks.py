@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from overhead import free_port
@@ -69,6 +70,33 @@ def launch(script: str, args: argparse.Namespace, env: dict[str, str] | None = N
         if any(proc.returncode for proc in procs):
             raise SystemExit("a rank failed")
         return json.loads(out.read_text())
+
+
+def bench_main(
+    script: str,
+    worker: Callable[[argparse.Namespace], None],
+    summarize: Callable[[dict, argparse.Namespace], str],
+    *,
+    timeout: float = 600,
+    env: dict[str, str] | None = None,
+) -> None:
+    """A benchmark's ``main``: as a worker, run ``worker``; otherwise launch the two ranks,
+    print the section ``summarize`` makes of rank 0's result (the load average before and after
+    in ``data["load"]``) and write it with ``--write``."""
+    from overhead import write_section
+
+    doc = (sys.modules["__main__"].__doc__ or script).splitlines()[0]
+    args = bench_parser(doc, timeout=timeout).parse_args()
+    if args.worker:
+        worker(args)
+        return
+    load_start = os.getloadavg()
+    data = launch(script, args, env=env)
+    data["load"] = [round(load_start[0], 1), round(os.getloadavg()[0], 1)]
+    section = summarize(data, args)
+    print(section)
+    if args.write:
+        write_section(Path(args.write), section)
 
 
 def residual_blocks(d_model: int, layers: int) -> list:

@@ -73,13 +73,7 @@ class StageProbes:
 
     def uninstall(self) -> None:
         self.enabled = False
-        for stage, name in self._wrapped:
-            try:
-                if name in vars(stage):
-                    delattr(stage, name)
-            except Exception:
-                pass
-        self._wrapped.clear()
+        _unwrap_instances(self._wrapped)
 
     def _forward_wrapper(self, info: StageInfo):
         def make(original):
@@ -262,13 +256,7 @@ class P2PTiming:
         return get_ops
 
     def uninstall(self) -> None:
-        for stage, name in self._wrapped:
-            try:
-                if name in vars(stage):
-                    delattr(stage, name)
-            except Exception:
-                pass
-        self._wrapped.clear()
+        _unwrap_instances(self._wrapped)
         if not self._installed:
             return
         self._installed = False
@@ -359,3 +347,15 @@ class ScheduleStep:
                     del schedule.step
         except Exception:
             pass
+
+
+def _unwrap_instances(wrapped: list[tuple[Any, str]]) -> None:
+    """Undo wrappers set as instance attributes (the class's method shows through again);
+    best effort at close, and the list is emptied."""
+    for obj, name in wrapped:
+        try:
+            if name in vars(obj):
+                delattr(obj, name)
+        except Exception:
+            pass
+    wrapped.clear()
