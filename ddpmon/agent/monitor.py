@@ -115,6 +115,7 @@ class Monitor:
             comm_hook=comm_hook,
             comm_state=comm_state,
             amp=self.amp,
+            defer_reduction_wait=config.on_nonfinite == "record",
         )
         if pp is not None:
             from ..strategies.pipeline_parallel import PipelineSource
@@ -255,10 +256,11 @@ class Monitor:
         return self._state
 
     def flush(self) -> None:
-        """Deliver every step whose values have arrived (on CPU: all completed steps) to the
-        metric state, events, progress and history now. Never waits for a device."""
+        """Deliver every step whose values have arrived (on CPU: all completed steps, the
+        other ranks' share of a step's small norm all-reduce waited for) to the metric state,
+        events, progress and history now. Never waits for a device."""
         if not self._closed:
-            self.pipeline.drain(wait=False)
+            self.pipeline.drain(wait=False, collectives=True)
 
     @property
     def step(self) -> int:

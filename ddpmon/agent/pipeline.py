@@ -63,6 +63,8 @@ class StepMeta:
     """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
     pp: Any = None
     """Pipeline parallel: the step's ``PPStep`` (its source finishes the record)."""
+    deferred: Any = None
+    """The ``reduced`` norms were finished off the training thread (``DeferredReduction``)."""
 
 
 class StepPipeline:
@@ -291,8 +293,11 @@ class StepPipeline:
             host_skipped=host[0],
             host_scale_after=host[1],
             pp=s.pp,
+            deferred=s.deferred,
         )
-        self.readback.push(values, meta)
+        self.readback.push(values, meta, s.deferred)
+        if s.deferred is not None:  # not reduced yet: only the local norms can say now
+            reduced = None
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
 
     # ------------------------------------------------------------------ dropped gradients
@@ -312,11 +317,12 @@ class StepPipeline:
         return g is None or g is not ref() or g._version != version
 
     # ------------------------------------------------------------------ readback side
-    def drain(self, wait: bool) -> None:
+    def drain(self, wait: bool, collectives: bool = False) -> None:
         """Turn every step whose values are on the host into a record and hand it to the
-        sinks, oldest first. Any thread; one at a time. Never raises."""
+        sinks, oldest first (``collectives``: also waiting for host-side norm reductions still
+        in flight). Any thread; one at a time. Never raises."""
         with self._records_lock, self.guard("readback"):
-            arrived = self.readback.poll(wait=wait)
+            arrived = self.readback.poll(wait=wait, collectives=collectives)
             for entry in arrived:
                 self._deliver(entry)
             if arrived:
@@ -345,6 +351,8 @@ class StepPipeline:
         )
         scale = parts["grad_scale"][0] if "grad_scale" in parts else None
         reduced = local = None
+        if meta.deferred is not None and meta.deferred.failed:
+            meta.reduced = None  # the reduction failed (reported): no global norm this step
         if "reduced_norms" in parts and meta.reduced is not None:
             reduced = summarize_host(meta.reduced, parts["reduced_norms"], self.index, scale)
             record.grad_norm = reduced.norm

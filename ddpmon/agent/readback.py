@@ -9,10 +9,14 @@ queue later (the agent's record thread, or ``close``) takes the host values (``p
   ``non_blocking=True``, and a CUDA event is recorded; the values are taken only once
   ``event.query()`` says the copy is done.
 
-Nothing here waits on the device, except ``poll(wait=True)`` at close and a full queue on CUDA
-(GPU far behind: the oldest copy is waited for, counted in ``forced_waits``). A full queue of CPU
-entries is the caller's cue to drain on its own thread (``full``), so memory stays bounded and
-nothing is dropped.
+- CPU, with a norm reduction still in flight (``deferred``: gloo's small all-reduce of the sharded
+  strategies): the entry waits in the queue until the collective has completed
+  (``DeferredReduction.done``), and is finished (norms filled) by whoever polls.
+
+Nothing here waits on the device, except ``poll(wait=True)`` at close and a full queue (GPU far
+behind, or a reduction not done: the oldest entry is waited for, counted in ``forced_waits``).
+A full queue of CPU entries is the caller's cue to drain on its own thread (``full``), so memory
+stays bounded and nothing is dropped.
 """
 
 from __future__ import annotations
@@ -46,22 +50,27 @@ class Arrived:
 class Readback:
     def __init__(self, layout: StepVectorLayout | None = None, max_pending: int = 1024) -> None:
         self.layout = layout or StepVectorLayout()
-        self._pending: deque[tuple[Any, Any, Packed | None, Any]] = deque()
+        self._pending: deque[tuple[Any, Any, Packed | None, Any, Any]] = deque()
         self.max_pending = max_pending
         self.forced_waits = 0
         """How often the queue was full and the oldest entry was waited for (GPU far behind)."""
 
-    def push(self, values: Mapping[str, torch.Tensor | None], meta: Any) -> None:
-        """Queue one step's slot tensors (``None``: absent). Training thread: no device read."""
+    def push(
+        self, values: Mapping[str, torch.Tensor | None], meta: Any, deferred: Any = None
+    ) -> None:
+        """Queue one step's slot tensors (``None``: absent). Training thread: no device read.
+        ``deferred``: a ``DeferredReduction`` that fills some of those tensors later."""
         if all(t is None or t.is_cpu for t in values.values()):
-            self._pending.append((values, None, None, meta))
+            self._pending.append((values, None, None, meta, deferred))
             return
+        if deferred is not None:  # packed below: the values must be final first
+            deferred.finish()
         vector, key = self.layout.pack(values)
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((host, event, key, meta))
+        self._pending.append((host, event, key, meta, None))
         if len(self._pending) > self.max_pending:
             oldest = self._pending[0][1]
             if oldest is not None:
@@ -72,16 +81,23 @@ class Readback:
     def full(self) -> bool:
         return len(self._pending) >= self.max_pending
 
-    def poll(self, wait: bool = False) -> list[Arrived]:
-        """Entries whose values are on the host, in push order; with ``wait``, all of them.
-        One consumer at a time (the caller serialises)."""
+    def poll(self, wait: bool = False, collectives: bool = False) -> list[Arrived]:
+        """Entries whose values are on the host, in push order; with ``wait``, all of them;
+        with ``collectives``, also those whose host-side reduction is still in flight (waited
+        for: the other ranks, not the device). One consumer at a time (the caller serialises)."""
         ready: list[Arrived] = []
         while self._pending:
-            host, event, key, meta = self._pending[0]
+            host, event, key, meta, deferred = self._pending[0]
             if event is not None and not event.query():
                 if not wait:
                     break
                 event.synchronize()
+            if deferred is not None:
+                if not deferred.done():
+                    if not (wait or collectives or self.full):
+                        break
+                    self.forced_waits += 0 if wait or collectives else 1
+                deferred.finish()
             self._pending.popleft()
             if key is not None:
                 host = host.tolist()

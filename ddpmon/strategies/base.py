@@ -32,6 +32,7 @@ from ..probes.grads import NormVector, ParamIndex, per_param_norms
 
 __all__ = [
     "CommTiming",
+    "DeferredReduction",
     "GradSummaries",
     "GradientSource",
     "NormVector",
@@ -59,6 +60,45 @@ class GradSummaries:
     pp: Any = None
     """Pipeline parallel: the step's ``pipeline_parallel.PPStep`` (pp-reduced norm, origin
     probes); its source finishes the record (global norm, per-stage origin)."""
+    deferred: DeferredReduction | None = None
+    """The ``reduced`` norms are still being reduced (CPU): the readback finishes them."""
+
+
+class DeferredReduction:
+    """A norm reduction still in flight on the host, finished off the training thread: ``done``
+    polls the collective, ``finish`` waits for it and fills the step's norms. ``finish`` never
+    raises: a failed collective is reported and marks the step's reduced norms ``failed``."""
+
+    __slots__ = ("_work", "_fill", "_on_error", "failed")
+
+    def __init__(
+        self, work: Any, fill: Callable[[], Any], on_error: Callable[[str, BaseException], None]
+    ) -> None:
+        self._work = work
+        self._fill: Callable[[], Any] | None = fill
+        self._on_error = on_error
+        self.failed = False
+
+    def done(self) -> bool:
+        work = self._work
+        if work is None:
+            return True
+        try:
+            return bool(work.is_completed())
+        except Exception:  # a work object that cannot say: finish() will wait for it
+            return True
+
+    def finish(self) -> None:
+        work, fill, self._work, self._fill = self._work, self._fill, None, None
+        if fill is None:
+            return
+        try:
+            if work is not None:
+                work.wait()
+            fill()
+        except Exception as exc:
+            self.failed = True
+            self._on_error("grads", exc)
 
 
 @dataclass(slots=True)
@@ -74,6 +114,9 @@ class SourceEnv:
     comm_state: Any = None
     amp: Any = None
     """The GradScaler probe (``probes.amp.ScalerProbe``) when a scaler is in use."""
+    defer_reduction_wait: bool = False
+    """Nothing on the training thread reads the reduced norms (``on_nonfinite='record'``), so a
+    source may leave a host-side norm reduction in flight for the record thread to finish."""
 
     def grads_scaled_now(self) -> bool:
         """Do the ``.grad`` tensors carry the loss scale right now (no ``unscale_`` yet)?"""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..probes.grads import ParamIndex, per_param_norms
-from .base import GradientSource, NormVector, SourceEnv
+from .base import DeferredReduction, GradientSource, GradSummaries, NormVector, SourceEnv
 
 try:  # DTensor is public since torch 2.5
     from torch.distributed.tensor import DTensor, Replicate
@@ -257,9 +257,33 @@ class ShardedNorms:
             return None
         self.wait()
         pending, self._pending = self._pending, None
-        vec, n = pending.vector, len(self.index)
-        norms = torch.where(vec[n] > 0, torch.zeros_like(vec[:n]), vec[:n].sqrt())
-        return NormVector(norms, self._positions, pending.scaled)
+        return NormVector(self._final(pending.vector), self._positions, pending.scaled)
+
+    def take_later(
+        self, on_error: Callable[[str, BaseException], None]
+    ) -> tuple[NormVector, DeferredReduction | None] | None:
+        """``take`` without waiting when the reduction is still in flight on the host (gloo):
+        the norms tensor is returned zeroed and a ``DeferredReduction`` that fills it once the
+        collective completes, which the record thread finishes. On CPU the wait is the other
+        ranks reaching the small all-reduce: work no rank does, kept off the training thread
+        as NCCL keeps it off the host. On accelerators this is ``take`` (a stream wait)."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if pending.work is None or not pending.vector.is_cpu:
+            taken = self.take()
+            return (taken, None) if taken is not None else None
+        self._pending = None
+        n = len(self.index)
+        out = torch.zeros(n, dtype=torch.float64)
+        deferred = DeferredReduction(pending.work, lambda: out.copy_(self._final(pending.vector)),
+                                     on_error)
+        return NormVector(out, self._positions, pending.scaled), deferred
+
+    def _final(self, vec: torch.Tensor) -> torch.Tensor:
+        """Per-parameter norms from the reduced squares; zeros when some rank failed."""
+        n = len(self.index)
+        return torch.where(vec[n] > 0, torch.zeros_like(vec[:n]), vec[:n].sqrt())
 
     def reuse_for_clip(
         self, params: Sequence[torch.Tensor], scaled_now: bool, scale: torch.Tensor | None
@@ -359,6 +383,16 @@ class ShardedSource(GradientSource):
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._clip.norm(params)
+
+    def _take_reduced(self, norms: ShardedNorms, out: GradSummaries) -> None:
+        """The step's reduced norms into ``out``; left in flight for the record thread when
+        nothing on the training thread reads them (``SourceEnv.defer_reduction_wait``)."""
+        if not self.env.defer_reduction_wait:
+            out.reduced = norms.take()
+            return
+        taken = norms.take_later(self.env.on_error)
+        if taken is not None:
+            out.reduced, out.deferred = taken
 
     def _scale_state(self) -> tuple[bool, torch.Tensor | None]:
         return self.env.grads_scaled_now(), self.env.current_scale()

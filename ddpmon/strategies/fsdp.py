@@ -347,7 +347,7 @@ class FSDPSource(ShardedSource):
             self.env.on_error("grads", exc)
         if self._norms is not None:
             try:
-                out.reduced = self._norms.take()
+                self._take_reduced(self._norms, out)
             except Exception as exc:
                 self.env.on_error("grads", exc)
         return out

@@ -55,7 +55,7 @@ class TensorParallelSource(ShardedSource):
         out = GradSummaries(local=local, local_complete=False)
         if self._norms is not None:
             try:
-                out.reduced = self._norms.take()
+                self._take_reduced(self._norms, out)
             except Exception as exc:
                 self.env.on_error("grads", exc)
         return out
