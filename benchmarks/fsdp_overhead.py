@@ -3,9 +3,11 @@
 Modes (each with its own identical ``fully_shard``-ed replica in the same job, interleaved step
 by step in a shuffled order per round, so that drift and noise hit every mode alike):
   base     unmonitored FSDP2
-  source   the FSDP2 gradient source's per-step work alone: the wrapped reduce-scatter (one norm
-           pass over the pre-reduction gradients), one fused pass over the local shards at the
-           end of backward, one small async all-reduce, the wait at collect
+  source   the FSDP2 gradient source's per-step work alone, as the agent runs it by default
+           (``on_nonfinite='record'``): the wrapped reduce-scatter (one norm pass over the
+           pre-reduction gradients), one fused pass over the local shards at the end of
+           backward, one small async all-reduce, taken at collect without waiting (a helper
+           thread finishes it, as the agent's record thread does)
   agent    ``ddpmon.attach(...)`` on the replica (source + step pipeline + readback + endpoint)
 
 Reports medians and quartiles of per-round ratios source/base and agent/base.
@@ -23,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from two_ranks import residual_net as build_model
@@ -63,8 +66,10 @@ def worker(args: argparse.Namespace) -> None:
             model=source_model,
             index=ParamIndex(source_model),
             on_error=lambda probe, exc: errors.append(f"{probe}: {exc!r}"),
+            defer_reduction_wait=True,
         )
     )
+    finisher = ThreadPoolExecutor(1, thread_name_prefix="finish")  # the record thread's part
     source.install()
     parts = ("observe_reduce_input", "on_backward_end", "collect")
     inside = dict.fromkeys(parts, 0.0)  # seconds in the source's own code, this step
@@ -98,7 +103,9 @@ def worker(args: argparse.Namespace) -> None:
             loss.backward()
             if mode == "source":
                 source.on_backward_end()
-                source.collect()
+                out = source.collect()
+                if out.deferred is not None:
+                    finisher.submit(out.deferred.finish)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return time.perf_counter() - t0
@@ -117,6 +124,7 @@ def worker(args: argparse.Namespace) -> None:
             times["inside"] = sum(inside.values())
             rounds.append(times)
         mon.close()
+    finisher.shutdown(wait=True)
     source.close()
     if rank == 0:
         Path(args.out).write_text(
@@ -137,8 +145,6 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
         rows.append(f"| {mode} / base | {med:.3f}x | {q1:.3f}x | {q3:.3f}x | {len(rounds)} |")
         if mode == "agent":
             agent_med = med
-    work = [(r["observe_reduce_input"] + r["on_backward_end"]) / r["base"] for r in rounds]
-    w1, wmed, w3 = quartiles(work)
     q1, med, q3 = quartiles([r["base"] for r in rounds])
     i1, imed, i3 = quartiles([r["inside"] for r in rounds])
     share = [r["inside"] / r["base"] for r in rounds]
@@ -160,19 +166,18 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"{q3 * 1000:.1f} ms). Probe errors: {len(data['errors'])}.  ",
             f"Time inside the source's own code per step (wrapped reduce-scatter look, end of "
             f"backward, collect): median {imed * 1000:.2f} ms (quartiles {i1 * 1000:.2f}-"
-            f"{i3 * 1000:.2f} ms), i.e. {smed * 100:.1f}% of the unmonitored step (quartiles "
-            f"{s1 * 100:.1f}-{s3 * 100:.1f}%): look at the reduce-scatter input "
+            f"{i3 * 1000:.2f} ms), i.e. {smed * 100:.2f}% of the unmonitored step (quartiles "
+            f"{s1 * 100:.2f}-{s3 * 100:.2f}%): look at the reduce-scatter input "
             f"{statistics.median(r['observe_reduce_input'] for r in rounds) * 1000:.2f} ms, end "
             f"of backward (shard pass, all-reduce issued) "
             f"{statistics.median(r['on_backward_end'] for r in rounds) * 1000:.2f} ms, collect "
-            f"(wait) {statistics.median(r['collect'] for r in rounds) * 1000:.2f} ms (medians). "
-            f"On a shared 2-core box the step ratios below are noisier than this direct figure.  ",
-            f"Without the wait at collect (which is the other rank reaching the small "
-            f"all-reduce late, not work of this rank): {wmed * 100:.2f}% of the step (quartiles "
-            f"{w1 * 100:.2f}-{w3 * 100:.2f}%).  ",
+            f"{statistics.median(r['collect'] for r in rounds) * 1000:.2f} ms (medians). The "
+            f"small all-reduce is not waited for on the training thread (the record thread "
+            f"finishes it; `on_nonfinite='skip'|'raise'` wait, since they read it before the "
+            f"step). On a shared 2-core box the step ratios below are noisier than this direct "
+            f"figure.  ",
             f"Targets: source's own code <= {SOURCE_TARGET:.1%} of the step: median "
-            f"{smed:.1%} with the wait ({'met' if smed <= SOURCE_TARGET else 'NOT met'}), "
-            f"{wmed:.2%} without it ({'met' if wmed <= SOURCE_TARGET else 'NOT met'}); "
+            f"{smed:.2%} ({'met' if smed <= SOURCE_TARGET else 'NOT met'}); "
             f"agent / base <= {AGENT_TARGET:.2f}x: median {agent_med:.3f}x "
             f"({'met' if agent_med <= AGENT_TARGET else 'NOT met'}).",
             "",

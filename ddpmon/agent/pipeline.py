@@ -31,12 +31,13 @@ from typing import Any
 import torch
 
 from ..probes.comm import CommTiming
-from ..probes.grads import ParamIndex, host_finite, summarize_host
+from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
 from ..strategies.base import GradientSource, GradSummaries, NormVector
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
 from .readback import Arrived, Readback
+from .records import build_record
 from .stepvector import StepVectorLayout
 
 
@@ -342,62 +343,7 @@ class StepPipeline:
                     sink.on_record(record)
 
     def _record(self, parts: dict[str, list[float]], meta: StepMeta) -> StepRecord:
-        record = StepRecord(
-            step=meta.step,
-            wall_time=meta.wall_time,
-            duration_seconds=meta.duration,
-            data_wait_seconds=meta.data_wait,
-            skipped_by=meta.skipped_by,
-        )
-        scale = parts["grad_scale"][0] if "grad_scale" in parts else None
-        reduced = local = None
-        if meta.deferred is not None and meta.deferred.failed:
-            meta.reduced = None  # the reduction failed (reported): no global norm this step
-        if "reduced_norms" in parts and meta.reduced is not None:
-            reduced = summarize_host(meta.reduced, parts["reduced_norms"], self.index, scale)
-            record.grad_norm = reduced.norm
-            record.group_norms = dict(zip(self.index.group_names, reduced.group_norms, strict=True))
-            record.grad_nonfinite = reduced.nonfinite
-            if reduced.nonfinite:
-                record.grad_nonfinite_param = self.index.name(reduced.first_position)
-                record.grad_nonfinite_kind = reduced.kind
-        if "local_norms" in parts and meta.local is not None:
-            local = summarize_host(meta.local, parts["local_norms"], self.index, scale)
-        elif meta.local_is_reduced:
-            local = reduced
-        if local is not None:
-            if meta.local_complete:
-                record.grad_local_norm = local.norm
-            record.local_nonfinite = local.nonfinite
-            if local.nonfinite:
-                record.local_nonfinite_param = self.index.name(local.first_position)
-                record.local_nonfinite_kind = local.kind
-        record.loss = parts["loss"][0] if "loss" in parts else meta.loss_host
-        if "loss_scale" in parts:
-            record.loss_scale = parts["loss_scale"][0]
-        if "found_inf" in parts and parts["found_inf"][0] > 0:
-            record.amp_skipped = True
-            record.skipped_by = record.skipped_by or "scaler"
-        if meta.host_scale_after is not None:
-            record.loss_scale = meta.host_scale_after
-        if meta.host_skipped:
-            record.amp_skipped = True
-            record.skipped_by = record.skipped_by or "scaler"
-        if "identical_ranks" in parts:
-            record.data_identical_ranks = int(parts["identical_ranks"][0])
-        if meta.comm is not None:
-            with self.guard("comm"):
-                record.collective_bytes = dict(meta.comm.bytes)
-                record.collective_seconds = meta.comm.resolve(self.guard.error)
-        if meta.pp is not None:
-            meta.pp.source.finish_record(
-                record,
-                parts,
-                meta.pp,
-                _host(parts, "local_norms", meta.local)
-                or (_host(parts, "reduced_norms", meta.reduced) if meta.local_is_reduced else None),
-                _host(parts, "reduced_norms", meta.reduced),
-            )
+        record = build_record(parts, meta, self.index, self.guard)
         self._cross_check(record, parts, meta)
         return record
 
@@ -450,13 +396,6 @@ def _global_norm(s: GradSummaries) -> torch.Tensor | None:
     """Pipeline parallel: the pp-summed squared norm (identical on every stage), so that a
     skip/raise decision is the same on every stage."""
     return s.pp.norm[:1] if s.pp is not None else None
-
-
-def _host(parts: dict, name: str, vector: NormVector | None) -> tuple | None:
-    """(host values, positions) of a read-back norm vector, or None."""
-    if name not in parts or vector is None:
-        return None
-    return parts[name], list(vector.positions)
 
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:

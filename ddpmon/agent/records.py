@@ -1,0 +1,83 @@
+"""A step's record from its read-back values: global and group norms, the local norms and their
+non-finite flags, loss, scaler facts, collectives, and pipeline parallel's per-stage finish.
+Runs on the record thread (``StepPipeline.drain``); nothing here touches a device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..probes.grads import ParamIndex, summarize_host
+from ..state import StepRecord
+from ..strategies.base import NormVector
+from .guard import Guard
+
+
+def build_record(
+    parts: dict[str, list[float]], meta: Any, index: ParamIndex, guard: Guard
+) -> StepRecord:
+    """One step's record from its read-back values (``parts``) and host facts (``meta``: a
+    ``StepMeta``). Record thread."""
+    record = StepRecord(
+        step=meta.step,
+        wall_time=meta.wall_time,
+        duration_seconds=meta.duration,
+        data_wait_seconds=meta.data_wait,
+        skipped_by=meta.skipped_by,
+    )
+    scale = parts["grad_scale"][0] if "grad_scale" in parts else None
+    reduced = local = None
+    if meta.deferred is not None and meta.deferred.failed:
+        meta.reduced = None  # the reduction failed (reported): no global norm this step
+    if "reduced_norms" in parts and meta.reduced is not None:
+        reduced = summarize_host(meta.reduced, parts["reduced_norms"], index, scale)
+        record.grad_norm = reduced.norm
+        record.group_norms = dict(zip(index.group_names, reduced.group_norms, strict=True))
+        record.grad_nonfinite = reduced.nonfinite
+        if reduced.nonfinite:
+            record.grad_nonfinite_param = index.name(reduced.first_position)
+            record.grad_nonfinite_kind = reduced.kind
+    if "local_norms" in parts and meta.local is not None:
+        local = summarize_host(meta.local, parts["local_norms"], index, scale)
+    elif meta.local_is_reduced:
+        local = reduced
+    if local is not None:
+        if meta.local_complete:
+            record.grad_local_norm = local.norm
+        record.local_nonfinite = local.nonfinite
+        if local.nonfinite:
+            record.local_nonfinite_param = index.name(local.first_position)
+            record.local_nonfinite_kind = local.kind
+    record.loss = parts["loss"][0] if "loss" in parts else meta.loss_host
+    if "loss_scale" in parts:
+        record.loss_scale = parts["loss_scale"][0]
+    if "found_inf" in parts and parts["found_inf"][0] > 0:
+        record.amp_skipped = True
+        record.skipped_by = record.skipped_by or "scaler"
+    if meta.host_scale_after is not None:
+        record.loss_scale = meta.host_scale_after
+    if meta.host_skipped:
+        record.amp_skipped = True
+        record.skipped_by = record.skipped_by or "scaler"
+    if "identical_ranks" in parts:
+        record.data_identical_ranks = int(parts["identical_ranks"][0])
+    if meta.comm is not None:
+        with guard("comm"):
+            record.collective_bytes = dict(meta.comm.bytes)
+            record.collective_seconds = meta.comm.resolve(guard.error)
+    if meta.pp is not None:
+        meta.pp.source.finish_record(
+            record,
+            parts,
+            meta.pp,
+            _host(parts, "local_norms", meta.local)
+            or (_host(parts, "reduced_norms", meta.reduced) if meta.local_is_reduced else None),
+            _host(parts, "reduced_norms", meta.reduced),
+        )
+    return record
+
+
+def _host(parts: dict, name: str, vector: NormVector | None) -> tuple | None:
+    """(host values, positions) of a read-back norm vector, or None."""
+    if name not in parts or vector is None:
+        return None
+    return parts[name], list(vector.positions)
