@@ -74,6 +74,9 @@ class SourceEnv:
     comm_state: Any = None
     amp: Any = None
     """The GradScaler probe (``probes.amp.ScalerProbe``) when a scaler is in use."""
+    span: Any = None
+    """``dtensor_norms.DisjointSpan``: pipeline parallel hands it to its sharded inner source,
+    whose reduction then also sums over the pp group (one all-reduce, not two)."""
 
     def grads_scaled_now(self) -> bool:
         """Do the ``.grad`` tensors carry the loss scale right now (no ``unscale_`` yet)?"""
