@@ -294,8 +294,8 @@ class PipelineSource(GradientSource):
 
     # ------------------------------------------------------------------ readback (host)
     def finish_record(self, record: Any, parts: dict, step: PPStep, local, reduced) -> None:
-        """Global norm from the pp sum; origin per stage (see the module doc). Record thread.
-        ``local``/``reduced``: (host values, positions) or None."""
+        """Global norm over every stage (``pp_norm``); origin per stage (see the module doc).
+        Record thread. ``local``/``reduced``: (host values, positions) or None."""
         if "pp_norm" in parts:
             total, failures = parts["pp_norm"][0], parts["pp_norm"][1]
             record.grad_norm = None if failures > 0 else math.sqrt(max(total, 0.0))
