@@ -117,6 +117,9 @@ class SourceEnv:
     defer_reduction_wait: bool = False
     """Nothing on the training thread reads the reduced norms (``on_nonfinite='record'``), so a
     source may leave a host-side norm reduction in flight for the record thread to finish."""
+    span: Any = None
+    """``dtensor_norms.DisjointSpan``: pipeline parallel hands it to its sharded inner source,
+    whose reduction then also sums over the pp group (one all-reduce, not two)."""
 
     def grads_scaled_now(self) -> bool:
         """Do the ``.grad`` tensors carry the loss scale right now (no ``unscale_`` yet)?"""

@@ -14,6 +14,12 @@ replicated must be counted once. Both rules fit one SUM all-reduce of a per-para
 - a ``Partial`` gradient is reduced first (one all-reduce of that gradient; rare), then treated
   as ``Replicate``.
 
+A *disjoint span* (``DisjointSpan``: the pp group under pipeline parallel, whose ranks hold
+different parameters, not replicas) folds a second sum into the same all-reduce: each rank's
+per-parameter vector is a block at a fixed offset of one longer vector (zeros elsewhere), no
+mask applies along it, and summing over it lays the blocks side by side. The whole vector then
+sums to the global squared norm over every stage, with no second collective.
+
 The result is the same on every rank of a reduction span (replicas compute it independently).
 """
 
@@ -75,23 +81,58 @@ def reduction_device(params: Sequence[torch.Tensor]) -> torch.device:
     return params[0].device if params else torch.device("cpu")
 
 
+@dataclass(frozen=True, slots=True)
+class DisjointSpan:
+    """A group whose ranks hold *different* parameters (pipeline stages): this rank's
+    per-parameter block sits at ``offset`` of a ``total``-long vector, the other ranks' blocks
+    are zero here, so one SUM over the group lays the blocks side by side."""
+
+    group: dist.ProcessGroup
+    offset: int
+    total: int
+
+
+def disjoint_span(group: dist.ProcessGroup, count: int, device: torch.device) -> DisjointSpan:
+    """Every rank's parameter count over ``group`` (one all-gather, at attach only): the offset
+    of this rank's block is the sum of the lower ranks' counts."""
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(group.size())]
+    dist.all_gather(counts, mine, group=group)
+    sizes = [int(c.item()) for c in counts]  # host read at attach, never per step
+    rank = dist.get_rank(group)
+    return DisjointSpan(group, sum(sizes[:rank]), sum(sizes))
+
+
 @dataclass(slots=True)
 class ReductionPlan:
     """The fixed reduction of one list of parameters (same on every rank)."""
 
     groups: list[dist.ProcessGroup]
-    """Groups to SUM over, in a fixed order."""
+    """Groups to SUM over, in a fixed order (the span's group last)."""
     mask: torch.Tensor
     """float64 per parameter: 1 where this rank contributes the parameter's partial square."""
     device: torch.device
+    span: DisjointSpan | None = None
+    """Where this rank's block sits in a vector summed over a disjoint span, if any."""
 
     @property
     def needs_comm(self) -> bool:
         return bool(self.groups)
 
+    @property
+    def width(self) -> int:
+        """Length of the reduced vector, without its failure slot."""
+        return self.span.total if self.span is not None else self.mask.numel()
 
-def build_plan(params: Sequence[torch.Tensor]) -> ReductionPlan:
-    """The groups and the count-once mask for ``params`` (see the module doc)."""
+    def own(self, vector: torch.Tensor) -> torch.Tensor:
+        """This rank's block of ``vector`` (a view): its own parameters, in index order."""
+        start = self.span.offset if self.span is not None else 0
+        return vector[start : start + self.mask.numel()]
+
+
+def build_plan(params: Sequence[torch.Tensor], span: DisjointSpan | None = None) -> ReductionPlan:
+    """The groups and the count-once mask for ``params`` (see the module doc); ``span`` adds its
+    group to the sum, without a mask (every rank of it contributes its own block)."""
     per_param = [_shard_groups(p) for p in params]
     groups: dict[str, dist.ProcessGroup] = {}
     for shard_groups in per_param:
@@ -104,9 +145,10 @@ def build_plan(params: Sequence[torch.Tensor]) -> ReductionPlan:
         mask.append(float(all(key in own or first_rank[key] for key in groups)))
     device = reduction_device(params)
     return ReductionPlan(
-        groups=list(groups.values()),
+        groups=list(groups.values()) + ([span.group] if span is not None else []),
         mask=torch.tensor(mask, dtype=torch.float64, device=device),
         device=device,
+        span=span,
     )
 
 
@@ -156,7 +198,8 @@ def scatter_squares(
 def reduce_async(vector: torch.Tensor, plan: ReductionPlan) -> Any:
     """Start the SUM of ``vector`` over the plan's groups in place; returns the work to wait on
     (None without communication). One collective when the groups span the whole world (FSDP2,
-    TP, FSDP2+TP on a dp x tp world); otherwise one per group, the earlier ones waited on."""
+    TP, FSDP2+TP on a dp x tp world, FSDP2 folded with pp on a dp x pp world); otherwise one per
+    group, the earlier ones waited on (HSDP: its replicate dim is not summed)."""
     groups = plan.groups
     if not groups:
         return None
@@ -199,9 +242,9 @@ class ShardedNorms:
     would read as a non-finite gradient and could trigger the skip/raise policy).
     """
 
-    def __init__(self, index: ParamIndex) -> None:
+    def __init__(self, index: ParamIndex, span: DisjointSpan | None = None) -> None:
         self.index = index
-        self.plan = build_plan(index.params)
+        self.plan = build_plan(index.params, span)
         self._positions = list(range(len(index)))
         self._pending: _Pending | None = None
 
@@ -210,7 +253,7 @@ class ShardedNorms:
         reduction. Returns (positions, norms of the raw local pieces) for reuse as a local
         summary; raises after issuing the reduction if the pass failed."""
         n = len(self.index)
-        vec = torch.zeros(n + 1, dtype=torch.float64, device=self.plan.device)
+        vec = torch.zeros(self.plan.width + 1, dtype=torch.float64, device=self.plan.device)
         failure: BaseException | None = None
         idx: list[int] = []
         norms = None
@@ -226,12 +269,13 @@ class ShardedNorms:
                 fixed = per_param_norms([complete_local(grads[k]) for k in partial])
                 complete[torch.tensor(partial, dtype=torch.long)] = fixed.to(complete)
             if complete is not None:
-                vec[:n] = scatter_squares(complete, idx, n, self.plan.device) * self.plan.mask
+                sq = scatter_squares(complete, idx, n, self.plan.device)
+                self.plan.own(vec).copy_(sq * self.plan.mask)
             stamp = self._current_stamp(idx)
         except Exception as exc:  # still take part in the reduction below
             failure = exc
             vec.zero_()
-            vec[n] = 1.0
+            vec[-1] = 1.0
         self.wait()  # a previous reducing backward of the same step (rare)
         self._pending = _Pending(reduce_async(vec, self.plan), vec, scaled, stamp)
         if failure is not None:
@@ -281,18 +325,20 @@ class ShardedNorms:
         return NormVector(out, self._positions, pending.scaled), deferred
 
     def _final(self, vec: torch.Tensor) -> torch.Tensor:
-        """Per-parameter norms from the reduced squares; zeros when some rank failed."""
-        n = len(self.index)
-        return torch.where(vec[n] > 0, torch.zeros_like(vec[:n]), vec[:n].sqrt())
+        """This rank's per-parameter norms from the reduced squares (its own block under a
+        disjoint span); zeros when some rank failed."""
+        own = self.plan.own(vec)
+        return torch.where(vec[-1] > 0, torch.zeros_like(own), own.sqrt())
 
     def reuse_for_clip(
         self, params: Sequence[torch.Tensor], scaled_now: bool, scale: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The global norm of ``params`` from this step's reduction, without another pass, or
-        None. Once per measurement, and only when ``params`` are exactly the measured ones and
-        no gradient changed since: the version counters catch ordinary in-place ops, and a
-        GradScaler ``unscale_`` in between is divided out (``scale``). ``_foreach_*`` in-place
-        ops on DTensor bump no counter (torch.nn.utils.clip_grad_norm_), hence once only."""
+        None; with a disjoint span, the norm over every rank's block (every stage). Once per
+        measurement, and only when ``params`` are exactly the measured ones and no gradient
+        changed since: the version counters catch ordinary in-place ops, and a GradScaler
+        ``unscale_`` in between is divided out (``scale``). ``_foreach_*`` in-place ops on
+        DTensor bump no counter (torch.nn.utils.clip_grad_norm_), hence once only."""
         pending = self._pending
         if pending is None or pending.stamp is None or pending.reused:
             return None
@@ -312,11 +358,11 @@ class ShardedNorms:
             unscale = None
         self.wait()
         pending.reused = True
-        vec, n = pending.vector, len(self.index)
-        total = vec[:n].sum().sqrt()
+        vec = pending.vector
+        total = vec[:-1].sum().sqrt()
         if unscale is not None:
             total = total * unscale
-        return torch.where(vec[n] > 0, torch.zeros_like(total), total)
+        return torch.where(vec[-1] > 0, torch.zeros_like(total), total)
 
 
 @dataclass(slots=True)

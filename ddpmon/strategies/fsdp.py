@@ -194,7 +194,7 @@ class FSDPSource(ShardedSource):
 
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:
-        self._norms = ShardedNorms(self.index)
+        self._norms = ShardedNorms(self.index, self.env.span)
         self._clip.norms = self._norms
         probed = 0
         modules = fsdp_modules(self.env.model)

@@ -12,10 +12,14 @@ this rank holds (two for interleaved and V schedules). Why each piece looks the 
 - Names carry the stage (``stage1.layers.0.fc1.weight``): a ``ModuleList`` split renumbers
   layers, so FQNs alone collide across stages.
 - Norms: each stage holds only its own parameters, so the global norm is
-  ``sqrt(sum over stages of the stage's squared norm)``; the stage's squared norm (after the
-  shard reduction under FSDP2) is summed with one 2-number all-reduce over the pp group, issued
-  on every rank at every collect, failures included (a failure flag, never a NaN). Group and
-  local norms stay per stage.
+  ``sqrt(sum over stages of the stage's squared norm)``. Under FSDP2 (and TP) the pp sum is
+  folded into the inner source's shard reduction: the pp group is a disjoint span
+  (``dtensor_norms.DisjointSpan``), each rank's per-parameter squares a block at its own offset,
+  so one all-reduce over the dp x pp world gives every stage's reduced norms at once (HSDP: its
+  shard dim, then pp, in sequence). Plain pp and pp+DDP have no shard reduction: one 2-number
+  all-reduce over the pp group. Either is issued on every rank at every end of
+  ``schedule.step()``, failures included (a failure flag, never a NaN). Group and local norms
+  stay per stage.
 - NaN origin: a stage is the origin when its weights entering the step were finite and the
   first non-finite thing it touched was something it *produced* (an activation it sent, its
   output, an activation gradient it sent, a parameter gradient), not something it *received*.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -38,6 +43,7 @@ import torch.distributed as dist
 
 from ..probes.grads import NormVector, full_pass
 from .base import GradientSource, GradSummaries, SourceEnv
+from .dtensor_norms import DisjointSpan, disjoint_span, reduction_device
 from .pp_probes import NO_EVENT, PARAM_GRAD_SEQ, P2PTiming, PPStep, StageProbes
 from .pp_setup import PipelineSetup
 
@@ -46,8 +52,8 @@ log = logging.getLogger("ddpmon")
 
 # ---------------------------------------------------------------------------------- source
 class PipelineSource(GradientSource):
-    """Per-stage numbers from the inner strategy (plain, FSDP2, DDP), one pp all-reduce for the
-    global norm, and the per-stage origin."""
+    """Per-stage numbers from the inner strategy (plain, FSDP2, DDP), one all-reduce for the
+    global norm (folded into the inner's under FSDP2), and the per-stage origin."""
 
     name = "pp"
 
@@ -64,6 +70,8 @@ class PipelineSource(GradientSource):
         self._stage_of = self._stage_positions()
         self._poisoned: set[int] = set()
         self.has_loss = setup.has_loss
+        self._folded = False
+        """The inner source's reduction also sums over the pp group (no pp all-reduce here)."""
 
     def _stage_positions(self) -> list[int]:
         """Stage index of each ``ParamIndex`` position (names start with ``stage<k>.``)."""
@@ -108,11 +116,24 @@ class PipelineSource(GradientSource):
             from .detect import SOURCES, make_source
 
             if kind in SOURCES:
-                self.inner = make_source(kind, self.env)
+                self.inner = make_source(kind, replace(self.env, span=self._span()))
                 self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
                 self.inner.install()
+                plan = getattr(getattr(self.inner, "_norms", None), "plan", None)
+                self._folded = getattr(plan, "span", None) is not None
         self.probes.install()
         self.p2p.install()
+
+    def _span(self) -> DisjointSpan | None:
+        """This rank's block in the folded vector (one all-gather over the pp group, at attach);
+        None, and the unfolded path, if that fails (a broken pp group)."""
+        try:
+            params = self.index.params
+            return disjoint_span(self.setup.group, len(params), reduction_device(params))
+        except Exception as exc:
+            log.warning("ddpmon: pp sum not folded into the shard reduction (%s)", exc)
+            self.env.on_error("grads", exc)
+            return None
 
     def close(self) -> None:
         self.probes.uninstall()
@@ -128,9 +149,16 @@ class PipelineSource(GradientSource):
     # ------------------------------------------------------------------ measurement
     def on_backward_end(self) -> None:
         """After ``schedule.step()``: every stage's gradients are final (reduced, scaled). The
-        stage's squared norm is measured here and its pp all-reduce started (async), waited on
-        at ``collect``. Every rank runs the same ``schedule.step()`` calls, so the collectives
-        match; the all-reduce is issued whatever happened before it."""
+        stage's squared norm is measured here and its all-reduce started (async), waited on at
+        ``collect``: folded, the inner source's own; else the pp sum. Every rank runs the same
+        ``schedule.step()`` calls, so the collectives match; the all-reduce is issued whatever
+        happened before it."""
+        if self._folded:
+            try:
+                self.inner.on_backward_end()  # type: ignore[union-attr]
+            except Exception as exc:
+                self.env.on_error("grads", exc)
+            return
         self._wait_pending()  # an earlier schedule.step() of the same optimizer step
         vec = None
         try:
@@ -150,15 +178,16 @@ class PipelineSource(GradientSource):
             self._pending = (vec, work)
 
     def _inner_squares(self) -> torch.Tensor | None:
-        """[stage squared norm, failures] from the sharded source's own reduction (waited on
-        here: the pp sum has to follow the shard sum), or None when it has none."""
+        """[squared norm, failures] of the sharded source's own reduction, or None when it has
+        none: this rank's stages (unfolded: the pp sum follows), or every stage (folded: the
+        vector holds every rank's block). Waited on here, before the inner's ``take``."""
         norms = getattr(self.inner, "_norms", None)
         pending = getattr(norms, "_pending", None)
         if pending is None:
             return None
         norms.wait()
-        n = len(self.index)
-        return torch.stack([pending.vector[:n].sum(), (pending.vector[n] > 0).to(torch.float64)])
+        vec = pending.vector
+        return torch.stack([vec[:-1].sum(), (vec[-1] > 0).to(torch.float64)])
 
     def _wait_pending(self) -> torch.Tensor | None:
         pending, self._pending = self._pending, None
@@ -171,6 +200,15 @@ class PipelineSource(GradientSource):
     def collect(self) -> GradSummaries:
         out = GradSummaries()
         failed = 0.0
+        folded = None
+        if self._folded:  # before the inner's take() clears its reduction
+            try:
+                # None: no schedule.step() end since the last step, on any rank (the folded
+                # reduction is a collective): no norm, and nothing to reduce
+                folded = self._inner_squares()
+            except Exception as exc:
+                self.env.on_error("grads", exc)
+            folded = self._failed_vector() if folded is None else folded
         try:
             out = self._collect_inner()
         except Exception as exc:
@@ -179,7 +217,7 @@ class PipelineSource(GradientSource):
         try:
             # Waited on here, as the sharded sources wait on theirs: the step's values must be
             # final when it is delivered (on CPU, flush() delivers every completed step).
-            norm = self._wait_pending()
+            norm = folded if folded is not None else self._wait_pending()
         except Exception as exc:  # the collective itself failed: not ours to hide, but counted
             self.env.on_error("grads", exc)
             norm = self._failed_vector()
@@ -239,9 +277,15 @@ class PipelineSource(GradientSource):
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The global norm over every stage: this rank's (sharded-aware) norm, squared, summed
-        over the pp group. Every rank must clip (it is a collective), as torchtitan does."""
+        over the pp group; folded and reused from the step's reduction, already summed over
+        every stage (no collective). Whether it is reused depends on the same loop on every
+        rank, so every rank takes the same path. Every rank must clip (it is a collective), as
+        torchtitan does."""
         if self.inner is not None:
+            reused = getattr(self.inner, "clip_norms_reused", 0)
             inner = self.inner.clip_norm(params)
+            if self._folded and getattr(self.inner, "clip_norms_reused", 0) > reused:
+                return inner
         else:
             inner = super().clip_norm(params)
         sq = (inner.to(torch.float64) ** 2).reshape(1)
@@ -250,8 +294,8 @@ class PipelineSource(GradientSource):
 
     # ------------------------------------------------------------------ readback (host)
     def finish_record(self, record: Any, parts: dict, step: PPStep, local, reduced) -> None:
-        """Global norm from the pp sum; origin per stage (see the module doc). Record thread.
-        ``local``/``reduced``: (host values, positions) or None."""
+        """Global norm over every stage (``pp_norm``); origin per stage (see the module doc).
+        Record thread. ``local``/``reduced``: (host values, positions) or None."""
         if "pp_norm" in parts:
             total, failures = parts["pp_norm"][0], parts["pp_norm"][1]
             record.grad_norm = None if failures > 0 else math.sqrt(max(total, 0.0))

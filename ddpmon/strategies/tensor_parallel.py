@@ -34,7 +34,7 @@ class TensorParallelSource(ShardedSource):
         self._local: NormVector | None = None
 
     def install(self) -> None:
-        self._norms = ShardedNorms(self.index)
+        self._norms = ShardedNorms(self.index, self.env.span)
         self._clip.norms = self._norms
 
     def on_backward_end(self) -> None:

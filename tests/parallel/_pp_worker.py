@@ -104,6 +104,23 @@ def batch(step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Te
     return x[dp_rank * B : (dp_rank + 1) * B], y[dp_rank * B : (dp_rank + 1) * B], x, y
 
 
+ALL_REDUCES = [0]
+"""``dist.all_reduce`` calls in this process (``count_all_reduces`` wraps the real one)."""
+
+
+def count_all_reduces() -> None:
+    """Count every ``dist.all_reduce`` call (the real collective still runs): ddpmon's own
+    per-step reductions are the ones issued inside ``schedule.step()`` and ``optimizer.step()``
+    under FSDP2 (which reduce-scatters and all-gathers but never all-reduces)."""
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        ALL_REDUCES[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         return resp.read().decode()
@@ -176,24 +193,30 @@ class Run:
         )
         assert self.mon.enabled, self.mon.error
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int, clip: bool = True) -> dict:
         x, y, gx, gy = batch(step, self.dp_rank, self.dp_size)
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs = {"target": y, "losses": losses} if self.last else {}
+        before = ALL_REDUCES[0]
         self.schedule.step(*args, **kwargs)
+        all_reduces = ALL_REDUCES[0] - before
         if self.last:
             self.mon.observe_loss(torch.stack(losses).mean())  # scale_grads=True: the mean
         else:
             self.mon.observe_loss(torch.tensor(-1.0))  # torchtitan's stand-in: must be dropped
-        clip = float(ddpmon.clip_grad_norm_(self.params, 1e9))  # a collective, as torchtitan's
+        before = ALL_REDUCES[0]
+        clip = float(ddpmon.clip_grad_norm_(self.params, 1e9)) if clip else None  # collective
+        clip_all_reduces = ALL_REDUCES[0] - before
         titan = float(titan_clip(self.params, 1e9, pp_mesh=self.pp_mesh))
         ref_loss = loss_fn(self.reference(gx), gy)
         ref_loss.backward()
         unsplit = math.sqrt(
             sum(float(p.grad.double().pow(2).sum()) for p in self.reference.parameters())
         )
-        self.opt.step()
+        before = ALL_REDUCES[0]
+        self.opt.step()  # ddpmon collects the step here
+        all_reduces += ALL_REDUCES[0] - before
         self.opt.zero_grad(set_to_none=True)
         self.ref_opt.step()
         self.ref_opt.zero_grad(set_to_none=True)
@@ -212,6 +235,8 @@ class Run:
             "comm_bytes": dict(record.collective_bytes),
             "duration": record.duration_seconds,
             "ref_loss": float(ref_loss.detach()),
+            "all_reduces": all_reduces,
+            "clip_all_reduces": clip_all_reduces,
         }
 
 
@@ -242,6 +267,7 @@ def run_norms(args, dp: str) -> dict:
             "last": run.last,
             "names": list(run.mon.index.names),
             "errors": dict(run.mon.state.agent_errors),
+            "clip_reused": getattr(run.mon.source.inner, "clip_norms_reused", None),
         }
         if port:
             text = scrape(run.mon.port)
@@ -330,6 +356,37 @@ def run_nan(args, dp: str, sites) -> dict:
     return results
 
 
+FAIL_STEP, FAIL_RANK = 1, 1
+
+
+def run_fail(args, dp: str) -> dict:
+    """pp x dp, 1F1B: rank FAIL_RANK's measurement of the reduced norms raises at FAIL_STEP
+    (injected into the norm pass of ``dtensor_norms``). It must still take part in the one
+    reduction, and every rank then reports no norm for that step (never NaN), before and after
+    it the right one. No ``ddpmon.clip_grad_norm_``: its reuse of the step's reduction is
+    refused on the failed rank only."""
+    from ddpmon.strategies import dtensor_norms
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    run = Run(mesh, "1F1B", dp, args.out, 0, tag="fail")
+    real = dtensor_norms.per_param_norms
+
+    def broken(tensors):
+        raise RuntimeError("injected: the norm pass failed")
+
+    steps = []
+    for s in range(FAIL_STEP + 2):
+        if s == FAIL_STEP and dist.get_rank() == FAIL_RANK:
+            dtensor_norms.per_param_norms = broken
+        try:
+            steps.append(run.step(s, clip=False))
+        finally:
+            dtensor_norms.per_param_norms = real
+    result = {"steps": steps, "errors": dict(run.mon.state.agent_errors)}
+    run.mon.close()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -338,9 +395,11 @@ def main() -> None:
         "--nan-dp", default="", help="also an activation-gradient NaN on the last stage, pp x dp"
     )
     parser.add_argument("--dp", default="none", help="comma-separated: none, fsdp2, ddp")
+    parser.add_argument("--fail-dp", default="", help="also a failed measurement on one rank")
     parser.add_argument("--strategy", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    count_all_reduces()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     result: dict = {"rank": rank, "norms": {dp: run_norms(args, dp) for dp in args.dp.split(",")}}
@@ -348,6 +407,8 @@ def main() -> None:
         result["nan"] = run_nan(args, "none", [*NAN_SITES, "param_grad+skip"])
     if args.nan_dp:
         result["nan_dp"] = run_nan(args, args.nan_dp, ["activation_grad_last"])
+    if args.fail_dp:
+        result["fail_dp"] = run_fail(args, args.fail_dp)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     destroy_process_group_now()
 

@@ -15,7 +15,14 @@ import pytest
 pytest.importorskip("torchtitan.distributed.utils")
 
 from ddpmon.forensics.timeline import describe  # noqa: E402
-from tests.parallel._pp_worker import NAN_MB, NAN_STEP, SCHEDULES, STEPS  # noqa: E402
+from tests.parallel._pp_worker import (  # noqa: E402
+    FAIL_RANK,
+    FAIL_STEP,
+    NAN_MB,
+    NAN_STEP,
+    SCHEDULES,
+    STEPS,
+)
 from tests.parallel.conftest import launch  # noqa: E402
 
 WORKER = Path(__file__).with_name("_pp_worker.py")
@@ -31,7 +38,8 @@ def pp_only(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pp_dp(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_dp")
-    return launch("", 4, out, args=("--dp", "fsdp2,ddp", "--nan-dp", "fsdp2"), worker=WORKER)
+    args = ("--dp", "fsdp2,ddp", "--nan-dp", "fsdp2", "--fail-dp", "fsdp2")
+    return launch("", 4, out, args=args, worker=WORKER)
 
 
 def _cases(ranks: list[dict]):
@@ -70,6 +78,40 @@ def test_global_norm_equals_torchtitan_and_unsplit_pp_only(pp_only):
 
 def test_global_norm_equals_torchtitan_and_unsplit_with_fsdp2_and_ddp(pp_dp):
     _check_norms(pp_dp, {"fsdp2": "pp+fsdp2", "ddp": "pp+ddp"})
+
+
+def test_one_all_reduce_per_step_folded_into_the_shard_reduction(pp_only, pp_dp):
+    """The global norm costs one small all-reduce per step: under pp + FSDP2 the pp sum is folded
+    into the shard reduction (each stage's block at its own offset of one vector, summed over
+    the dp x pp world at once), not a second all-reduce over the pp group after the first; pp
+    alone has only the pp sum. Counted around ``schedule.step()`` and ``optimizer.step()`` (FSDP2
+    itself never all-reduces). ``ddpmon.clip_grad_norm_`` under pp + FSDP2 reuses that reduction,
+    already summed over every stage: no collective at all; pp alone sums over the pp group."""
+    for rank, dp, name, entry in _cases(pp_only + pp_dp):
+        if dp in ("none", "fsdp2"):
+            assert [s["all_reduces"] for s in entry["steps"]] == [1] * STEPS, (rank, dp, name)
+        if dp == "fsdp2":
+            assert entry["clip_reused"] == STEPS, (rank, name)
+            assert [s["clip_all_reduces"] for s in entry["steps"]] == [0] * STEPS, (rank, name)
+        if dp == "none":
+            assert [s["clip_all_reduces"] for s in entry["steps"]] == [1] * STEPS, (rank, name)
+
+
+def test_a_failed_measurement_under_fsdp2_still_reduces_and_no_rank_reports_a_norm(pp_dp):
+    """pp 2 x FSDP2 dp 2: one rank's norm pass raises at one step. That rank still joins the
+    one folded all-reduce (zeros and a failure flag), so no rank hangs, every rank reports no
+    norm for that step (None, never NaN), and the steps around it are right everywhere."""
+    for rank in pp_dp:
+        result = rank["fail_dp"]
+        steps = result["steps"]
+        errors = {probe: n for probe, n in result["errors"].items() if n}
+        assert errors == ({"grads": 1} if rank["rank"] == FAIL_RANK else {}), (rank["rank"], errors)
+        assert [s["all_reduces"] for s in steps] == [1] * len(steps), rank["rank"]
+        for s in steps:
+            if s["step"] == FAIL_STEP:
+                assert s["ours"] is None, (rank["rank"], s)
+            else:
+                assert math.isclose(s["ours"], s["titan"], rel_tol=TOL), (rank["rank"], s)
 
 
 ACTIVATION_BYTES = 2 * 6 * 16 * 4  # one micro-batch's activation: 2 x T x D float32
