@@ -338,10 +338,18 @@ class ShardedNorms:
         measurement, and only when ``params`` are exactly the measured ones and no gradient
         changed since: the version counters catch ordinary in-place ops, and a GradScaler
         ``unscale_`` in between is divided out (``scale``). ``_foreach_*`` in-place ops on
-        DTensor bump no counter (torch.nn.utils.clip_grad_norm_), hence once only."""
+        DTensor bump no counter (torch.nn.utils.clip_grad_norm_), hence once only.
+
+        Every rank must decide alike (the fallback is a collective). A rank whose measurement
+        failed has no stamp, and the reduction carries its failure flag to every rank: on the
+        host (gloo) the flag is read for free and every rank falls back; on a device, where
+        reading it would sync, the failed rank reuses too and every rank gets 0 (no clipping
+        that step, the failure counted) rather than mismatched collectives."""
         pending = self._pending
-        if pending is None or pending.stamp is None or pending.reused:
+        if pending is None or pending.reused:
             return None
+        if pending.stamp is None:
+            return self._reuse_failed(pending)
         if scaled_now and not pending.scaled:
             return None
         positions = self.index.positions_of(params)
@@ -359,10 +367,20 @@ class ShardedNorms:
         self.wait()
         pending.reused = True
         vec = pending.vector
+        if vec.is_cpu and vec[-1] > 0:  # some rank failed: every rank falls back alike
+            return None
         total = vec[:-1].sum().sqrt()
         if unscale is not None:
             total = total * unscale
         return torch.where(vec[-1] > 0, torch.zeros_like(total), total)
+
+
+    def _reuse_failed(self, pending: _Pending) -> torch.Tensor | None:
+        """``reuse_for_clip`` on the rank whose measurement failed (see there)."""
+        self.wait()
+        pending.reused = True
+        vec = pending.vector
+        return None if vec.is_cpu else torch.zeros((), dtype=vec.dtype, device=vec.device)
 
 
 @dataclass(slots=True)

@@ -361,27 +361,28 @@ FAIL_STEP, FAIL_RANK = 1, 1
 
 def run_fail(args, dp: str) -> dict:
     """pp x dp, 1F1B: rank FAIL_RANK's measurement of the reduced norms raises at FAIL_STEP
-    (injected into the norm pass of ``dtensor_norms``). It must still take part in the one
-    reduction, and every rank then reports no norm for that step (never NaN), before and after
-    it the right one. No ``ddpmon.clip_grad_norm_``: its reuse of the step's reduction is
-    refused on the failed rank only."""
+    (injected into the measurement's pass of ``dtensor_norms``). It must still take part in
+    the one reduction, and every rank then reports no norm for that step (never NaN), before
+    and after it the right one. ``ddpmon.clip_grad_norm_`` runs on every step: at the failed
+    one every rank must leave the step's reduction alike (the failure flag, read on the host)
+    and compute the norm again, or their collectives would not match."""
     from ddpmon.strategies import dtensor_norms
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     run = Run(mesh, "1F1B", dp, args.out, 0, tag="fail")
-    real = dtensor_norms.per_param_norms
+    real = dtensor_norms.raw_local  # the measurement's look at the shards (not the clip's)
 
-    def broken(tensors):
+    def broken(grad):
         raise RuntimeError("injected: the norm pass failed")
 
     steps = []
     for s in range(FAIL_STEP + 2):
         if s == FAIL_STEP and dist.get_rank() == FAIL_RANK:
-            dtensor_norms.per_param_norms = broken
+            dtensor_norms.raw_local = broken
         try:
-            steps.append(run.step(s, clip=False))
+            steps.append(run.step(s))
         finally:
-            dtensor_norms.per_param_norms = real
+            dtensor_norms.raw_local = real
     result = {"steps": steps, "errors": dict(run.mon.state.agent_errors)}
     run.mon.close()
     return result

@@ -100,7 +100,10 @@ def test_one_all_reduce_per_step_folded_into_the_shard_reduction(pp_only, pp_dp)
 def test_a_failed_measurement_under_fsdp2_still_reduces_and_no_rank_reports_a_norm(pp_dp):
     """pp 2 x FSDP2 dp 2: one rank's norm pass raises at one step. That rank still joins the
     one folded all-reduce (zeros and a failure flag), so no rank hangs, every rank reports no
-    norm for that step (None, never NaN), and the steps around it are right everywhere."""
+    norm for that step (None, never NaN), and the steps around it are right everywhere.
+    ``ddpmon.clip_grad_norm_`` on that step: every rank leaves the step's reduction alike and
+    computes the norm again (shard sum + pp sum), so it is still torchtitan's, and no rank
+    hangs; on the other steps it reuses the reduction (no collective)."""
     for rank in pp_dp:
         result = rank["fail_dp"]
         steps = result["steps"]
@@ -108,10 +111,13 @@ def test_a_failed_measurement_under_fsdp2_still_reduces_and_no_rank_reports_a_no
         assert errors == ({"grads": 1} if rank["rank"] == FAIL_RANK else {}), (rank["rank"], errors)
         assert [s["all_reduces"] for s in steps] == [1] * len(steps), rank["rank"]
         for s in steps:
+            assert math.isclose(s["clip"], s["titan"], rel_tol=TOL), (rank["rank"], s)
             if s["step"] == FAIL_STEP:
                 assert s["ours"] is None, (rank["rank"], s)
+                assert s["clip_all_reduces"] == 2, (rank["rank"], s)
             else:
                 assert math.isclose(s["ours"], s["titan"], rel_tol=TOL), (rank["rank"], s)
+                assert s["clip_all_reduces"] == 0, (rank["rank"], s)
 
 
 ACTIVATION_BYTES = 2 * 6 * 16 * 4  # one micro-batch's activation: 2 x T x D float32
