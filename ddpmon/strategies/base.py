@@ -66,18 +66,27 @@ class GradSummaries:
 
 class DeferredReduction:
     """A norm reduction still in flight on the host, finished off the training thread: ``done``
-    polls the collective, ``finish`` waits for it and fills the step's norms. ``finish`` never
-    raises: a failed collective is reported and marks the step's reduced norms ``failed``."""
+    polls the collective, ``finish`` waits for it and runs the fills (the step's norms from the
+    reduced vector; ``also`` adds one). ``finish`` never raises: a failed collective is reported
+    and marks the step's reduced norms ``failed``."""
 
-    __slots__ = ("_work", "_fill", "_on_error", "failed")
+    __slots__ = ("_work", "_fills", "_on_error", "failed")
 
     def __init__(
         self, work: Any, fill: Callable[[], Any], on_error: Callable[[str, BaseException], None]
     ) -> None:
         self._work = work
-        self._fill: Callable[[], Any] | None = fill
+        self._fills: list[Callable[[], Any]] | None = [fill]
         self._on_error = on_error
         self.failed = False
+
+    def also(self, fill: Callable[[], Any]) -> None:
+        """Run ``fill`` too once the collective is done (before ``finish``)."""
+        if self._fills is None:  # finished already
+            if not self.failed:
+                fill()
+        else:
+            self._fills.append(fill)
 
     def done(self) -> bool:
         work = self._work
@@ -89,13 +98,14 @@ class DeferredReduction:
             return True
 
     def finish(self) -> None:
-        work, fill, self._work, self._fill = self._work, self._fill, None, None
-        if fill is None:
+        work, fills, self._work, self._fills = self._work, self._fills, None, None
+        if fills is None:
             return
         try:
             if work is not None:
                 work.wait()
-            fill()
+            for fill in fills:
+                fill()
         except Exception as exc:
             self.failed = True
             self._on_error("grads", exc)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..probes.grads import NormVector, full_pass
-from .base import GradientSource, GradSummaries, SourceEnv
+from .base import DeferredReduction, GradientSource, GradSummaries, SourceEnv
 from .dtensor_norms import DisjointSpan, disjoint_span, reduction_device
 from .pp_probes import NO_EVENT, PARAM_GRAD_SEQ, P2PTiming, PPStep, StageProbes
 from .pp_setup import PipelineSetup
@@ -198,6 +198,10 @@ class PipelineSource(GradientSource):
         return vec
 
     def collect(self) -> GradSummaries:
+        if self.env.defer_reduction_wait:
+            later = self._collect_later()
+            if later is not None:
+                return later
         out = GradSummaries()
         failed = 0.0
         folded = None
@@ -225,6 +229,44 @@ class PipelineSource(GradientSource):
             vec = self._squares(out.reduced, failed) if out.reduced is not None else None
             norm = vec if vec is not None else self._failed_vector()
             dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=self.setup.group)
+        try:
+            flags, table, stages = self.probes.take()
+        except Exception as exc:
+            self.env.on_error("grads", exc)
+            flags, table, stages = torch.zeros(0, dtype=torch.float64), [], []
+        out.pp = PPStep(self, norm, flags, table, stages)
+        return out
+
+    def _collect_later(self) -> GradSummaries | None:
+        """``collect`` without waiting on the training thread for the step's all-reduce still in
+        flight on the host (gloo; ``SourceEnv.defer_reduction_wait``): the pp norm starts as
+        "failed" and is filled when the record thread finishes the collective. None where
+        nothing is in flight on the host (the waiting ``collect`` then runs)."""
+        if self._folded:
+            pending = getattr(self.inner._norms, "_pending", None)  # type: ignore[union-attr]
+            if pending is None or pending.work is None or not pending.vector.is_cpu:
+                return None
+            vec = pending.vector
+            squares = lambda: torch.stack([vec[:-1].sum(), (vec[-1] > 0).to(torch.float64)])  # noqa: E731
+        else:
+            if self._pending is None or not self._pending[0].is_cpu:
+                return None
+            (vec, work), self._pending = self._pending, None
+            squares = lambda: vec  # noqa: E731
+        norm = torch.tensor([0.0, 1.0], dtype=torch.float64)
+        fill = lambda: norm.copy_(squares())  # noqa: E731
+        out = GradSummaries()
+        try:
+            out = self._collect_inner()
+        except Exception as exc:
+            self.env.on_error("grads", exc)
+        if out.deferred is not None:  # folded: the inner's own reduction fills both
+            out.deferred.also(fill)
+        elif self._folded:  # the inner's take failed or waited: the vector is final now
+            self.inner._norms.wait()  # type: ignore[union-attr]
+            fill()
+        else:
+            out.deferred = DeferredReduction(work, fill, self.env.on_error)
         try:
             flags, table, stages = self.probes.take()
         except Exception as exc:

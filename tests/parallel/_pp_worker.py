@@ -365,7 +365,8 @@ def run_fail(args, dp: str) -> dict:
     the one reduction, and every rank then reports no norm for that step (never NaN), before
     and after it the right one. ``ddpmon.clip_grad_norm_`` runs on every step: at the failed
     one every rank must leave the step's reduction alike (the failure flag, read on the host)
-    and compute the norm again, or their collectives would not match."""
+    and compute the norm again, or their collectives would not match. The last step does not
+    clip, so its folded all-reduce is left to the record thread (on_nonfinite='record')."""
     from ddpmon.strategies import dtensor_norms
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -375,15 +376,23 @@ def run_fail(args, dp: str) -> dict:
     def broken(grad):
         raise RuntimeError("injected: the norm pass failed")
 
+    deferred: list[bool] = []  # per step: queued with the folded all-reduce still in flight
+    push = run.mon.pipeline.readback.push
+
+    def queued(values, meta, later=None):
+        deferred.append(later is not None)
+        return push(values, meta, later)
+
+    run.mon.pipeline.readback.push = queued
     steps = []
     for s in range(FAIL_STEP + 2):
         if s == FAIL_STEP and dist.get_rank() == FAIL_RANK:
             dtensor_norms.raw_local = broken
-        try:
-            steps.append(run.step(s))
+        try:  # the last step does not clip: nothing on the training thread waits for the sum
+            steps.append(run.step(s, clip=s <= FAIL_STEP))
         finally:
             dtensor_norms.raw_local = real
-    result = {"steps": steps, "errors": dict(run.mon.state.agent_errors)}
+    result = {"steps": steps, "errors": dict(run.mon.state.agent_errors), "deferred": deferred}
     run.mon.close()
     return result
 
