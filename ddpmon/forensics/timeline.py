@@ -31,7 +31,6 @@ first failure and the steps a restart from it loses.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,13 +39,9 @@ from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse
 from . import attempts as att
 from .crash_files import crash_event, sigterm_event
 from .damage import ReadWarnings, read_json, read_json_lines
+from .failure import ending, first_failure
 
-SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
-COMM_ERROR = re.compile(
-    r"gloo|nccl|connection|timed out|timeout|peer|socket|processgroup|distbackenderror|"
-    r"distnetworkerror|broken pipe",
-    re.IGNORECASE,
-)
+
 class RunDirError(Exception):
     """The directory is not a run, or holds no events; the message says what was found, and
     ``damage`` the damaged files that left nothing to read."""
@@ -212,7 +207,7 @@ def build_timeline(path: Path | str) -> Timeline:
         if rank in progress:
             info["progress"] = progress[rank]
         newest = max((e.get("attempt", 0) for e in mine), default=0)
-        info["ended"] = _ending([e for e in mine if e.get("attempt", 0) == newest])
+        info["ended"] = ending([e for e in mine if e.get("attempt", 0) == newest])
         info["attempts"] = newest + 1
         info["evidence"] = evidence.get(rank, [])
         if rank in fr_status:
@@ -229,7 +224,7 @@ def build_timeline(path: Path | str) -> Timeline:
                               damage)
         raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
 
-    first = _first_failure(merged, fr_status)
+    first = first_failure(merged, fr_status)
     last_steps = {
         (rank, a): last_step(rank, [e for e in merged if e.get("rank") == rank], a)
         for rank in ranks
@@ -286,112 +281,6 @@ def _vanished(rank: int, attempt: int, mine: list[dict[str, Any]], progress: dic
         "detail": f"no exit event or signal after its last event ({last.get('kind')}): "
                   "killed from outside (SIGKILL, OOM killer), os._exit, or still running",
     }
-
-
-def _first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str, Any] | None:
-    ranked = []
-    floor = any(_floor_stopped(e) for e in events)
-    for e in events:
-        tier = failure_tier(e, floor_stopped=floor)
-        if tier is None:
-            continue
-        sub = 0.0
-        if e.get("kind") == "stall":
-            enq = fr.get(e.get("rank"), {}).get("last_enqueued_collective")
-            sub = float(enq) if enq is not None else float("inf")
-        ranked.append(((tier, sub, e["t"]), e))
-    if not ranked:
-        return None
-    ranked.sort(key=lambda x: x[0])
-    e = ranked[0][1]
-    out = {
-        "rank": e.get("rank"), "step": e.get("step"), "kind": e.get("kind"), "ts": e.get("ts"),
-        "t": e.get("t"), "t_rel": e.get("t_rel"), "class": TIER_NAMES[ranked[0][0][0]],
-    }
-    if e.get("kind") == "stall" and fr:
-        out["flight_recorder"] = {str(r): v.get("last_enqueued_collective") for r, v in fr.items()}
-    for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
-                "exc_type", "message", "code", "idle_seconds", "detail", "frame", "attempt",
-                "source", "loss_scale", "origin_ranks", "checkpoint", "stage", "microbatch",
-                "site"):
-        if key in e:
-            out[key] = e[key]
-    return out
-
-
-TIER_NAMES = {0: "origin", 1: "vanished", 2: "stall", 3: "consequence"}
-
-
-def _floor_stopped(e: dict[str, Any]) -> bool:
-    """A ``loss_scale_floor`` event that stops the run: ddpmon's ``raise`` or DeepSpeed's own
-    exception at its minimum scale."""
-    return e.get("kind") == "loss_scale_floor" and (
-        e.get("action") == "raise" or e.get("source") == "deepspeed"
-    )
-
-
-def failure_tier(e: dict[str, Any], *, floor_stopped: bool = False) -> int | None:
-    """0 origin, 1 vanished, 2 stall, 3 consequence, None: not a failure (see module doc).
-
-    ``floor_stopped``: the loss-scale floor stopped the run; it is then the failure, and the
-    overflows the scaler absorbed before it (named in its event) and the exception it raised
-    are its consequences."""
-    kind = e.get("kind")
-    if kind == "loss_scale_floor":
-        return 0 if _floor_stopped(e) else 3
-    if floor_stopped and kind == "nonfinite" and e.get("skipped_by") == "scaler":
-        return 3
-    if kind == "nonfinite":
-        where = str(e.get("where", "")).lower()
-        if e.get("origin") is True:
-            return 0
-        # The agent's skip/raise decisions read the reduced gradients: identical on all ranks.
-        decided = e.get("action") in ("skip", "raise")
-        return 3 if e.get("origin") is False or decided or where in ("reduced", "global") else 0
-    if kind == "signal":
-        return 3 if str(e.get("signal")) in SECONDARY_SIGNALS else 0
-    if kind == "oom":
-        return 0
-    if kind == "exit":
-        reason = e.get("reason")
-        if reason == "exception":
-            text = f"{e.get('exc_type', '')} {e.get('message', '')}"
-            if e.get("exc_type") in ("NonFiniteGradientError", "LossScaleFloorError"):
-                return 3  # on_nonfinite / on_loss_scale_floor = raise: a reaction
-            if floor_stopped and "loss scale already at minimum" in text:
-                return 3  # DeepSpeed's own, recorded as loss_scale_floor first
-            return 3 if COMM_ERROR.search(text) else 0
-        code = e.get("code")
-        if reason == "keyboard_interrupt":
-            return 3
-        return None if code in (0, None, "0") else 0
-    if kind == "vanished":
-        return 1
-    if kind == "stall":
-        return 2
-    if kind in ("overflow", "scale_floor", "thread_exception"):
-        return 3
-    return None
-
-
-def _ending(events: list[dict[str, Any]]) -> str:
-    for e in reversed(events):
-        kind = e.get("kind")
-        if kind == "signal":
-            return f"signal {e.get('signal')}"
-        if kind == "exit":
-            errors = [x for x in events
-                      if x.get("kind") == "exit" and x.get("reason") == "exception"]
-            if errors:
-                return f"exception {errors[-1].get('exc_type')}"
-            if e.get("reason") == "close":
-                return "closed (mon.close)"
-            return f"exit code {e.get('code')}"
-        if kind == "vanished":
-            return "vanished (no exit event: killed, os._exit, or still running)"
-        if kind == "stall":
-            return "stalled (no exit event after the stall: still hung, or killed while hung)"
-    return "unknown"
 
 
 def _brief(e: dict[str, Any]) -> dict[str, Any]:
