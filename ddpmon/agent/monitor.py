@@ -44,6 +44,7 @@ from .guard import Guard
 from .hooks import StepHooks
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
+from .run_facts import emit_start, manifest_extra, scaler_state
 from .sinks import IncidentSink, ManifestSink, MetricSink, ProgressSink, SummarySink
 
 log = logging.getLogger("ddpmon")
@@ -230,22 +231,7 @@ class Monitor:
         )
         atexit.register(self.close)
         registry.add(self)
-        emit(
-            "start",
-            None,
-            world_size=ctx.identity.world_size,
-            local_rank=ctx.identity.local_rank,
-            node=ctx.identity.node,
-            pid=ctx.identity.pid,
-            device=ctx.identity.device,
-            port=self.port,
-            run_id=ctx.run_id,
-            strategy=state.strategy,
-            clock_offset_seconds=ctx.clock.get("offset_seconds", 0.0),
-            clock_rtt_seconds=ctx.clock.get("rtt_seconds"),
-            attempt_source=self.attempt.source,
-            previous_progress=self.attempt.previous_progress,
-        )
+        emit_start(self)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -457,34 +443,7 @@ class Monitor:
         return None
 
     def _scaler_state(self) -> dict | None:
-        if self.scaler is None:
-            return None
-        try:
-            return {
-                k: (v.tolist() if isinstance(v, torch.Tensor) else v)
-                for k, v in self.scaler.state_dict().items()
-            }
-        except Exception:
-            return None
+        return scaler_state(self.scaler)
 
     def _manifest_extra(self) -> dict:
-        scaler = self.scaler
-        precision = "fp32"
-        if scaler is not None and getattr(scaler, "_enabled", True):
-            precision = "amp+gradscaler"
-        extra = {}
-        if self.engine_facts is not None:
-            precision = f"deepspeed-{self.engine_facts.precision}"
-            extra["deepspeed"] = self.engine_facts.manifest()
-        return extra | {
-            "run_id": self.run_id,
-            "batch_shapes": self.pipeline.batch_shapes,
-            "precision": precision,
-            "strategy": self._state.strategy,
-            "data_version": self.config.data_version,
-            "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in self.index.params),
-            "hosts": self.ctx.hosts,
-            "group_names": self.index.group_names,
-            "attempt": self.attempt.number,
-            "recovery": self.checkpoints.recovery,
-        }
+        return manifest_extra(self)

@@ -1,0 +1,71 @@
+"""Host facts the run dir records about a monitored job: the scaler's state (evidence bundles)
+and the manifest's description of the run. Read on the record thread or at close, never per
+step on the training thread."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .monitor import Monitor
+
+
+def scaler_state(scaler: Any) -> dict | None:
+    """A GradScaler's ``state_dict`` as plain values, or None."""
+    if scaler is None:
+        return None
+    try:
+        return {
+            k: (v.tolist() if isinstance(v, torch.Tensor) else v)
+            for k, v in scaler.state_dict().items()
+        }
+    except Exception:
+        return None
+
+
+def manifest_extra(mon: Monitor) -> dict:
+    """What the manifest says about the run beyond the config: precision, strategy, sizes,
+    hosts, attempt and recovery."""
+    scaler = mon.scaler
+    precision = "fp32"
+    if scaler is not None and getattr(scaler, "_enabled", True):
+        precision = "amp+gradscaler"
+    extra = {}
+    if mon.engine_facts is not None:
+        precision = f"deepspeed-{mon.engine_facts.precision}"
+        extra["deepspeed"] = mon.engine_facts.manifest()
+    return extra | {
+        "run_id": mon.run_id,
+        "batch_shapes": mon.pipeline.batch_shapes,
+        "precision": precision,
+        "strategy": mon._state.strategy,
+        "data_version": mon.config.data_version,
+        "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in mon.index.params),
+        "hosts": mon.ctx.hosts,
+        "group_names": mon.index.group_names,
+        "attempt": mon.attempt.number,
+        "recovery": mon.checkpoints.recovery,
+    }
+
+
+def emit_start(mon: Monitor) -> None:
+    """The ``start`` event: who this rank is, where it serves, its clock offset to rank 0 and
+    which attempt of the run it is (the timeline aligns and groups ranks by it)."""
+    mon._emit(
+        "start",
+        None,
+        world_size=mon.ctx.identity.world_size,
+        local_rank=mon.ctx.identity.local_rank,
+        node=mon.ctx.identity.node,
+        pid=mon.ctx.identity.pid,
+        device=mon.ctx.identity.device,
+        port=mon.port,
+        run_id=mon.ctx.run_id,
+        strategy=mon._state.strategy,
+        clock_offset_seconds=mon.ctx.clock.get("offset_seconds", 0.0),
+        clock_rtt_seconds=mon.ctx.clock.get("rtt_seconds"),
+        attempt_source=mon.attempt.source,
+        previous_progress=mon.attempt.previous_progress,
+    )
