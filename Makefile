@@ -41,7 +41,7 @@ demo: $(STAMP)
 
 # Pipeline parallel x FSDP2 on 4 CPU ranks (examples/pp_fsdp2.py): one global norm beside
 # torchtitan's, the last stage's loss, per-op collective times, the NaN origin's stage and rank.
-PP_DEMO_ARGS ?= --steps 8 --nan-step 5
+PP_DEMO_ARGS ?= --steps 8
 demo-pp: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 examples/pp_fsdp2.py $(PP_DEMO_ARGS)
 

@@ -13,9 +13,9 @@ What it shows, rank 0 printing:
 - every step, ddpmon's global gradient norm (one number, the same on every rank, over both
   stages) beside a reference: torchtitan's ``clip_grad_norm_(..., pp_mesh=)`` when torchtitan is
   installed, else the same sum computed with plain torch;
-- at step ``--nan-step``, a NaN injected into an activation gradient inside stage 1 on rank 2
-  only; ddpmon names it as the origin (stage, rank, micro-batch, site) while the other 3 ranks,
-  which only received the NaN, are not;
+- at step ``--nan-step`` (default: the last), a NaN injected into an activation gradient inside
+  stage 1 on rank 2 only; ddpmon names it as the origin (stage, rank, micro-batch, site), and
+  not the other 3 ranks, which only received the NaN;
 - the loss exported by the last stage only, and each rank's send/recv (pipeline) and
   reduce_scatter/all_gather (FSDP2) times, from its step records and from its own /metrics.
 
@@ -234,7 +234,7 @@ def report(ranks: list[dict], args) -> dict:
         print("\neach rank's own /metrics, scraped before close:")
     for r, m in scraped:
         ops = ", ".join(f"{op} {int(v['count'])}" for op, v in sorted(m["collectives"].items()))
-        loss = m["loss_line"].split()[-1] if m["loss_line"] else "absent"
+        loss = f'{float(m["loss_line"].split()[-1]):.4f}' if m["loss_line"] else "absent"
         print(f"  rank {r['rank']}: ddpmon_loss {loss:<8} "
               f"ddpmon_collective_duration_seconds_count by op: {ops}")
     origins = [(r["rank"], o) for r in ranks for o in r["origins"]]
@@ -258,13 +258,15 @@ def report(ranks: list[dict], args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--nan-step", type=int, default=5, help="-1: no NaN")
+    parser.add_argument("--nan-step", type=int, default=None, help="default: the last; -1: none")
     parser.add_argument("--nan-microbatch", type=int, default=1, choices=range(MICROBATCHES))
     parser.add_argument("--run-dir", default="ddpmon-runs")
     parser.add_argument("--run-id", default=None, help="default: one chosen by ddpmon")
     parser.add_argument("--port", type=int, default=7470, help="rank r serves port + r; 0: none")
     parser.add_argument("--summary", default=None, help="also write the summary as JSON here")
     args = parser.parse_args()
+    if args.nan_step is None:
+        args.nan_step = args.steps - 1
     if args.nan_step == 0:  # step 0 also runs the schedule's shape pass through the stage
         parser.error("--nan-step must be >= 1 (or -1 for none)")
     torch.set_num_threads(1)
