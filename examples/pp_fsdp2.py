@@ -185,17 +185,17 @@ def train(args) -> dict:
         optimizer.step()  # ddpmon collects the step here
         optimizer.zero_grad()
 
-        record = mon.recent_steps()[-1]
+        record = mon.recent_steps()[-1]  # waits for the step's record: fine for a demo
         steps.append({
             "step": record.step, "ddpmon_norm": record.grad_norm, "reference_norm": reference,
             "loss": record.loss, "collective_seconds": record.collective_seconds,
             "origin": record.origin, "pp_origin": record.pp_origin,
         })
         if rank == 0:
+            ours = "none" if record.grad_norm is None else f"{record.grad_norm:.6f}"  # failed
             note = f"   <- NaN injected (rank 2, micro-batch {args.nan_microbatch})"
-            print(f"step {record.step:3d}  ddpmon global norm {record.grad_norm or 0:.6f}"
-                  f"   reference {reference:.6f}{note if step == args.nan_step else ''}",
-                  flush=True)
+            print(f"step {record.step:3d}  ddpmon global norm {ours}   reference {reference:.6f}"
+                  f"{note if step == args.nan_step else ''}", flush=True)
 
     collectives: dict[str, dict] = {}
     for s in steps:
