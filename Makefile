@@ -22,7 +22,7 @@ PYTEST_XDIST ?=
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo test docs reference lint bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
+.PHONY: demo demo-pp test docs reference lint bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,12 @@ debs:
 
 demo: $(STAMP)
 	$(BIN)/ddpmon demo $(DEMO_ARGS)
+
+# Pipeline parallel x FSDP2 on 4 CPU ranks (examples/pp_fsdp2.py): one global norm beside
+# torchtitan's, the last stage's loss, per-op collective times, the NaN origin's stage and rank.
+PP_DEMO_ARGS ?= --steps 8
+demo-pp: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nproc-per-node 4 examples/pp_fsdp2.py $(PP_DEMO_ARGS)
 
 test: $(STAMP) debs
 	$(BIN)/ruff check .
