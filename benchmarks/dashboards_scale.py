@@ -603,8 +603,8 @@ def markdown(rows: list[dict], meta: dict, rule_rows: list[dict] | None = None) 
         + "), target labels `job`/`instance` and the file_sd labels "
         "`run`/`rank`/`node`/`local_rank` on every series and `up`, and `up`. "
         f"{how} Machine: {meta['cpus']} CPUs shared with other "
-        f"work (load average {meta['load']} at the start); peak resident memory (anonymous) of the store "
-        f"{meta.get('peak_rss', 0) / 2**30:.1f} GiB"
+        f"work (load average {meta['load']} at the start); peak resident memory (anonymous) "
+        f"of the store {meta.get('peak_rss', 0) / 2**30:.1f} GiB"
         + (f", of promtool {meta['promtool_rss'] / 2**30:.1f} GiB" if meta.get("promtool_rss")
            else "")
         + ".",
