@@ -173,13 +173,16 @@ def has_partial(grad: torch.Tensor) -> bool:
 
 
 def grads_of(params: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
-    """(indices into ``params``, detached gradients) of the parameters that have one."""
+    """(indices into ``params``, gradients) of the parameters that have one; detached only
+    where a gradient requires grad (``create_graph``): a DTensor's ``detach`` is a dispatch
+    through Python, ~27 us per parameter on CPU, the largest part of the end-of-backward pass
+    of a small FSDP2 model otherwise."""
     idx, grads = [], []
     for i, p in enumerate(params):
         g = p.grad
         if g is not None:
             idx.append(i)
-            grads.append(g.detach())
+            grads.append(g.detach() if g.requires_grad else g)
     return idx, grads
 
 
