@@ -683,6 +683,16 @@ def _queries(url: str, args: argparse.Namespace, end: int) -> list[dict]:
 
 def _on_prometheus(base: Path, args: argparse.Namespace, end: int, meta: dict,
                    rss: PeakRss) -> tuple[list[dict], list[dict]]:
+    prom_dir = base / "prometheus"
+    data = prom_dir / "data"
+    saved = base / "blocks.json"
+    if args.reuse and saved.exists():  # blocks from an earlier run: no file, no promtool
+        meta.update(json.loads(saved.read_text()))
+        end = meta["end"]
+        for old in base.glob("rules-blocks-*"):  # a backfill that did not finish
+            shutil.rmtree(old)
+        return _prometheus_rules_and_queries(base, args, end, meta, rss)
+    shutil.rmtree(data, ignore_errors=True)
     om = base / "metrics.om"
     t0 = time.perf_counter()
     meta["series"], meta["samples"] = write_openmetrics(
@@ -692,8 +702,6 @@ def _on_prometheus(base: Path, args: argparse.Namespace, end: int, meta: dict,
     meta["gen_s"] = time.perf_counter() - t0
     print(f"wrote {meta['samples']:,} samples of {meta['series']:,} series "
           f"({om.stat().st_size / 1e6:.0f} MB) in {meta['gen_s']:.1f} s", flush=True)
-    prom_dir = base / "prometheus"
-    data = prom_dir / "data"
     data.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     promtool = subprocess.Popen(
@@ -715,6 +723,22 @@ def _on_prometheus(base: Path, args: argparse.Namespace, end: int, meta: dict,
     om.unlink()
     print(f"promtool created blocks in {meta['promtool_s']:.1f} s "
           f"(peak anonymous RSS {tool_rss.peak / 2**30:.1f} GiB)", flush=True)
+    meta["end"] = end
+    keys = ("series", "samples", "gen_s", "promtool_s", "promtool_rss", "end")
+    saved.write_text(json.dumps({k: meta[k] for k in keys}))
+    return _prometheus_rules_and_queries(base, args, end, meta, rss)
+
+
+# A backfill's range queries read a whole hour of every rank at once: at 16,384 ranks past
+# Prometheus's 2 min query timeout and 50 M samples per query (which a live ruler, running
+# instant queries, never reaches). The dashboards' own queries run with the defaults.
+BACKFILL_FLAGS = ["--query.timeout=30m", "--query.max-samples=1000000000"]
+
+
+def _prometheus_rules_and_queries(base: Path, args: argparse.Namespace, end: int, meta: dict,
+                                  rss: PeakRss) -> tuple[list[dict], list[dict]]:
+    prom_dir = base / "prometheus"
+    data = prom_dir / "data"
     version = subprocess.run(
         [find_binary("prometheus"), "--version"], capture_output=True, text=True, check=True
     )
@@ -726,18 +750,21 @@ def _on_prometheus(base: Path, args: argparse.Namespace, end: int, meta: dict,
     # have, in two passes (the medians read the first pass's records).
     t0 = time.perf_counter()
     for i, rules in enumerate(rule_passes(base), start=1):
-        prom = Prometheus(prom_dir, sd_dir=sd)
+        prom = Prometheus(prom_dir, sd_dir=sd, flags=BACKFILL_FLAGS)
         prom.start(timeout=600)
         rss.watch(prom._process.proc.pid if prom._process and prom._process.proc else None)
         backfill = base / f"rules-blocks-{i}"
         try:
-            subprocess.run(
+            done = subprocess.run(
                 [find_binary("promtool"), "tsdb", "create-blocks-from", "rules", "-q",
                  f"--start={end - int(args.hours * 3600)}", f"--end={end}",
                  f"--url={prom.url}", f"--output-dir={backfill}",
                  f"--eval-interval={args.interval}s", str(rules)],
-                check=True, timeout=3600, capture_output=True,
+                timeout=3600, capture_output=True, text=True,
             )
+            if done.returncode != 0:
+                raise RuntimeError(f"promtool create-blocks-from rules (pass {i}) failed: "
+                                   f"{(done.stdout + done.stderr)[-2000:]}")
         finally:
             prom.stop()
         for block in backfill.iterdir():
@@ -836,8 +863,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="kill the store or promtool past this resident memory (shared machine)")
     p.add_argument("--workdir", default=None, help="keep files here instead of a temp dir")
     p.add_argument("--reuse", action="store_true",
-                   help="victoria-metrics: query the store kept in --workdir by an earlier run "
-                   "(rules replayed again, no import)")
+                   help="query the store (victoria-metrics) or the blocks (prometheus) kept in "
+                   "--workdir by an earlier run: no generation, no import; rules backfilled again")
     p.add_argument("--write-results", action="store_true",
                    help=f"update {SECTION!r} (or the section of --ranks/--store/--series-profile)")
     args = p.parse_args(argv)

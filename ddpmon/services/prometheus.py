@@ -88,8 +88,11 @@ class Prometheus(PrometheusAPI, ManagedServer):
         scrape_interval: str | None = None,
         evaluation_interval: str | None = None,
         port: int | None = None,
+        flags: list[str] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
+        self.flags = list(flags or [])
+        """Extra command-line flags (e.g. ``--query.timeout=30m`` for a backfill)."""
         self.port = port or free_port()
         super().__init__(f"http://127.0.0.1:{self.port}")
         self.config = prometheus_config(
@@ -112,6 +115,7 @@ class Prometheus(PrometheusAPI, ManagedServer):
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--web.enable-lifecycle",
             "--log.level=warn",
+            *self.flags,
         ]
         self._process = ManagedProcess("prometheus", cmd, self.workdir / "prometheus.log")
         self._process.start()
