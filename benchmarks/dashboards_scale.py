@@ -19,6 +19,7 @@ one; the series target scales with the ranks, the latency target does not).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -689,10 +690,11 @@ def _on_prometheus(base: Path, args: argparse.Namespace, end: int, meta: dict,
     if args.reuse and saved.exists():  # blocks from an earlier run: no file, no promtool
         meta.update(json.loads(saved.read_text()))
         end = meta["end"]
-        for old in base.glob("rules-blocks-*"):  # a backfill that did not finish
+        for old in base.glob("rules-blocks-*"):  # a backfill's output not moved into the data
             shutil.rmtree(old)
         return _prometheus_rules_and_queries(base, args, end, meta, rss)
     shutil.rmtree(data, ignore_errors=True)
+    (base / "rules.json").unlink(missing_ok=True)
     om = base / "metrics.om"
     t0 = time.perf_counter()
     meta["series"], meta["samples"] = write_openmetrics(
@@ -747,9 +749,20 @@ def _prometheus_rules_and_queries(base: Path, args: argparse.Namespace, end: int
     sd.mkdir(exist_ok=True)
     # The dashboards read per-rank histogram quantiles and run-wide medians from the shipped
     # recording rules: backfill them over the same hour, as a Prometheus running them would
-    # have, in two passes (the medians read the first pass's records).
+    # have, in two passes (the medians read the first pass's records). Prometheus merges the
+    # backfilled blocks into the data on its next start, so a --reuse run keeps them when the
+    # rules are unchanged (rules.json) and cannot take them out when they changed.
+    passes = rule_passes(base)
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in passes)).hexdigest()
+    marker = base / "rules.json"
+    if marker.exists():
+        done = json.loads(marker.read_text())
+        if done.get("sha256") != digest:
+            raise RuntimeError(f"{data} holds recorded series of other rules: run without --reuse")
+        meta["rules_s"] = done["rules_s"]
+        passes = []
     t0 = time.perf_counter()
-    for i, rules in enumerate(rule_passes(base), start=1):
+    for i, rules in enumerate(passes, start=1):
         prom = Prometheus(prom_dir, sd_dir=sd, flags=BACKFILL_FLAGS)
         prom.start(timeout=600)
         rss.watch(prom._process.proc.pid if prom._process and prom._process.proc else None)
@@ -770,7 +783,9 @@ def _prometheus_rules_and_queries(base: Path, args: argparse.Namespace, end: int
         for block in backfill.iterdir():
             if block.is_dir():
                 shutil.move(str(block), data / block.name)
-    meta["rules_s"] = time.perf_counter() - t0
+    if passes:
+        meta["rules_s"] = time.perf_counter() - t0
+        marker.write_text(json.dumps({"sha256": digest, "rules_s": meta["rules_s"]}))
     print(f"promtool backfilled the recording rules in {meta['rules_s']:.1f} s", flush=True)
     meta["tsdb_bytes"] = sum(f.stat().st_size for f in data.rglob("*") if f.is_file())
     print(f"TSDB on disk: {meta['tsdb_bytes'] / 1e6:.0f} MB", flush=True)

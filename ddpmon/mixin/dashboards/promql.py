@@ -63,6 +63,14 @@ def ranked(fn: str, now: str, whole_range: str) -> str:
     return f"{now} and on (rank) {fn}({{K}}, {whole_range})"
 
 
+def ranks_of(fn: str, selector: str, whole_range: str) -> str:
+    """``selector`` narrowed to the k ranks of ``ranked`` *before* any arithmetic on it: a
+    binary operation in a range query runs per step over every series it is given, so at
+    16,384 ranks ``(x / y) and on (rank) topk(...)`` took 3-4 s on Prometheus where
+    ``(x and on (rank) topk(...)) / y`` takes under 1 s (the same k series)."""
+    return f"({ranked(fn, selector, whole_range)})"
+
+
 def gauge_top(fn: str, metric: str, sel: str = "{S}") -> str:
     over = "max_over_time" if fn == "topk" else "min_over_time"
     return ranked(fn, f"{metric}{sel}", f"{over}({metric}{sel}[$__range] @ end())")

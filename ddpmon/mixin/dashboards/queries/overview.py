@@ -5,7 +5,7 @@ from __future__ import annotations
 from ddpmon import metrics as m
 from ddpmon.mixin import names as n
 from ddpmon.mixin.config import MixinConfig
-from ddpmon.mixin.dashboards.promql import ALERT_SELECTOR, gauge_top, ranked, rate_top
+from ddpmon.mixin.dashboards.promql import ALERT_SELECTOR, gauge_top, ranked, ranks_of, rate_top
 
 # --- Run ---
 REPORTING_RATIO = (
@@ -95,10 +95,11 @@ ALLOCATED_TOP = gauge_top("topk", f"{m.CUDA_MEMORY_ALLOCATED.name}")
 PEAK_TOP = gauge_top("topk", f"{m.CUDA_MEMORY_PEAK_ALLOCATED.name}")
 DEVICE_TOTAL = f"max by (run) ({m.GPU_MEMORY_TOTAL.name}{{S}})"
 DEVICE_USED_TOP = gauge_top("topk", f"{m.GPU_MEMORY_USED.name}")
-HEADROOM_TIGHTEST = ranked(
-    "bottomk",
-    f"1 - {n.GPU_ALLOCATED_RATIO}{{SR}}",
-    f"1 - max_over_time({n.GPU_ALLOCATED_RATIO}{{SR}}[$__range] @ end())",
+# the tightest headroom = the highest allocated share over the range
+HEADROOM_TIGHTEST = "1 - " + ranks_of(
+    "topk",
+    f"{n.GPU_ALLOCATED_RATIO}{{SR}}",
+    f"max_over_time({n.GPU_ALLOCATED_RATIO}{{SR}}[$__range] @ end())",
 )
 OOMS = f"sum by (run) (increase({m.CUDA_OOMS.name}{{S}}[$__rate_interval]))"
 RETRIES = f"sum by (run) (increase({m.CUDA_ALLOC_RETRIES.name}{{S}}[$__rate_interval]))"
@@ -123,15 +124,18 @@ COLLECTIVE_BYTES = (
 COLLECTIVE_BYTES_TOP = rate_top(
     "topk", f"rate({m.COLLECTIVE_BYTES.name}{{S}}[$__rate_interval])"
 )
-COMPUTE_SKEW_TOP = ranked(
-    "topk",
-    f"{n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
-    f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})",
-    f"max_over_time({n.COMPUTE_MEAN}{{SR}}[$__range] @ end())",
+COMPUTE_SKEW_TOP = (
+    ranks_of(
+        "topk",
+        f"{n.COMPUTE_MEAN}{{SR}}",
+        f"max_over_time({n.COMPUTE_MEAN}{{SR}}[$__range] @ end())",
+    )
+    + f" / on (run) group_left max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})"
 )
 STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({n.STEP_RUN_MIN}{{RR}})"
-STEP_BEHIND_TOP = ranked(
+# "group_right ()": a parenthesis right after group_right would be read as its label list
+STEP_BEHIND_TOP = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right () " + ranks_of(
     "bottomk",
-    f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{S}}",
+    f"{m.STEP.name}{{S}}",
     f"last_over_time({m.STEP.name}{{S}}[$__range] @ end())",
 )
