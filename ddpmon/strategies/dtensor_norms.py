@@ -164,12 +164,21 @@ def complete_local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def raw_local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's own piece of a gradient, as it holds it (no communication)."""
-    return grad.to_local() if is_dtensor(grad) else grad
+    """This rank's own piece of a gradient, as it holds it (no communication). A DTensor's
+    ``_local_tensor`` is that piece without ``to_local``'s autograd function (~4 us of Python
+    per parameter, per step); ``to_local`` where a torch lacks the attribute."""
+    if not is_dtensor(grad):
+        return grad
+    local = getattr(grad, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else grad.to_local()
 
 
 def has_partial(grad: torch.Tensor) -> bool:
-    return is_dtensor(grad) and any(pl.is_partial() for pl in grad.placements)
+    if not is_dtensor(grad):
+        return False
+    spec = getattr(grad, "_spec", None)  # the placements without the property's lookup
+    placements = spec.placements if spec is not None else grad.placements
+    return any(pl.is_partial() for pl in placements)
 
 
 def grads_of(params: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
@@ -190,6 +199,9 @@ def scatter_squares(
     norms: torch.Tensor, idx: Sequence[int], size: int, device: torch.device
 ) -> torch.Tensor:
     """float64 vector of length ``size``: ``norms[k]**2`` at ``idx[k]``, zero elsewhere."""
+    if len(idx) == size:  # every parameter has a gradient (the usual step): no scatter
+        norms = norms.to(device=device, dtype=torch.float64)
+        return norms * norms
     out = torch.zeros(size, dtype=torch.float64, device=device)
     if len(idx):
         where = torch.tensor(list(idx), dtype=torch.long, device=device)
