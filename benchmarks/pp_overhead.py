@@ -148,8 +148,9 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"{b3 * 1000:.1f} ms). Probe errors: {data['errors']}.  ",
             f"Time inside the pipeline source per step on rank 0: median {smed * 100:.1f}% of "
             f"the unmonitored step (quartiles {s1 * 100:.1f}-{s3 * 100:.1f}%): end of "
-            f"schedule.step (norm pass, pp all-reduce issued) {end:.2f} ms, collect (wait, "
-            f"probes' flags) {wait:.2f} ms (medians). The per-micro-batch stage probes run "
+            f"schedule.step (norm pass, pp all-reduce issued) {end:.2f} ms, collect (probes' "
+            f"flags; the pp all-reduce is left to the record thread) {wait:.2f} ms (medians). "
+            f"The per-micro-batch stage probes run "
             f"inside the schedule and show in the agent ratio only.",
             "",
             "| ratio | median | q1 | q3 | rounds |",
