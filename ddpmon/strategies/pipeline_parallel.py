@@ -229,12 +229,7 @@ class PipelineSource(GradientSource):
             vec = self._squares(out.reduced, failed) if out.reduced is not None else None
             norm = vec if vec is not None else self._failed_vector()
             dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=self.setup.group)
-        try:
-            flags, table, stages = self.probes.take()
-        except Exception as exc:
-            self.env.on_error("grads", exc)
-            flags, table, stages = torch.zeros(0, dtype=torch.float64), [], []
-        out.pp = PPStep(self, norm, flags, table, stages)
+        out.pp = self._pp_step(norm)
         return out
 
     def _collect_later(self) -> GradSummaries | None:
@@ -267,13 +262,17 @@ class PipelineSource(GradientSource):
             fill()
         else:
             out.deferred = DeferredReduction(work, fill, self.env.on_error)
+        out.pp = self._pp_step(norm)
+        return out
+
+    def _pp_step(self, norm: torch.Tensor) -> PPStep:
+        """The step's pp facts: its norm vector and the stage probes' flags (taken now)."""
         try:
             flags, table, stages = self.probes.take()
         except Exception as exc:
             self.env.on_error("grads", exc)
             flags, table, stages = torch.zeros(0, dtype=torch.float64), [], []
-        out.pp = PPStep(self, norm, flags, table, stages)
-        return out
+        return PPStep(self, norm, flags, table, stages)
 
     def _collect_inner(self) -> GradSummaries:
         setup = self.setup
