@@ -33,8 +33,9 @@ import torch.distributed as dist
 from ..probes.comm import tensor_bytes
 from ..probes.grads import per_param_norms
 from .base import GradSummaries, NormVector, SourceEnv
-from .dtensor_norms import ShardedNorms, ShardedSource
+from .dtensor_norms import ShardedNorms
 from .kinds import detect_sharded, fsdp_modules
+from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
 

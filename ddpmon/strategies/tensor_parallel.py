@@ -22,7 +22,8 @@ from typing import ClassVar
 import torch
 
 from .base import GradSummaries, NormVector, SourceEnv
-from .dtensor_norms import ShardedNorms, ShardedSource
+from .dtensor_norms import ShardedNorms
+from .sharded_source import ShardedSource
 
 
 class TensorParallelSource(ShardedSource):
