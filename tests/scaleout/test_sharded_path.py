@@ -169,7 +169,15 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
                 90, what="all four ranks in VictoriaMetrics",
             )
             assert ranks
-            shard_of = path.shard_of()
+            # The shards' target lists, once all four are in them: a list read while a shard
+            # reloads its file_sd can miss a target that it scrapes.
+            addresses = {f"127.0.0.1:{p}" for p in range(base, base + 4)}
+
+            def listed() -> dict[str, int] | None:
+                where = path.shard_of()
+                return where if addresses <= set(where) else None
+
+            shard_of = wait_for(listed, 30, what="all four ranks in the shards' target lists")
             per_shard = [
                 sorted(p - base for p in range(base, base + 4)
                        if shard_of.get(f"127.0.0.1:{p}") == s)
