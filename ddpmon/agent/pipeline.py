@@ -64,8 +64,6 @@ class StepMeta:
     """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
     pp: Any = None
     """Pipeline parallel: the step's ``PPStep`` (its source finishes the record)."""
-    deferred: Any = None
-    """The ``reduced`` norms were finished off the training thread (``DeferredReduction``)."""
 
 
 class StepPipeline:
@@ -294,7 +292,6 @@ class StepPipeline:
             host_skipped=host[0],
             host_scale_after=host[1],
             pp=s.pp,
-            deferred=s.deferred,
         )
         self.readback.push(values, meta, s.deferred)
         if s.deferred is not None:  # not reduced yet: only the local norms can say now
@@ -335,15 +332,17 @@ class StepPipeline:
 
     def _deliver(self, entry: Arrived) -> None:
         with self.guard("readback"):
-            record = self._record(entry.parts(), entry.meta)
+            record = self._record(entry.parts(), entry.meta, entry.reduction_failed)
             if not record.origin_decided:
                 self.tracker.classify(record)
             for sink in self.sinks:
                 with self.guard(sink.probe):
                     sink.on_record(record)
 
-    def _record(self, parts: dict[str, list[float]], meta: StepMeta) -> StepRecord:
-        record = build_record(parts, meta, self.index, self.guard)
+    def _record(
+        self, parts: dict[str, list[float]], meta: StepMeta, reduction_failed: bool = False
+    ) -> StepRecord:
+        record = build_record(parts, meta, self.index, self.guard, reduction_failed)
         self._cross_check(record, parts, meta)
         return record
 

@@ -39,6 +39,8 @@ class Arrived:
     layout: StepVectorLayout
     host: Mapping[str, torch.Tensor | None] | list[float]
     key: Packed | None
+    reduction_failed: bool = False
+    """A host-side norm reduction of this step failed (reported): its reduced norms are void."""
 
     def parts(self) -> dict[str, list[float]]:
         if self.key is None:  # CPU tensors queued as they were: pack them now, off the hot path
@@ -101,7 +103,8 @@ class Readback:
             self._pending.popleft()
             if key is not None:
                 host = host.tolist()
-            ready.append(Arrived(meta, self.layout, host, key))
+            failed = deferred is not None and deferred.failed
+            ready.append(Arrived(meta, self.layout, host, key, failed))
         return ready
 
     def __len__(self) -> int:

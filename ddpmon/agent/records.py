@@ -13,10 +13,15 @@ from .guard import Guard
 
 
 def build_record(
-    parts: dict[str, list[float]], meta: Any, index: ParamIndex, guard: Guard
+    parts: dict[str, list[float]],
+    meta: Any,
+    index: ParamIndex,
+    guard: Guard,
+    reduction_failed: bool = False,
 ) -> StepRecord:
     """One step's record from its read-back values (``parts``) and host facts (``meta``: a
-    ``StepMeta``). Record thread."""
+    ``StepMeta``); ``reduction_failed``: its host-side norm reduction failed, so it has no
+    global norm. Record thread."""
     record = StepRecord(
         step=meta.step,
         wall_time=meta.wall_time,
@@ -26,8 +31,8 @@ def build_record(
     )
     scale = parts["grad_scale"][0] if "grad_scale" in parts else None
     reduced = local = None
-    if meta.deferred is not None and meta.deferred.failed:
-        meta.reduced = None  # the reduction failed (reported): no global norm this step
+    if reduction_failed:
+        meta.reduced = None  # reported where it failed: no global norm this step
     if "reduced_norms" in parts and meta.reduced is not None:
         reduced = summarize_host(meta.reduced, parts["reduced_norms"], index, scale)
         record.grad_norm = reduced.norm
