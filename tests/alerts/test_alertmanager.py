@@ -78,7 +78,6 @@ def _a(name: str, severity: str, run: str, rank: str | None = None) -> dict[str,
     return labels
 
 
-@pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_one_page_per_incident_in_a_real_alertmanager(tmp_path: Path) -> None:
     """What the shipped rules fire for each incident (their promtool tests show it) goes into a

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.contract import REPO
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 
 

@@ -15,11 +15,11 @@ import psutil
 import pytest
 
 from ddpmon.export.discovery import FileSDPublisher
-from ddpmon.services import free_port
 from tests.support.contract import DESIGN_ALERTS
+from tests.support.ports import free_port
 from tests.support.stack import PrometheusAPI, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 class FakeRank(BaseHTTPRequestHandler):

@@ -4,9 +4,7 @@ kills every process the daemon launched (jobs run in their own sessions)."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,33 +18,10 @@ import psutil
 import pytest
 import yaml
 
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
-
+from tests.support.ports import free_port, free_ports
 
 HERE = Path(__file__).resolve().parent
 SLEEPER = HERE / "sleeper.py"
-
-
-def free_port_range(width: int = 40) -> tuple[int, int]:
-    """A start port whose next ``width`` ports look free (ranks' /metrics come from here)."""
-    for _ in range(200):
-        # Below the ephemeral range (no TIME_WAIT leftovers of clients), away from 29500.
-        base = random.randrange(20000, 29400 - width)
-        ok = True
-        for p in range(base, base + width):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base, base + width - 1
-    raise RuntimeError("no free port range")
 
 
 @dataclass
@@ -153,7 +128,8 @@ class Daemon:
 
 
 def write_config(path: Path, **overrides: Any) -> Path:
-    lo, hi = free_port_range()
+    lo = free_ports(40)  # ranks' /metrics come from this range
+    hi = lo + 39
     cfg: dict[str, Any] = {
         "entrypoints": {
             "demo": {"module": "ddpmon.demo.train"},

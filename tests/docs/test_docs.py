@@ -42,15 +42,41 @@ def python_blocks() -> list[tuple[str, bool, str]]:
     return found
 
 
-def test_mkdocs_build_is_strict_clean(tmp_path):
+def build_docs(root: Path, site: Path) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of the docs under ``root``, as ``make docs`` runs it: without
+    ``-q``, which would hide the warnings that ``--strict`` turns into a failure."""
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=root, capture_output=True, text=True, timeout=240, env=env,
     )
-    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def docs_warnings(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (done.stdout + done.stderr).splitlines() if "WARNING" in line]
+
+
+def test_mkdocs_build_is_strict_clean(tmp_path):
+    done = build_docs(ROOT, tmp_path / "site")
+    assert done.returncode == 0 and not docs_warnings(done), done.stdout + done.stderr
     assert (tmp_path / "site" / "reference" / "metrics" / "index.html").is_file()
     assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_the_docs_build_fails_on_a_broken_link(tmp_path):
+    """The check above can fail: a copy of the docs with one anchor broken on purpose does."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    shutil.copytree(ROOT / "docs", copy / "docs")
+    page = copy / "docs" / "prometheus.md"
+    page.write_text(
+        page.read_text(encoding="utf-8") + "\nSee [nowhere](dashboards.md#no-such-anchor).\n",
+        encoding="utf-8",
+    )
+    done = build_docs(copy, tmp_path / "site")
+    assert done.returncode != 0, "a broken anchor must fail the strict build"
+    assert any("no-such-anchor" in line for line in docs_warnings(done)), done.stdout + done.stderr
 
 
 def test_every_page_is_in_the_nav():

@@ -11,13 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
-
-
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -8,29 +8,14 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp  # imported before attach, as scripts do
-from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import ddpmon
 from ddpmon.agent.checkpoints import detect_attempt
-from ddpmon.export.scrape import ScrapeClient
 from ddpmon.forensics.eventlog import read_events
 from ddpmon.rundir import RunDir
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    text = ScrapeClient().fetch(f"127.0.0.1:{port}", timeout=5)
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            extra = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "rank")))
-            out[(s.name, extra)] = s.value
-    return out
+from tests.support.ports import free_port
+from tests.support.scrape import scrape
 
 
 def train(model, opt, steps: int) -> None:

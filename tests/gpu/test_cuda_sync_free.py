@@ -12,12 +12,7 @@ import torch
 from torch import nn
 
 import ddpmon
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
-
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

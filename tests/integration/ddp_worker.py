@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import sys
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -21,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddpmon
 from ddpmon.agent import NonFiniteGradientError
+from tests.support.scrape import sample
+from tests.support.scrape import scrape_text as scrape
 
 POISON_PARAM = "layers.2.weight"
 
@@ -36,18 +37,6 @@ def poison(model, value):
         return grad
 
     handle = param.register_hook(hook)
-
-
-def scrape(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return resp.read().decode()
-
-
-def sample(text, name):
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 def main():

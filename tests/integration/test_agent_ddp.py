@@ -1,16 +1,14 @@
 """Two real ranks (gloo) with the agent attached; scraped over real HTTP."""
 
-import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.demo import free_port, free_port_pair
+from tests.support.ports import free_port_pair
+from tests.support.ranks import run_ranks
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
@@ -31,43 +29,10 @@ CASES = [
 
 def run_workers(tmp_path: Path) -> dict[str, list[dict]]:
     """Every case's per-rank results: the worker's record plus its parsed scrape."""
-    master, base = free_port(), free_port_pair()
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(master),
-            OMP_NUM_THREADS="1",
-        )
-        cmd = [sys.executable, str(WORKER), "--out", str(tmp_path), "--port", str(base)]
-        for case, steps, step in CASES:
-            cmd += ["--case", f"{case}:{case}:{steps}:{step}"]
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-    outputs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=240)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, out in zip(procs, outputs, strict=True):
-        assert proc.returncode == 0, out
-    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    args = ["--port", str(free_port_pair())]
+    for case, steps, step in CASES:
+        args += ["--case", f"{case}:{case}:{steps}:{step}"]
+    records = run_ranks(WORKER, tmp_path, args)
     results: dict[str, list[dict]] = {}
     for case, _, _ in CASES:
         results[case] = []

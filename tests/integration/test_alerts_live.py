@@ -30,7 +30,7 @@ from ddpmon.mixin.config import MixinConfig
 from tests.support.demo import DemoRun
 from tests.support.stack import WebhookReceiver, live_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = pytest.mark.timeout(420)
 
 # RankDown's `for:` must outlast Prometheus' discovery update delay (up to 5s): a rank that exits
 # cleanly removes its file_sd file and then stops serving, so it is scraped as down for a few

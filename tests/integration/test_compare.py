@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.demo import free_port_pair
+from tests.support.ports import free_port_pair
 
 pytest.importorskip("pyarrow")
 

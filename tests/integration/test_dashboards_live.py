@@ -40,7 +40,7 @@ from tests.support import grafana
 from tests.support.demo import DemoRun
 from tests.support.stack import WebhookReceiver, live_stack, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 RUN = "dash"
 RANKS = {"0", "1"}

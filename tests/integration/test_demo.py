@@ -6,7 +6,7 @@ import sys
 
 import psutil
 
-from tests.support.demo import free_port_pair
+from tests.support.ports import free_port_pair
 
 
 def test_demo_runs_reports_the_origin_rank_and_leaves_no_process(tmp_path):

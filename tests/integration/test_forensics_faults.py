@@ -11,13 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from ddpmon.demo.faults import DEFAULT_PARAM
 from ddpmon.forensics.evidence import read_bundle
 from tests.support.demo import DemoRun
 
-pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 FAULT_STEP = 6
 

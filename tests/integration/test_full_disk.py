@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
-
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from ddpmon.forensics.eventlog import read_events
 from ddpmon.forensics.timeline import build_timeline, describe
 from tests.support.demo import DemoRun
+from tests.support.scrape import scrape as scrape_metrics
 from tests.support.tmpfs import small_tmpfs
-
-pytestmark = pytest.mark.integration
 
 STEPS = 150
 FILL_AT = 30
@@ -34,15 +29,8 @@ FREE_AT = 100
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """``{(name, sorted labels): value}`` of one rank's /metrics; raises if it does not answer."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k == "probe"))
-            out[(s.name, labels)] = s.value
-    return out
+    """One rank's /metrics keyed by name and ``probe`` label; raises if it does not answer."""
+    return scrape_metrics(port, keep=lambda label: label == "probe", timeout=5)
 
 
 def step_of(sample: dict) -> int:

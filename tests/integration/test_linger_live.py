@@ -21,7 +21,7 @@ from ddpmon.services import Prometheus
 from tests.support.ports import free_ports
 from tests.support.stack import wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 WORKER = Path(__file__).with_name("linger_worker.py")
 SCRAPE_INTERVAL = 10

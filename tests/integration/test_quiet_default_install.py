@@ -8,13 +8,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from ddpmon.forensics.history_read import read_history
 from tests.support.default_install import default_install_env, extras_only_modules
-from tests.support.demo import free_port_pair
-
-pytestmark = pytest.mark.integration
+from tests.support.ports import free_port_pair
 
 STEPS = 12
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support.demo import free_port_pair
+from tests.support.ports import free_port_pair
 
 pytest.importorskip("pyarrow")  # ddpmon compare reads the numerics history
 

@@ -14,13 +14,13 @@ import argparse
 import importlib
 import json
 import math
-import urllib.request
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tests.support.integrations import agent_options
+from tests.support.scrape import scrape_text
 
 NAN_PARAM = "net.0.weight"
 
@@ -167,8 +167,8 @@ def _scrape(mon) -> bool | str:
     if mon is None or not mon.port:
         return f"no endpoint (port {getattr(mon, 'port', None)})"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{mon.port}/metrics", timeout=10):
-            return True
+        scrape_text(mon.port)
+        return True
     except OSError as exc:
         return f"port {mon.port}: {exc}"
 

@@ -11,18 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo import free_port_pair
 from tests.support.integrations import (
     WorkerRun,
     check_mismatch,
     check_nan_origin,
     check_norms,
     check_steps,
-    python,
     run_worker,
 )
-
-pytestmark = pytest.mark.integration
+from tests.support.ports import free_port_pair
+from tests.support.ranks import torchrun
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 STEPS, ACCUMULATE, WRONG_STEP, NAN_STEP, NAN_RANK, NAN_PARAM = 6, 2, 2, 5, 1, "0.weight"
@@ -31,8 +29,7 @@ STEPS, ACCUMULATE, WRONG_STEP, NAN_STEP, NAN_RANK, NAN_PARAM = 6, 2, 2, 5, 1, "0
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
     out = tmp_path_factory.mktemp("accelerate")
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(WORKER), "--out", str(out), "--port", str(free_port_pair())]
+    cmd = torchrun(WORKER, "--out", str(out), "--port", str(free_port_pair()))
     cmd += ["--steps", str(STEPS), "--accumulate", str(ACCUMULATE)]
     cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
     cmd += ["--nan-rank", str(NAN_RANK)]

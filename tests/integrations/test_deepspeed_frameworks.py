@@ -19,19 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo import free_port_pair
 from tests.support.integrations import (
     WorkerRun,
     check_mismatch,
     check_nan_origin,
     check_norms,
     check_steps,
-    python,
     run_worker,
 )
+from tests.support.ports import free_port_pair
+from tests.support.ranks import torchrun
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).parent
 STEPS, ACCUMULATE, WRONG_STEP, NAN_STEP, NAN_RANK = 6, 2, 2, 5, 1
@@ -41,8 +40,7 @@ ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
 
 
 def _launch(worker: str, out: Path, *extra: str) -> WorkerRun:
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(HERE / worker), "--out", str(out), "--port", str(free_port_pair())]
+    cmd = torchrun(HERE / worker, "--out", str(out), "--port", str(free_port_pair()))
     cmd += ["--steps", str(STEPS), "--accumulate", str(ACCUMULATE)]
     cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
     cmd += ["--nan-rank", str(NAN_RANK), "--deepspeed-stage", "2", *extra]

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo import free_port_pair
 from tests.support.integrations import (
     WorkerRun,
     by_step,
@@ -24,8 +23,7 @@ from tests.support.integrations import (
     python,
     run_worker,
 )
-
-pytestmark = pytest.mark.integration
+from tests.support.ports import free_port_pair
 
 WORKER = Path(__file__).with_name("lightning_worker.py")
 STEPS, WRONG_STEP, NAN_STEP, NAN_RANK, NAN_PARAM = 6, 2, 5, 1, "net.0.weight"

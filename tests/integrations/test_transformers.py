@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.demo import free_port_pair
 from tests.support.integrations import (
     WorkerRun,
     by_step,
@@ -20,11 +19,10 @@ from tests.support.integrations import (
     check_norms,
     check_steps,
     close,
-    python,
     run_worker,
 )
-
-pytestmark = pytest.mark.integration
+from tests.support.ports import free_port_pair
+from tests.support.ranks import torchrun
 
 WORKER = Path(__file__).with_name("transformers_worker.py")
 STEPS, ACCUMULATE, WRONG_STEP, NAN_STEP, NAN_RANK = 6, 2, 2, 5, 1
@@ -34,8 +32,7 @@ NAN_PARAM = "transformer.h.0.mlp.c_fc.weight"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
     out = tmp_path_factory.mktemp("transformers")
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += [str(WORKER), "--out", str(out), "--port", str(free_port_pair())]
+    cmd = torchrun(WORKER, "--out", str(out), "--port", str(free_port_pair()))
     cmd += ["--steps", str(STEPS), "--accumulate", str(ACCUMULATE)]
     cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
     cmd += ["--nan-rank", str(NAN_RANK)]

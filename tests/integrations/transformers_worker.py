@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from ddpmon.integrations.transformers import DdpmonCallback
 from tests.support.hf_hooks import ScaleReportedGradNorm
 from tests.support.integrations import agent_options
+from tests.support.scrape import scrape_text
 
 NAN_PARAM = "transformer.h.0.mlp.c_fc.weight"
 
@@ -182,8 +182,8 @@ def _scrape(mon) -> bool | str:
     if mon is None or not mon.port:
         return f"no endpoint (port {getattr(mon, 'port', None)})"
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{mon.port}/metrics", timeout=10):
-            return True
+        scrape_text(mon.port)
+        return True
     except OSError as exc:
         return f"port {mon.port}: {exc}"
 

@@ -13,7 +13,6 @@ import datetime
 import json
 import math
 import os
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from tests.parallel._worker import (
     destroy_process_group_now,
 )
 from tests.support.ports import free_ports
+from tests.support.scrape import scrape_text as scrape
 
 CLEAN_STEPS = 4  # torch's clip on 0-1, ddpmon.clip_grad_norm_ on 2-3
 ACCUM_STEPS = 2  # two micro-steps each, sync on the last
@@ -39,11 +39,6 @@ NAN_AT = CLEAN_STEPS + ACCUM_STEPS
 AFTER = 2  # steps after the NaN was applied: every rank's gradients are NaN (poisoned)
 MAX_NORM = 0.05
 SCALER_STEPS = 4
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return resp.read().decode()
 
 
 def samples(text: str, name: str) -> list[tuple[str, float]]:

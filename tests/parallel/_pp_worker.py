@@ -16,7 +16,6 @@ import datetime
 import json
 import math
 import os
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip
 import ddpmon
 from tests.parallel._worker import destroy_process_group_now
 from tests.support.ports import free_ports
+from tests.support.scrape import scrape_text as scrape
 
 V, D, T, B, NMB = 16, 16, 6, 8, 4
 STEPS = 2
@@ -119,11 +119,6 @@ def count_all_reduces() -> None:
         return original(*args, **kwargs)
 
     dist.all_reduce = counted
-
-
-def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        return resp.read().decode()
 
 
 def metric_lines(text: str, name: str) -> list[str]:

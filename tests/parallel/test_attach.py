@@ -11,7 +11,7 @@ import pytest
 
 from tests.parallel._attach_worker import AFTER, NAN_AT, SCALER_STEPS
 from tests.parallel._worker import NAN_PARAM, NAN_RANK
-from tests.parallel.conftest import launch
+from tests.support.ranks import run_ranks
 
 WORKER = Path(__file__).with_name("_attach_worker.py")
 
@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("_attach_worker.py")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("attach_fsdp2")
-    results = launch("", 2, out, worker=WORKER)
+    results = run_ranks(WORKER, out)
     for rank in results:
         rank["metrics"] = (out / f"rank{rank['rank']}.metrics").read_text()
     return results
@@ -76,7 +76,7 @@ def test_nan_origin_names_rank_param_and_step(run):
 def scaled_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("attach_fsdp2_scaler")
     args = ("--scaler",)
-    return launch("", 2, out, args=args, worker=WORKER)
+    return run_ranks(WORKER, out, args)
 
 
 def test_gradscaler_norms_are_unscaled_and_clip_reuses_them(scaled_run):
@@ -94,7 +94,7 @@ def test_gradscaler_norms_are_unscaled_and_clip_reuses_them(scaled_run):
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("attach_tp")
-    results = launch("tp", 2, out, worker=WORKER)
+    results = run_ranks(WORKER, out, ["--strategy", "tp"])
     for rank in results:
         rank["metrics"] = (out / f"rank{rank['rank']}.metrics").read_text()
     return results

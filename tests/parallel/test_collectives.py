@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.parallel._attach_worker import SCALER_STEPS
-from tests.parallel.conftest import launch
+from tests.support.ranks import run_ranks
 
 WORKER = Path(__file__).with_name("_attach_worker.py")
 DURATION = "ddpmon_collective_duration_seconds"
@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
     def get(strategy: str, n: int) -> list[dict]:
         if strategy not in cache:
             out = tmp_path_factory.mktemp(strategy.replace("+", "_"))
-            results = launch(strategy, n, out, args=("--collectives",), worker=WORKER)
+            results = run_ranks(WORKER, out, ["--collectives", "--strategy", strategy], world=n)
             for rank in results:
                 rank["samples"] = _samples((out / f"rank{rank['rank']}.metrics").read_text())
             cache[strategy] = results

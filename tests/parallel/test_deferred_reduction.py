@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.parallel._deferred_worker import LATE_STEP, STEPS
-from tests.parallel.conftest import launch
+from tests.support.ranks import run_ranks
 
 WORKER = Path(__file__).with_name("_deferred_worker.py")
 
@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("_deferred_worker.py")
 def test_late_peer_holds_the_training_thread_only_when_the_policy_reads(
     tmp_path, policy, returns_first
 ):
-    ranks = launch("", 2, tmp_path, args=("--policy", policy), worker=WORKER)
+    ranks = run_ranks(WORKER, tmp_path, ["--policy", policy])
     late = next(r for r in ranks if r["rank"] == 1)
     # rank 1 held its share of the step-LATE_STEP reduction until rank 0's step returned
     assert late["peer_saw_return"] is returns_first

@@ -23,7 +23,7 @@ from tests.parallel._pp_worker import (  # noqa: E402
     SCHEDULES,
     STEPS,
 )
-from tests.parallel.conftest import launch  # noqa: E402
+from tests.support.ranks import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("_pp_worker.py")
 TOL = 1e-5
@@ -32,14 +32,14 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def pp_only(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp")
-    return launch("", 2, out, args=("--dp", "none", "--nan"), worker=WORKER)
+    return run_ranks(WORKER, out, ["--dp", "none", "--nan"])
 
 
 @pytest.fixture(scope="module")
 def pp_dp(tmp_path_factory):
     out = tmp_path_factory.mktemp("pp_dp")
     args = ("--dp", "fsdp2,ddp", "--nan-dp", "fsdp2", "--fail-dp", "fsdp2")
-    return launch("", 4, out, args=args, worker=WORKER)
+    return run_ranks(WORKER, out, list(args), world=4)
 
 
 def _cases(ranks: list[dict]):

@@ -10,15 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.ports import free_ports
+from tests.support.ranks import run_launcher, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "pp_fsdp2.py"
@@ -28,34 +25,18 @@ OPS = ("send", "recv", "reduce_scatter", "all_gather")
 TIMEOUT_S = 150
 
 
-def _run(tmp_path: Path, retries: int = 2) -> tuple[str, dict]:
-    port = free_ports(4)  # /metrics: rank r serves port + r
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",  # what the torchrun script runs
-        "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_ports(1)),
-        str(EXAMPLE), "--steps", str(STEPS), "--nan-step", str(NAN_STEP),
-        "--nan-microbatch", str(NAN_MB), "--run-dir", str(tmp_path / "runs"),
-        "--port", str(port), "--summary", str(tmp_path / "summary.json"),
-    ]
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out = proc.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    if proc.returncode and retries and "EADDRINUSE" in out:  # a port taken since the probe
-        return _run(tmp_path, retries - 1)
-    assert proc.returncode == 0, out[-4000:]
+def _run(tmp_path: Path) -> tuple[str, dict]:
+    def command() -> list[str]:
+        port = free_ports(4)  # /metrics: rank r serves port + r
+        return torchrun(
+            EXAMPLE, "--steps", str(STEPS), "--nan-step", str(NAN_STEP),
+            "--nan-microbatch", str(NAN_MB), "--run-dir", str(tmp_path / "runs"),
+            "--port", str(port), "--summary", str(tmp_path / "summary.json"), nproc=4,
+        )
+
+    done = run_launcher(command, TIMEOUT_S)
+    out = done.stdout + done.stderr
+    assert done.code == 0, out[-4000:]
     return out, json.loads((tmp_path / "summary.json").read_text())
 
 

@@ -10,6 +10,7 @@ plain copy of the model fed the same batches.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,9 @@ from tests.parallel._worker import (
     TOUCH_STEP,
     USER_MAX_NORM,
 )
-from tests.parallel.conftest import launch
+from tests.support.ranks import run_ranks
+
+WORKER = Path(__file__).with_name("_worker.py")
 
 REL = 1e-5
 STRATEGIES = [
@@ -47,7 +50,7 @@ def ranks_of(tmp_path_factory):
         assert strategy in LAUNCHES[n], (strategy, n)
         if n not in done:
             out = tmp_path_factory.mktemp(f"ranks{n}")
-            done[n] = launch(",".join(LAUNCHES[n]), n, out)
+            done[n] = run_ranks(WORKER, out, ["--strategy", ",".join(LAUNCHES[n])], world=n)
         return [
             {
                 "rank": rank["rank"],

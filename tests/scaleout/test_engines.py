@@ -44,7 +44,7 @@ from tests.support import grafana
 from tests.support.engines import Hour, Series, derived, parse, reads, synthetic_hour
 from tests.support.ports import free_ports
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 RANKS, INTERVAL, GROUPS = 8, 15, 2
 REL = 0.10

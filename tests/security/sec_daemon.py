@@ -7,13 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.ports import free_port
+
 TOKEN = "t0ken-for-tests-0123456789abcdef"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def start_daemon(spawn, tmp_path: Path, name: str, *extra: str, bind: str = "127.0.0.1"):

@@ -13,11 +13,7 @@ from conftest import PASSWORD, client_ctx, fetch
 from prometheus_client.parser import text_string_to_metric_families
 
 import ddpmon
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
+from tests.support.ports import free_port
 
 
 def train(mon_steps: int):

@@ -12,12 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import helper
 
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
-
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

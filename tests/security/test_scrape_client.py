@@ -19,12 +19,7 @@ import ddpmon
 from ddpmon.daemon import summary
 from ddpmon.daemon.settings import DaemonSettings
 from ddpmon.export.scrape import ScrapeClient, ScrapeConfig, ScrapeError
-from tests.support.ports import free_ports as _free_ports
-
-
-def free_port() -> int:
-    return _free_ports(1)
-
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.demo import free_port_pair
+from tests.support.ports import free_port_pair
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,17 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.support.ports import free_ports
-
-
-def free_port() -> int:
-    """A port that was free on 127.0.0.1 a moment ago (outside the ephemeral range)."""
-    return free_ports(1)
-
-
-def free_port_pair() -> int:
-    """A base port ``p`` with ``p`` and ``p + 1`` free on 127.0.0.1 (rank r serves p + r)."""
-    return free_ports(2)
+from tests.support.ports import free_port_pair
 
 
 @dataclass

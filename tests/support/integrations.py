@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from .ranks import run_launcher
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_ID = "integration"
@@ -62,36 +61,11 @@ class WorkerRun:
 def run_worker(
     cmd: list[str], out: Path, timeout: float, extra_env: dict | None = None
 ) -> WorkerRun:
-    """Run ``cmd`` (a launcher that starts every rank) in its own session with a hard timeout."""
+    """Run ``cmd`` (a launcher that starts every rank: ``ranks.torchrun(...)``, Lightning's own)
+    through the suite's launcher (``ranks.run_launcher``: own session, hard timeout)."""
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(extra_env or {}))
-    env.pop("DDPMON_PORT", None)
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        output, _ = proc.communicate()
-        raise AssertionError(
-            f"worker timed out after {timeout}s:\n{output.decode()[-4000:]}"
-        ) from None
-    finally:
-        _kill_group(proc.pid)
-    return WorkerRun(proc.returncode, output.decode(errors="replace"), out)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    done = run_launcher(cmd, timeout, extra_env)
+    return WorkerRun(done.code, done.stdout + done.stderr, out)
 
 
 def python() -> str:

@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 
 from ddpmon.mixin import render
 from ddpmon.mixin.config import MixinConfig
-from ddpmon.services import Alertmanager, Prometheus, PrometheusAPI, free_port
+from ddpmon.services import Alertmanager, Prometheus, PrometheusAPI
+from tests.support.ports import free_port
 
 __all__ = [
     "Alertmanager",

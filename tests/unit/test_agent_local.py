@@ -2,26 +2,14 @@
 
 import logging
 import socket
-import urllib.request
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import ddpmon
-from tests.support.demo import free_port
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            extra = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "rank")))
-            out[(s.name, extra)] = s.value
-    return out
+from tests.support.ports import free_port
+from tests.support.scrape import scrape
 
 
 def poison_next_backward(param):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ddpmon
-from tests.support.demo import free_port
+from tests.support.ports import free_port
 
 
 def top(*args: str) -> subprocess.CompletedProcess:

@@ -1,0 +1,174 @@
+"""Suite-wide rules, in one place:
+
+- **Lanes.** Every test carries the markers of what it starts, applied here by directory (and by
+  file where a directory mixes): ``ranks`` (torch.distributed ranks in subprocesses, torchrun,
+  ``ddpmon demo``), ``services`` (a Debian-packaged server or tool: Prometheus, Alertmanager,
+  promtool, VictoriaMetrics, ``ip netns``), ``browser`` (headless Chromium), ``gpu`` (CUDA only).
+  ``make check`` runs ``-m "not ranks and not services and not browser and not gpu"``.
+- **The markers cannot lie.** A test without ``ranks`` or ``services`` that starts such a
+  process fails, naming the marker it needs (``subprocess.Popen`` is watched in this process).
+- **No silent skips under CI.** With ``CI`` set (``.ci/run``, ``make test``) a skipped test fails,
+  except the GPU tests on a machine without CUDA: a missing package or tool is an install bug
+  there, not a reason to count a test that did not run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+
+LANE_MARKERS = ("ranks", "services", "browser", "gpu")
+
+LANES: dict[str, tuple[str, ...]] = {
+    # directory (or file) under tests/ -> markers; the longest matching prefix wins
+    "alerts/": ("services",),
+    "alerts/test_cli.py": (),
+    "alerts/test_rule_files.py": (),
+    "alerts/test_stack_command.py": ("services",),
+    "daemon/": (),
+    "daemon/test_daemon_jobs.py": ("ranks",),
+    "daemon/test_daemon_units.py": ("ranks",),
+    "dashboards/": (),
+    "dashboards/test_benchmark_smoke.py": ("services",),
+    "dashboards/test_manifests.py": ("services",),
+    "dashboards/test_promql.py": ("services",),
+    "dashboards/test_series_profiles.py": ("services",),
+    "docs/": (),
+    "e2e/": ("ranks", "browser"),
+    "forensics/": (),
+    "forensics/test_watchdog.py": ("ranks",),
+    "gpu/": ("gpu", "ranks"),
+    "integration/": ("ranks",),
+    "integration/test_agent_ddp.py": ("ranks", "services"),
+    "integration/test_alerts_live.py": ("ranks", "services"),
+    "integration/test_dashboards_live.py": ("ranks", "services"),
+    "integration/test_linger_live.py": ("ranks", "services"),
+    "integrations/": ("ranks",),
+    "integrations/test_integration_parts.py": (),
+    "multinode/": ("ranks", "services"),
+    "parallel/": ("ranks",),
+    "parallel/test_row_chunks.py": (),
+    "scaleout/": ("services",),
+    "scaleout/test_command.py": (),
+    "scaleout/test_sharded_path.py": ("ranks", "services"),
+    "security/": (),
+    "unit/": (),
+    "unit/test_collector.py": ("services",),
+}
+
+# Programs that put a test in a lane when it starts them (basename of argv[0], or the module of
+# ``python -m``); ``ddpmon demo`` and ``torchrun`` start ranks.
+SERVICE_PROGRAMS = frozenset(
+    {"prometheus", "promtool", "prometheus-alertmanager", "alertmanager", "amtool",
+     "victoria-metrics", "vmagent", "vmalert", "ip", "unshare", "nsenter"}
+)
+BROWSER_PROGRAMS = frozenset({"chromium", "chromium-browser", "chrome", "headless_shell"})
+RANK_PROGRAMS = frozenset({"torchrun"})
+RANK_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
+
+
+def lane_of(path: Path) -> tuple[str, ...]:
+    """The markers of the test file at ``path`` (the longest matching prefix of ``LANES``)."""
+    rel = path.resolve().relative_to(TESTS).as_posix()
+    best = ""
+    for prefix in LANES:
+        if rel.startswith(prefix) and len(prefix) > len(best):
+            best = prefix
+    if not best:
+        raise pytest.UsageError(f"tests/{rel} is in no lane: add its directory to LANES")
+    return LANES[best]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, what in (
+        ("ranks", "starts torch.distributed ranks in subprocesses (torchrun, ddpmon demo)"),
+        ("services", "starts a Debian-packaged server or tool (Prometheus, promtool, ...)"),
+        ("browser", "drives headless Chromium"),
+        ("gpu", "needs CUDA"),
+    ):
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for name in lane_of(Path(str(item.path))):
+            item.add_marker(getattr(pytest.mark, name))
+
+
+def lane_needed(args: object, env: dict | None) -> str | None:
+    """The marker a ``Popen(args, env=env)`` call needs, or None."""
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args or [])
+    argv = [os.fsdecode(a) for a in argv]
+    if len(argv) == 1 and " " in argv[0]:  # shell=True style command line
+        argv = argv[0].split()
+    if not argv:
+        return None
+    program = Path(argv[0]).name
+    if program in SERVICE_PROGRAMS:
+        return "services"
+    if program in BROWSER_PROGRAMS:
+        return "browser"
+    if program in RANK_PROGRAMS:
+        return "ranks"
+    if "-m" in argv[:-1] and argv[argv.index("-m") + 1] in RANK_MODULES:
+        return "ranks"
+    if program == "ddpmon" or argv[1:3] == ["-m", "ddpmon"]:
+        rest = argv[1:] if program == "ddpmon" else argv[3:]
+        if rest[:1] in (["demo"], ["stack"], ["scaleout"]):
+            return "ranks" if rest[0] == "demo" else "services"
+    if "-c" in argv[1:-1]:  # python -c CODE: a rank script written inline
+        code = argv[argv.index("-c") + 1]
+        if "init_process_group" in code and "world_size=1" not in code:
+            return "ranks"
+    if env is not None:
+        try:
+            if int(env.get("WORLD_SIZE", "1")) > 1:
+                return "ranks"
+        except ValueError:
+            pass
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _lane_audit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Fail a test that starts what its markers do not declare (see the module doc)."""
+    declared = {m.name for m in request.node.iter_markers() if m.name in LANE_MARKERS}
+    original = subprocess.Popen.__init__
+
+    def watched(self, args, *a, **kw):
+        needed = lane_needed(args, kw.get("env"))
+        if needed is not None and needed not in declared:
+            pytest.fail(
+                f"{request.node.nodeid} starts {args!r} but is not marked {needed!r}: add its "
+                "file to LANES in tests/conftest.py",
+                pytrace=False,
+            )
+        original(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", watched)
+    yield
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    if not os.environ.get("CI") or call.excinfo is None:
+        return None
+    if not call.excinfo.errisinstance(pytest.skip.Exception):
+        return None
+    if item.get_closest_marker("gpu") is not None:
+        return None  # CUDA tests skip on a CPU machine by design
+    reason = str(call.excinfo.value)
+    report = pytest.TestReport.from_item_and_call(item, call)
+    report.outcome = "failed"
+    report.longrepr = f"skipped under CI ({reason}): CI installs everything the suite needs"
+    return report
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    """A whole module skipped at import (a missing package or tool) fails under CI, too."""
+    if os.environ.get("CI") and report.skipped and "tests/gpu/" not in report.nodeid:
+        report.outcome = "failed"
