@@ -8,8 +8,7 @@ from ddpmon.forensics.watchdog import (
     read_flight_recorder_status,
     request_flight_recorder_dump,
 )
-
-from .conftest import free_port
+from tests.support.ports import free_port
 
 
 def test_fires_once_per_episode_and_rearms():
