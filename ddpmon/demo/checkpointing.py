@@ -60,6 +60,29 @@ def first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
 
 
+class CheckpointRefused(RuntimeError):
+    """A checkpoint file that is not a plain weights-only checkpoint (tensors, numbers,
+    strings, lists and dicts): loading it would run code chosen by whoever wrote it."""
+
+
+def load_checkpoint(path: Path) -> dict:
+    """``torch.load(weights_only=True)``: a checkpoint holds tensors and plain containers only,
+    so nothing in it is ever unpickled as an arbitrary object. The directory is whatever
+    ``--checkpoint-dir`` names, which a job submitter may choose (docs/security.md)."""
+    import pickle
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointRefused(
+            f"refusing to load {str(path)!r}: not a weights-only checkpoint ({first[:200]!r})"
+        ) from None
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise CheckpointRefused(f"refusing to load {str(path)!r}: not a ddpmon demo checkpoint")
+    return state
+
+
 class DemoCheckpoints:
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         if args.checkpoint_every < 0:
@@ -92,7 +115,7 @@ class DemoCheckpoints:
             step, path, kind="load", model=True, optimizer=flags["optimizer"],
             scaler=flags["scaler"] if amp else None, rng=flags["rng"], data_loader=True,
         ):
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = load_checkpoint(path)
             model.load_state_dict(state["model"])
             if flags["optimizer"]:
                 optimizer.load_state_dict(state["optimizer"])

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 import ddpmon
 
 from .checkpointing import (
+    CheckpointRefused,
     DemoCheckpoints,
     add_checkpoint_arguments,
     first_attempt,
@@ -114,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         global_batch=global_batch, micro_batch=global_batch // world, accumulation=1, seed=args.seed
     )
     checkpoints = DemoCheckpoints(args, rank)
-    start = checkpoints.resume(model.module, optimizer, scaler, amp, mon)
+    try:
+        start = checkpoints.resume(model.module, optimizer, scaler, amp, mon)
+    except CheckpointRefused as exc:
+        print(f"[rank {rank}] {exc}", file=sys.stderr, flush=True)
+        mon.close()
+        return 2
     loss_fn = nn.CrossEntropyLoss()
     for step in range(start, args.steps):
         x, y = batch(step, faults.data_rank(step), world, global_batch, args.seed)
