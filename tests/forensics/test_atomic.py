@@ -99,7 +99,9 @@ def test_a_writer_killed_mid_write_never_leaves_a_torn_file(tmp_path: Path, proc
     write_bytes_atomic(target, b"0|end")
     proc = procs.start(WRITER, str(target))
     assert proc.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60  # killed once it has replaced the file at least twice
+    while int(target.read_bytes().split(b"|", 1)[0]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     data = target.read_bytes()

@@ -82,7 +82,8 @@ def test_segv_on_rank1_is_named_with_the_signal(tmp_path):
 def test_rank1_sigkilled_from_outside_is_named_vanished(tmp_path):
     with demo(tmp_path, "kill", []) as run:
         wait_for(lambda: len(run.rank_pids()) == 2 and run.events(1), 120, "both ranks", run)
-        time.sleep(1.5)  # a few steps in
+        # a few steps in, whatever the machine's load: rank 1 has completed step 3
+        wait_for(lambda: (run.progress_step(1) or 0) >= 3, 120, "rank 1 at step 3", run)
         os.kill(run.rank_pids()[1], signal.SIGKILL)
         assert run.wait(timeout=120) != 0
         code, tl = timeline(run.run_path)

@@ -15,6 +15,8 @@ import torch
 from ddpmon.agent.api import NullMonitor
 from ddpmon.demo.checkpointing import CheckpointRefused, DemoCheckpoints
 
+NO_AGENT = NullMonitor("test: no agent")
+
 
 class Planted:
     """What an attacker pickles: unpickling it calls ``os.system``."""
@@ -47,7 +49,7 @@ def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
     (tmp_path / "step-000010.pt").write_bytes(pickle.dumps({"model": Planted(marker), "step": 10}))
     model, opt, scaler = parts()
     with pytest.raises(CheckpointRefused, match="not a weights-only checkpoint"):
-        checkpoints(tmp_path).resume(model, opt, scaler, False, NullMonitor("test: no agent"))
+        checkpoints(tmp_path).resume(model, opt, scaler, False, NO_AGENT)
     assert not marker.exists(), "unpickling the planted checkpoint ran its code"
 
 
@@ -56,9 +58,9 @@ def test_a_checkpoint_the_demo_wrote_loads_back(tmp_path):
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
     saver = checkpoints(tmp_path)
-    saver.after_step(4, model, opt, scaler, NullMonitor("test: no agent"))  # step 5 done: step-000005.pt
+    saver.after_step(4, model, opt, scaler, NO_AGENT)  # step 5 done: step-000005.pt
     fresh, fresh_opt, fresh_scaler = parts()
-    start = checkpoints(tmp_path).resume(fresh, fresh_opt, fresh_scaler, False, NullMonitor("test: no agent"))
+    start = checkpoints(tmp_path).resume(fresh, fresh_opt, fresh_scaler, False, NO_AGENT)
     assert start == 5
     assert torch.equal(fresh.weight, model.weight)
     assert fresh_opt.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
@@ -68,4 +70,4 @@ def test_a_file_of_another_shape_is_refused(tmp_path):
     torch.save([1, 2, 3], tmp_path / "step-000003.pt")
     model, opt, scaler = parts()
     with pytest.raises(CheckpointRefused, match="not a ddpmon demo checkpoint"):
-        checkpoints(tmp_path).resume(model, opt, scaler, False, NullMonitor("test: no agent"))
+        checkpoints(tmp_path).resume(model, opt, scaler, False, NO_AGENT)

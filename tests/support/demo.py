@@ -142,6 +142,13 @@ class DemoRun:
                 out.append(json.loads(line))
         return out
 
+    def progress_step(self, rank: int) -> int | None:
+        """The last step ``rank`` completed, from its progress file (None before the first)."""
+        from ddpmon.forensics.eventlog import progress_path, read_progress
+
+        found = read_progress(progress_path(self.run_path, rank))
+        return None if found is None else found["step"]
+
     def log_tail(self, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
