@@ -38,7 +38,7 @@ from ddpmon.mixin import names
 from ddpmon.mixin.config import MixinConfig
 from tests.support import grafana
 from tests.support.demo import DemoRun
-from tests.support.stack import WebhookReceiver, live_stack, wait_for
+from tests.support.stack import WebhookReceiver, live_stack, wait_for, wait_for_scrapes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,7 +109,8 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
             timeout=30,
             what="recording rules evaluated for both ranks",
         )
-        time.sleep(3)  # a few more scrapes after the fault for the rate windows
+        # a few more scrapes after the fault for the rate windows
+        wait_for_scrapes(prom, f"ddpmon_step{sel}", 3, timeout=60)
         end = time.time()
         start = demo.started_at or end - 60
         span = f"{int(end - start) + 1}s"

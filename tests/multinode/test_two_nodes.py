@@ -19,6 +19,7 @@ from harness import AGENT_PORT, CONFIG, DAEMON_PORT, Stack, launch, timeline
 from ddpmon.mixin import dashboards as d
 from ddpmon.mixin import names
 from tests.support import grafana
+from tests.support.stack import wait_for_scrapes
 
 pytestmark = pytest.mark.timeout(420)
 EXPECTED = {"0": ("node-a", "0"), "1": ("node-a", "1"), "2": ("node-b", "0"), "3": ("node-b", "1")}
@@ -106,7 +107,7 @@ def test_nan_on_rank3_of_node_b(stack: Stack) -> None:
             f'ddpmon_step{{run="{run}"}}')) and len(stack.prometheus.query(
                 f'{names.STEP_P99}{{run="{run}"}}')) == 4,
             90, "all ranks through their last step, recording rules for all 4")
-        time.sleep(3)  # a few more scrapes for the rate windows
+        wait_for_scrapes(stack.prometheus, f'ddpmon_step{{run="{run}"}}', 3, 60)  # rate windows
         check_overview(stack, run, job.started_at, (d.FAULT,))
     finally:
         job.stop()
@@ -129,7 +130,7 @@ def test_node_b_dies(stack: Stack) -> None:
                 stack.prometheus.query(f'{names.STEP_P99}{{run="{run}"}}')) == 4, 150,
             "4 ranks through their steps, recording rules for all 4")
         check_identity(stack, run)
-        time.sleep(2)  # a few more scrapes for the rate windows
+        wait_for_scrapes(stack.prometheus, f'ddpmon_step{{run="{run}"}}', 2, 60)  # rate windows
         check_overview(stack, run, job.started_at, (d.EVERY_RANK, d.RUN))
         killed_at = time.time()
         job.kill("node-b")

@@ -39,6 +39,7 @@ __all__ = [
     "free_port",
     "live_stack",
     "wait_for",
+    "wait_for_scrapes",
 ]
 
 T = TypeVar("T")
@@ -62,6 +63,25 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what} not reached within {timeout:g}s (last error: {last_exc!r})")
         time.sleep(interval)
+
+
+def wait_for_scrapes(
+    prom: PrometheusAPI, selector: str, scrapes: int, timeout: float, *, what: str = ""
+) -> None:
+    """Wait until every series of ``selector`` (one per target, e.g. ``ddpmon_step{run="x"}``)
+    has ``scrapes`` more samples than now: "a few more scrapes" for rate windows, counted
+    rather than slept, so a loaded machine waits longer instead of failing."""
+    def counts() -> dict[str, float]:
+        return {
+            json.dumps(r["metric"], sort_keys=True): float(r["value"][1])
+            for r in prom.query(f"count_over_time({selector}[1h])")
+        }
+
+    start = counts()
+    wait_for(
+        lambda: start and all(counts().get(k, 0.0) >= v + scrapes for k, v in start.items()),
+        timeout, what=what or f"{scrapes} more scrapes of {selector}",
+    )
 
 
 @dataclass(frozen=True)
