@@ -32,7 +32,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "alerts/test_stack_command.py": ("services",),
     "daemon/": (),
     "daemon/test_daemon_jobs.py": ("ranks",),
-    "daemon/test_daemon_units.py": ("ranks",),
+    "daemon/test_daemon_units.py": ("services",),
     "dashboards/": (),
     "dashboards/test_benchmark_smoke.py": ("services",),
     "dashboards/test_manifests.py": ("services",),

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from . import outcome, summary
+from .params import ParamError, inside
 from .processes import free_port as _free_port
 from .processes import port_free as _port_free
 from .processes import process_start_time, same_process
@@ -120,7 +121,11 @@ class JobManager:
                 self._finish(job, None, gone_while_down=True)
 
     # API operations --------------------------------------------------------------------
-    def validate(self, entrypoint: str, nproc: int, args: list[str]) -> None:
+    def validate(
+        self, entrypoint: str, nproc: int, args: list[str], job_dir: Path | None = None
+    ) -> list[str]:
+        """Check a request; returns its ``args`` as the job gets them (``params.py``: declared
+        options only, paths confined to ``job_dir``)."""
         s = self.settings
         if entrypoint not in s.entrypoints:
             allowed = ", ".join(sorted(s.entrypoints)) or "(none configured)"
@@ -134,11 +139,16 @@ class JobManager:
                 raise JobError(f"args[{i}] is {len(arg)} characters: at most {s.max_arg_length}")
             if "\x00" in arg:
                 raise JobError(f"args[{i}] contains a NUL character")
+        try:
+            return s.entrypoints[entrypoint].check_args(args, job_dir)
+        except ParamError as exc:
+            raise JobError(str(exc)) from None
 
     def submit(self, job_id: str, entrypoint: str, nproc: int, args: list[str]) -> JobRecord:
-        self.validate(entrypoint, nproc, args)
-        job = JobRecord(id=job_id, entrypoint=entrypoint, nproc=nproc, args=list(args))
-        job.job_dir = str(self.state_dir / "jobs" / job_id)
+        job_dir = self.state_dir / "jobs" / job_id
+        checked = self.validate(entrypoint, nproc, args, job_dir)
+        job = JobRecord(id=job_id, entrypoint=entrypoint, nproc=nproc, args=checked)
+        job.job_dir = str(job_dir)
         job.run_dir = str(self.run_dir)
         self.store.insert_job(job)  # raises DuplicateJobError
         self._schedule()
@@ -207,6 +217,7 @@ class JobManager:
                 raise JobError(f"entrypoint {job.entrypoint!r} is no longer configured")
             job.ports = self._allocate_ports(job.nproc)
             job_dir.mkdir(parents=True, exist_ok=True)
+            self._check_confined(job, job_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             argv = [
                 self.python,
@@ -261,6 +272,13 @@ class JobManager:
         self.store.save_job(job)
         self._active[job.id] = _Handle(job.id, popen=popen)
         log.info("job %s started: pid %s, ports %s", job.id, popen.pid, job.ports)
+
+    def _check_confined(self, job: JobRecord, job_dir: Path) -> None:
+        """A path argument (made absolute inside the job dir at submit) must still lead inside
+        it now that the directory exists: no symlink planted on the way leads out."""
+        for i, arg in enumerate(job.args):
+            if arg.startswith(str(job_dir) + os.sep) and not inside(arg, job_dir):
+                raise JobError(f"args[{i}] leads out of the job directory through a link")
 
     def _environment(self, job: JobRecord) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DDPMON_", "PET_"))}

@@ -25,8 +25,10 @@ import yaml
 
 from ..config import DEFAULT_PORT
 from ..export.scrape import ScrapeClient, ScrapeConfig, ScrapeConfigError
+from .params import DEMO_PARAMS, Param, ParamError, check_args, parse_declaration
 
 DEFAULT_DAEMON_PORT = DEFAULT_PORT - 1
+DEMO_MODULE = "ddpmon.demo.train"
 
 
 class SettingsError(ValueError):
@@ -43,12 +45,31 @@ class Entrypoint:
     args: list[str] = field(default_factory=list)
     """Fixed arguments placed before the request's arguments."""
     description: str = ""
+    params: dict[str, Any] | None = None
+    """The options a request may pass (``--name: type``; ``params.py``). None: none, except
+    for the demo module, which declares ``DEMO_PARAMS``."""
+    positional: list[Any] | None = None
+    """The types of the positional values a request may pass, in order."""
+    options: dict[str, Param] = field(init=False)
+    values: tuple[Param, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         if (self.module is None) == (self.script is None):
             raise SettingsError(f"entrypoints.{self.name}: set exactly one of 'module' or 'script'")
         if not all(isinstance(a, str) for a in self.args):
             raise SettingsError(f"entrypoints.{self.name}.args: expected a list of strings")
+        try:
+            self.options, self.values = parse_declaration(
+                self.params, self.positional, f"entrypoints.{self.name}"
+            )
+        except ParamError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.params is None and self.module == DEMO_MODULE:
+            self.options = dict(DEMO_PARAMS)
+
+    def check_args(self, args: list[str], job_dir: Path | None) -> list[str]:
+        """The request's ``args`` as the job gets them (``params.check_args``)."""
+        return check_args(args, self.options, self.values, job_dir, self.name)
 
     def argv(self) -> list[str]:
         head = ["-m", self.module] if self.module else [str(self.script)]
@@ -59,7 +80,7 @@ class Entrypoint:
 class DaemonSettings:
     entrypoints: dict[str, Entrypoint] = field(
         default_factory=lambda: {
-            "demo": Entrypoint(name="demo", module="ddpmon.demo.train", description="ddpmon demo")
+            "demo": Entrypoint(name="demo", module=DEMO_MODULE, description="ddpmon demo")
         }
     )
     max_nproc: int = 8
@@ -119,7 +140,9 @@ class DaemonSettings:
             for name, spec in raw.items():
                 if not isinstance(spec, dict):
                     raise SettingsError(f"entrypoints.{name}: expected a mapping")
-                extra = set(spec) - {"module", "script", "args", "description"}
+                extra = set(spec) - {
+                    "module", "script", "args", "description", "params", "positional"
+                }
                 if extra:
                     raise SettingsError(f"entrypoints.{name}: unknown key(s) {sorted(extra)}")
                 eps[str(name)] = Entrypoint(name=str(name), **spec)

@@ -133,7 +133,11 @@ def write_config(path: Path, **overrides: Any) -> Path:
     cfg: dict[str, Any] = {
         "entrypoints": {
             "demo": {"module": "ddpmon.demo.train"},
-            "sleeper": {"script": str(SLEEPER)},
+            "sleeper": {  # sleeper.py SECONDS [EXIT_CODE] [--ignore-term]
+                "script": str(SLEEPER),
+                "positional": ["float", "int"],
+                "params": {"--ignore-term": "flag"},
+            },
         },
         "max_nproc": 4,
         "max_args": 16,
