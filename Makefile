@@ -119,7 +119,7 @@ bench-dashboards-16384: $(STAMP) debs
 # Two nodes on this machine (network namespaces, needs root): torchrun across them, a daemon
 # per node, one Prometheus; prints what each check sees (tests/multinode).
 multinode: $(STAMP) debs
-	$(BIN)/python -m pytest tests/multinode -s -v -rs -p no:cacheprovider $(PYTEST_ARGS)
+	CI=$${CI:-true} $(BIN)/python -m pytest tests/multinode -s -v -rs -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info ddpmon-runs site

@@ -41,6 +41,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "docs/": (),
     "e2e/": ("ranks", "browser"),
     "forensics/": (),
+    "forensics/test_damaged_rundirs.py": ("ranks",),
     "forensics/test_watchdog.py": ("ranks",),
     "gpu/": ("gpu", "ranks"),
     "integration/": ("ranks",),
@@ -117,7 +118,7 @@ def lane_needed(args: object, env: dict | None) -> str | None:
         return "ranks"
     if "-m" in argv[:-1] and argv[argv.index("-m") + 1] in RANK_MODULES:
         return "ranks"
-    if program == "ddpmon" or argv[1:3] == ["-m", "ddpmon"]:
+    if program == "ddpmon" or (argv[1:2] == ["-m"] and argv[2:3] in (["ddpmon"], ["ddpmon.cli"])):
         rest = argv[1:] if program == "ddpmon" else argv[3:]
         if rest[:1] in (["demo"], ["stack"], ["scaleout"]):
             return "ranks" if rest[0] == "demo" else "services"

@@ -106,7 +106,9 @@ def test_dashboards_and_stack_from_the_wheel(installed: tuple[Path, Path]) -> No
     out = cwd / "boards"
     wrote = _run([ddpmon, "dashboards", "--write", "--dir", str(out)], cwd)
     assert wrote.returncode == 0, wrote.stderr
-    for committed in (REPO / "dashboards").glob("*.json"):
+    committed_boards = sorted((REPO / "dashboards").glob("*.json"))
+    assert len(committed_boards) >= 2, committed_boards  # run overview and rank detail
+    for committed in committed_boards:
         assert (out / "dashboards" / committed.name).read_text() == committed.read_text()
     assert (out / "deploy" / "kubernetes" / "kustomization.yaml").is_file()
     listed = _run([ddpmon, "--help"], cwd)

@@ -270,10 +270,11 @@ def test_no_top_and_bottom_of_the_same_series() -> None:
 def test_distributions_not_rows_per_rank() -> None:
     """A heatmap bins ranks (Grafana's calculation) or reads per-run rank counts by bucket
     (``le``, recorded by the ruler); never one row per rank."""
-    for p in panels(BOARDS[d.OVERVIEW_UID]):
-        if p["type"] == "heatmap":
-            by_le = all(t["format"] == "heatmap" and "by (le)" in t["expr"] for t in p["targets"])
-            assert p["options"]["calculate"] is True or by_le, p["title"]
+    heatmaps = [p for p in panels(BOARDS[d.OVERVIEW_UID]) if p["type"] == "heatmap"]
+    assert heatmaps, "the overview has no heatmap to check"
+    for p in heatmaps:
+        by_le = all(t["format"] == "heatmap" and "by (le)" in t["expr"] for t in p["targets"])
+        assert p["options"]["calculate"] is True or by_le, p["title"]
 
 
 def test_alert_annotation_is_per_run_not_per_series() -> None:

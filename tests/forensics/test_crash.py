@@ -66,8 +66,11 @@ def test_uncaught_exception_exit_event_and_torchelastic_error_file(tmp_path, pro
 def test_existing_error_file_is_left_alone(tmp_path, procs):
     err = tmp_path / "error.json"
     err.write_text('{"message": "from @record"}')
-    procs.run(PRELUDE + "raise KeyError('x')\n", str(tmp_path),
-              env={"TORCHELASTIC_ERROR_FILE": str(err)})
+    res = procs.run(PRELUDE + "raise KeyError('x')\n", str(tmp_path),
+                    env={"TORCHELASTIC_ERROR_FILE": str(err)})
+    assert res.returncode == 1 and "KeyError: 'x'" in res.stderr
+    exits = [e for e in _events(tmp_path) if e["kind"] == "exit"]
+    assert [e["reason"] for e in exits] == ["exception"], "the hook never ran"
     assert err.read_text() == '{"message": "from @record"}'
 
 

@@ -120,7 +120,8 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
             s["metric"]["collector"]: s["value"][1]
             for s in prom.query(f"ddpmon_collector_success{sel}")
         }
-        assert absent.get("nvml", "0") == "0" and absent.get("allocator", "0") == "0", absent
+        assert absent["nvml"] == "0", absent  # exported, and failing: no NVML on this machine
+        assert "allocator" not in absent or absent["allocator"] == "0", absent
 
         failures: list[str] = []
         exempt: list[str] = []

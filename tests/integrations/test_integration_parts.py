@@ -16,9 +16,11 @@ def test_import_ddpmon_imports_no_framework() -> None:
         "import sys, ddpmon, ddpmon.integrations, ddpmon.integrations.accelerate\n"
         "loaded = [m for m in ('lightning', 'pytorch_lightning', 'transformers', 'accelerate')"
         " if m in sys.modules]\n"
-        "assert not loaded, loaded\n"
+        "print(loaded)\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120,
+                          capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stdout  # checked here: an -O child keeps no assert
 
 
 def test_lightning_callback_refuses_an_unknown_package() -> None:

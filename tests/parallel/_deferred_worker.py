@@ -54,18 +54,20 @@ def main() -> None:
     )
     params = list(model.parameters())
     peer_saw_return: bool | None = None
+    hold_error: str | None = None
     if rank == 1:  # a straggler reaching ddpmon's reduction late, at LATE_STEP only
         norms = mon.source._norms
         measure = norms.measure
 
         def late_measure(scaled: bool):
-            nonlocal peer_saw_return
+            nonlocal peer_saw_return, hold_error
             if mon.step == LATE_STEP:
                 try:
                     store.wait([KEY], datetime.timedelta(seconds=HOLD_S[args.policy]))
                     peer_saw_return = True
-                except Exception:  # the hold ran out: rank 0 was still inside its step
+                except Exception as exc:  # the hold ran out: rank 0 was still in its step
                     peer_saw_return = False
+                    hold_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             return measure(scaled)
 
         norms.measure = late_measure
@@ -85,6 +87,7 @@ def main() -> None:
     result = {
         "rank": rank,
         "peer_saw_return": peer_saw_return,
+        "hold_error": hold_error,
         "torch": torch_norms,
         "ours": {r.step: r.grad_norm for r in records},
         "errors": dict(mon.state.agent_errors),

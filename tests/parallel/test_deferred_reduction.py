@@ -23,6 +23,8 @@ def test_late_peer_holds_the_training_thread_only_when_the_policy_reads(
     late = next(r for r in ranks if r["rank"] == 1)
     # rank 1 held its share of the step-LATE_STEP reduction until rank 0's step returned
     assert late["peer_saw_return"] is returns_first
+    if not returns_first:  # False must mean the hold timed out, not any other failure
+        assert "timeout" in (late["hold_error"] or ""), late["hold_error"]
     for rank in ranks:
         assert rank["deferred_type"] == "FSDPSource"
         assert not any(rank["errors"].values()), rank["errors"]

@@ -45,15 +45,15 @@ class Mutation:
     nothing wrong (False)?"""
 
 
-def run_demo(run_dir: Path, run_id: str, *args: str) -> Path:
-    """One ``ddpmon demo`` (2 CPU ranks, gloo) into ``run_dir/run_id``; its exit status is
-    not checked (a run with injected faults fails, which is the point)."""
+def run_demo(run_dir: Path, run_id: str, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """One ``ddpmon demo`` (2 CPU ranks, gloo) into ``run_dir/run_id`` and how it ended (a run
+    with injected faults fails, which is the point: the caller checks that it did)."""
     cmd = [sys.executable, "-m", "ddpmon.cli", "demo", "--nproc", "2", "--global-batch", "8",
            "--seed", "0", "--port", str(free_port_pair()), "--run-dir", str(run_dir),
            "--run-id", run_id, "--sd-dir", "none", "--no-progress", *args]
-    subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                   env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "COLUMNS": "200"})
-    return run_dir / run_id
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "COLUMNS": "200"})
+    return run_dir / run_id, done
 
 
 def copy_run(src: Path, dst: Path) -> Path:

@@ -153,6 +153,7 @@ def test_golden_exposition():
     if os.environ.get("DDPMON_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(text)
+        pytest.fail("golden file rewritten: review its diff, then run again without it")
     assert text == GOLDEN.read_text(), "exposition changed: DDPMON_UPDATE_GOLDEN=1 to accept"
 
 

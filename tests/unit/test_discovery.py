@@ -53,11 +53,13 @@ def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:
     pub.publish()
     stop = threading.Event()
     errors: list[Exception] = []
+    reads = [0]
 
     def read() -> None:
         while not stop.is_set():
             try:
                 json.loads(pub.path.read_text())
+                reads[0] += 1
             except Exception as exc:  # noqa: BLE001 - any failure is the finding
                 errors.append(exc)
 
@@ -69,6 +71,7 @@ def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:
     stop.set()
     reader.join(timeout=10)
     assert errors == []
+    assert reads[0] > 0, "the reader never read while the file was rewritten"
 
 
 @pytest.mark.parametrize("name", ["x.yml", "../x.json", ".hidden.json"])
