@@ -55,7 +55,6 @@ LANES: dict[str, tuple[str, ...]] = {
     "parallel/": ("ranks",),
     "parallel/test_row_chunks.py": (),
     "scaleout/": ("services",),
-    "scaleout/test_command.py": (),
     "scaleout/test_sharded_path.py": ("ranks", "services"),
     "security/": (),
     "unit/": (),
