@@ -54,12 +54,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "same-host only. With TLS on a node address, agents register over plain HTTP on "
         "127.0.0.1 at the same port",
     )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a Host name the daemon answers to besides loopback, its bind address, this host's "
+        "name and the address a request arrived on (repeatable; a DNS alias Prometheus uses). "
+        "Any other Host gets 421: a DNS-rebinding page cannot reach the API",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         from ..daemon.app import create_app
+        from ..daemon.hostcheck import host_names
         from ..daemon.jobs import JobManager
         from ..daemon.node import NodeCollector, build_registry
         from ..daemon.ranks import RankRegistry
@@ -124,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
         disk_paths=("/", str(state_dir)),
     )
     app = create_app(jobs=jobs, ranks=ranks, registry=build_registry(collector), token=token)
+    names = host_names(args.bind, args.node, args.allowed_host)
     server = DaemonServer(
-        app, bind=args.bind, port=args.port, token=token, web_config=web, extra_listeners=extra
+        app, bind=args.bind, port=args.port, token=token, web_config=web, extra_listeners=extra,
+        host_names=names,
     )
     jobs.start()
     log.info(

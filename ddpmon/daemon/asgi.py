@@ -84,11 +84,11 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 
 
 def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The declared body length (h11 has already refused a malformed or conflicting one)."""
     value = header(headers, b"content-length")
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
+    if value is None or not value.strip().isdigit() or not value.isascii():
         return None
+    return int(value)
 
 
 def json_error(
@@ -104,6 +104,7 @@ REASONS = {
     200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
     401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
     408: "Request Timeout", 409: "Conflict", 413: "Content Too Large", 414: "URI Too Long",
+    421: "Misdirected Request",
     431: "Request Header Fields Too Large", 500: "Internal Server Error",
     501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
 }

@@ -32,6 +32,7 @@ from urllib.parse import unquote
 import h11
 
 from ..export.webconfig import WebConfig
+from . import hostcheck
 from .asgi import (
     asgi_scope,
     call_app,
@@ -104,12 +105,16 @@ class DaemonServer:
         web_config: WebConfig | None = None,
         limits: Limits | None = None,
         extra_listeners: list[tuple[str, int]] | None = None,
+        host_names: frozenset[str] | None = None,
     ) -> None:
         self.app = app
         self.bind, self.port = bind, port
         self.token = token.encode()
         self.web = web_config
         self.limits = limits or Limits()
+        self.names = host_names if host_names is not None else hostcheck.host_names(bind, None)
+        """The Host names this daemon answers to besides the connection's own address
+        (``hostcheck``: DNS rebinding and cross-origin requests are refused)."""
         self.extra = list(extra_listeners or [])
         """Plain loopback listeners that serve only rank registration (for agents on the node
         when the main listener speaks TLS)."""
@@ -266,13 +271,11 @@ class DaemonServer:
                 # single read is measured here.
                 await self._raw_error(writer, 431, deadline)
                 return
-            conn.busy = True
             self.stats["requests"] += 1
             status, headers, body = await self._handle(
                 h, event, reader, writer, conn, registration_only
             )
             await self._respond(h, writer, event, status, headers, body)
-            conn.busy = False
             if h.their_state is h11.SEND_BODY and status != 413:
                 # Answered before the body was read (401, 404): read and drop it (bounded, and
                 # evictable meanwhile) so closing with unread data does not reset the answer.
@@ -326,17 +329,23 @@ class DaemonServer:
             path = unquote(raw_path.decode("ascii"), errors="strict")
         except (UnicodeDecodeError, UnicodeEncodeError):
             return json_error(400, "request path is not valid")
+        refused = self._check_origin(req, headers, writer)
+        if refused is not None:
+            return refused
         length = content_length(headers)
         if length is not None and length > self.limits.max_body_bytes:
             return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
         registration = path.startswith("/api/v1/ranks")
         if registration_only and not (registration or path == "/healthz"):
             return json_error(404, "this listener serves rank registration only")
+        if registration and not self._same_host(writer):
+            # before any body is read: a remote client cannot hold a connection with one
+            return json_error(403, "rank registration is accepted from this node only")
         if not registration_only and not registration:
             denied = await self._authorize(path, headers)
             if denied is not None:
                 return denied
-        try:
+        try:  # a connection reading a body stays evictable (conn.busy is False until here)
             body = await self._body(h, reader)
         except _TooLarge:
             return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
@@ -344,6 +353,7 @@ class DaemonServer:
             self.stats["rejected_busy"] += 1
             return json_error(503, "too many requests in flight", retry=True)
         self._in_flight += 1
+        conn.busy = True
         try:
             scope = asgi_scope(req, path, raw_path, query, headers, writer, conn.tls)
             try:
@@ -354,6 +364,34 @@ class DaemonServer:
                 return json_error(500, "internal error")
         finally:
             self._in_flight -= 1
+            conn.busy = False
+
+    def _check_origin(
+        self, req: h11.Request, headers: list[tuple[bytes, bytes]], writer: asyncio.StreamWriter
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """421 for a Host that is not this daemon's (DNS rebinding), 403 for a browser's
+        cross-origin request (``hostcheck``)."""
+        local = str((writer.get_extra_info("sockname") or ("",))[0])
+        host = header(headers, b"host")
+        if host is not None or req.http_version != b"1.0":
+            name = hostcheck.split_host(host.decode("latin-1")) if host is not None else None
+            if not hostcheck.host_allowed(name, local, self.names):
+                return json_error(421, "this daemon does not serve that Host (see --allowed-host)")
+        origin = header(headers, b"origin")
+        if origin is not None and not hostcheck.origin_allowed(
+            origin.decode("latin-1"), local, self.names
+        ):
+            return json_error(403, "cross-origin request refused")
+        if header(headers, b"sec-fetch-site") == b"cross-site":
+            return json_error(403, "cross-origin request refused")
+        return None
+
+    @staticmethod
+    def _same_host(writer: asyncio.StreamWriter) -> bool:
+        """Did the connection come from this node (loopback, or to and from one address)?"""
+        peer = str((writer.get_extra_info("peername") or ("",))[0])
+        local = str((writer.get_extra_info("sockname") or ("",))[0])
+        return hostcheck.host_allowed(peer, local, frozenset()) and bool(peer)
 
     async def _authorize(
         self, path: str, headers: list[tuple[bytes, bytes]]

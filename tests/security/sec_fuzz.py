@@ -60,7 +60,7 @@ def request(rng: random.Random, daemon: bool) -> bytes:
     kind = rng.randrange(10)
     if kind == 0:  # bad or random method
         method = rng.choice(METHODS + [rand_bytes(rng, 1, 20), b"X" * rng.randint(20, 3000)])
-        return method + b" " + rng.choice(paths) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        return method + b" " + rng.choice(paths) + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     if kind == 1:  # huge headers
         if rng.random() < 0.5:
             hdrs = b"X-Big: " + b"a" * rng.randint(5000, 100_000) + b"\r\n"
@@ -69,7 +69,7 @@ def request(rng: random.Random, daemon: bool) -> bytes:
         return b"GET /metrics HTTP/1.1\r\n" + hdrs + b"\r\n"
     if kind == 2:  # junk paths and query strings
         path = rng.choice(paths + [b"/" + rand_bytes(rng, 1, 100).replace(b" ", b"")])
-        return b"GET " + path + junk_query(rng) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+        return b"GET " + path + junk_query(rng) + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     if kind == 3:  # non-HTTP bytes
         choice = rng.randrange(4)
         if choice == 0:
@@ -114,13 +114,13 @@ def request(rng: random.Random, daemon: bool) -> bytes:
         ctype = rng.choice([b"application/json", b"text/plain", b"multipart/form-data", b""])
         token = b"Authorization: Bearer wrong\r\n" if rng.random() < 0.5 else b""
         length = len(body) if rng.random() < 0.8 else rng.choice([0, len(body) + 10])
-        return (method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: " + ctype
+        return (method + b" " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: " + ctype
                 + b"\r\n" + token + b"Content-Length: %d\r\n\r\n" % length + body)
     # kinds 8, 9: well-formed requests, the control group
     method = rng.choice([b"GET", b"HEAD"])
     return method + b" " + rng.choice(paths[:2] if not daemon else [b"/metrics", b"/healthz",
                                                                      b"/sd", b"/api/v1/jobs"]
-                                      ) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+                                      ) + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 
 
 STATUS = re.compile(rb"HTTP/1\.[01] (\d{3})")

@@ -92,7 +92,7 @@ def test_head_deadline_is_not_extended_by_trickling(front):
     silent = socket.create_connection(("127.0.0.1", front.port))
     t_silent = closed_after(silent)
     trickle = socket.create_connection(("127.0.0.1", front.port))
-    head = b"GET /x HTTP/1.1\r\nHost: a\r\n" + b"X-Pad: " + b"a" * 200 + b"\r\n\r\n"
+    head = b"GET /x HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Pad: " + b"a" * 200 + b"\r\n\r\n"
     t_trickle = closed_after(trickle, head, every=0.05)
     silent.close(), trickle.close()
     print(f"\nclosed after: silent {t_silent:.2f} s, trickling {t_trickle:.2f} s")
@@ -117,11 +117,11 @@ def test_body_and_head_bounds(front):
     assert get(front.port, body=b"x" * 500) == 200
     assert get(front.port, body=b"x" * 5000) == 413
     conn = socket.create_connection(("127.0.0.1", front.port))
-    conn.sendall(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n0123456789")
+    conn.sendall(b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n0123456789")
     assert 0.8 < closed_after(conn) < 2.5  # the body deadline, not the client, ends it
     conn.close()
     conn = socket.create_connection(("127.0.0.1", front.port))
-    conn.sendall(b"GET /x HTTP/1.1\r\nHost: a\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
+    conn.sendall(b"GET /x HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 8000 + b"\r\n\r\n")
     assert conn.recv(100).startswith(b"HTTP/1.1 431")
     conn.close()
 
