@@ -108,17 +108,26 @@ class JobManager:
             self._thread.join(timeout=5)
 
     def recover(self) -> None:
+        """Never raises for one job: a job whose files cannot be read ends FAILED with the
+        reason, and the daemon starts."""
         for job in self.store.list_jobs(("RUNNING",)):
-            if same_process(job.pid, job.pid_create_time):
-                assert job.pid is not None
-                handle = _Handle(job.id, proc=psutil.Process(job.pid))
-                handle.known_pids = self._descendants(job.pid)
-                with self._lock:
-                    self._active[job.id] = handle
-                log.info("re-adopted job %s (pid %s)", job.id, job.pid)
-            else:
-                # The launcher is gone; its result file may still say how it ended.
-                self._finish(job, None, gone_while_down=True)
+            try:
+                self._recover_one(job)
+            except Exception as exc:
+                log.exception("job %s could not be recovered", job.id)
+                self._fail_unreadable(job, exc)
+
+    def _recover_one(self, job: JobRecord) -> None:
+        if same_process(job.pid, job.pid_create_time):
+            assert job.pid is not None
+            handle = _Handle(job.id, proc=psutil.Process(job.pid))
+            handle.known_pids = self._descendants(job.pid)
+            with self._lock:
+                self._active[job.id] = handle
+            log.info("re-adopted job %s (pid %s)", job.id, job.pid)
+        else:
+            # The launcher is gone; its result file may still say how it ended.
+            self._finish(job, None, gone_while_down=True)
 
     # API operations --------------------------------------------------------------------
     def validate(
@@ -306,31 +315,37 @@ class JobManager:
         with self._lock:
             handles = list(self._active.values())
         for handle in handles:
-            job = self.store.get_job(handle.job_id)
-            if job is None:
-                continue
-            done, code = handle.returncode()
-            if not done:
-                handle.known_pids |= self._descendants(handle.pid)
-                bind = self.settings.job_bind
-                host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
-                job.summary = summary.merge(
-                    job.summary, host, job.ports, client=self.settings.scrape_client()
-                )
-                self._escalate(job, handle)
-                with self._lock:
-                    current = self.store.get_job(job.id)
-                    if current is not None and not current.final:
-                        current.summary = job.summary
-                        self.store.save_job(current)
-                continue
-            self._reap_leftovers(handle)
-            with self._lock:
-                self._active.pop(handle.job_id, None)
-                fresh = self.store.get_job(handle.job_id)
-                if fresh is not None:
-                    self._finish(fresh, code)
+            try:
+                self._poll_job(handle)
+            except Exception:  # one job's damaged files or ranks never stop the others
+                log.exception("job %s: poll failed", handle.job_id)
         self._schedule()
+
+    def _poll_job(self, handle: _Handle) -> None:
+        job = self.store.get_job(handle.job_id)
+        if job is None:
+            return
+        done, code = handle.returncode()
+        if not done:
+            handle.known_pids |= self._descendants(handle.pid)
+            bind = self.settings.job_bind
+            host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+            job.summary = summary.merge(
+                job.summary, host, job.ports, client=self.settings.scrape_client()
+            )
+            self._escalate(job, handle)
+            with self._lock:
+                current = self.store.get_job(job.id)
+                if current is not None and not current.final:
+                    current.summary = job.summary
+                    self.store.save_job(current)
+            return
+        self._reap_leftovers(handle)
+        with self._lock:
+            self._active.pop(handle.job_id, None)
+            fresh = self.store.get_job(handle.job_id)
+            if fresh is not None:
+                self._finish(fresh, code)
 
     def _escalate(self, job: JobRecord, handle: _Handle) -> None:
         if job.cancel_requested_at is None or handle.killed:
@@ -382,6 +397,21 @@ class JobManager:
             pass
 
     def _finish(self, job: JobRecord, code: int | None, gone_while_down: bool = False) -> None:
+        """Record how ``job`` ended. Never raises: a job's files are the job's, so a damaged or
+        hostile one ends the record FAILED with the reason, never RUNNING for ever."""
+        try:
+            self._finish_from_files(job, code, gone_while_down)
+        except Exception as exc:
+            log.exception("job %s: its result could not be read", job.id)
+            self._fail_unreadable(job, exc)
+
+    def _fail_unreadable(self, job: JobRecord, exc: BaseException) -> None:
+        job.state = "CANCELLED" if job.cancel_requested_at is not None else "FAILED"
+        job.reason = f"its result files could not be read ({type(exc).__name__})"
+        job.ended_at = job.ended_at or time.time()
+        self.store.save_job(job)
+
+    def _finish_from_files(self, job: JobRecord, code: int | None, gone_while_down: bool) -> None:
         job_dir = Path(job.job_dir)
         result = outcome.read_result(job_dir / "result.json")
         failures = list((result or {}).get("failures", []))

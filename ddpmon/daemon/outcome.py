@@ -7,12 +7,12 @@ consequences, not causes: they rank after every other failure when choosing the 
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 from typing import Any
 
 from ..rundir import EVENTS_RE, RunDir
+from ..safe_read import json_lines, load_json
 
 FAILURE_EVENT_KINDS = frozenset(
     {"nonfinite", "scale_floor", "stall", "oom", "signal", "exception", "thread_exception", "crash"}
@@ -21,8 +21,10 @@ _EVENT_SCAN_LIMIT = 200_000  # lines per file: bounded work on a huge log
 
 
 def read_result(path: Path) -> dict[str, Any] | None:
+    """The launcher's result file, or None when it is missing or damaged (a job's directory is
+    writable by the job: treat it as hostile)."""
     try:
-        doc = json.loads(path.read_text())
+        doc = load_json(path, max_bytes=4 << 20)
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
@@ -34,24 +36,20 @@ def event_failures(run_path: Path) -> list[dict[str, Any]]:
     for log in RunDir(run_path).ranked(EVENTS_RE).values():
         per_file = absorbed = 0  # absorbed overflows have their own quota: a floor follows
         try:
-            with log.open("r", encoding="utf-8", errors="replace") as fh:
-                for n, line in enumerate(fh):
-                    if n >= _EVENT_SCAN_LIMIT or per_file >= 5:
-                        break
-                    try:
-                        event = json.loads(line)
-                    except ValueError:
-                        continue  # a torn last line of a killed rank
-                    if not isinstance(event, dict) or not _is_failure(event):
+            for event in json_lines(log, max_line=64 << 10, max_lines=_EVENT_SCAN_LIMIT):
+                if per_file >= 5:
+                    break
+                # a torn last line of a killed rank, or a line of another shape: skipped
+                if not isinstance(event, dict) or not _is_failure(event):
+                    continue
+                if _absorbed(event):
+                    absorbed += 1
+                    if absorbed > 5:
                         continue
-                    if _absorbed(event):
-                        absorbed += 1
-                        if absorbed > 5:
-                            continue
-                    else:
-                        per_file += 1
-                    found.append(_from_event(event))
-        except OSError:
+                else:
+                    per_file += 1
+                found.append(_from_event(event))
+        except OSError:  # unreadable (or not a regular file): its failures are not known
             continue
     return found
 
@@ -63,6 +61,8 @@ def _absorbed(event: dict[str, Any]) -> bool:
 
 def _is_failure(event: dict[str, Any]) -> bool:
     kind = event.get("kind")
+    if not isinstance(kind, str):
+        return False
     if kind == "loss_scale_floor":  # the floor policy or DeepSpeed stopped the run
         return event.get("action") == "raise" or event.get("source") == "deepspeed"
     if kind in FAILURE_EVENT_KINDS:
@@ -73,11 +73,21 @@ def _is_failure(event: dict[str, Any]) -> bool:
     return False
 
 
+def _scalar(value: Any) -> Any:
+    """A value from a job's file as the job record keeps it: a number, a short string, or
+    None (a nested value of another shape is dropped, never stored or compared)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return value[:500]
+    return None
+
+
 def _from_event(event: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"source": "event_log"}
     for key in ("ts", "rank", "step", "kind"):
-        out[key] = event.get(key)
-    sig = event.get("signal", event.get("signum"))
+        out[key] = _scalar(event.get(key))
+    sig = _scalar(event.get("signal", event.get("signum")))
     if isinstance(sig, str):
         try:
             sig = int(signal.Signals[sig if sig.startswith("SIG") else f"SIG{sig}"])
@@ -88,7 +98,7 @@ def _from_event(event: dict[str, Any]) -> dict[str, Any]:
     for key in ("param", "origin", "nonfinite", "exc_type", "message", "code", "exit_code",
                 "skipped_by"):
         if key in event:
-            out[key] = event[key]
+            out[key] = _scalar(event[key])
     return out
 
 
