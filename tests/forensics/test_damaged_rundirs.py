@@ -1,6 +1,7 @@
 """Every reader on damaged copies of one real crashed run (2 ranks, gloo, a NaN on rank 1 at
-step 4, checkpoints every 8 steps, rank 0 killed by SIGSEGV at step 25): truncated at seeded
-offsets, bytes flipped, garbage, empty, not UTF-8, another JSON shape, a future format, missing.
+step 4, checkpoints every 8 steps, rank 1 closed at step 25, then rank 0 killed by SIGSEGV;
+``damage.crashed_run``): truncated at seeded offsets, bytes flipped, garbage, empty, not UTF-8,
+another JSON shape, a future format, missing.
 
 For each case: no traceback (the CLI runs in-process, so any exception fails the test), the
 damaged file named when a reader can tell, never reported for a file that is merely absent, and
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from ddpmon.cli import main
-from tests.support.damage import FileKind, Mutation, apply, copy_run, mutations, run_demo
+from tests.support import damage
+from tests.support.damage import FileKind, Mutation, apply, copy_run, mutations
 
 pytest.importorskip("pyarrow")
 
@@ -43,12 +45,7 @@ REPORTED = ("garbage",)
 
 @pytest.fixture(scope="session")
 def crashed_run(tmp_path_factory) -> Path:
-    run, done = run_demo(tmp_path_factory.mktemp("damaged"), "crashed", "--steps", "30",
-                         "--step-delay", "0.05", "--checkpoint-every", "8",
-                         "--inject", "nan@rank1:step4", "--inject", "segv@rank0:step25")
-    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
-    crash = (run / "crash.rank0.txt").read_text(errors="replace")
-    assert "Segmentation fault" in crash, "the injected SIGSEGV did not happen"
+    run = damage.crashed_run(tmp_path_factory.mktemp("damaged"))
     for kind in KINDS:
         assert (run / kind.path).exists(), f"the demo no longer leaves {kind.path}"
     return run

@@ -14,13 +14,13 @@ import json
 import os
 import random
 import shutil
-import subprocess
-import sys
+import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.ports import free_port_pair
+from tests.support.demo import DemoRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,15 +45,38 @@ class Mutation:
     nothing wrong (False)?"""
 
 
-def run_demo(run_dir: Path, run_id: str, *args: str) -> tuple[Path, subprocess.CompletedProcess]:
-    """One ``ddpmon demo`` (2 CPU ranks, gloo) into ``run_dir/run_id`` and how it ended (a run
-    with injected faults fails, which is the point: the caller checks that it did)."""
-    cmd = [sys.executable, "-m", "ddpmon.cli", "demo", "--nproc", "2", "--global-batch", "8",
-           "--seed", "0", "--port", str(free_port_pair()), "--run-dir", str(run_dir),
-           "--run-id", run_id, "--sd-dir", "none", "--no-progress", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "COLUMNS": "200"})
-    return run_dir / run_id, done
+def crashed_run(workdir: Path, run_id: str = "crashed") -> Path:
+    """A real 2-rank ``ddpmon demo`` run dir with every kind of file, the same on every
+    machine whatever its load: a NaN on rank 1 at step 4 (evidence), checkpoints every 8 steps,
+    rank 1 closing cleanly at step 25 (summary, sealed history) while rank 0 waits there, then
+    rank 0 killed by SIGSEGV (crash dump, history journal).
+
+    Rank 1 closes before the crash, on purpose: had rank 0 crashed first, torchrun would
+    SIGTERM rank 1 half a second later, and under load that lands before rank 1's own close
+    (no summary, an unsealed history), which is a real run's outcome too but not the one these
+    tests need. So the SIGSEGV is sent once rank 1's summary is on disk."""
+    demo = DemoRun(
+        workdir=workdir, sd_dir=workdir / "sd", steps=30, step_delay=0.05, run_id=run_id,
+        injects=["nan@rank1:step4", "hang@rank0:step25", "exit@rank1:step25:code=0"],
+        linger=0, extra=["--global-batch", "8", "--seed", "0", "--checkpoint-every", "8"],
+    )
+    with demo:
+        deadline = time.monotonic() + 180
+        while not (demo.run_path / "summary.rank1.json").exists():
+            demo.track()
+            if time.monotonic() > deadline or demo.proc.poll() is not None:
+                raise AssertionError(f"rank 1 never closed: {demo.log_tail()}")
+            time.sleep(0.1)
+        while (demo.progress_step(0) or 0) < 24 or 0 not in demo.rank_pids():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"rank 0 never reached step 25: {demo.log_tail()}")
+            time.sleep(0.1)
+        os.kill(demo.rank_pids()[0], signal.SIGSEGV)
+        code = demo.wait(timeout=120)
+    assert code != 0, demo.log_tail()
+    crash = (demo.run_path / "crash.rank0.txt").read_text(errors="replace")
+    assert "Segmentation fault" in crash, f"no SIGSEGV dump of rank 0: {demo.log_tail()}"
+    return demo.run_path
 
 
 def copy_run(src: Path, dst: Path) -> Path:

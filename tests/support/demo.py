@@ -41,6 +41,8 @@ class DemoRun:
     env: dict[str, str] = field(default_factory=dict)
     linger: float | None = None
     """The ranks' linger_seconds (``ddpmon demo --linger``); None: the demo's default."""
+    extra: list[str] = field(default_factory=list)
+    """More ``ddpmon demo`` options (``--checkpoint-every 8`` ...)."""
 
     def __post_init__(self) -> None:
         self.workdir = Path(self.workdir)
@@ -85,7 +87,7 @@ class DemoRun:
             cmd += ["--inject", spec]
         if self.linger is not None:
             cmd += ["--linger", str(self.linger)]
-        return cmd
+        return cmd + list(self.extra)
 
     def start(self) -> DemoRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
