@@ -8,5 +8,7 @@ from collections.abc import Iterable
 
 
 def print_damage(command: str, lines: Iterable[str]) -> None:
-    for line in lines:
-        print(f"ddpmon {command}: warning: {line}", file=sys.stderr)
+    from ddpmon.terminal import clean_line
+
+    for line in lines:  # names and problems come from the run dir: never raw control codes
+        print(f"ddpmon {command}: warning: {clean_line(line)}", file=sys.stderr)

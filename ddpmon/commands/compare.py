@@ -61,16 +61,17 @@ def run(args: argparse.Namespace) -> int:
 
 def render(c) -> None:
     from rich import box
-    from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
+
+    from ddpmon.terminal import SafeConsole as Console
+    from ddpmon.terminal import shown as escape  # markup-escaped and control codes spelled out
 
     from ._damage import print_damage
 
     console = Console(highlight=False)
     fa, fb = c.facts["a"], c.facts["b"]
-    console.print(f"[bold]A[/bold] {escape(str(c.run_a))}  ({_facts(fa)})")
-    console.print(f"[bold]B[/bold] {escape(str(c.run_b))}  ({_facts(fb)})")
+    console.print(f"[bold]A[/bold] {escape(str(c.run_a))}  ({escape(_facts(fa))})")
+    console.print(f"[bold]B[/bold] {escape(str(c.run_b))}  ({escape(_facts(fb))})")
     console.print(escape(c.basis_line()))
     damaged = set(c.damage_lines())
     for w in c.warnings:

@@ -153,7 +153,7 @@ def scrape(client: ScrapeClient, port: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    from ddpmon.terminal import SafeConsole as Console
 
     from ..demo.faults import Fault, FaultSpecError
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..terminal import shown
+
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "LOST"}
 STATE_STYLE = {
     "PENDING": "yellow",
@@ -109,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     import httpx
-    from rich.console import Console
+
+    from ddpmon.terminal import SafeConsole as Console
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -143,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         ) as client:
             return _dispatch(args, client, console, err)
     except httpx.TransportError as exc:
-        err.print(f"[red]cannot reach the ddpmon daemon at {url}: {exc}[/]")
+        err.print(f"[red]cannot reach the ddpmon daemon at {shown(url)}: {shown(exc)}[/]")
         return 3
 
 
@@ -184,7 +187,8 @@ def _check(resp: Any, err: Any) -> dict[str, Any] | None:
     except ValueError:
         body = {"error": resp.text}
     if resp.status_code >= 400:
-        err.print(f"[red]HTTP {resp.status_code}: {body.get('error', body)}[/]")
+        error = body.get("error", body) if isinstance(body, dict) else body
+        err.print(f"[red]HTTP {resp.status_code}: {shown(error)}[/]")
         return None
     return body
 
@@ -266,13 +270,13 @@ def _list_table(jobs: list[dict[str, Any]]) -> Any:
         style = STATE_STYLE.get(j["state"], "")
         step = j.get("summary", {}).get("max_step")
         table.add_row(
-            j["id"],
-            f"[{style}]{j['state']}[/]",
-            j["entrypoint"],
-            str(j["nproc"]),
+            shown(j["id"]),
+            f"[{style}]{shown(j['state'])}[/]",
+            shown(j["entrypoint"]),
+            shown(j["nproc"]),
             _when(j["created_at"]),
-            "-" if step is None else str(int(step)),
-            j.get("reason") or "",
+            "-" if step is None else shown(int(step)),
+            shown(j.get("reason") or ""),
         )
     return table
 
@@ -281,15 +285,17 @@ def _print_job(console: Any, job: dict[str, Any]) -> None:
     from rich.table import Table
 
     style = STATE_STYLE.get(job["state"], "")
-    console.print(f"[bold]{job['id']}[/]  [{style}]{job['state']}[/]  {job.get('reason') or ''}")
     console.print(
-        f"entrypoint {job['entrypoint']} x{job['nproc']}  args {' '.join(job['args']) or '-'}"
+        f"[bold]{shown(job['id'])}[/]  [{style}]{shown(job['state'])}[/]  "
+        f"{shown(job.get('reason') or '')}"
     )
+    args = " ".join(shown(a) for a in job["args"]) or "-"
+    console.print(f"entrypoint {shown(job['entrypoint'])} x{shown(job['nproc'])}  args {args}")
     console.print(
         f"created {_when(job['created_at'])}  started {_when(job['started_at'])}  "
-        f"ended {_when(job['ended_at'])}  ports {job['ports']}"
+        f"ended {_when(job['ended_at'])}  ports {shown(job['ports'])}"
     )
-    console.print(f"run dir {job['run_path']}  logs {job['job_dir']}/logs")
+    console.print(f"run dir {shown(job['run_path'])}  logs {shown(job['job_dir'])}/logs")
     first = job.get("first_failure")
     if first:
         what = (
@@ -299,8 +305,8 @@ def _print_job(console: Any, job: dict[str, Any]) -> None:
         )
         step = f" at step {first['step']}" if first.get("step") is not None else ""
         console.print(
-            f"[red]first failure: rank {first.get('rank')} {what}{step} "
-            f"(from {first.get('source')})[/]"
+            f"[red]first failure: rank {shown(first.get('rank'))} {shown(what)}{shown(step)} "
+            f"(from {shown(first.get('source'))})[/]"
         )
     summary_ranks = job.get("summary", {}).get("ranks", {})
     ranks = sorted(set(job.get("ranks", {})) | set(summary_ranks), key=int)
@@ -319,8 +325,8 @@ def _print_job(console: Any, job: dict[str, Any]) -> None:
         else:
             exit_text = st.get("note", "-") if st else "-"
         table.add_row(
-            r,
-            exit_text,
+            shown(r),
+            shown(exit_text),
             _fmt(sm.get("step")),
             _fmt(sm.get("loss")),
             _fmt(sm.get("grad_norm")),
@@ -336,4 +342,4 @@ def _fmt(value: Any) -> str:
         return "-"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else shown(value)

@@ -30,17 +30,19 @@ def run(args: argparse.Namespace) -> int:
     from ddpmon.forensics.run_facts import load_manifest
     from ddpmon.forensics.timeline import RunDirError, resolve_run_path
     from ddpmon.rundir import RunDir
+    from ddpmon.safe_read import MAX_DOCUMENT_BYTES, open_regular
+    from ddpmon.terminal import clean, clean_line
 
     from ._damage import print_damage
 
     try:
         run_path = resolve_run_path(args.run_dir)
     except RunDirError as exc:
-        print(f"ddpmon manifest: {exc}", file=sys.stderr)
+        print(f"ddpmon manifest: {clean_line(exc)}", file=sys.stderr)
         return 2
     path = RunDir(run_path).manifest()
     if not path.exists():
-        print(f"ddpmon manifest: {path} does not exist (rank 0 writes it at attach)",
+        print(f"ddpmon manifest: {clean_line(path)} does not exist (rank 0 writes it at attach)",
               file=sys.stderr)
         return 2
     damage = ReadWarnings(run_path)
@@ -49,23 +51,25 @@ def run(args: argparse.Namespace) -> int:
     print_damage("manifest", damage.lines())
     if not args.check:
         try:  # shown as it is, damaged or not: what is readable is still worth reading
-            print(path.read_bytes().decode("utf-8", errors="replace").rstrip())
+            with open_regular(path) as fh:  # a FIFO or device in its place never blocks
+                text = fh.read(MAX_DOCUMENT_BYTES).decode("utf-8", errors="replace")
+            print(clean(text.rstrip()))
         except OSError:
             pass
         return 0 if data is not None else 2
     if data is None:
-        print(f"{path}: unreadable, so no checklist item can be confirmed "
+        print(f"{clean_line(path)}: unreadable, so no checklist item can be confirmed "
               f"({len(CHECKLIST)} of {len(CHECKLIST)} unconfirmed)")
         return 2
     missing = check_manifest(run_path)
     na = data.get("not_applicable")
     na = na if isinstance(na, dict) else {}
     if missing:
-        print(f"{path}: {len(missing)} of {len(CHECKLIST)} checklist items missing:")
+        print(f"{clean_line(path)}: {len(missing)} of {len(CHECKLIST)} checklist items missing:")
         for item in missing:
-            print(f"  missing: {item}")
+            print(f"  missing: {clean_line(item)}")
     else:
-        print(f"{path}: all {len(CHECKLIST)} checklist items recorded")
+        print(f"{clean_line(path)}: all {len(CHECKLIST)} checklist items recorded")
     for item, why in sorted(na.items()):
-        print(f"  n/a: {item} ({why})")
+        print(f"  n/a: {clean_line(item)} ({clean_line(why)})")
     return 1 if missing else 0

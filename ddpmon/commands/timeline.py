@@ -27,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddpmon.forensics.timeline import RunDirError, build_timeline
+    from ddpmon.terminal import clean_line
 
     try:
         tl = build_timeline(args.run_dir)
@@ -35,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"error": str(exc), "warnings": exc.damage.lines(),
                               "damaged": exc.damage.to_json()}))
         else:
-            print(f"ddpmon timeline: {exc}", file=sys.stderr)
+            print(f"ddpmon timeline: {clean_line(exc)}", file=sys.stderr)
         return 2
     from ._damage import print_damage
 
@@ -50,33 +51,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(tl, show_steps: bool) -> None:
-    from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
 
     from ddpmon.forensics.timeline import describe
+    from ddpmon.terminal import SafeConsole as Console
+    from ddpmon.terminal import shown
 
     console = Console(highlight=False)
     offsets = ", ".join(
         f"r{r} {v['clock_offset_seconds']:+.6f}s" for r, v in sorted(tl.ranks.items())
     )
-    console.print(f"[bold]Run[/bold] {tl.run_path}  ranks seen: {len(tl.ranks)}"
+    console.print(f"[bold]Run[/bold] {shown(tl.run_path)}  ranks seen: {len(tl.ranks)}"
                   + (f" of {tl.world_size}" if tl.world_size else ""))
     console.print(f"clock offsets to rank 0: {offsets}")
     damaged = set(tl.damage.lines())  # already on stderr
     for w in tl.warnings:
         if w not in damaged:
-            console.print(f"[yellow]warning:[/yellow] {escape(w)}")
+            console.print(f"[yellow]warning:[/yellow] {shown(w)}")
     ff = tl.first_failure
     if ff:
         what = ff.get("param") or ff.get("signal") or ff.get("exc_type") or ff.get("detail") or ""
         console.print(
-            f"[bold red]First failure:[/bold red] rank {ff['rank']}, step {ff['step']}, "
-            f"{ff['kind']}" + (f" ({what})" if what else "")
-            + f" at +{ff['t_rel']:.3f}s " + escape(f"[{ff['class']}]")
+            f"[bold red]First failure:[/bold red] rank {shown(ff['rank'])}, "
+            f"step {shown(ff['step'])}, {shown(ff['kind'])}" + (f" ({shown(what)})" if what else "")
+            + f" at +{ff['t_rel']:.3f}s " + shown(f"[{ff['class']}]")
         )
         if ff.get("flight_recorder"):
-            enq = ", ".join(f"r{r} {n}" for r, n in sorted(ff["flight_recorder"].items()))
+            enq = shown(", ".join(f"r{r} {n}" for r, n in sorted(ff["flight_recorder"].items())))
             console.print(f"  collectives enqueued (flight recorder): {enq}; the rank behind "
                           "stopped issuing them, the others wait for it")
     else:
@@ -93,23 +94,25 @@ def _render(tl, show_steps: bool) -> None:
             hidden += 1
             continue
         style = "red" if e is first_event else None
-        table.add_row(f"{e['t_rel']:.3f}", str(e.get("attempt", 0)), str(e.get("rank")),
-                      str(e.get("step")), str(e.get("kind")), escape(describe(e)), style=style)
+        table.add_row(f"{e['t_rel']:.3f}", shown(e.get("attempt", 0)), shown(e.get("rank")),
+                      shown(e.get("step")), shown(e.get("kind")), shown(describe(e)), style=style)
     console.print(table)
     if hidden:
         console.print(f"({hidden} step events hidden; --steps shows them)")
     console.print("[bold]How each rank ended[/bold]")
     for rank, info in sorted(tl.ranks.items()):
         last = info.get("last_event") or {}
-        ev = f"; evidence: {', '.join(info['evidence'])}" if info.get("evidence") else ""
+        ev = f"; evidence: {shown(', '.join(info['evidence']))}" if info.get("evidence") else ""
         console.print(
-            f"  rank {rank}: {info['ended']}; last event {last.get('kind')} at step "
-            f"{last.get('step')} (+{last.get('t_rel', 0):.3f}s){ev}"
+            f"  rank {shown(rank)}: {shown(info['ended'])}; last event {shown(last.get('kind'))} "
+            f"at step {shown(last.get('step'))} (+{last.get('t_rel', 0):.3f}s){ev}"
         )
 
 
 def _render_recovery(console, rec: dict) -> None:
     """Attempts on the one clock, the last good checkpoint and what a restart from it costs."""
+    from ddpmon.terminal import shown
+
     attempts = rec.get("attempts") or []
     if len(attempts) > 1 or any(a.get("resumed_from") for a in attempts):
         console.print(f"[bold]Attempts[/bold] ({len(attempts)}, one clock):")
@@ -118,20 +121,21 @@ def _render_recovery(console, rec: dict) -> None:
             how = "fresh start"
             if resumed:
                 at = "an unstated step" if resumed["step"] is None else f"step {resumed['step']}"
-                how = f"resumed from {at} ({resumed.get('path')})"
+                how = f"resumed from {shown(at)} ({shown(resumed.get('path'))})"
                 if resumed.get("missing"):
-                    how += "; NOT restored: " + ", ".join(resumed["missing"])
+                    how += "; NOT restored: " + shown(", ".join(resumed["missing"]))
             console.print(
                 f"  attempt {a['attempt']}: +{a['t_rel_start']:.3f}s to +{a['t_rel_end']:.3f}s, "
-                f"{how}, last step {a.get('last_step')}"
+                f"{how}, last step {shown(a.get('last_step'))}"
             )
     if "last_good_checkpoint" not in rec:
         return
     good, lost = rec.get("last_good_checkpoint"), rec.get("steps_lost")
     if good:
         console.print(
-            f"[bold]Last good checkpoint[/bold] before the first failure: step {good['step']} "
-            f"({good.get('path')}, attempt {good['attempt']}); a restart from it loses "
+            f"[bold]Last good checkpoint[/bold] before the first failure: step "
+            f"{shown(good['step'])} ({shown(good.get('path'))}, attempt {shown(good['attempt'])});"
+            " a restart from it loses "
             f"{lost if lost is not None else '?'} step(s)"
         )
     else:
@@ -143,10 +147,10 @@ def _render_recovery(console, rec: dict) -> None:
     if restarted:
         resumed = restarted.get("resumed_from")
         where = f"resumed from step {resumed['step']}" if resumed else "started from scratch"
-        console.print(f"  restarted as attempt {restarted['attempt']}: {where}")
+        console.print(f"  restarted as attempt {shown(restarted['attempt'])}: {shown(where)}")
         if resumed and resumed.get("missing"):
             console.print(
-                "  [yellow]state not restored:[/yellow] " + ", ".join(resumed["missing"])
+                "  [yellow]state not restored:[/yellow] " + shown(", ".join(resumed["missing"]))
                 + " (the resumed run can differ from an uninterrupted one)"
             )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from .. import metrics
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, read_sd_dir
 from ..forensics.damage import ReadWarnings
+from ..terminal import clean_line, shown
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -211,7 +212,7 @@ def _table(results: Results, previous: dict, dt: float):
     rows = []
     for target, m in results.items():
         if m is None:
-            rows.append((float("inf"), [f"[red]{target} down", *[""] * (len(COLUMNS) - 1)]))
+            rows.append((float("inf"), [f"[red]{shown(target)} down", *[""] * (len(COLUMNS) - 1)]))
             continue
         cells = [col.cell(m, previous.get(target), dt) for col in COLUMNS]
         rows.append((m.get("rank", float("inf")), cells))
@@ -221,8 +222,7 @@ def _table(results: Results, previous: dict, dt: float):
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.markup import escape
+    from ddpmon.terminal import SafeConsole as Console
 
     console = Console()
     try:
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
         results, errors = _collect(client, targets, args.timeout)
         now = time.monotonic()
         for line in damage.lines():
-            print(f"ddpmon top: warning: {args.sd_dir}/{line}", file=sys.stderr)
+            print(f"ddpmon top: warning: {clean_line(f'{args.sd_dir}/{line}')}", file=sys.stderr)
         if args.json:
             doc = {"ts": time.time(), "ranks": {t: _json_samples(m) for t, m in results.items()},
                    "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json()}
@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
                 console.clear()
             console.print(_table(results, previous, now - last))
             for _target, message in sorted(errors.items()):
-                console.print(f"[red]{escape(message)}", soft_wrap=True)
+                console.print(f"[red]{shown(message)}", soft_wrap=True)
         previous = {t: m for t, m in results.items() if m is not None}
         last = now
         if args.once:
