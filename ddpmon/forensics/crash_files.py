@@ -6,10 +6,12 @@ SIGTERM) are written where no Python code can run; the file's mtime times the ev
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
 
+from ..safe_read import open_regular
 from .damage import ReadWarnings
 
 SIGNALS = {
@@ -67,14 +69,22 @@ def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
             "detail": "terminated (SIGTERM, usually the launcher stopping survivors)"}
 
 
+CRASH_FILE_BYTES = 4 << 20
+"""Read at most this much of a crash or SIGTERM dump (faulthandler writes a few KB)."""
+
+
 def _read(path: Path, damage: ReadWarnings) -> tuple[str, float] | None:
     """Text (bytes that are not UTF-8 replaced, and said so) and mtime of a crash file."""
     try:
-        raw = path.read_bytes()
-        mtime = path.stat().st_mtime
+        with open_regular(path) as fh:  # a FIFO in its place is damage, not a hang
+            raw = fh.read(CRASH_FILE_BYTES + 1)
+            mtime = os.fstat(fh.fileno()).st_mtime
     except OSError as exc:
         damage.add(path, f"unreadable ({exc.strerror or exc})", "skipped")
         return None
+    if len(raw) > CRASH_FILE_BYTES:  # a stack dump is kilobytes: keep its head
+        damage.add(path, f"over {CRASH_FILE_BYTES} bytes", "its first part used")
+        raw = raw[:CRASH_FILE_BYTES]
     text = raw.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
     if bad:

@@ -15,10 +15,12 @@ unreadable is, and is never reported as missing.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..safe_read import MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, open_regular, parse_json
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +96,15 @@ def read_json(
     shape) or None when it is usable."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with open_regular(path) as fh:  # a FIFO or device in its place is damage, not a hang
+            raw = fh.read(MAX_DOCUMENT_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as exc:
         damage.add(path, f"unreadable ({exc.strerror or exc})", kept)
+        return None
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        damage.add(path, f"over {MAX_DOCUMENT_BYTES} bytes, not read", kept)
         return None
     data, problem = parse_json_object(raw)
     if problem is None and data is not None and check is not None:
@@ -126,6 +132,8 @@ def parse_json_object(raw: bytes) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
     except ValueError as exc:  # e.g. a number too large to convert
         return None, f"not JSON ({exc})"
+    except RecursionError:
+        return None, "not JSON (nested too deeply)"
     if not isinstance(data, dict):
         return None, f"a JSON {type_name(data)}, not the object expected"
     return data, None
@@ -141,7 +149,7 @@ def read_json_lines(
     log opened before its first line); the caller knows when it is."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        fh = open_regular(path)  # a FIFO or device in its place is damage, not a hang
     except FileNotFoundError:
         return []
     except OSError as exc:
@@ -149,26 +157,49 @@ def read_json_lines(
         return []
     out: list[dict[str, Any]] = []
     bad = total = 0
-    last_bad = False
-    for line in raw.splitlines():
-        if not line.strip():
-            continue
-        total += 1
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            obj = None
-        if obj is not None and valid(obj):
-            out.append(obj)
-            last_bad = False
-        else:
-            bad += 1
-            last_bad = True
+    last_bad = ended = False
+    with fh:
+        for line, newline in _bounded_lines(fh):
+            ended = newline  # of the last line read: a torn last line has none
+            if not line.strip():
+                continue
+            total += 1
+            try:
+                obj = parse_json(line) if line is not _TOO_LONG else None
+            except ValueError:
+                obj = None
+            if obj is not None and valid(obj):
+                out.append(obj)
+                last_bad = False
+            else:
+                bad += 1
+                last_bad = True
     if bad:
-        torn = " (the last one torn)" if last_bad and bad == 1 and not raw.endswith(b"\n") else ""
+        torn = " (the last one torn)" if last_bad and bad == 1 and not ended else ""
         damage.add(path, f"{bad} of {total} lines unreadable{torn}",
                    f"using {len(out)} line(s)")
     return out
+
+
+_TOO_LONG = b"\0 line over the limit"
+"""Stands in for a line longer than ``MAX_LINE_BYTES`` (dropped as it is read)."""
+
+
+def _bounded_lines(fh) -> Iterator[tuple[bytes, bool]]:
+    """``(line, ends with a newline)`` of a binary file, each line read up to
+    ``MAX_LINE_BYTES``; a longer one is consumed without being held and yields ``_TOO_LONG``."""
+    while True:
+        line = fh.readline(MAX_LINE_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+            while True:
+                rest = fh.readline(MAX_LINE_BYTES)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield _TOO_LONG, bool(rest)
+            continue
+        yield line, line.endswith(b"\n")
 
 
 def check_version(

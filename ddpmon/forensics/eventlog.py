@@ -107,25 +107,21 @@ class EventLog:
 
 
 def read_events(path: Path | str) -> tuple[list[dict[str, Any]], int]:
-    """Events of one file and the number of unreadable lines (a torn last line, garbage)."""
+    """Events of one file and the number of unreadable lines (a torn last line, garbage, a
+    line nested too deeply or over ``safe_read.MAX_LINE_BYTES``); a file that cannot be opened
+    (or is not a regular file) has none."""
+    from ..safe_read import BadLine, json_lines
+
     events: list[dict[str, Any]] = []
     bad = 0
     try:
-        raw = Path(path).read_bytes()
+        for obj in json_lines(path):
+            if isinstance(obj, dict) and not isinstance(obj, BadLine) and "kind" in obj:
+                events.append(obj)
+            else:
+                bad += 1
     except OSError:
-        return events, 0
-    for line in raw.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            bad += 1
-            continue
-        if isinstance(obj, dict) and "kind" in obj:
-            events.append(obj)
-        else:
-            bad += 1
+        return events, bad
     return events, bad
 
 

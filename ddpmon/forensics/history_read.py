@@ -13,6 +13,7 @@ from typing import Any
 
 from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
 from ..rundir import history_journal_of as journal_path
+from ..safe_read import open_regular
 from .damage import ReadWarnings
 from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS
 
@@ -178,7 +179,8 @@ def scan_streams(path: Path) -> StreamRead:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    raw = path.read_bytes()
+    with open_regular(path) as fh:  # a FIFO in its place raises (damage), never hangs
+        raw = fh.read()
     data = pa.BufferReader(pa.py_buffer(raw))
     batches, first_schema, schema, torn = [], None, None, False
     good = start = 0
