@@ -24,6 +24,8 @@ REASONS = {
     503: "Service Unavailable",
     505: "HTTP Version Not Supported",
 }
+_SINGLE = frozenset({"content-length", "transfer-encoding", "host", "authorization"})
+"""Header fields a request may carry once (or repeated with the same value)."""
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
@@ -102,11 +104,16 @@ def parse_request_head(buf: bytearray, lim: Limits) -> Request | None:
         text = value.strip(b" \t").decode("latin-1")  # latin-1 decodes any byte
         if any(ch in text for ch in "\r\n\x00"):
             raise HttpError(400)
-        headers[name.decode("ascii").lower()] = text
+        key = name.decode("ascii").lower()
+        if key in _SINGLE and key in headers and headers[key] != text:
+            # Two framing or credential headers that disagree: which one a proxy in front
+            # believed is unknowable (request smuggling), so neither is (RFC 9112 6.3).
+            raise HttpError(400)
+        headers[key] = text
     length = headers.get("content-length", "0").strip()
     if "transfer-encoding" in headers:
         raise HttpError(413)
-    if not length.isdigit():
+    if not (length.isascii() and length.isdigit()):  # str.isdigit() takes "²" and "١"
         raise HttpError(400)
     if int(length) > 0:
         raise HttpError(413)

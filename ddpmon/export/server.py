@@ -179,6 +179,10 @@ class MetricsServer:
         except HttpError as exc:
             self._error(conn, exc.code)
             return
+        except Exception:  # a parser bug costs this request a 400, never the answer
+            log.exception("ddpmon: request head parser failed")
+            self._error(conn, 400)
+            return
         if request is None:
             return  # incomplete: wait for more bytes (within the deadline)
         self.stats["requests"] += 1
