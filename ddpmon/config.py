@@ -65,7 +65,8 @@ class Config:
     sd_dir: str | None = None
     """If set, write a Prometheus file_sd target file for this rank into this directory."""
     daemon_url: str | None = None
-    """If set, register this rank with a ``ddpmon daemon`` for http_sd discovery."""
+    """If set, register this rank with a ``ddpmon daemon`` for http_sd discovery: its URL (the
+    daemon names its agent socket in its answer) or ``unix:PATH`` of that socket."""
     data_check_interval: int = 10
     """Every N steps, compare a fingerprint of each rank's local gradients across ranks (one
     tiny async all-gather) to catch duplicated data shards; 0 turns it off."""

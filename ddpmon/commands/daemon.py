@@ -17,6 +17,17 @@ def default_state_dir() -> Path:
     return Path(base) / "ddpmon"
 
 
+def _private_dir(path: Path) -> None:
+    """The state dir holds the token, the job database and every job's files: the daemon's user
+    only. An existing dir that others can read is tightened, and said so."""
+    import stat
+
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077 and path.stat().st_uid == os.geteuid():
+        os.chmod(path, 0o700)
+        log.warning("ddpmon daemon: state dir %s was mode %o; now 700", path, mode)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from ..config import DEFAULT_PORT
 
@@ -50,9 +61,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE",
         help="exporter-toolkit web config (the agents' format): TLS, mTLS and basic auth for "
-        "every route; job routes also take the bearer token, rank registration stays "
-        "same-host only. With TLS on a node address, agents register over plain HTTP on "
-        "127.0.0.1 at the same port",
+        "every route; job routes also take the bearer token. Ranks register on the agent "
+        "socket, which needs neither",
+    )
+    p.add_argument(
+        "--agent-socket",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the Unix socket on which ranks register; the daemon reads each caller's PID from "
+        "it (SO_PEERCRED), so a rank can register only itself (default: STATE_DIR/agent.sock; "
+        "put it outside the 0700 state dir for ranks of other users)",
     )
     p.add_argument(
         "--allowed-host",
@@ -68,6 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from ..daemon.agent_socket import SOCKET_NAME, AgentSocketError
         from ..daemon.app import create_app
         from ..daemon.hostcheck import host_names
         from ..daemon.jobs import JobManager
@@ -100,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddpmon daemon: {exc}", file=sys.stderr)
             return 2
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _private_dir(state_dir)
     token_file = args.token_file or state_dir / "token"
     try:
         token = load_or_create(token_file)
@@ -110,22 +131,19 @@ def run(args: argparse.Namespace) -> int:
     wildcard = args.bind in ("0.0.0.0", "::", "")
     host = "127.0.0.1" if wildcard else args.bind
     tls = web is not None and web.ssl_context is not None
-    extra: list[tuple[str, int]] = []
-    if tls and not wildcard and host not in ("127.0.0.1", "::1", "localhost"):
-        # Agents hold no scrape credentials and may not trust the CA: they register over
-        # plain HTTP on this node's loopback, which serves registration only.
-        extra.append(("127.0.0.1", args.port))
-        host = "127.0.0.1"
     url_host = f"[{host}]" if ":" in host else host
-    scheme = "https" if tls and not extra else "http"
-    daemon_url = f"{scheme}://{url_host}:{args.port}"
+    daemon_url = f"{'https' if tls else 'http'}://{url_host}:{args.port}"
+    agent_socket = (args.agent_socket or state_dir / SOCKET_NAME).absolute()
     try:
         store = Store(state_dir / "ddpmon.sqlite3")
     except StoreError as exc:
         print(f"ddpmon daemon: {exc}", file=sys.stderr)
         return 2
-    jobs = JobManager(store, settings, state_dir, daemon_url=daemon_url)
-    ranks = RankRegistry(store)
+    jobs = JobManager(
+        store, settings, state_dir, daemon_url=daemon_url, agent_socket=str(agent_socket)
+    )
+    names = host_names(args.bind, args.node, args.allowed_host)
+    ranks = RankRegistry(store, names)
     collector = NodeCollector(
         node=args.node or socket.gethostname(),
         nvml=NvmlSource(),
@@ -134,24 +152,27 @@ def run(args: argparse.Namespace) -> int:
         disk_paths=("/", str(state_dir)),
     )
     app = create_app(jobs=jobs, ranks=ranks, registry=build_registry(collector), token=token)
-    names = host_names(args.bind, args.node, args.allowed_host)
     server = DaemonServer(
-        app, bind=args.bind, port=args.port, token=token, web_config=web, extra_listeners=extra,
-        host_names=names,
+        app, bind=args.bind, port=args.port, token=token, web_config=web,
+        agent_socket=agent_socket, host_names=names,
     )
     jobs.start()
     log.info(
-        "ddpmon daemon on %s://%s:%d (agents: %s; state %s, token file %s, entry points: %s)",
+        "ddpmon daemon on %s://%s:%d (agent socket %s; state %s, token file %s, "
+        "entry points: %s)",
         "https" if tls else "http",
         args.bind,
         args.port,
-        daemon_url,
+        agent_socket,
         state_dir,
         token_file,
         ", ".join(sorted(settings.entrypoints)),
     )
     try:
         server.run()
+    except AgentSocketError as exc:
+        print(f"ddpmon daemon: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"ddpmon daemon: cannot listen on {args.bind}:{args.port}: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ Errors are JSON ``{"error": ..., "status": ...}`` with 400/401/403/404/409.
 
 
 import hmac
+import os
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -27,14 +28,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
+from ..safe_read import Unreadable, open_regular
+from .agent_socket import Peer
 from .jobs import DuplicateJobError, JobError, JobManager, JobNotFound, JobStateConflict
-from .ranks import RankRegistry
+from .ranks import RankRegistry, RegistrationRefused
 from .store import JOB_STATES, StoreError
 
 JOB_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 LABEL_PATTERN = r"^[^/\\\x00-\x1f]{1,128}$"
 HOST_PATTERN = r"^[A-Za-z0-9.:\[\]-]{1,253}$"
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 class ErrorBody(BaseModel):
@@ -84,7 +86,9 @@ class RankRegistration(BaseModel):
     local_rank: int = Field(default=0, ge=0, le=1_000_000)
     world_size: int | None = Field(default=None, ge=1, le=1_000_000)
     node: str = Field(default="", max_length=253)
-    pid: int = Field(ge=1, le=2**31 - 1)
+    pid: int | None = Field(
+        default=None, ge=1, le=2**31 - 1, description="The caller's own PID (default: it)."
+    )
     port: int = Field(ge=1, le=65535)
     host: str = Field(default="127.0.0.1", pattern=HOST_PATTERN)
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
@@ -116,6 +120,11 @@ def create_app(
         title="ddpmon daemon",
         version=__version__,
         description="Node metrics, Prometheus discovery of live ranks, and job submission.",
+        # Swagger UI and ReDoc load their code from a CDN: an offline cluster cannot, and an
+        # operator does not expect the daemon to pull in a third party's scripts. The spec
+        # stays at /openapi.json for any viewer.
+        docs_url=None,
+        redoc_url=None,
     )
     bearer = HTTPBearer(auto_error=False)
 
@@ -128,12 +137,10 @@ def create_app(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    def require_loopback(request: Request) -> None:
-        host = request.client.host if request.client else ""
-        server = request.scope.get("server") or ("", 0)
-        same_host = bool(host) and host == str(server[0])
-        if host not in LOOPBACK and host != "testclient" and not same_host:
-            raise HTTPException(403, "rank registration is accepted from this node only")
+    def caller(request: Request) -> Peer | None:
+        """The calling process on the agent socket (``server.py`` sets it; None on TCP)."""
+        peer = request.scope.get("extensions", {}).get("ddpmon.peer")
+        return peer if isinstance(peer, Peer) else None
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -241,41 +248,48 @@ def create_app(
             job = jobs.get(job_id)
         except JobNotFound:
             raise HTTPException(404, f"no job {job_id!r}") from None
-        files = sorted(Path(job.job_dir, "logs").glob(f"*/attempt_*/{rank}/{stream}.log"))
+        logs_dir = Path(job.job_dir, "logs")
+        files = sorted(logs_dir.glob(f"*/attempt_*/{rank}/{stream}.log"))
         if not files:
             raise HTTPException(404, f"no {stream} log for rank {rank} of job {job_id!r}")
-        with files[-1].open("rb") as fh:
-            fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - tail_bytes))
-            data = fh.read()
+        try:
+            data = _tail(logs_dir, files[-1], tail_bytes)
+        except (OSError, Unreadable) as exc:
+            raise HTTPException(404, f"{stream} log for rank {rank}: {exc}") from None
         return PlainTextResponse(data.decode("utf-8", "replace"))
 
     @app.post(
         "/api/v1/ranks",
         status_code=201,
-        responses=_errors(400, 403),
-        dependencies=[Depends(require_loopback)],
+        responses=_errors(400, 403, 409),
         tags=["discovery"],
     )
-    def register(body: RankRegistration) -> dict[str, Any]:
-        """Called by an agent on start; its PID must be alive on this node."""
+    def register(body: RankRegistration, request: Request) -> dict[str, Any]:
+        """Called by an agent on start, over the agent socket: the PID must be the caller's
+        own, the host this node's, and no other live process may hold the same rank."""
         try:
-            ranks.register(body.model_dump())
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from None
+            ranks.register(body.model_dump(exclude_none=True), caller(request))
+        except RegistrationRefused as exc:
+            raise HTTPException(exc.status, str(exc)) from None
         return {"registered": True, "run": body.run, "rank": body.rank}
 
     @app.delete(
         "/api/v1/ranks/{run}/{rank}",
         responses=_errors(403, 404),
-        dependencies=[Depends(require_loopback)],
         tags=["discovery"],
     )
     def deregister(
         run: Annotated[str, FastPath(max_length=128)],
         rank: Annotated[int, FastPath(ge=0, le=1_000_000)],
+        request: Request,
     ) -> dict[str, Any]:
-        if not ranks.deregister(run, rank):
+        """Called by an agent on close, over the agent socket: only the entry's own process
+        (or anyone, once it died) removes it."""
+        try:
+            removed = ranks.deregister(run, rank, caller(request))
+        except RegistrationRefused as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        if not removed:
             raise HTTPException(404, f"rank {rank} of run {run!r} is not registered")
         return {"deregistered": True, "run": run, "rank": rank}
 
@@ -313,6 +327,19 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
     app.state.job_states = JOB_STATES
     return app
+
+
+def _tail(logs_dir: Path, path: Path, size: int) -> bytes:
+    """The last ``size`` bytes of a log the job wrote, if it is a regular file inside the job's
+    logs dir: the job owns that dir, and a link it planted there must not make the API read
+    another file (the daemon's token, another job's logs) for whoever may read logs."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(os.path.realpath(logs_dir)) or path.is_symlink():
+        raise Unreadable("a link out of the job's logs dir")
+    with open_regular(real) as fh:
+        fh.seek(0, 2)
+        fh.seek(max(0, fh.tell() - size))
+        return fh.read(size)
 
 
 def job_id_valid(job_id: str) -> bool:

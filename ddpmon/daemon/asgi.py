@@ -21,11 +21,17 @@ def asgi_scope(
     headers: list[tuple[bytes, bytes]],
     writer: asyncio.StreamWriter,
     tls: bool,
+    caller: Any = None,
 ) -> dict[str, Any]:
-    """The ASGI HTTP scope; ``client`` and ``server`` are the socket's real addresses (the
-    app's same-host check for rank registration compares them)."""
-    peer = writer.get_extra_info("peername") or ("", 0)
-    sock = writer.get_extra_info("sockname") or ("", 0)
+    """The ASGI HTTP scope; ``client`` and ``server`` are the socket's real addresses. On the
+    agent socket (a Unix socket, no addresses) ``caller`` is the calling process
+    (``agent_socket.Peer``), under ``extensions["ddpmon.peer"]``."""
+    if caller is not None:
+        client, server = None, None
+    else:
+        peer = writer.get_extra_info("peername") or ("", 0)
+        sock = writer.get_extra_info("sockname") or ("", 0)
+        client, server = (str(peer[0]), int(peer[1])), (str(sock[0]), int(sock[1]))
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -37,8 +43,9 @@ def asgi_scope(
         "query_string": query,
         "root_path": "",
         "headers": headers,
-        "client": (str(peer[0]), int(peer[1])),
-        "server": (str(sock[0]), int(sock[1])),
+        "client": client,
+        "server": server,
+        "extensions": {"ddpmon.peer": caller},
     }
 
 
@@ -92,12 +99,13 @@ def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 def json_error(
-    status: int, message: str, *, retry: bool = False
+    status: int, message: str, *, retry: bool = False, extra: dict[str, Any] | None = None
 ) -> Response:
     headers = [(b"content-type", b"application/json")]
     if retry:
         headers.append((b"retry-after", b"1"))
-    return status, headers, json.dumps({"error": message, "status": status}).encode()
+    doc = {"error": message, "status": status, **(extra or {})}
+    return status, headers, json.dumps(doc).encode()
 
 
 REASONS = {

@@ -6,6 +6,7 @@ break or slow down training. A failure is logged once per process (not once per 
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -19,6 +20,8 @@ log = logging.getLogger("ddpmon.daemon.client")
 
 TIMEOUT_SECONDS = 2.0
 _warned = threading.Event()
+_learned: dict[str, str] = {}
+"""daemon URL -> the agent socket its answer named."""
 
 __all__ = ["deregister_rank", "register_rank"]
 
@@ -36,13 +39,77 @@ def _payload(info: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _request(method: str, url: str, body: dict[str, Any] | None) -> None:
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over the daemon's agent socket."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=TIMEOUT_SECONDS)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        from .agent_socket import connect
+
+        self.sock = connect(self.socket_path, TIMEOUT_SECONDS)
+
+
+def _agent_socket(daemon_url: str) -> str | None:
+    """Where to register: ``unix:PATH`` as the URL, $DDPMON_DAEMON_SOCKET (set for the jobs the
+    daemon launches), or the path a daemon named in an earlier answer."""
+    if daemon_url.startswith("unix:"):
+        return daemon_url.removeprefix("unix:").removeprefix("//") or None
+    return os.environ.get("DDPMON_DAEMON_SOCKET") or _learned.get(daemon_url)
+
+
+def _over_socket(path: str, method: str, target: str, body: dict[str, Any] | None) -> None:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    with urllib.request.urlopen(req, timeout=TIMEOUT_SECONDS) as resp:
-        resp.read()
+    conn = _UnixConnection(path)
+    try:
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, target, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read(4096)
+        if resp.status >= 400:
+            raise _Refused(resp.status, text.decode("utf-8", "replace"))
+    finally:
+        conn.close()
+
+
+def _request(daemon_url: str, method: str, target: str, body: dict[str, Any] | None) -> None:
+    """One registration call: on the agent socket when it is known, else over HTTP once to learn
+    it (the daemon refuses registrations over TCP and names its socket)."""
+    path = _agent_socket(daemon_url)
+    if path is None:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(daemon_url.rstrip("/") + target, data=data, method=method)
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=TIMEOUT_SECONDS) as resp:
+                resp.read()
+            return
+        except urllib.error.HTTPError as exc:
+            path = _socket_named(exc)
+            if path is None:
+                raise
+            _learned[daemon_url] = path
+    _over_socket(path, method, target, body)
+
+
+def _socket_named(exc: urllib.error.HTTPError) -> str | None:
+    if exc.code != 403:
+        return None
+    try:
+        doc = json.loads(exc.read(4096))
+    except ValueError:
+        return None
+    path = doc.get("agent_socket") if isinstance(doc, dict) else None
+    return path if isinstance(path, str) and path else None
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text[:500]}")
+        self.status = status
 
 
 def _report(action: str, daemon_url: str, exc: BaseException) -> None:
@@ -60,9 +127,10 @@ def _report(action: str, daemon_url: str, exc: BaseException) -> None:
 
 
 def register_rank(daemon_url: str, info: dict[str, Any]) -> None:
-    """POST this rank (run, rank, local_rank, node, pid, port, host[, job_id]) for /sd."""
+    """POST this rank (run, rank, local_rank, node, pid, port, host[, job_id]) for /sd.
+    ``daemon_url`` is the daemon's HTTP URL or ``unix:PATH`` of its agent socket."""
     try:
-        _request("POST", daemon_url.rstrip("/") + "/api/v1/ranks", _payload(info))
+        _request(daemon_url, "POST", "/api/v1/ranks", _payload(info))
     except Exception as exc:
         _report("registration", daemon_url, exc)
 
@@ -71,10 +139,9 @@ def deregister_rank(daemon_url: str, info: dict[str, Any]) -> None:
     """DELETE this rank's registration; a daemon that no longer knows it is fine."""
     try:
         run = urllib.parse.quote(str(info["run"]), safe="")
-        url = f"{daemon_url.rstrip('/')}/api/v1/ranks/{run}/{int(info['rank'])}"
-        _request("DELETE", url, None)
-    except urllib.error.HTTPError as exc:
-        if exc.code != 404:
+        _request(daemon_url, "DELETE", f"/api/v1/ranks/{run}/{int(info['rank'])}", None)
+    except (urllib.error.HTTPError, _Refused) as exc:
+        if getattr(exc, "code", getattr(exc, "status", None)) != 404:
             _report("deregistration", daemon_url, exc)
     except Exception as exc:
         _report("deregistration", daemon_url, exc)

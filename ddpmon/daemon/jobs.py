@@ -81,12 +81,14 @@ class JobManager:
         state_dir: str | Path,
         *,
         daemon_url: str | None = None,
+        agent_socket: str | None = None,
         python: str = sys.executable,
     ) -> None:
         self.store = store
         self.settings = settings
         self.state_dir = Path(state_dir)
         self.daemon_url = daemon_url
+        self.agent_socket = agent_socket
         self.python = python
         self.run_dir = self.state_dir / "runs"
         self._lock = threading.RLock()
@@ -301,6 +303,8 @@ class JobManager:
         )
         if self.daemon_url:
             env["DDPMON_DAEMON_URL"] = self.daemon_url
+        if self.agent_socket:
+            env["DDPMON_DAEMON_SOCKET"] = self.agent_socket
         return env
 
     # watching --------------------------------------------------------------------------

@@ -11,8 +11,12 @@ are buffered (the app's answers are small) and written under a write deadline.
 
 With a web config (exporter-toolkit format, ``ddpmon.export.webconfig``) the listener serves
 TLS (optionally mTLS) and basic auth guards every path, except that job routes also accept the
-daemon's bearer token instead (job mutations always need the token; the app checks it) and rank
-registration is left to the app's same-host check (agents hold no scrape credentials).
+daemon's bearer token instead (job mutations always need the token; the app checks it).
+
+Ranks register on a second listener, the agent socket (``agent_socket``): a Unix socket that
+serves only rank registration and /healthz, with the caller's PID from ``SO_PEERCRED`` in the
+request's scope. Registration over TCP is refused before its body is read, with the socket's
+path in the answer (the agent's client follows it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -33,6 +38,7 @@ import h11
 
 from ..export.webconfig import WebConfig
 from . import hostcheck
+from .agent_socket import Peer, listen, peer_credentials
 from .asgi import (
     asgi_scope,
     call_app,
@@ -81,6 +87,8 @@ class _Conn:
     busy: bool = False
     """A full request is in; the connection may not be evicted."""
     tls: bool = False
+    peer: Peer | None = None
+    """The calling process, on the agent socket (None on TCP)."""
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -104,7 +112,7 @@ class DaemonServer:
         token: str,
         web_config: WebConfig | None = None,
         limits: Limits | None = None,
-        extra_listeners: list[tuple[str, int]] | None = None,
+        agent_socket: Path | None = None,
         host_names: frozenset[str] | None = None,
     ) -> None:
         self.app = app
@@ -115,9 +123,8 @@ class DaemonServer:
         self.names = host_names if host_names is not None else hostcheck.host_names(bind, None)
         """The Host names this daemon answers to besides the connection's own address
         (``hostcheck``: DNS rebinding and cross-origin requests are refused)."""
-        self.extra = list(extra_listeners or [])
-        """Plain loopback listeners that serve only rank registration (for agents on the node
-        when the main listener speaks TLS)."""
+        self.agent_socket = agent_socket
+        """The Unix socket on which ranks register (``agent_socket``); None serves none."""
         self._conns: list[_Conn] = []
         self._in_flight = 0
         self._auth_pending = 0
@@ -146,23 +153,18 @@ class DaemonServer:
                 loop.add_signal_handler(sig, self._stop.set)
         self._servers.append(
             await asyncio.start_server(
-                lambda r, w: self._accept(r, w, registration_only=False),
+                lambda r, w: self._accept(r, w, agent=False),
                 self.bind, self.port, backlog=256, reuse_address=True,
             )
         )
         if self.port == 0:
             self.port = int(self._servers[0].sockets[0].getsockname()[1])
-        for host, port in self.extra:
-            try:
-                self._servers.append(
-                    await asyncio.start_server(
-                        lambda r, w: self._accept(r, w, registration_only=True),
-                        host, port, backlog=64, reuse_address=True,
-                    )
+        if self.agent_socket is not None:
+            self._servers.append(
+                await asyncio.start_unix_server(
+                    lambda r, w: self._accept(r, w, agent=True), sock=listen(self.agent_socket)
                 )
-            except OSError as exc:
-                log.warning("ddpmon daemon: no registration listener on %s:%d: %s",
-                            host, port, exc.strerror or exc)
+            )
         if on_ready is not None:
             on_ready()
         await self._stop.wait()
@@ -173,6 +175,9 @@ class DaemonServer:
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2.0)
+        if self.agent_socket is not None:
+            with contextlib.suppress(OSError):
+                self.agent_socket.unlink()
 
     def stop(self) -> None:
         """Stop serving; callable from any thread."""
@@ -201,18 +206,24 @@ class DaemonServer:
         return True
 
     async def _accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, registration_only: bool
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, agent: bool
     ) -> None:
         conn = _Conn(accepted=time.monotonic(), task=asyncio.current_task(),
                      transport=writer.transport)
         self.stats["accepted"] += 1
+        if agent:
+            try:
+                conn.peer = peer_credentials(writer.get_extra_info("socket"))
+            except (OSError, AttributeError, TypeError):
+                writer.transport.abort()
+                return
         if not self._admit(conn):
             writer.transport.abort()
             return
         deadline = conn.accepted + self.limits.request_timeout
         graceful = False
         try:
-            if self.tls and not registration_only:
+            if self.tls and not agent:
                 assert self.web is not None and self.web.ssl_context is not None
                 try:
                     async with asyncio.timeout_at(self._loop_time(deadline)):
@@ -221,7 +232,7 @@ class DaemonServer:
                     self.stats["tls_failed"] += 1
                     return
                 conn.transport, conn.tls = writer.transport, True
-            await self._serve_connection(conn, reader, writer, deadline, registration_only)
+            await self._serve_connection(conn, reader, writer, deadline)
             graceful = True
         except (_Close, ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -251,7 +262,6 @@ class DaemonServer:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         deadline: float,
-        registration_only: bool,
     ) -> None:
         h = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
         for _ in range(self.limits.max_requests_per_connection):
@@ -272,9 +282,7 @@ class DaemonServer:
                 await self._raw_error(writer, 431, deadline)
                 return
             self.stats["requests"] += 1
-            status, headers, body = await self._handle(
-                h, event, reader, writer, conn, registration_only
-            )
+            status, headers, body = await self._handle(h, event, reader, writer, conn)
             await self._respond(h, writer, event, status, headers, body)
             if h.their_state is h11.SEND_BODY and status != 413:
                 # Answered before the body was read (401, 404): read and drop it (bounded, and
@@ -318,7 +326,6 @@ class DaemonServer:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         conn: _Conn,
-        registration_only: bool,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         headers = [(k.lower(), v) for k, v in req.headers]
         target = req.target
@@ -329,19 +336,29 @@ class DaemonServer:
             path = unquote(raw_path.decode("ascii"), errors="strict")
         except (UnicodeDecodeError, UnicodeEncodeError):
             return json_error(400, "request path is not valid")
-        refused = self._check_origin(req, headers, writer)
-        if refused is not None:
-            return refused
+        chunked = header(headers, b"transfer-encoding") is not None
+        if chunked and content_length(headers) is not None:
+            # Ambiguous framing: a proxy in front may have read the body by the other header, so
+            # the next bytes may be a smuggled request; answer and close (RFC 9112 6.3).
+            return json_error(400, "both Content-Length and Transfer-Encoding")
+        agent = conn.peer is not None
+        if not agent:  # a browser cannot reach a Unix socket: no rebinding there
+            refused = self._check_origin(req, headers, writer)
+            if refused is not None:
+                return refused
         length = content_length(headers)
         if length is not None and length > self.limits.max_body_bytes:
             return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
-        registration = path.startswith("/api/v1/ranks")
-        if registration_only and not (registration or path == "/healthz"):
-            return json_error(404, "this listener serves rank registration only")
-        if registration and not self._same_host(writer):
-            # before any body is read: a remote client cannot hold a connection with one
-            return json_error(403, "rank registration is accepted from this node only")
-        if not registration_only and not registration:
+        registration = path == "/api/v1/ranks" or path.startswith("/api/v1/ranks/")
+        if agent and not (registration or path == "/healthz"):
+            return json_error(404, "the agent socket serves rank registration only")
+        if registration and not agent:
+            # before any body is read: over TCP nobody can prove which process is calling
+            return json_error(
+                403, "ranks register through the daemon's agent socket",
+                extra={"agent_socket": str(self.agent_socket) if self.agent_socket else None},
+            )
+        if not agent and not registration:
             denied = await self._authorize(path, headers)
             if denied is not None:
                 return denied
@@ -355,7 +372,7 @@ class DaemonServer:
         self._in_flight += 1
         conn.busy = True
         try:
-            scope = asgi_scope(req, path, raw_path, query, headers, writer, conn.tls)
+            scope = asgi_scope(req, path, raw_path, query, headers, writer, conn.tls, conn.peer)
             try:
                 return await call_app(self.app, scope, body)
             except Exception:
@@ -385,13 +402,6 @@ class DaemonServer:
         if header(headers, b"sec-fetch-site") == b"cross-site":
             return json_error(403, "cross-origin request refused")
         return None
-
-    @staticmethod
-    def _same_host(writer: asyncio.StreamWriter) -> bool:
-        """Did the connection come from this node (loopback, or to and from one address)?"""
-        peer = str((writer.get_extra_info("peername") or ("",))[0])
-        local = str((writer.get_extra_info("sockname") or ("",))[0])
-        return hostcheck.host_allowed(peer, local, frozenset()) and bool(peer)
 
     async def _authorize(
         self, path: str, headers: list[tuple[bytes, bytes]]

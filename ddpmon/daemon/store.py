@@ -7,9 +7,12 @@ tells a live job apart from an unrelated process that reused the PID).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -92,6 +95,16 @@ class StoreError(Exception):
     what to do."""
 
 
+def _private_files(path: Path) -> None:
+    """The database and its WAL files readable by the daemon's user only: created 0600, and an
+    existing one tightened (SQLite gives -wal and -shm the database file's mode)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for name in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_IMODE(name.stat().st_mode) & 0o077:
+                os.chmod(name, 0o600)
+
+
 class Store:
     """Thread-safe: the API handlers and the job watchers share one connection under a lock."""
 
@@ -100,6 +113,7 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._skipped: set[str] = set()
+        _private_files(self.path)
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         try:
             check = self._db.execute("PRAGMA quick_check").fetchone()
@@ -189,6 +203,17 @@ class Store:
                 "INSERT OR REPLACE INTO ranks (run, rank, doc) VALUES (?, ?, ?)",
                 (run, rank, json.dumps(doc, sort_keys=True)),
             )
+
+    def get_rank(self, run: str, rank: int) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT doc FROM ranks WHERE run = ? AND rank = ?", (run, rank)
+            ).fetchone()
+        try:
+            data = json.loads(row[0]) if row else None
+        except ValueError:
+            data = None
+        return data if isinstance(data, dict) else None
 
     def delete_rank(self, run: str, rank: int) -> bool:
         with self._lock:

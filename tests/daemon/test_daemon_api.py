@@ -3,16 +3,23 @@ discovery, OpenAPI. Jobs here use the cheap ``sleeper`` entry point."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
+from tests.support.agent_call import call as agent_call
+from tests.support.agent_call import wait_for_socket
+
 from .conftest import Daemon
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_token_file_created_private(daemon: Daemon) -> None:
@@ -128,30 +135,41 @@ def _alive(pid: int) -> bool:
 
 
 def test_registration_and_sd(daemon: Daemon) -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """A rank registers itself on the agent socket; its /sd entry goes when its process dies."""
+    sock = daemon.state_dir / "agent.sock"
+    wait_for_socket(sock)
+    child = subprocess.Popen(
+        [sys.executable, "-c", RANK, str(sock)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
-        info = {"run": "r1", "rank": 3, "local_rank": 1, "node": "n", "pid": child.pid,
-                "port": 7471, "host": "127.0.0.1", "job_id": "j9", "unknown_key": 1}  # fmt: skip
-        assert httpx.post(daemon.url + "/api/v1/ranks", json=info).status_code == 201
+        port = int(child.stdout.readline())
         sd = daemon.get("/sd").json()
-        assert sd == [{"targets": ["127.0.0.1:7471"], "labels": {
+        assert sd == [{"targets": [f"127.0.0.1:{port}"], "labels": {
             "run": "r1", "rank": "3", "local_rank": "1", "node": "n", "job_id": "j9"}}]  # fmt: skip
         metrics = daemon.get("/metrics").text
         assert "ddpmon_daemon_registered_ranks 1.0" in metrics
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
         assert daemon.get("/sd").json() == []  # died without deregistering
-        assert httpx.post(daemon.url + "/api/v1/ranks", json=info).status_code == 400  # dead pid
-        bad = {**info, "pid": os.getpid(), "run": "a/b"}
-        assert httpx.post(daemon.url + "/api/v1/ranks", json=bad).status_code == 400
-        ok = {**info, "pid": os.getpid()}
-        assert httpx.post(daemon.url + "/api/v1/ranks", json=ok).status_code == 201
-        assert httpx.delete(daemon.url + "/api/v1/ranks/r1/3").status_code == 200
-        assert httpx.delete(daemon.url + "/api/v1/ranks/r1/3").status_code == 404
-        assert daemon.get("/sd").json() == []
+        bad = {"run": "a/b", "rank": 0, "port": port}
+        status, doc = agent_call(sock, "POST", "/api/v1/ranks", bad)
+        assert status == 400 and "run" in json.dumps(doc), doc
     finally:
         child.kill()
         child.wait(timeout=10)
+
+
+# A rank as the agent is one: its own endpoint, registered through the agent's client.
+RANK = """
+import socket, sys, time
+from ddpmon.daemon.client import register_rank
+srv = socket.create_server(("127.0.0.1", 0))
+port = srv.getsockname()[1]
+register_rank("unix:" + sys.argv[1], {"run": "r1", "rank": 3, "local_rank": 1, "node": "n",
+              "port": port, "host": "127.0.0.1", "job_id": "j9", "unknown_key": 1})
+print(port, flush=True)
+time.sleep(60)
+"""
 
 
 def test_client_never_raises(daemon: Daemon) -> None:
@@ -159,14 +177,14 @@ def test_client_never_raises(daemon: Daemon) -> None:
 
     info = {"run": "c1", "rank": "0", "local_rank": "0", "node": "n", "pid": os.getpid(),
             "port": 7470, "target": "127.0.0.1:7470", "job_id": ""}  # fmt: skip
-    register_rank(daemon.url, info)
-    assert daemon.get("/sd").json()[0]["targets"] == ["127.0.0.1:7470"]
-    deregister_rank(daemon.url, info)
-    assert daemon.get("/sd").json() == []
     t0 = time.monotonic()
+    register_rank(daemon.url, info)  # nothing listens on 7470: refused by the daemon, logged
+    assert daemon.get("/sd").json() == []
     register_rank("http://127.0.0.1:1", info)  # nothing listens: logged, not raised
     register_rank(daemon.url, {**info, "pid": "x"})  # rejected by the daemon: logged
+    register_rank("unix:/nonexistent/agent.sock", info)
     deregister_rank("http://127.0.0.1:1", info)
+    deregister_rank(daemon.url, info)
     assert time.monotonic() - t0 < 10
 
 
@@ -205,3 +223,24 @@ def test_jobs_cli(daemon: Daemon) -> None:
     res = subprocess.run([*base[:-2], "--token-file", "/nonexistent", "cancel", "x"],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert res.returncode == 2 and "token" in res.stderr
+
+
+def test_logs_never_follow_a_link_the_job_planted(daemon: Daemon) -> None:
+    """A job owns its logs dir; a link it leaves there in place of a log must not make the API
+    serve the file it points to (here the daemon's own token)."""
+    assert daemon.submit("linky", "sleeper", 1, ["0.2"]).status_code == 201
+    daemon.wait("linky", {"COMPLETED"})
+    assert daemon.get("/api/v1/jobs/linky/logs", params={"stream": "stdout"}).status_code == 200
+    job_dir = Path(daemon.job("linky")["job_dir"])
+    (log,) = job_dir.glob("logs/*/attempt_*/0/stdout.log")
+    log.unlink()
+    log.symlink_to(daemon.state_dir / "token")
+    resp = daemon.get("/api/v1/jobs/linky/logs", params={"stream": "stdout"})
+    assert resp.status_code == 404 and daemon.token not in resp.text, resp.text
+    assert "link" in resp.json()["error"]
+
+
+def test_no_page_loads_code_from_a_cdn(daemon: Daemon) -> None:
+    for path in ("/docs", "/redoc"):
+        assert daemon.get(path).status_code == 404
+    assert daemon.get("/openapi.json").status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -17,8 +18,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpmon.daemon import outcome
+from ddpmon.daemon.agent_socket import Peer
 from ddpmon.daemon.node import NodeCollector, build_registry
-from ddpmon.daemon.ranks import RankRegistry
+from ddpmon.daemon.ranks import RankRegistry, RegistrationRefused
 from ddpmon.daemon.settings import DaemonSettings, SettingsError
 from ddpmon.daemon.store import DuplicateJobError, JobRecord, Store
 from ddpmon.daemon.token import TokenFileError, load_or_create
@@ -221,21 +223,33 @@ def test_token_file_is_private_and_stable(tmp_path: Path) -> None:
         load_or_create(path)
 
 
+LISTENER = """
+import socket, time
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+time.sleep(30)
+"""
+
+
 def test_rank_registry_drops_dead_processes(tmp_path: Path) -> None:
     reg = RankRegistry(Store(tmp_path / "db.sqlite3"))
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
     try:
-        base = {"run": "r", "local_rank": 0, "node": "n", "port": 7470, "host": "127.0.0.1"}
-        reg.register({**base, "rank": 0, "pid": os.getpid()})
-        reg.register({**base, "rank": 1, "pid": child.pid, "job_id": "j"})
-        sd = reg.http_sd()
-        assert [g["labels"]["rank"] for g in sd] == ["0", "1"]
-        assert sd[1]["labels"]["job_id"] == "j" and "job" not in sd[1]["labels"]
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=10)
-        assert [g["labels"]["rank"] for g in reg.http_sd()] == ["0"]
-        with pytest.raises(ValueError):
-            reg.register({**base, "rank": 2, "pid": child.pid})
+        child_port = int(child.stdout.readline())
+        with socket.create_server(("127.0.0.1", 0)) as own:
+            base = {"run": "r", "local_rank": 0, "node": "n", "host": "127.0.0.1"}
+            me = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+            reg.register({**base, "rank": 0, "port": own.getsockname()[1]}, me)
+            them = Peer(pid=child.pid, uid=os.getuid(), gid=os.getgid())
+            reg.register({**base, "rank": 1, "port": child_port, "job_id": "j"}, them)
+            sd = reg.http_sd()
+            assert [g["labels"]["rank"] for g in sd] == ["0", "1"]
+            assert sd[1]["labels"]["job_id"] == "j" and "job" not in sd[1]["labels"]
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=10)
+            assert [g["labels"]["rank"] for g in reg.http_sd()] == ["0"]
+            with pytest.raises(RegistrationRefused, match="not a running process"):
+                reg.register({**base, "rank": 2, "port": child_port}, them)
     finally:
         child.kill()
         child.wait(timeout=10)

@@ -205,7 +205,8 @@ def launch(stack: Stack, run_id: str, rdzv_port: int, train_args: list[str]) -> 
             "GLOO_SOCKET_IFNAME": "eth0",  # the node's veth; its host name resolves nowhere
             "DDPMON_BIND": node.addr,
             "DDPMON_PORT": str(AGENT_PORT),
-            "DDPMON_DAEMON_URL": f"http://127.0.0.1:{DAEMON_PORT}",  # registration listener
+            # the node's daemon's agent socket (its state dir is on the shared filesystem)
+            "DDPMON_DAEMON_URL": f"unix:{stack.workdir / node.name / 'state' / 'agent.sock'}",
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
         }

@@ -12,11 +12,14 @@ from tests.support.ports import free_port
 TOKEN = "t0ken-for-tests-0123456789abcdef"
 
 
-def start_daemon(spawn, tmp_path: Path, name: str, *extra: str, bind: str = "127.0.0.1"):
-    """The daemon on a free port of ``bind`` with a known token; returns (proc, port)."""
+def start_daemon(
+    spawn, tmp_path: Path, name: str, *extra: str, bind: str = "127.0.0.1", existing: bool = False
+):
+    """The daemon on a free port of ``bind`` with a known token; returns (proc, port).
+    ``existing``: the state dir is already there (a test prepared it)."""
     port = free_port(bind)
     state = tmp_path / f"{name}-state"
-    state.mkdir(mode=0o700)
+    state.mkdir(mode=0o700, exist_ok=existing)
     token = state / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)

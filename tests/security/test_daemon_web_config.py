@@ -6,16 +6,18 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import os
+import socket
 import ssl
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from conftest import PASSWORD, client_ctx
 from sec_daemon import TOKEN, start_daemon
 from sec_pki import Pki
+
+from tests.support.agent_call import call as agent_call
+from tests.support.agent_call import wait_for_socket
 
 pytestmark = pytest.mark.timeout(120)
 REFUSED = (OSError, http.client.HTTPException)
@@ -115,30 +117,33 @@ def test_daemon_mtls(spawn, tmp_path, pki, pw_hash):
     assert call(port, "/metrics", ctx=ctx, auth=good)[0] == 200
 
 
-def test_registration_on_loopback_under_tls(spawn, tmp_path, pki, pw_hash):
-    """Bound to a node address with TLS, agents register over plain HTTP on 127.0.0.1 (same port,
-    registration routes only) and show up in the TLS-protected /sd."""
+def test_registration_on_the_agent_socket_under_tls(spawn, tmp_path, pki, pw_hash):
+    """Bound to a node address with TLS and basic auth, agents still register without either,
+    on the agent socket, and show up in the TLS-protected /sd; the TCP port refuses them."""
     cfg = web_config(tmp_path, pki, pw_hash)
     proc, port = start_daemon(spawn, tmp_path, "n", "--web-config", str(cfg), bind="127.0.0.2")
-    reg = {"run": "r1", "rank": 3, "local_rank": 1, "node": "n-node", "pid": os.getpid(),
-           "port": 9999, "host": "127.0.0.2"}
-    end = time.monotonic() + 10
-    while True:  # the loopback listener opens right after the main one
-        try:
-            status, _, body = call(port, "/api/v1/ranks", method="POST", body=reg)
-            break
-        except OSError:
-            assert time.monotonic() < end, proc.output_path.read_text()
-            time.sleep(0.1)
-    assert status == 201, body
-    for path in ("/metrics", "/sd", "/api/v1/jobs"):  # nothing else on the plain listener
-        assert call(port, path)[0] == 404
-    ctx = client_ctx(pki)
-    ctx.check_hostname = False  # the test certificate names 127.0.0.1 only; the CA still counts
-    status, _, body = call(port, "/sd", ctx=ctx, host="127.0.0.2", auth=("prometheus", PASSWORD))
-    groups = json.loads(body)
-    assert status == 200 and [g["targets"] for g in groups] == [["127.0.0.2:9999"]]
-    assert groups[0]["labels"]["rank"] == "3" and groups[0]["labels"]["local_rank"] == "1"
+    sock = tmp_path / "n-state" / "agent.sock"
+    wait_for_socket(sock)
+    with socket.create_server(("127.0.0.2", 0)) as endpoint:
+        own = endpoint.getsockname()[1]
+        reg = {"run": "r1", "rank": 3, "local_rank": 1, "node": "n-node", "port": own,
+               "host": "127.0.0.2"}  # fmt: skip
+        status, doc = agent_call(sock, "POST", "/api/v1/ranks", reg)
+        assert status == 201, doc
+        assert agent_call(sock, "GET", "/sd")[0] == 404  # nothing else on the agent socket
+        ctx = client_ctx(pki)
+        ctx.check_hostname = False  # the test certificate names 127.0.0.1 only; the CA counts
+        status, _, body = call(
+            port, "/sd", ctx=ctx, host="127.0.0.2", auth=("prometheus", PASSWORD)
+        )
+        groups = json.loads(body)
+        assert status == 200 and [g["targets"] for g in groups] == [[f"127.0.0.2:{own}"]]
+        assert groups[0]["labels"]["rank"] == "3" and groups[0]["labels"]["local_rank"] == "1"
+        status, _, body = call(
+            port, "/api/v1/ranks", method="POST", body=reg, ctx=ctx, host="127.0.0.2",
+            auth=("prometheus", PASSWORD),
+        )
+        assert status == 403 and json.loads(body)["agent_socket"] == str(sock)
 
 
 @pytest.mark.parametrize(
