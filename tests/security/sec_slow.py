@@ -41,7 +41,9 @@ class Attack:
         self.ctx = ssl.create_default_context()
         self.ctx.check_hostname = False
         self.ctx.verify_mode = ssl.CERT_NONE
-        self.opened: dict[str, int] = {"idle": 0, "slowloris": 0, "stalled_handshake": 0}
+        self.opened: dict[str, int] = {
+            "idle": 0, "slowloris": 0, "stalled_handshake": 0, "slow_body": 0,
+        }
         self.dropped_by_server: dict[str, int] = {k: 0 for k in self.opened}
         self.failed_opens = 0
         self.slowloris_bytes = 0
@@ -49,10 +51,14 @@ class Attack:
     def open(self, kind: str, i: int) -> dict | None:
         try:
             s = socket.create_connection(("127.0.0.1", self.port), timeout=2)
-            if kind == "slowloris" and self.tls:
+            if kind in ("slowloris", "slow_body") and self.tls:
                 s = self.ctx.wrap_socket(s)
             if kind == "stalled_handshake":
                 s.sendall(self.hello if i % 2 == 0 else self.hello[:7])
+            if kind == "slow_body":  # a whole head, then a body that never finishes
+                path = b"/api/v1/ranks" if i % 2 else b"/api/v1/jobs"
+                s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
             s.setblocking(False)
         except OSError:
             self.failed_opens += 1
@@ -77,7 +83,7 @@ class Attack:
 
     def dribble(self, c: dict) -> None:
         header = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
-        byte = header[c["pos"] : c["pos"] + 1] or b"a"
+        byte = b" " if c["kind"] == "slow_body" else header[c["pos"] : c["pos"] + 1] or b"a"
         try:
             c["sock"].send(byte)
             c["pos"] += 1
@@ -87,9 +93,9 @@ class Attack:
         except OSError:
             pass
 
-    def run(self, n_idle: int, n_hs: int, seconds: float) -> None:
+    def run(self, n_idle: int, n_hs: int, seconds: float, n_bodies: int = 0) -> None:
         kinds = (["idle"] * (n_idle - n_idle // 2) + ["slowloris"] * (n_idle // 2)
-                 + ["stalled_handshake"] * n_hs)
+                 + ["stalled_handshake"] * n_hs + ["slow_body"] * n_bodies)
         conns = [self.open(k, i) for i, k in enumerate(kinds)]
         print("ready", flush=True)
         end = time.monotonic() + seconds
@@ -100,7 +106,7 @@ class Attack:
                         self.dropped_by_server[c["kind"]] += 1
                         c["sock"].close()
                     conns[idx] = self.open(kinds[idx], idx)
-                elif c["kind"] == "slowloris":
+                elif c["kind"] in ("slowloris", "slow_body"):
                     self.dribble(c)
             time.sleep(0.2)
         held = sum(1 for c in conns if c is not None and self.alive(c))
@@ -121,10 +127,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--idle", type=int, default=50)
     ap.add_argument("--handshakes", type=int, default=20)
+    ap.add_argument("--bodies", type=int, default=0, help="slow request bodies")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--plain", action="store_true", help="target is plain HTTP")
     args = ap.parse_args()
-    Attack(args.port, tls=not args.plain).run(args.idle, args.handshakes, args.seconds)
+    Attack(args.port, tls=not args.plain).run(
+        args.idle, args.handshakes, args.seconds, args.bodies
+    )
     sys.stdout.flush()
 
 

@@ -156,3 +156,27 @@ def test_real_daemon_under_slow_clients(spawn, tmp_path, pki, pw_hash):
     assert report["opened"]["idle"] >= 50 and report["opened"]["stalled_handshake"] >= 40
     assert {s for _, s in results} == {200} and len(results) >= 15
     assert latencies[-1] < 2.0
+
+
+def test_real_daemon_under_slow_bodies_heads_and_idle_sockets(spawn, tmp_path):
+    """One client floods the plain daemon with 80 slow request bodies (job submissions and rank
+    registrations, the lock-out of issue 30), 40 trickled heads and 40 idle sockets, all
+    reopened when dropped: over its cap of 128, while scrapes, /sd and an API read keep getting
+    200 from another process."""
+    _, port = start_daemon(spawn, tmp_path, "bodies")
+    attack = spawn(helper("sec_slow.py", "--port", port, "--plain", "--idle", 80,
+                          "--handshakes", 0, "--bodies", 80, "--seconds", 7), "attack")
+    wait_for_line(attack.output_path, "ready", 30)
+    scraper = spawn(helper("sec_scrape.py", "--port", port, "--plain", "--path", "/metrics",
+                           "--path", "/sd", "--path", "/api/v1/jobs", "--seconds", 5), "scrape")
+    scraper.wait(timeout=40)
+    attack.wait(timeout=40)
+    results = json.loads(scraper.output_path.read_text().splitlines()[-1])
+    report = json.loads(attack.output_path.read_text().splitlines()[-1])
+    latencies = sorted(lat for lat, _ in results)
+    print(f"\nattack: {report}\nrequests: {len(results)}, statuses "
+          f"{sorted({str(s) for _, s in results})}, max {latencies[-1] * 1e3:.1f} ms")
+    assert report["opened"]["slow_body"] >= 80 and report["opened"]["slowloris"] >= 40
+    assert report["dropped_by_server"]["slow_body"] > 0  # evicted or timed out, not held
+    assert {s for _, s in results} == {200} and len(results) >= 15
+    assert latencies[-1] < 2.0
