@@ -36,21 +36,43 @@ def _env_int(name: str, default: int) -> int:
         return default
 
 
+def backend_in_use(device: str) -> str:
+    """The default group's backend for tensors on ``device``. A group created without naming
+    one (``init_device_mesh``, ``init_process_group()``) reports ``undefined`` and keeps one
+    backend per device type (``cpu:gloo,cuda:nccl``): the model's device picks it."""
+    import torch.distributed as dist
+
+    name = str(dist.get_backend())
+    if name != "undefined":
+        return name
+    try:
+        config = str(dist.get_backend_config())
+    except (RuntimeError, AttributeError, ValueError):
+        return name
+    per_device = dict(
+        item.split(":", 1) for item in config.split(",") if ":" in item
+    )
+    kind = device.split(":", 1)[0]
+    if kind in per_device:
+        return per_device[kind]
+    return "/".join(sorted(set(per_device.values()))) or name
+
+
 def detect_identity(model: torch.nn.Module | None, node: str | None = None) -> RankIdentity:
     """From ``torch.distributed`` when initialised, else torchrun's environment, else rank 0/1."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        backend = str(dist.get_backend())
-    else:
-        rank, world_size, backend = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), "none"
-    local_rank = _env_int("LOCAL_RANK", rank)
     device = "cpu"
     if model is not None:
         for param in model.parameters():
             device = str(param.device)
             break
+    if dist.is_available() and dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        backend = backend_in_use(device)
+    else:
+        rank, world_size, backend = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), "none"
+    local_rank = _env_int("LOCAL_RANK", rank)
     return RankIdentity(
         rank=rank,
         local_rank=local_rank,

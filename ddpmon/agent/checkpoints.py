@@ -93,6 +93,9 @@ class CheckpointObserver:
     guard: Any
     on_load: Callable[[int], None] = lambda step: None
     """Called with the resume step after a successful load (the monitor rebases its counter)."""
+    present: Callable[[], frozenset[str]] = lambda: frozenset(RESTORABLE)
+    """The states this run has (a run without a GradScaler has no scaler to restore): a
+    restore claim names only these."""
     recovery: dict[str, Any] | None = None
     """The last successful load: resume step, path, restored and missing states."""
     last_save: dict[str, Any] | None = None
@@ -150,36 +153,51 @@ class CheckpointObserver:
                 return
             # A captured DCP load only knows the step in progress, not the step it resumes at.
             explicit = source == "explicit"
-            recovery = recovery_conditions(step if explicit else None, path, restored, source)
+            recovery = recovery_conditions(
+                step if explicit else None, path, restored, source, self.present()
+            )
             self.recovery = recovery
             self.emit(
                 "checkpoint_load", step, ok=True, resume_step=recovery["resume_step"],
                 restored=recovery["restored"], not_restored=recovery["not_restored"],
-                not_stated=recovery["not_stated"], **fields, **extra,
+                not_stated=recovery["not_stated"], absent=recovery["absent"], **fields, **extra,
             )
-            if recovery["not_restored"] or recovery["not_stated"]:
+            if recovery["not_restored"]:
                 log.warning(
                     "ddpmon: resumed from step %s (%s) without restoring %s; the resumed run "
                     "may differ from an uninterrupted one",
-                    recovery["resume_step"], path,
-                    ", ".join(recovery["not_restored"] + recovery["not_stated"]),
+                    recovery["resume_step"], path, ", ".join(recovery["not_restored"]),
+                )
+            if recovery["not_stated"]:
+                log.info(
+                    "ddpmon: resumed from step %s (%s); whether it restored %s was not stated "
+                    "(observe_checkpoint(kind='load', %s=True) says so)",
+                    recovery["resume_step"], path, ", ".join(recovery["not_stated"]),
+                    recovery["not_stated"][0],
                 )
             if explicit:
                 self.on_load(step)
 
 
 def recovery_conditions(
-    step: int | None, path: str | None, restored: Mapping[str, bool | None], source: str
+    step: int | None,
+    path: str | None,
+    restored: Mapping[str, bool | None],
+    source: str,
+    present: frozenset[str] = frozenset(RESTORABLE),
 ) -> dict[str, Any]:
     """What a resume restored: the manifest's ``recovery`` entry and the load event's fields.
-    ``step`` None: not known (a captured DCP load; call ``observe_checkpoint`` to state it)."""
+    ``step`` None: not known (a captured DCP load; call ``observe_checkpoint`` to state it).
+    Only states in ``present`` (the ones this run has) are named; the others are ``absent``."""
+    kinds = [k for k in RESTORABLE if k in present]
     return {
         "resume_step": None if step is None else int(step),
         "path": path,
         "source": source,
-        "restored": [k for k in RESTORABLE if restored.get(k) is True],
-        "not_restored": [k for k in RESTORABLE if restored.get(k) is False],
-        "not_stated": [k for k in RESTORABLE if restored.get(k) is None],
+        "restored": [k for k in kinds if restored.get(k) is True],
+        "not_restored": [k for k in kinds if restored.get(k) is False],
+        "not_stated": [k for k in kinds if restored.get(k) is None],
+        "absent": [k for k in RESTORABLE if k not in present],
         "time": time.time(),
     }
 

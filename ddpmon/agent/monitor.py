@@ -207,7 +207,9 @@ class Monitor:
             )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
-        self.checkpoints = CheckpointObserver(state, emit, guard, on_load=self._resume_at)
+        self.checkpoints = CheckpointObserver(
+            state, emit, guard, on_load=self._resume_at, present=self._states_present
+        )
         self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
         with guard("checkpoint"):
             self.dcp.install()
@@ -441,6 +443,16 @@ class Monitor:
         if name in self.index.names:
             return self.index.params[self.index.names.index(name)].grad
         return None
+
+    def _states_present(self) -> frozenset[str]:
+        """What this run has to restore: no GradScaler, no scaler (the model, RNG state and the
+        data position every run has)."""
+        have = {"model", "rng", "data_loader"}
+        if self.optimizer is not None:
+            have.add("optimizer")
+        if self.scaler is not None:
+            have.add("scaler")
+        return frozenset(have)
 
     def _scaler_state(self) -> dict | None:
         return scaler_state(self.scaler)

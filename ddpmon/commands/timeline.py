@@ -86,7 +86,9 @@ def _render(tl, show_steps: bool) -> None:
 
     table = Table(show_lines=False, header_style="bold")
     for col in ("t (s)", "attempt", "rank", "step", "kind", "details"):
-        table.add_column(col, no_wrap=col != "details")
+        # details fold where they cannot wrap: a long parameter name is what the reader came for
+        details = col == "details"
+        table.add_column(col, no_wrap=not details, overflow="fold" if details else "ellipsis")
     hidden = 0
     first_event = _match(tl, ff)
     for e in tl.events:
@@ -122,8 +124,10 @@ def _render_recovery(console, rec: dict) -> None:
             if resumed:
                 at = "an unstated step" if resumed["step"] is None else f"step {resumed['step']}"
                 how = f"resumed from {shown(at)} ({shown(resumed.get('path'))})"
-                if resumed.get("missing"):
-                    how += "; NOT restored: " + shown(", ".join(resumed["missing"]))
+                if resumed.get("not_restored"):
+                    how += "; NOT restored: " + shown(", ".join(resumed["not_restored"]))
+                if resumed.get("not_stated"):
+                    how += "; restore not stated for: " + shown(", ".join(resumed["not_stated"]))
             console.print(
                 f"  attempt {a['attempt']}: +{a['t_rel_start']:.3f}s to +{a['t_rel_end']:.3f}s, "
                 f"{how}, last step {shown(a.get('last_step'))}"

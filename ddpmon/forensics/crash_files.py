@@ -92,7 +92,49 @@ def _read(path: Path, damage: ReadWarnings) -> tuple[str, float] | None:
     return text, mtime
 
 
+_THREAD_RE = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+", re.MULTILINE)
+_OWN_NAMES = sorted(
+    p.name for p in Path(__file__).resolve().parents[1].iterdir()
+    if p.name != "demo" and not p.name.startswith(("_", ".")) and (p.suffix == ".py" or p.is_dir())
+) + ["__init__.py"]
+_OWN_RE = re.compile(
+    r"[/\\]ddpmon[/\\](?:" + "|".join(re.escape(n) for n in _OWN_NAMES) + r")(?:[/\\]|$)"
+)
+"""ddpmon's own code (its watchdog, hooks, writers), by the names of this package's modules and
+subpackages. ``ddpmon/demo`` is a training script; a user's dir named ``ddpmon`` matches only
+where a file of it has the name of one of ddpmon's."""
+_LIBRARY_RE = re.compile(r"[/\\](?:site|dist)-packages[/\\]|[/\\]lib[/\\]python3\.\d+[/\\]")
+
+
+def _frames(block: str) -> list[re.Match[str]]:
+    return list(_FRAME_RE.finditer(block))
+
+
+def _thread_blocks(text: str) -> list[tuple[bool, str]]:
+    """(is the current thread, its text) for each thread of a dump; one unnamed block when the
+    dump has no thread headers (``all_threads=False``)."""
+    heads = list(_THREAD_RE.finditer(text))
+    if not heads:
+        return [(True, text)]
+    ends = [h.start() for h in heads[1:]] + [len(text)]
+    return [
+        (h.group(1) == "Current thread", text[h.start():end])
+        for h, end in zip(heads, ends, strict=True)
+    ]
+
+
 def top_frame(text: str) -> str | None:
-    """Innermost frame of the first (current) thread in a faulthandler dump."""
-    m = _FRAME_RE.search(text)
-    return f"{m.group(3)} ({m.group(1)}:{m.group(2)})" if m else None
+    """The frame to name for a faulthandler dump: in the current thread (faulthandler lists it
+    among the others, not first), the innermost frame of the training code. ddpmon's own frames
+    and library frames (the stdlib, site-packages: torch's backward, a DataLoader's queue) are
+    passed over to the caller that entered them; when the stack has nothing else, its innermost
+    frame is named."""
+    blocks = _thread_blocks(text)
+    current = [block for is_current, block in blocks if is_current]
+    frames = _frames(current[0] if current else blocks[0][1])
+    if not frames:
+        return None
+    theirs = [m for m in frames if not _OWN_RE.search(m.group(1))]
+    user = [m for m in theirs if not _LIBRARY_RE.search(m.group(1))]
+    m = (user or theirs or frames)[0]
+    return f"{m.group(3)} ({m.group(1)}:{m.group(2)})"

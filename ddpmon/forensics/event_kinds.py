@@ -164,6 +164,7 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "restored": "states restored",
             "not_restored": "states said not restored",
             "not_stated": "states nobody said anything about",
+            "absent": "states this run does not have (no GradScaler: no scaler)",
             "error": "the exception, when `ok=false`",
         },
     ),

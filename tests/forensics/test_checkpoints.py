@@ -80,7 +80,8 @@ def test_load_before_first_step_rebases_steps_and_records_missing_state(run, tmp
     (load,) = events(rd, "checkpoint_load")
     assert load["restored"] == ["model", "optimizer"]
     assert load["not_restored"] == ["rng"]
-    assert load["not_stated"] == ["scaler", "data_loader"]
+    assert load["not_stated"] == ["data_loader"]
+    assert load["absent"] == ["scaler"]  # no GradScaler in this run: never claimed missing
     manifest = json.loads(rd.manifest().read_text())
     assert manifest["recovery"]["resume_step"] == 30
     assert manifest["recovery"]["path"] == str(path)
@@ -102,7 +103,7 @@ def test_dcp_save_and_load_are_captured_once(run, tmp_path):
     assert [e["source"] for e in loads] == ["dcp.load"]
     assert loads[0]["resume_step"] is None  # a captured load cannot know it
     assert mon.step == 2  # and does not renumber the steps
-    assert loads[0]["not_stated"] == ["model", "optimizer", "scaler", "rng", "data_loader"]
+    assert loads[0]["not_stated"] == ["model", "optimizer", "rng", "data_loader"]
     m = scrape(port)
     assert m[("ddpmon_checkpoint_duration_seconds_count", (("kind", "save"),))] == 2
     assert m[("ddpmon_checkpoint_duration_seconds_count", (("kind", "load"),))] == 1
@@ -158,3 +159,33 @@ def test_dcp_async_save_counts_once_with_its_blocking_time(run, tmp_path):
     (save,) = events(rd, "checkpoint_save")  # the background writer's own save is not counted
     assert save["source"] == "dcp.async_save" and save["async_write"] is True
     assert save["step"] == 1 and save["bytes"] is None  # not sized while still being written
+
+
+def test_a_run_with_a_scaler_names_it_and_the_timeline_separates_unstated_from_missing(
+    tmp_path, capsys
+):
+    """With a GradScaler the scaler is one of the run's states: a load that does not say it
+    restored it lists it as not stated, which the timeline prints apart from NOT restored."""
+    from ddpmon.cli import main
+
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    mon = ddpmon.attach(model, opt, scaler=scaler, port=free_port(), bind="127.0.0.1",
+                        run_dir=str(tmp_path), run_id="sc")
+    try:
+        path = tmp_path / "step5.pt"
+        torch.save(model.state_dict(), path)
+        with mon.observe_checkpoint(5, path, kind="load", model=True, rng=False):
+            model.load_state_dict(torch.load(path))
+        train(model, opt, 1)
+    finally:
+        mon.close()
+    (load,) = events(RunDir(tmp_path / "sc"), "checkpoint_load")
+    assert load["not_restored"] == ["rng"] and load["absent"] == []
+    assert load["not_stated"] == ["optimizer", "scaler", "data_loader"]
+    capsys.readouterr()
+    main(["timeline", str(tmp_path / "sc")])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "NOT restored: rng;" in out
+    assert "restore not stated for: optimizer, scaler, data_loader" in out

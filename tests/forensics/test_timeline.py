@@ -131,3 +131,21 @@ def test_human_output_names_first_failure(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "First failure: rank 1, step 9, nonfinite (head.bias)" in out
     assert "rank 0: signal SIGTERM" in out
+
+
+def test_long_parameter_names_are_shown_whole(tmp_path, capsys, monkeypatch):
+    """The table folds a name it cannot wrap instead of cutting it ("layers.3.attention.wq.wei…"
+    hid the one thing the reader came for); --json has it whole too."""
+    name = "model.layers.3.attention.wq.weight_" + "x" * 120
+    _write(tmp_path, 0, [{"ts": 1000.0, "kind": "start", "clock_offset_seconds": 0.0,
+                          "world_size": 1},
+                         {"ts": 1001.0, "step": 4, "kind": "nonfinite", "param": name,
+                          "nonfinite": "nan", "origin": True}])
+    monkeypatch.setenv("COLUMNS", "80")
+    capsys.readouterr()
+    assert main(["timeline", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    table = "".join(line.split("│")[-2].strip() for line in out.splitlines() if "│" in line)
+    assert name in table, out
+    assert _json(capsys, str(tmp_path))[1]["first_failure"]["param"] == name

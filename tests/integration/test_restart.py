@@ -79,7 +79,11 @@ def test_sigkill_at_35_restarts_from_30_and_matches_an_uninterrupted_run(baselin
     # loses its last ~1 s of rows to the SIGKILL (steps before 30 that no attempt rewrote), and
     # compare then averages step losses over one rank instead of two.
     code, cmp = cli_json("compare", str(baseline), str(run))
-    assert cmp["comparable"] and cmp["common_steps"] == 60, cmp
+    # Steps 30-59 are rewritten by attempt 1, so they are always common. Before 30, rank 1 may
+    # lack the rows of its last journal interval (flush_seconds=1 s): on a loaded machine,
+    # steps 25-29 can still be unjournaled when the SIGKILL at 35 lands, and compare keeps only
+    # steps that every rank of both runs has. What it compares must still all be equal.
+    assert cmp["comparable"] and 55 <= cmp["common_steps"] <= 60, cmp
     series = {s["name"]: s for s in cmp["series"]}
     assert {"grad_norm", "loss_scale", "skipped"} <= set(series)
     assert any(name.startswith("group:") for name in series)
