@@ -66,7 +66,7 @@ test: $(STAMP) debs
 # subprocess rank; about a minute on 2 cores.
 check: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "$(FAST_LANE)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "$(FAST_LANE)" $(PYTEST_ARGS)
 
 # The docs site (MkDocs + Material) into site/; the tests build it with --strict too.
 docs: $(STAMP)
