@@ -425,6 +425,8 @@ class JobManager:
         job.ranks = dict((result or {}).get("ranks", {}))
         job.exit_code = (result or {}).get("exit_code", code)
         job.ended_at = (result or {}).get("ended_at") or time.time()
+        if job.run_dir:
+            job.summary = summary.merge_final(job.summary, Path(job.run_dir) / job.id)
         if job.cancel_requested_at is not None:
             job.state, job.reason = "CANCELLED", "cancelled by request"
         elif result is not None:

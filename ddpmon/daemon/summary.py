@@ -8,13 +8,17 @@ and basic auth are read with the daemon config's ``scrape_config``.
 
 from __future__ import annotations
 
+import math
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from .. import metrics
 from ..export.scrape import ScrapeClient, ScrapeError, Target
+from ..safe_read import load_json
 
 HEADLINE = {
     metrics.STEP.name: "step",
@@ -80,4 +84,56 @@ def merge(
     summary["scrapes_ok"] = int(previous.get("scrapes_ok", 0)) + up
     if errors:
         summary["scrape_errors"] = errors
+    return summary
+
+
+FINAL_KEYS = {
+    "last_step": "step",
+    "loss": "loss",
+    "grad_norm": "grad_norm",
+    "loss_scale": "loss_scale",
+    "steps": "steps_total",
+    "amp_skipped_steps": "skipped_steps_total",
+    "grad_nonfinite_steps": "nonfinite_steps_total",
+}
+"""``summary.rank<R>.json`` key -> key in the job summary."""
+_SUMMARY_FILE = re.compile(r"summary\.rank(\d{1,7})\.json")
+MAX_RANK_FILES = 1024
+
+
+def merge_final(previous: dict[str, Any], run_path: Path) -> dict[str, Any]:
+    """Fold the ranks' final ``summary.rank<R>.json`` (written at close, after the last step)
+    into a finished job's summary. Scrapes only see what a rank served before it closed, which
+    can miss the last step; the files cannot. A file that is missing, damaged or of another
+    shape is skipped: the scraped values stay."""
+    ranks: dict[str, Any] = {k: dict(v) for k, v in previous.get("ranks", {}).items()}
+    try:
+        names = sorted(p.name for p in run_path.iterdir())[:100_000]
+    except OSError:
+        return previous
+    found = 0
+    for name in names:
+        m = _SUMMARY_FILE.fullmatch(name)
+        if m is None or found >= MAX_RANK_FILES:
+            continue
+        try:
+            doc = load_json(run_path / name)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        found += 1
+        entry = ranks.setdefault(str(int(m.group(1))), {})
+        for key, into in FINAL_KEYS.items():
+            value = doc.get(key)
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if number and (math.isfinite(value) or into == "loss"):  # a NaN loss is news
+                entry[into] = float(value)
+        entry["final"] = True
+    if not found:
+        return previous
+    summary = {**previous, "ranks": ranks}
+    steps = [r["step"] for r in ranks.values() if isinstance(r.get("step"), float | int)]
+    if steps:
+        summary["min_step"], summary["max_step"] = min(steps), max(steps)
     return summary

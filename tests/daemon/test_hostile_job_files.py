@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpmon.daemon import outcome
+from ddpmon.daemon import summary as outcome_summary
 from ddpmon.daemon.jobs import JobManager
 from ddpmon.daemon.settings import DaemonSettings
 from ddpmon.daemon.store import JobRecord, Store
@@ -75,3 +76,23 @@ def test_startup_recovery_ends_the_job_and_the_daemon_starts(tmp_path):
     ended = store.get_job("j1")
     assert ended.state == "LOST", ended
     assert ended.first_failure is not None and ended.first_failure["signal"] == 11
+
+
+def test_a_finished_jobs_summary_takes_the_ranks_final_files(tmp_path):
+    """Scrapes can miss the last step (a rank closes right after it); the final summary files
+    cannot. A damaged or odd file beside them leaves the scraped values as they were."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.rank0.json").write_text(json.dumps(
+        {"last_step": 15, "loss": 0.5, "grad_norm": 0.25, "steps": 16, "loss_scale": None}))
+    (run / "summary.rank1.json").write_bytes(NESTED)
+    (run / "summary.rank2.json").write_text("[1, 2]")
+    os.mkfifo(run / "summary.rank3.json")
+    scraped = {"ranks": {"0": {"step": 14.0, "loss": 0.6}, "1": {"step": 14.0}},
+               "min_step": 14.0, "max_step": 14.0, "scrapes_ok": 9}
+    final = outcome_summary.merge_final(scraped, run)
+    assert final["max_step"] == 15 and final["min_step"] == 14, final
+    assert final["ranks"]["0"] == {"step": 15.0, "loss": 0.5, "grad_norm": 0.25,
+                                   "steps_total": 16.0, "final": True}
+    assert final["ranks"]["1"] == {"step": 14.0} and final["scrapes_ok"] == 9
+    assert outcome_summary.merge_final(scraped, tmp_path / "nowhere") == scraped
