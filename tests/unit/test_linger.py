@@ -105,7 +105,7 @@ def test_config_bounds():
 def test_nobody_scrapes_close_is_prompt(tmp_path):
     """Serving, never scraped, not published: close() does not wait at all."""
     mon, _ = _attach(tmp_path)  # the default linger_seconds
-    assert _timed_close(mon) < 1.0
+    assert _timed_close(mon) < 10.0  # far below the 20 s default linger; lingered says why
     assert mon.endpoint.lingered == "no-wait"
 
 
@@ -113,7 +113,7 @@ def test_a_person_reading_is_not_a_store(tmp_path):
     """curl or `ddpmon top` reading /metrics neither makes the rank wait nor ends a wait."""
     mon, port = _attach(tmp_path)
     _get(port, store=False)
-    assert _timed_close(mon) < 1.0
+    assert _timed_close(mon) < 10.0  # far below the 20 s default linger; lingered says why
     assert mon.endpoint.lingered == "no-wait"
 
 
