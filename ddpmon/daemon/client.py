@@ -39,17 +39,17 @@ def _payload(info: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class AgentSocketConnection(http.client.HTTPConnection):
     """HTTP/1.1 over the daemon's agent socket."""
 
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=TIMEOUT_SECONDS)
+    def __init__(self, path: str | os.PathLike[str], timeout: float = TIMEOUT_SECONDS) -> None:
+        super().__init__("localhost", timeout=timeout)
         self.socket_path = path
 
     def connect(self) -> None:
         from .agent_socket import connect
 
-        self.sock = connect(self.socket_path, TIMEOUT_SECONDS)
+        self.sock = connect(self.socket_path, self.timeout)
 
 
 def _agent_socket(daemon_url: str) -> str | None:
@@ -62,7 +62,7 @@ def _agent_socket(daemon_url: str) -> str | None:
 
 def _over_socket(path: str, method: str, target: str, body: dict[str, Any] | None) -> None:
     data = None if body is None else json.dumps(body).encode()
-    conn = _UnixConnection(path)
+    conn = AgentSocketConnection(path)
     try:
         headers = {"Content-Type": "application/json"} if data is not None else {}
         conn.request(method, target, body=data, headers=headers)

@@ -136,6 +136,16 @@ def test_in_flight_cap_answers_503_not_hangs(front):
     assert results == [200] and get(front.port) == 200
 
 
+def finished(scraper, attack) -> tuple[list, dict, list[float]]:
+    """The scraper's (latency, status) pairs, the attacker's report and the sorted latencies,
+    once both helper processes are done."""
+    scraper.wait(timeout=40)
+    attack.wait(timeout=40)
+    results = json.loads(scraper.output_path.read_text().splitlines()[-1])
+    report = json.loads(attack.output_path.read_text().splitlines()[-1])
+    return results, report, sorted(lat for lat, _ in results)
+
+
 def test_real_daemon_under_slow_clients(spawn, tmp_path, pki, pw_hash):
     """More slow sockets than the daemon's connection cap (128): scrapes keep getting 200."""
     _, port = start_daemon(spawn, tmp_path, "slow", "--web-config",
@@ -145,11 +155,7 @@ def test_real_daemon_under_slow_clients(spawn, tmp_path, pki, pw_hash):
     wait_for_line(attack.output_path, "ready", 30)
     scraper = spawn(helper("sec_scrape.py", "--port", port, "--cafile", pki.ca, "--user",
                            "prometheus", "--password", "s3cret-pass", "--seconds", 8), "scrape")
-    scraper.wait(timeout=40)
-    attack.wait(timeout=40)
-    results = json.loads(scraper.output_path.read_text().splitlines()[-1])
-    report = json.loads(attack.output_path.read_text().splitlines()[-1])
-    latencies = sorted(lat for lat, _ in results)
+    results, report, latencies = finished(scraper, attack)
     print(f"\nattack: {report}\nscrapes: {len(results)}, statuses "
           f"{sorted({s for _, s in results})}, median {latencies[len(latencies) // 2] * 1e3:.1f}"
           f" ms, max {latencies[-1] * 1e3:.1f} ms")
@@ -169,11 +175,7 @@ def test_real_daemon_under_slow_bodies_heads_and_idle_sockets(spawn, tmp_path):
     wait_for_line(attack.output_path, "ready", 30)
     scraper = spawn(helper("sec_scrape.py", "--port", port, "--plain", "--path", "/metrics",
                            "--path", "/sd", "--path", "/api/v1/jobs", "--seconds", 5), "scrape")
-    scraper.wait(timeout=40)
-    attack.wait(timeout=40)
-    results = json.loads(scraper.output_path.read_text().splitlines()[-1])
-    report = json.loads(attack.output_path.read_text().splitlines()[-1])
-    latencies = sorted(lat for lat, _ in results)
+    results, report, latencies = finished(scraper, attack)
     print(f"\nattack: {report}\nrequests: {len(results)}, statuses "
           f"{sorted({str(s) for _, s in results})}, max {latencies[-1] * 1e3:.1f} ms")
     assert report["opened"]["slow_body"] >= 80 and report["opened"]["slowloris"] >= 40

@@ -5,7 +5,6 @@ printing ``STATUS BODY``): the daemon then sees that process, not the test, as t
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import sys
@@ -13,20 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpmon.daemon.agent_socket import connect
-
-
-class _Conn(http.client.HTTPConnection):
-    def __init__(self, path: str | Path) -> None:
-        super().__init__("localhost", timeout=10)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = connect(self.path, 10)
+from ddpmon.daemon.client import AgentSocketConnection
 
 
 def call(path: str | Path, method: str, target: str, body: Any = None) -> tuple[int, Any]:
-    conn = _Conn(path)
+    conn = AgentSocketConnection(path, timeout=10)
     try:
         data = None if body is None else json.dumps(body).encode()
         conn.request(method, target, body=data, headers={"Content-Type": "application/json"})
