@@ -42,6 +42,10 @@ $(STAMP): $(CORE_STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(DEEPSPEED_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(TORCHTITAN_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
+	@# DeepSpeed's CPU backend JIT-builds its shared-memory comm op at the first
+	@# deepspeed.initialize (about a minute of g++, cached in ~/.cache/torch_extensions): build
+	@# it here, once, as DS_BUILD_OPS would, rather than inside the first test that needs it.
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	touch $(STAMP)
 
 debs:

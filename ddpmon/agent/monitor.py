@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..forensics.live_step import DATA
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..state import MetricState
@@ -188,6 +189,9 @@ class Monitor:
             sinks=sinks,
             grad_norm_tolerance=config.grad_norm_tolerance,
         )
+        if self.forensics.crash is not None:
+            self.pipeline.live = self.forensics.crash.live
+            self.pipeline.live.set(self.pipeline.step, DATA)
         self.engine_steps = None
         self.hooks = StepHooks(
             model, optimizer, self.pipeline, self.amp, engine_steps=self.source.decides_steps

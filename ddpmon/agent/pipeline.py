@@ -15,7 +15,12 @@ What counts as a step (DESIGN §3): one optimizer step, whoever decides it:
   collected after it, at the post-hook;
 - a step the user's loop skips (``if finite: opt.step()``): detected when the next forward
   starts and the gradients of the last backward were dropped (``zero_grad``) without a step;
-- gradient-accumulation micro-steps are not steps: their gradients are kept, not dropped.
+- gradient-accumulation micro-steps are not steps: their gradients are kept, not dropped;
+- an *inert* step is not a step: ``optimizer.step()`` with no forward and no backward since the
+  last step, at lr 0 in every parameter group. It cannot change a weight; it is how torch's
+  ``_init_optim_state`` creates optimizer state inside checkpoint loaders (DCP's
+  ``set_optimizer_state_dict``, the FSDP2 example's loader), so attaching before or after such a
+  load numbers the steps alike (:func:`is_inert_step`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
 from ..probes.comm import CommTiming
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
@@ -104,6 +110,11 @@ class StepPipeline:
         self._collected: GradSummaries | None = None
         self._closure_step = False
         self._policy_skipped = False
+        self._inert = False
+        self.inert_steps = 0
+        """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
+        self.live: Any = _NO_LIVE
+        """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
         self._norms_by_step: OrderedDict[int, float] = OrderedDict()
         self._late_trainer: OrderedDict[int, float] = OrderedDict()
 
@@ -112,6 +123,7 @@ class StepPipeline:
         if self.step != 0 or self._backward_pending:
             return False
         self.step = step
+        self.live.set(step, DATA)
         return True
 
     # ------------------------------------------------------------------ user-facing inputs
@@ -150,6 +162,7 @@ class StepPipeline:
             self.complete(skipped_by="loop")
         if self._step_start is None:
             self._step_start = time.perf_counter()
+        self.live.set(self.step, FORWARD)
         if self.batch_shapes is None:
             with self.guard("data"):
                 self.batch_shapes = [
@@ -161,10 +174,23 @@ class StepPipeline:
             self.source.on_backward_end()
         self._backward_pending = True
         self._sentinel = self._take_sentinel()
+        self.live.set(self.step, AFTER_BACKWARD)
+
+    def batch_started(self) -> None:
+        """A trainer says a training batch began (Lightning, the HF Trainer): the step is
+        timed from here, and an optimizer step after it is never inert."""
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
 
     def optimizer_pre(self, args: tuple, kwargs: dict) -> None:
         """``args`` as torch passes them to step pre-hooks: ``(optimizer, *step_args)``."""
         closure = kwargs.get("closure") if kwargs else None
+        if closure is None and not self._backward_pending and self._step_start is None:
+            with self.guard("step"):
+                self._inert = is_inert_step(args[0] if args else None)
+            if self._inert:
+                return
+        self.live.set(self.step, OPTIMIZER)
         if closure is not None or (len(args) > 1 and any(callable(a) for a in args[1:])):
             self._closure_step = True  # its backward has not run yet: collect after the step
             return
@@ -176,6 +202,10 @@ class StepPipeline:
             )
 
     def optimizer_post(self) -> None:
+        if self._inert:
+            self._inert = False
+            self.inert_steps += 1
+            return
         self.complete(skipped_by="policy" if self._policy_skipped else None)
 
     def scaler_updated(self, found: Any, scale_before: Any, scale_after: Any) -> None:
@@ -217,6 +247,7 @@ class StepPipeline:
             self._closure_step = self._policy_skipped = False
             self._backward_pending = False
             self._sentinel = None
+            self.live.set(self.step, DATA)
         if not self.background or urgent or self.readback.full:
             self.drain(wait=False)
 
@@ -389,6 +420,34 @@ class StepPipeline:
             if handler is not None:
                 with self.guard(sink.probe):
                     handler(step, ours, theirs, mismatch)
+
+
+class _NoLive:
+    """No crash capture (an unwritable run dir): nothing to keep current."""
+
+    def set(self, step: int, phase: int) -> None:
+        pass
+
+
+_NO_LIVE = _NoLive()
+
+
+def is_inert_step(optimizer: Any) -> bool:
+    """True when every parameter group of ``optimizer`` has lr 0 (a float, or a one-element CPU
+    tensor: reading it is no device sync). The caller has already seen no forward and no
+    backward since the last step. An lr on a device, or a group without one, is a real step."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return False
+    for group in groups:
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type != "cpu" or lr.numel() != 1:
+                return False
+            lr = float(lr)
+        if not isinstance(lr, int | float) or lr != 0:
+            return False
+    return True
 
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:

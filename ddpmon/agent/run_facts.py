@@ -47,7 +47,22 @@ def manifest_extra(mon: Monitor) -> dict:
         "group_names": mon.index.group_names,
         "attempt": mon.attempt.number,
         "recovery": mon.checkpoints.recovery,
+        "data_check": data_check_facts(mon.source, mon.config.data_check_interval),
     }
+
+
+def data_check_facts(source: Any, every: int) -> dict:
+    """The manifest's ``data_check``: how often and over which ranks the duplicate-data check
+    runs, or why it does not."""
+    try:
+        over, why_not = source.data_check_scope()
+    except Exception as exc:
+        over, why_not = None, f"unknown ({exc})"
+    if not every:
+        return {"every": 0, "off": "data_check_interval is 0"}
+    if over is None:
+        return {"every": 0, "off": why_not}
+    return {"every": every, "over": over}
 
 
 def emit_start(mon: Monitor) -> None:

@@ -73,7 +73,9 @@ def _render(tl, show_steps: bool) -> None:
         what = ff.get("param") or ff.get("signal") or ff.get("exc_type") or ff.get("detail") or ""
         console.print(
             f"[bold red]First failure:[/bold red] rank {shown(ff['rank'])}, "
-            f"step {shown(ff['step'])}, {shown(ff['kind'])}" + (f" ({shown(what)})" if what else "")
+            f"step {shown(ff['step'])}"
+            + (f" ({shown(ff['phase'])})" if ff.get("phase") else "")
+            + f", {shown(ff['kind'])}" + (f" ({shown(what)})" if what else "")
             + f" at +{ff['t_rel']:.3f}s " + shown(f"[{ff['class']}]")
         )
         if ff.get("flight_recorder"):

@@ -15,6 +15,9 @@
   become ``thread_exception`` events (the process goes on, so they are not an exit).
 - Normal interpreter exit: an ``exit`` event (``reason="normal"``) from ``atexit``. ``os._exit`` and
   SIGKILL leave no event by nature; the timeline reports such ranks as vanished.
+- The step in progress: each attempt appends a ``ddpmon-live`` line to both files that the
+  training thread keeps current through a shared mapping (:mod:`.live_step`), so a dump names
+  the step that was running, and its phase, without lag.
 - A clean end leaves no empty files: ``faulthandler`` needs an open descriptor from the start,
   so both files are created at install and removed again at ``uninstall`` or normal exit when
   nothing was written to them (a file that already held an earlier attempt's stacks is kept).
@@ -41,6 +44,7 @@ from typing import Any
 
 from ..atomic import write_text_atomic
 from ..rundir import RunDir
+from .live_step import LINE_LEN, LiveStep
 
 log = logging.getLogger("ddpmon.crash")
 
@@ -72,6 +76,8 @@ class CrashCapture:
         self._exit_emitted = False
         self._exit_code: Any = None
         self._prev_sys_exit: Any = None
+        self.live = LiveStep()
+        """The step in progress, for the training thread to keep current (``live.set``)."""
 
     def install(self) -> CrashCapture:
         if self.installed:
@@ -81,6 +87,7 @@ class CrashCapture:
             self._prev_faulthandler = (faulthandler.is_enabled(), None)
             # Kept open for the process's lifetime: the C handler writes to its fd.
             self._crash_file = open(crash_path(self.run_path, self.rank), "a")  # noqa: SIM115
+            self.live.add(self._crash_file)
             faulthandler.enable(file=self._crash_file, all_threads=True)
             self._register_sigterm()
         except Exception as exc:
@@ -104,6 +111,7 @@ class CrashCapture:
         if current not in (signal.SIG_DFL, None):
             return  # the program handles SIGTERM itself; leave its semantics alone
         self._term_file = open(sigterm_path(self.run_path, self.rank), "a")  # noqa: SIM115
+        self.live.add(self._term_file)
         faulthandler.register(signal.SIGTERM, file=self._term_file, all_threads=True, chain=True)
         self._term_registered = True
 
@@ -122,7 +130,8 @@ class CrashCapture:
 
     def _release_files(self) -> None:
         """Hand the fatal-signal and SIGTERM dumps back to their previous owner, then close
-        both files and remove each one that is still empty (nothing happened)."""
+        both files, cut off this attempt's live line where nothing followed it, and remove each
+        file that is then empty (nothing happened)."""
         try:
             if self._term_registered:
                 faulthandler.unregister(signal.SIGTERM)
@@ -135,13 +144,18 @@ class CrashCapture:
                 self._prev_faulthandler = None
         except Exception:
             pass
+        lines = dict(self.live.release())  # unmapped before any cut: no access past the end
         for fh in (self._crash_file, self._term_file):
             if fh is None:
                 continue
             try:
-                empty = os.fstat(fh.fileno()).st_size == 0
+                size = os.fstat(fh.fileno()).st_size
+                start = lines.get(fh.name)
+                if start is not None and size == start + LINE_LEN:
+                    os.truncate(fh.name, start)  # no dump after this attempt's line
+                    size = start
                 fh.close()
-                if empty:
+                if size == 0:
                     os.unlink(fh.name)
             except Exception:
                 pass

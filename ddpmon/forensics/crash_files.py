@@ -13,6 +13,7 @@ from typing import Any
 
 from ..safe_read import open_regular
 from .damage import ReadWarnings
+from .live_step import dumps
 
 SIGNALS = {
     "Segmentation fault": ("SIGSEGV", 11),
@@ -37,17 +38,26 @@ def crash_event(path: Path, rank: int, damage: ReadWarnings | None = None
     if got is None:
         return None
     text, mtime = got
-    matches = _FATAL_RE.findall(text)
-    if not matches:  # empty: opened at attach and never written (no fatal signal); not damage
-        if text.strip():
+    written = dumps(text)
+    fatal = [(live, body) for live, body in written if _FATAL_RE.search(body)]
+    if not fatal:  # empty: opened at attach and never written (no fatal signal); not damage
+        if written:
             damage.add(path, "no 'Fatal Python error' line (truncated or not a faulthandler "
                        "dump)", "no crash counted from it")
         return None
-    what = matches[-1].strip()
+    live, body = fatal[-1]
+    what = _FATAL_RE.findall(body)[-1].strip()
     name, num = SIGNALS.get(what, (what, None))
     return {"ts": mtime, "rank": rank, "kind": "signal", "signal": name, "signum": num,
             "synthetic": True, "source": path.name, "detail": f"Fatal Python error: {what}",
-            "frame": top_frame(text[text.rfind("Fatal Python error"):])}
+            "frame": top_frame(body[body.rfind("Fatal Python error"):]), **_live(live)}
+
+
+def _live(live: dict[str, Any] | None) -> dict[str, Any]:
+    """The step in progress when the signal came (the dump's live line), if it has one."""
+    if live is None or live["step"] < 0:  # no line, or no step pipeline kept it
+        return {}
+    return {"live_step": live["step"], "phase": live["phase"]}
 
 
 def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
@@ -58,15 +68,18 @@ def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
     if got is None:
         return None
     text, mtime = got
-    if not text.strip():  # opened at attach and never written: no SIGTERM
+    written = dumps(text)
+    if not written:  # opened at attach and never written: no SIGTERM
         return None
-    if not _STACK_RE.search(text):
+    live, body = written[-1]
+    if not _STACK_RE.search(body):
         damage.add(path, "no stack in it (truncated or not a faulthandler dump)",
                    "no SIGTERM counted from it")
         return None
     return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
-            "synthetic": True, "source": path.name, "frame": top_frame(text),
-            "detail": "terminated (SIGTERM, usually the launcher stopping survivors)"}
+            "synthetic": True, "source": path.name, "frame": top_frame(body),
+            "detail": "terminated (SIGTERM, usually the launcher stopping survivors)",
+            **_live(live)}
 
 
 CRASH_FILE_BYTES = 4 << 20

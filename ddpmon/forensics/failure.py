@@ -38,9 +38,9 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
     if e.get("kind") == "stall" and fr:
         out["flight_recorder"] = {str(r): v.get("last_enqueued_collective") for r, v in fr.items()}
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
-                "exc_type", "message", "code", "idle_seconds", "detail", "frame", "attempt",
-                "source", "loss_scale", "origin_ranks", "checkpoint", "stage", "microbatch",
-                "site"):
+                "exc_type", "message", "code", "idle_seconds", "detail", "phase", "frame",
+                "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
+                "microbatch", "site"):
         if key in e:
             out[key] = e[key]
     return out

@@ -165,6 +165,7 @@ def build_manifest(
         "not_applicable": not_applicable,
         "attempt": int(extra.pop("attempt", 0) or 0),
         "recovery": extra.pop("recovery", None),
+        "data_check": extra.pop("data_check", None),
         "extra": extra,
     }
     return manifest

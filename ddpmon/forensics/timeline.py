@@ -154,8 +154,9 @@ def build_timeline(path: Path | str) -> Timeline:
         """Last completed step index of ``rank`` in ``attempt`` (default: its newest)."""
         if attempt is None:
             attempt = max((e["attempt"] for e in events if "attempt" in e), default=0)
+        # a signal's step is the one that was running, not a completed one
         mine = [e for e in events if e.get("attempt", 0) == attempt
-                and e.get("kind") not in (att.SAVE, att.LOAD)]
+                and e.get("kind") not in (att.SAVE, att.LOAD, "signal")]
         kept = by_attempt.get(rank, {}).get(attempt, {}).get("step")
         steps = [s for s in (_last_step(mine), kept) if isinstance(s, int)]
         return max(steps) if steps else None
@@ -168,7 +169,10 @@ def build_timeline(path: Path | str) -> Timeline:
                 offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
                 ev["t"] = ev["ts"] + offset
                 ev["attempt"] = att.attempt_at(rank_starts.get(rank, []), ev["ts"])
-                ev["step"] = last_step(rank, per_rank.get(rank, []), ev["attempt"])
+                # the step that was running (the dump's live line); else the last completed one
+                live = ev.pop("live_step", None)
+                ev["step"] = live if isinstance(live, int) else last_step(
+                    rank, per_rank.get(rank, []), ev["attempt"])
                 synthetic.append(ev)
                 ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
                                         "clock_rtt_seconds": None})
@@ -334,8 +338,8 @@ def describe(e: dict[str, Any]) -> str:
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
     for key in ("param", "tensor", "nonfinite", "origin", "stage", "microbatch", "site", "where",
                 "action", "exc_type", "message", "code", "reason", "idle_seconds", "loss_scale",
-                "floor", "frame", "detail", "seconds", "not_restored", "not_stated", "error",
-                "path"):
+                "floor", "phase", "frame", "detail", "seconds", "not_restored", "not_stated",
+                "error", "path"):
         v = e.get(key)
         if v is None or v == "":
             continue

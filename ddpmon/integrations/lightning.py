@@ -111,6 +111,15 @@ class _DdpmonLightning:
         close_monitor(self.monitor)
 
     # ------------------------------------------------------------------ per step
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+                             ) -> None:
+        """A batch began: its optimizer step is a training step even when ``training_step``
+        never calls the module's forward (so no forward hook fires) and the lr is 0 (warm-up)."""
+        pipeline = getattr(self.monitor, "pipeline", None)
+        if pipeline is not None:
+            with contextlib.suppress(Exception):
+                pipeline.batch_started()
+
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """The loss of the step in progress, before its backward (device tensor, not read)."""
         if self.monitor is None:

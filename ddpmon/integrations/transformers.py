@@ -20,6 +20,7 @@ gradient norm the Trainer logs (``grad_norm``, a Python float it already read) g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -95,6 +96,10 @@ class DdpmonCallback(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_loss = None  # a new optimizer step: its first micro-batch comes next
+        pipeline = getattr(self.monitor, "pipeline", None)
+        if pipeline is not None:  # a training step, even at a warm-up's lr 0
+            with contextlib.suppress(Exception):
+                pipeline.batch_started()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._arm_save_timer(args, state, control)

@@ -158,6 +158,11 @@ class GradientSource(ABC):
         self.collectives = CollectiveRecorder(env.on_error)
         """Where this strategy records the collectives it sees (``ddpmon.probes.comm``)."""
 
+    def data_check_scope(self) -> tuple[str | None, str]:
+        """``(over, why_not)``: which ranks the duplicate-data check compares
+        (:mod:`.data_check`), or None and why it does not run (the manifest's ``data_check``)."""
+        return None, f"not available under {self.name}"
+
     def install(self) -> None:  # noqa: B027 (optional hook)
         """Register the hooks this strategy needs (default: none)."""
 

@@ -20,6 +20,7 @@ import torch
 
 from ..probes.comm import CollectiveRecorder, tensor_bytes
 from ..probes.grads import ParamIndex, full_pass, per_param_norms
+from . import data_check
 from .base import GradientSource, GradSummaries, NormVector, SourceEnv
 
 log = logging.getLogger("ddpmon.comm")
@@ -38,8 +39,8 @@ class BucketParts:
     local_buckets: int = 0
     """Buckets whose local norms were measured before the all-reduce (all of them on sampled
     steps and on CUDA); the local norm is reported only when this equals ``buckets``."""
-    fingerprint: tuple[Any, torch.Tensor, torch.Tensor] | None = None
-    """(async all-gather work, every rank's fingerprint, this rank's) on sampled steps."""
+    fingerprint: data_check.Fingerprint | None = None
+    """The duplicate-data check's gather, on sampled steps (:mod:`.data_check`)."""
 
 
 class CommProbe:
@@ -56,7 +57,10 @@ class CommProbe:
         local_norm_every: int = 1,
         grads_are_bucket_views: bool = False,
         collectives: CollectiveRecorder | None = None,
+        group: Any = None,
     ) -> None:
+        """``group``: the DDP module's process group (``None``: the default one), over which
+        the duplicate-data check gathers."""
         if inner_hook is None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
@@ -68,6 +72,7 @@ class CommProbe:
         self._on_error = on_error
         self._parts = BucketParts()
         self._data_check_interval = data_check_interval
+        self._group = group
         self._local_norm_every = max(1, local_norm_every)
         self._grads_are_bucket_views = grads_are_bucket_views
         self._steps_taken = 0
@@ -84,7 +89,7 @@ class CommProbe:
         self._steps_taken += 1
         return parts
 
-    def _local_pass_now(self, bucket: Any, data_check: bool) -> bool:
+    def _local_pass_now(self, bucket: Any, check_data: bool) -> bool:
         """Measure local norms before the all-reduce on this bucket?
 
         Always on accelerators (a pass costs microseconds, and origin detection there must
@@ -94,35 +99,18 @@ class CommProbe:
         the reduced one, and a rank's local gradients are examined only if the reduced ones
         are non-finite (a NaN/Inf anywhere reaches the sum), from ``param.grad``, which DDP
         leaves local until the step's buckets are finalised. Exact either way."""
-        if data_check or self._grads_are_bucket_views:
+        if check_data or self._grads_are_bucket_views:
             return True
         if bucket.buffer().device.type != "cpu":
             return True
         return self._steps_taken % self._local_norm_every == 0
 
     def _data_check_due(self, bucket: Any) -> bool:
-        interval = self._data_check_interval
-        if not interval or self._steps_taken % interval or bucket.index() != 0:
+        if bucket.index() != 0 or not data_check.due(self._data_check_interval, self._steps_taken):
             return False
         import torch.distributed as dist
 
-        return dist.is_initialized() and dist.get_world_size() > 1
-
-    def _launch_fingerprint(self, parts: BucketParts, local_norms: torch.Tensor) -> None:
-        """All-gather one number per rank: the squared norm of its first bucket's *local*
-        gradients. Replicas hold identical parameters, so two ranks with bit-identical local
-        gradients were fed identical batches (a duplicated data shard). Launched before the
-        bucket's own all-reduce on every rank alike, so collectives stay in the same order;
-        asynchronous, read back lazily with the step vector."""
-        import torch.distributed as dist
-
-        wide = local_norms.to(torch.float64)  # one dtype on every rank, whatever happened
-        mine = (wide * wide).sum().reshape(1)
-        gathered = torch.empty(dist.get_world_size(), dtype=mine.dtype, device=mine.device)
-        # all_gather_single replaces the deprecated all_gather_into_tensor (torch >= 2.10).
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(gathered, mine, async_op=True)
-        parts.fingerprint = (work, gathered, mine)
+        return dist.is_initialized() and dist.get_world_size(self._group) > 1
 
     def hook(self, state, bucket):  # unannotated: DDP validates real annotations, not strings
         parts = self._parts
@@ -132,15 +120,15 @@ class CommProbe:
         try:
             params = bucket.parameters()
             positions = [self.index.position[id(p)] for p in params]
-            data_check = self._data_check_due(bucket)
-            local_done = self._local_pass_now(bucket, data_check)
+            check_data = self._data_check_due(bucket)
+            local_done = self._local_pass_now(bucket, check_data)
             if local_done:
                 local_norms = per_param_norms(bucket.gradients())
                 parts.local_norms.append(local_norms)
                 parts.local_positions.extend(positions)
                 parts.local_buckets += 1
-                if data_check:
-                    self._launch_fingerprint(parts, local_norms)
+                if check_data:  # before the bucket's all-reduce, on every rank alike
+                    parts.fingerprint = data_check.launch(local_norms, [self._group])
             parts.buckets += 1
         except Exception as exc:  # never let a probe break the all-reduce
             positions = None
@@ -209,6 +197,7 @@ class DDPSource(GradientSource):
             local_norm_every=env.local_norm_every,
             grads_are_bucket_views=bool(getattr(model, "gradient_as_bucket_view", False)),
             collectives=self.collectives,
+            group=getattr(model, "process_group", None),
         )
         try:
             model.register_comm_hook(None, probe.hook)
@@ -222,6 +211,9 @@ class DDPSource(GradientSource):
                 exc,
             )
             env.on_error("comm", exc)
+
+    def data_check_scope(self) -> tuple[str | None, str]:
+        return "the ranks of the DDP process group", ""
 
     def collect(self) -> GradSummaries:
         parts = self.probe.take() if self.probe is not None else None
@@ -237,7 +229,7 @@ class DDPSource(GradientSource):
             out.reduced = full_pass(self.index, scaled=self.env.grads_scaled_now())
         if parts.local_norms:
             out.local = NormVector(torch.cat(parts.local_norms), parts.local_positions)
-        out.identical_ranks = _identical_ranks(parts, self.env.on_error)
+        out.identical_ranks = data_check.identical_ranks(parts.fingerprint, self.env.on_error)
         return out
 
     def clip_norm(self, params) -> torch.Tensor:
@@ -259,17 +251,3 @@ class DDPSource(GradientSource):
         if scale is not None and not self.env.grads_scaled_now():
             total = total / scale.to(total.dtype)  # bucket norms were of scaled gradients
         return total
-
-
-def _identical_ranks(parts: BucketParts, on_error) -> torch.Tensor | None:
-    """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
-    if parts.fingerprint is None:
-        return None
-    try:
-        work, gathered, mine = parts.fingerprint
-        work.wait()  # done by now (it preceded the step's all-reduces); on NCCL a stream wait
-        same = (gathered == mine) & (mine > 0) & torch.isfinite(mine)
-        return torch.clamp(same.sum() - 1, min=0)  # ourselves are in `same` unless zero
-    except Exception as exc:
-        on_error("data", exc)
-        return None

@@ -182,6 +182,10 @@ class DeepSpeedSource(GradientSource):
     """Gradient source for a ``DeepSpeedEngine`` (``env.model``); see the module doc."""
 
     name = "deepspeed"
+
+    def data_check_scope(self) -> tuple[str | None, str]:
+        return None, "not under DeepSpeed yet: ZeRO reduces inside the engine, before any " \
+            "local fingerprint can be taken"
     decides_steps = True
 
     def __init__(self, env) -> None:

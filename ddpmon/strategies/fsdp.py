@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..probes.comm import tensor_bytes
 from ..probes.grads import per_param_norms
+from . import data_check
 from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
 from .kinds import detect_sharded, fsdp_modules
@@ -192,6 +193,17 @@ class FSDPSource(ShardedSource):
         self._steps = 0
         self._skipped_units = 0
         """Units whose norm pass this step was replaced by the (finite) sum check."""
+        self._data_checked = False
+        self._fingerprint: data_check.Fingerprint | None = None
+        self._replicate_group: Any = None
+        """HSDP: the replicate dim's group, the duplicate-data check's second group."""
+
+    def data_check_scope(self) -> tuple[str | None, str]:
+        if self.name.startswith("hsdp"):
+            return "the shard group and the replicate group of each rank", ""
+        if self.name.endswith("+tp"):
+            return "the dp dim (each rank's reduce-scatter group; TP peers share a batch)", ""
+        return "the FSDP2 reduce-scatter group", ""
 
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:
@@ -236,6 +248,8 @@ class FSDPSource(ShardedSource):
             columns.append(_columns(fsdp_param))
         inner = getattr(group, "_reduce_scatter_comm", None) or DefaultReduceScatter()
         unit = _Unit(positions=positions, columns=columns, hsdp=bool(getattr(group, "_is_hsdp", 0)))
+        if unit.hsdp and self._replicate_group is None:
+            self._replicate_group = getattr(group.mesh_info, "replicate_process_group", None)
         module.set_custom_reduce_scatter(_ProbedReduceScatter(inner, unit, self))
         self._restore.append((module, inner))
         self._units.append(unit)
@@ -297,10 +311,12 @@ class FSDPSource(ShardedSource):
         if len(self._pieces) > _MAX_PIECES_PER_UNIT * max(1, len(self._units)):
             self._pieces.clear()  # collect() is not being called: stay bounded
             self._local_exact = False
+        check = self._data_check_now(group)
+        norms = None
         try:
             unit.reductions += 1
             with torch.no_grad():
-                if not self._local_pass_now(flat):
+                if not check and not self._local_pass_now(flat):
                     self._skipped_units += 1
                     return
                 world = group.size()
@@ -314,10 +330,35 @@ class FSDPSource(ShardedSource):
                     # the unit is judged as a whole and named by its first parameter.
                     self._local_exact = False
                     first = unit.positions[:1] or [0]
-                    self._pieces.append(_LocalPiece(per_param_norms([flat]), first))
+                    norms = per_param_norms([flat])
+                    self._pieces.append(_LocalPiece(norms, first))
         except Exception as exc:
             self._local_exact = False
             self.env.on_error("grads", exc)
+        finally:
+            if check:  # every rank of the group gathers, even after a failure here
+                self._launch_data_check(flat, norms, group)
+
+    def _data_check_now(self, group: dist.ProcessGroup) -> bool:
+        """The duplicate-data check runs on this step's first reduce-scatter (the same unit on
+        every rank: FSDP2 reduces in one order everywhere)."""
+        if self._data_checked or not data_check.due(self.env.data_check_interval, self._steps):
+            return False
+        self._data_checked = True
+        try:
+            return group.size() > 1
+        except Exception:
+            return False
+
+    def _launch_data_check(self, flat: torch.Tensor, norms: torch.Tensor | None,
+                           group: dist.ProcessGroup) -> None:
+        try:
+            if norms is None:  # the pass failed: a value that matches nothing
+                norms = torch.full((1,), float("nan"), device=flat.device)
+            groups = [group] if self._replicate_group is None else [group, self._replicate_group]
+            self._fingerprint = data_check.launch(norms, groups)
+        except Exception as exc:
+            self.env.on_error("data", exc)
 
     def _local_pass_now(self, flat: torch.Tensor) -> bool:
         """Measure this unit's local norms? Always on accelerators (the pass costs microseconds
@@ -346,6 +387,8 @@ class FSDPSource(ShardedSource):
             out.local, out.local_complete = self._local_vector()
         except Exception as exc:
             self.env.on_error("grads", exc)
+        fingerprint, self._fingerprint, self._data_checked = self._fingerprint, None, False
+        out.identical_ranks = data_check.identical_ranks(fingerprint, self.env.on_error)
         if self._norms is not None:
             try:
                 self._take_reduced(self._norms, out)

@@ -57,6 +57,10 @@ class PipelineSource(GradientSource):
 
     name = "pp"
 
+    def data_check_scope(self) -> tuple[str | None, str]:
+        return None, "not for pipeline stages yet: a stage's gather would interleave with " \
+            "the schedule's sends and receives"
+
     def __init__(self, env: SourceEnv, setup: PipelineSetup) -> None:
         super().__init__(env)
         self.setup = setup

@@ -31,6 +31,9 @@ def _world_size() -> int:
 class PlainSource(GradientSource):
     name = "plain"
 
+    def data_check_scope(self) -> tuple[str | None, str]:
+        return None, "no data-parallel wrapper (DDP, FSDP2) whose local gradients it could read"
+
     def __init__(self, env) -> None:
         super().__init__(env)
         self._captured: NormVector | None = None

@@ -29,6 +29,9 @@ from .sharded_source import ShardedSource
 class TensorParallelSource(ShardedSource):
     name: ClassVar[str] = "tp"
 
+    def data_check_scope(self) -> tuple[str | None, str]:
+        return None, "tensor parallel alone: no data-parallel ranks to compare"
+
     def __init__(self, env: SourceEnv) -> None:
         super().__init__(env)
         self._norms: ShardedNorms | None = None

@@ -1,4 +1,5 @@
 import json
+import os
 import signal
 import sys
 import threading
@@ -8,6 +9,7 @@ import pytest
 
 from ddpmon.forensics.crash import CrashCapture, crash_path, sigterm_path
 from ddpmon.forensics.eventlog import EventLog, events_path, read_events
+from ddpmon.forensics.live_step import LINE_RE, dumps
 from ddpmon.forensics.timeline import build_timeline
 
 PRELUDE = """
@@ -141,8 +143,9 @@ def test_segfault_keeps_its_crash_file_with_the_stack(tmp_path, procs):
     assert res.returncode == -signal.SIGSEGV
     assert "Segmentation fault" in crash_path(tmp_path, 1).read_text()
     # SIGSEGV ends the process inside the handler: no Python code runs to tidy up, so the
-    # untouched SIGTERM file stays (empty), and the timeline ignores it.
-    assert sigterm_path(tmp_path, 1).read_text() == ""
+    # SIGTERM file stays, holding only its live line (no dump), and the timeline ignores it.
+    assert LINE_RE.fullmatch(sigterm_path(tmp_path, 1).read_text())
+    assert dumps(sigterm_path(tmp_path, 1).read_text()) == []
     assert build_timeline(tmp_path).ranks[1]["ended"] == "signal SIGSEGV"
 
 
@@ -150,10 +153,27 @@ def test_uninstall_removes_empty_files_but_keeps_earlier_stacks(tmp_path):
     log = EventLog(tmp_path, 1)
     cap = CrashCapture(tmp_path, 1, log).install()
     assert crash_path(tmp_path, 1).exists()  # faulthandler needs the fd from the start
+    assert LINE_RE.fullmatch(crash_path(tmp_path, 1).read_text())  # the live line, no dump
+    cap.live.set(7, ord("O"))
+    assert dumps(crash_path(tmp_path, 1).read_text() + "x") == [
+        ({"step": 7, "phase": "in the optimizer step", "pid": os.getpid()}, "x")]
     cap.uninstall()
     assert not crash_path(tmp_path, 1).exists() and not sigterm_path(tmp_path, 1).exists()
-    crash_path(tmp_path, 1).write_text("Fatal Python error: Segmentation fault\n")
+    earlier = "Fatal Python error: Segmentation fault\n"
+    crash_path(tmp_path, 1).write_text(earlier)
     cap = CrashCapture(tmp_path, 1, log).install()  # a restarted rank appends to it
+    cap.live.set(3, ord("F"))
     cap.uninstall()
+    cap.live.set(4, ord("F"))  # after release: a no-op, never a fault
     log.close()
-    assert "Segmentation fault" in crash_path(tmp_path, 1).read_text()
+    assert crash_path(tmp_path, 1).read_text() == earlier  # this attempt's line cut off again
+
+
+def test_the_dump_names_the_step_that_was_running(tmp_path, procs):
+    code = PRELUDE.replace("CrashCapture(run, 1, log).install()",
+                           "cap = CrashCapture(run, 1, log).install()") + (
+        "cap.live.set(25, ord('F'))\nimport ctypes\nctypes.string_at(0)\n")
+    assert procs.run(code, str(tmp_path)).returncode == -signal.SIGSEGV
+    ff = build_timeline(tmp_path).first_failure
+    assert (ff["step"], ff["phase"]) == (25, "in forward or backward")  # not 24, the last done
+    assert build_timeline(tmp_path).ranks[1]["last_step"] == 24

@@ -71,6 +71,12 @@ EXPECTED = {
     "loader": "__getitem__",
     "between": "between_steps",
 }
+STEP_AND_PHASE = {  # the step that was running: steps 0-2 completed in each script
+    "backward": (3, "in forward or backward"),
+    "optimizer": (3, "in the optimizer step"),
+    "loader": (3, "before its forward"),  # batch 3 is loaded before step 3's forward
+    "between": (4, "before its forward"),  # step 3 completed at opt.step()
+}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,7 @@ def test_the_crash_names_the_training_codes_frame(crashed, where):
     sig = [e for e in build_timeline(run).events if e["kind"] == "signal"]
     assert len(sig) == 1, sig
     assert sig[0]["frame"].startswith(f"{EXPECTED[where]} ({script}:"), (sig[0]["frame"], dump)
+    assert (sig[0]["step"], sig[0]["phase"]) == STEP_AND_PHASE[where], (sig[0], dump)
 
 
 def test_a_dump_without_thread_headers_and_one_of_library_frames_only():

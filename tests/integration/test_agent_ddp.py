@@ -1,5 +1,6 @@
 """Two real ranks (gloo) with the agent attached; scraped over real HTTP."""
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,6 +46,8 @@ def run_workers(tmp_path: Path) -> dict[str, list[dict]]:
                 data["run_id"], None
             }, case
             data["text"] = text
+            manifest = tmp_path / "runs" / data["run_id"] / "manifest.json"
+            data["manifest"] = json.loads(manifest.read_text()) if rank == 0 else None
             data["metrics"] = {
                 (
                     s.name,
@@ -174,3 +177,5 @@ def test_duplicated_data_shard_is_detected_on_both_ranks(runs, clean_run):
         assert value(r, "ddpmon_data_identical_batches_total") == 2
     for r in clean_run:  # distinct shards never match
         assert value(r, "ddpmon_data_identical_batches_total") == 0
+    assert r0["manifest"]["data_check"] == {"every": 2,
+                                            "over": "the ranks of the DDP process group"}

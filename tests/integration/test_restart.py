@@ -79,11 +79,12 @@ def test_sigkill_at_35_restarts_from_30_and_matches_an_uninterrupted_run(baselin
     # loses its last ~1 s of rows to the SIGKILL (steps before 30 that no attempt rewrote), and
     # compare then averages step losses over one rank instead of two.
     code, cmp = cli_json("compare", str(baseline), str(run))
-    # Steps 30-59 are rewritten by attempt 1, so they are always common. Before 30, rank 1 may
-    # lack the rows of its last journal interval (flush_seconds=1 s): on a loaded machine,
-    # steps 25-29 can still be unjournaled when the SIGKILL at 35 lands, and compare keeps only
-    # steps that every rank of both runs has. What it compares must still all be equal.
-    assert cmp["comparable"] and 55 <= cmp["common_steps"] <= 60, cmp
+    # Steps 30-59 are rewritten by attempt 1, so they are always common. Before 30, each rank
+    # keeps only what its history had journaled (every flush_seconds=1 s) when the SIGKILL (rank
+    # 1) or torchrun's SIGTERM (rank 0) landed: with --step-delay 0 the 35 steps can take less
+    # than that first second, so anything from none to all of steps 0-29 is common, and compare
+    # keeps only steps that every rank of both runs has. What it compares must all be equal.
+    assert cmp["comparable"] and 30 <= cmp["common_steps"] <= 60, cmp
     series = {s["name"]: s for s in cmp["series"]}
     assert {"grad_norm", "loss_scale", "skipped"} <= set(series)
     assert any(name.startswith("group:") for name in series)

@@ -178,6 +178,8 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
         # every step, so each step's local numbers are checked; "sampled" runs the CPU default
         # way (one norm pass every SAMPLED_EVERY steps, a sum check on the others)
         local_norm_every=SAMPLED_EVERY if scenario == "sampled" else 1,
+        # the duplicate-data check on every step where the scenario is about it
+        data_check_interval=1 if scenario in ("dupdata", "nested") else 10,
     )
     source = make_source(kind, env)
     source.install()
@@ -185,7 +187,8 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
     opt = torch.optim.SGD(params, lr=0.05)
     spare = scenario == "unused"
     ref_model = Net(spare) if strategy in ("fsdp2", "hsdp") else None
-    gen = torch.Generator().manual_seed(1000 + info["data_seed"])
+    # "dupdata": every rank seeded alike, as a script that forgot to shard its data would be
+    gen = torch.Generator().manual_seed(1000 + (0 if scenario == "dupdata" else info["data_seed"]))
     records = []
     fsdp = strategy != "tp"
     for step in range(steps):
@@ -232,6 +235,8 @@ def run_scenario(strategy: str, scenario: str, steps: int, micro: int) -> dict:
                 "ref_params": ref_params,
                 "clip_norm": clip_norm,
                 "clip_after": clip_after,
+                "identical_ranks": None if out.identical_ranks is None
+                else int(out.identical_ranks),
                 "post_clip_norm": math.sqrt(
                     sum(
                         float(_full(p.grad).double().norm()) ** 2
@@ -307,10 +312,13 @@ SCENARIOS = {
         ("nan", 3, 1),
         ("unused", 3, 1),
         ("sampled", 5, 1),
+        ("dupdata", 2, 1),
     ],
-    "hsdp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("sampled", 5, 1)],
+    "hsdp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("sampled", 5, 1),
+             ("dupdata", 2, 1)],
     "tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("partial", 3, 1)],
-    "fsdp2+tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("sampled", 5, 1)],
+    "fsdp2+tp": [("nested", 12, 1), ("accum", 4, 2), ("nan", 3, 1), ("sampled", 5, 1),
+                 ("dupdata", 2, 1)],
 }
 
 

@@ -251,3 +251,25 @@ def test_clip_norm_reuses_the_reduction_only_for_unchanged_gradients(
                 if name in ("nan", "sampled") and rec["step"] >= NAN_STEP:
                     continue
                 assert _close(rec["clip_after"], rec["post_clip_norm"]), (name, rec["step"])
+
+
+# Identical batches on every rank: other ranks counted over the groups the check gathers in.
+# HSDP: the shard group and the replicate group (1 + 1 of the 3 others); FSDP2+TP: the dp dim
+# only (its TP peer shares the batch by design, and holds other shards).
+DUPLICATES = {"fsdp2": 1, "hsdp": 2, "fsdp2+tp": 1}
+
+
+@pytest.mark.parametrize(("strategy", "n", "kind", "_"), STRATEGIES)
+def test_identical_batches_are_counted_where_data_parallel_ranks_exist(
+    ranks_of, strategy, n, kind, _
+):
+    for rank in ranks_of(strategy, n):
+        scenarios = rank["scenarios"]
+        # distinct batches, checked on every step: never identical
+        assert {r["identical_ranks"] for r in scenarios["nested"]["records"]} == (
+            {0} if strategy in DUPLICATES else {None}), (rank["rank"], strategy)
+        if strategy not in DUPLICATES:
+            assert "dupdata" not in scenarios  # TP alone has no data-parallel peers
+            continue
+        counted = [r["identical_ranks"] for r in scenarios["dupdata"]["records"]]
+        assert counted == [DUPLICATES[strategy]] * 2, (rank["rank"], strategy, counted)

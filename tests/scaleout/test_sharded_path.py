@@ -160,6 +160,18 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
     )
     with run:
         try:
+            # The shards' target lists first, while every rank still runs (the run ends after
+            # ~40 s, and its ranks then leave the lists). Each poll adds what it saw: a list read
+            # while a shard reloads its file_sd can miss a target that it scrapes, and hashmod
+            # puts a target in one shard only.
+            addresses = {f"127.0.0.1:{p}" for p in range(base, base + 4)}
+            seen_in: dict[str, int] = {}
+
+            def listed() -> dict[str, int] | None:
+                seen_in.update(path.shard_of())
+                return dict(seen_in) if addresses <= set(seen_in) else None
+
+            shard_of = wait_for(listed, 60, what="all four ranks in the shards' target lists")
             # Every rank is in the store, two scraped by each shard.
             wait_for(
                 lambda: {
@@ -168,15 +180,6 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
                 } == {"0", "1", "2", "3"},
                 90, what="all four ranks in VictoriaMetrics",
             )
-            # The shards' target lists, once all four are in them: a list read while a shard
-            # reloads its file_sd can miss a target that it scrapes.
-            addresses = {f"127.0.0.1:{p}" for p in range(base, base + 4)}
-
-            def listed() -> dict[str, int] | None:
-                where = path.shard_of()
-                return where if addresses <= set(where) else None
-
-            shard_of = wait_for(listed, 30, what="all four ranks in the shards' target lists")
             per_shard = [
                 sorted(p - base for p in range(base, base + 4)
                        if shard_of.get(f"127.0.0.1:{p}") == s)
