@@ -53,6 +53,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "integrations/test_integration_parts.py": (),
     "multinode/": ("ranks", "services"),
     "parallel/": ("ranks",),
+    "realscripts/": ("ranks",),
     "parallel/test_row_chunks.py": (),
     "scaleout/": ("services",),
     "scaleout/test_sharded_path.py": ("ranks", "services"),

@@ -144,16 +144,19 @@ class CrashCapture:
                 self._prev_faulthandler = None
         except Exception:
             pass
-        lines = dict(self.live.release())  # unmapped before any cut: no access past the end
+        # unmapped before any cut: no access past the end of the file
+        lines = {path: (start, before) for path, start, before in self.live.release()}
         for fh in (self._crash_file, self._term_file):
             if fh is None:
                 continue
             try:
                 size = os.fstat(fh.fileno()).st_size
-                start = lines.get(fh.name)
+                start, before = lines.get(fh.name, (None, 0.0))
                 if start is not None and size == start + LINE_LEN:
                     os.truncate(fh.name, start)  # no dump after this attempt's line
                     size = start
+                    if before:  # the earlier attempt's dump keeps its time
+                        os.utime(fh.name, (before, before))
                 fh.close()
                 if size == 0:
                     os.unlink(fh.name)

@@ -39,17 +39,18 @@ def crash_event(path: Path, rank: int, damage: ReadWarnings | None = None
         return None
     text, mtime = got
     written = dumps(text)
-    fatal = [(live, body) for live, body in written if _FATAL_RE.search(body)]
+    fatal = [(live, body, at) for live, body, at in written if _FATAL_RE.search(body)]
     if not fatal:  # empty: opened at attach and never written (no fatal signal); not damage
         if written:
             damage.add(path, "no 'Fatal Python error' line (truncated or not a faulthandler "
                        "dump)", "no crash counted from it")
         return None
-    live, body = fatal[-1]
+    live, body, at = fatal[-1]
     what = _FATAL_RE.findall(body)[-1].strip()
     name, num = SIGNALS.get(what, (what, None))
-    return {"ts": mtime, "rank": rank, "kind": "signal", "signal": name, "signum": num,
-            "synthetic": True, "source": path.name, "detail": f"Fatal Python error: {what}",
+    return {"ts": mtime if at is None else at, "rank": rank, "kind": "signal", "signal": name,
+            "signum": num, "synthetic": True, "source": path.name,
+            "detail": f"Fatal Python error: {what}",
             "frame": top_frame(body[body.rfind("Fatal Python error"):]), **_live(live)}
 
 
@@ -71,12 +72,13 @@ def sigterm_event(path: Path, rank: int, damage: ReadWarnings | None = None
     written = dumps(text)
     if not written:  # opened at attach and never written: no SIGTERM
         return None
-    live, body = written[-1]
+    live, body, at = written[-1]
     if not _STACK_RE.search(body):
         damage.add(path, "no stack in it (truncated or not a faulthandler dump)",
                    "no SIGTERM counted from it")
         return None
-    return {"ts": mtime, "rank": rank, "kind": "signal", "signal": "SIGTERM", "signum": 15,
+    return {"ts": mtime if at is None else at, "rank": rank, "kind": "signal",
+            "signal": "SIGTERM", "signum": 15,
             "synthetic": True, "source": path.name, "frame": top_frame(body),
             "detail": "terminated (SIGTERM, usually the launcher stopping survivors)",
             **_live(live)}

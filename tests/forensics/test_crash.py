@@ -156,17 +156,21 @@ def test_uninstall_removes_empty_files_but_keeps_earlier_stacks(tmp_path):
     assert LINE_RE.fullmatch(crash_path(tmp_path, 1).read_text())  # the live line, no dump
     cap.live.set(7, ord("O"))
     assert dumps(crash_path(tmp_path, 1).read_text() + "x") == [
-        ({"step": 7, "phase": "in the optimizer step", "pid": os.getpid()}, "x")]
+        ({"step": 7, "phase": "in the optimizer step", "pid": os.getpid()}, "x", None)]
     cap.uninstall()
     assert not crash_path(tmp_path, 1).exists() and not sigterm_path(tmp_path, 1).exists()
     earlier = "Fatal Python error: Segmentation fault\n"
     crash_path(tmp_path, 1).write_text(earlier)
+    os.utime(crash_path(tmp_path, 1), (1000.5, 1000.5))  # when that attempt's dump was written
     cap = CrashCapture(tmp_path, 1, log).install()  # a restarted rank appends to it
     cap.live.set(3, ord("F"))
+    # the earlier dump is timed by the line that followed it, not by the file's new mtime
+    assert [at for _, _, at in dumps(crash_path(tmp_path, 1).read_text())] == [1000.5]
     cap.uninstall()
     cap.live.set(4, ord("F"))  # after release: a no-op, never a fault
     log.close()
     assert crash_path(tmp_path, 1).read_text() == earlier  # this attempt's line cut off again
+    assert crash_path(tmp_path, 1).stat().st_mtime == 1000.5  # and the dump's time kept
 
 
 def test_the_dump_names_the_step_that_was_running(tmp_path, procs):

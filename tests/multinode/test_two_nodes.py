@@ -10,6 +10,7 @@ Prometheus + Alertmanager in the root namespace. Runs as root; skips with the re
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
 
@@ -120,6 +121,13 @@ def test_nan_on_rank3_of_node_b(stack: Stack) -> None:
                                                                 "origin"), ff
 
 
+def _started(alert) -> float:
+    """An alert's ``startsAt`` (RFC 3339, nanoseconds) as a Unix time."""
+    head, _, frac = alert.starts_at.rstrip("Z").partition(".")
+    return datetime.datetime.fromisoformat(head).replace(
+        tzinfo=datetime.UTC).timestamp() + float("0." + (frac or "0"))
+
+
 def test_node_b_dies(stack: Stack) -> None:
     run = "mn-kill"
     job = launch(stack, run, 29401, ["--steps", "40", "--step-delay", "0.1", "--hold", "150"])
@@ -145,8 +153,13 @@ def test_node_b_dies(stack: Stack) -> None:
         assert down <= {"2", "3"}, down
         for a in about_run:
             if a.name == "DdpmonRanksMissing":
+                # `for:` is 2 s here: beside a CPU hog, node B's ranks can come up more than 2 s
+                # after node A's, and the alert then rightly says that none had stopped. After
+                # the kill it names the killed ranks.
                 stopped = a.annotations["description"].split("stopped: ")[-1]
-                assert stopped in ("2.", "3.", "2, 3."), a.annotations
+                after_kill = _started(a) >= killed_at - 1  # Prometheus evaluates every 1 s
+                allowed = ("2.", "3.", "2, 3.") if after_kill else ("none.",)
+                assert stopped in allowed, (a.starts_at, killed_at, a.annotations)
         up = {s["metric"]["rank"]: s["value"][1]
               for s in stack.prometheus.query(f'up{{job="ddpmon",run="{run}"}}')}
         assert up == {"0": "1", "1": "1"}, up  # node A's ranks still serve

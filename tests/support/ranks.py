@@ -160,19 +160,20 @@ def run_launcher(
     timeout: float,
     env: dict[str, str] | None = None,
     retries: int = 2,
+    cwd: Path | None = None,
 ) -> RankOutput:
     """Run a command that starts the ranks itself (``torchrun(...)``, Lightning's launcher) with
     the rank env's defaults (one thread, faulthandler, the repository importable), in its own
     session with a hard timeout; stdout and stderr are returned apart. ``cmd`` may be a function
     that builds the command line on fresh ports: a run that failed with ``EADDRINUSE`` is then
-    started again (at most ``retries`` times)."""
+    started again (at most ``retries`` times). ``cwd``: where it runs (default: the repository)."""
     base = {k: v for k, v in rank_env(0, 1, 0, env).items()
             if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                          "MASTER_ADDR", "MASTER_PORT")}
     base.pop("DDPMON_PORT", None)
     for attempt in range(retries + 1):
         argv = cmd() if callable(cmd) else cmd
-        (output,) = run_group([(argv, base)], timeout, cwd=REPO)
+        (output,) = run_group([(argv, base)], timeout, cwd=cwd or REPO)
         taken = output.code != 0 and PORT_TAKEN in output.stdout + output.stderr
         if not (taken and callable(cmd) and attempt < retries):
             return output
