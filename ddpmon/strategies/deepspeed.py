@@ -45,6 +45,7 @@ import torch
 
 from ..agent.floor import LossScaleFloorError, is_deepspeed_min_scale
 from ..probes.grads import per_param_norms
+from . import data_check
 from .base import GradientSource, GradSummaries, NormVector
 from .deepspeed_comm import CommTimer
 
@@ -184,8 +185,9 @@ class DeepSpeedSource(GradientSource):
     name = "deepspeed"
 
     def data_check_scope(self) -> tuple[str | None, str]:
-        return None, "not under DeepSpeed yet: ZeRO reduces inside the engine, before any " \
-            "local fingerprint can be taken"
+        if not self._local_on:
+            return None, "DeepSpeed's gradients are not readable here (no local norms)"
+        return "the engine's data-parallel group", ""
     decides_steps = True
 
     def __init__(self, env) -> None:
@@ -200,6 +202,8 @@ class DeepSpeedSource(GradientSource):
         self._scale_used: float | torch.Tensor = 1.0
         """The loss scale this step's gradients carry, noted before ``engine.step`` updates it."""
         self._local_on = "DeepCompile" not in self.facts.unreadable
+        self._steps = 0
+        self._fingerprint: data_check.Fingerprint | None = None
         self._reduced_on = not self.facts.unreadable
         self._comm: CommTimer | None = None
 
@@ -258,6 +262,7 @@ class DeepSpeedSource(GradientSource):
         gradient), as the other strategies do. The failure is counted on the rank it happened.
         """
         self._pending = None
+        self._launch_data_check()
         if not self._reduced_on:
             return
         collective = self.facts.stage in (1, 2, 3)
@@ -282,6 +287,28 @@ class DeepSpeedSource(GradientSource):
         self._pending = (sq, work, self._scale_used)
         if failed is not None:
             raise failed
+
+    def _launch_data_check(self) -> None:
+        """The duplicate-data check (:mod:`.data_check`) at the boundary ``engine.step``, on
+        every rank alike: the fingerprint is this step's local squared norms, which the tensor
+        hooks summed over its micro-batches before DeepSpeed reduced anything."""
+        self._fingerprint = None
+        if not self._local_on or not data_check.due(self.env.data_check_interval, self._steps):
+            return
+        group = getattr(self.engine.optimizer, "dp_process_group", None)
+        if group is None:
+            group = getattr(self.engine, "data_parallel_group", None)
+        local = torch.full((1,), float("nan"), dtype=torch.float64)  # matches nothing
+        try:
+            present = [t for t in self._sq if t is not None]
+            if present:
+                local = torch.stack(present).sqrt()
+        except Exception as exc:  # this rank still gathers: no peer is left waiting
+            self.env.on_error("data", exc)
+        try:
+            self._fingerprint = data_check.launch(local, [group])
+        except Exception as exc:
+            self.env.on_error("data", exc)
 
     def _finish_reduced(self) -> NormVector | None:
         """The all-reduced norms of the step (the wait is a stream wait on a GPU, no host read)."""
@@ -335,13 +362,17 @@ class DeepSpeedSource(GradientSource):
     # ------------------------------------------------------------------ per step
     def collect(self) -> GradSummaries:
         reduced = self._finish_reduced()
+        self._steps += 1
+        fingerprint, self._fingerprint = self._fingerprint, None
+        identical = data_check.identical_ranks(fingerprint, self.env.on_error)
         local = None
         present = [(i, t) for i, t in enumerate(self._sq) if t is not None]
         self._sq[:] = [None] * len(self._sq)
         if present:
             norms = torch.stack([t for _, t in present]).sqrt() / self._scale_used
             local = NormVector(norms, [i for i, _ in present], scaled=False)
-        return GradSummaries(reduced=reduced, local=local, local_complete=local is not None)
+        return GradSummaries(reduced=reduced, local=local, local_complete=local is not None,
+                             identical_ranks=identical)
 
     def close(self) -> None:
         super().close()

@@ -120,7 +120,9 @@ class PipelineSource(GradientSource):
             from .detect import SOURCES, make_source
 
             if kind in SOURCES:
-                self.inner = make_source(kind, replace(self.env, span=self._span()))
+                # no duplicate-data check inside a stage yet (data_check_scope says so)
+                self.inner = make_source(
+                    kind, replace(self.env, span=self._span(), data_check_interval=0))
                 self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
                 self.inner.install()
                 plan = getattr(getattr(self.inner, "_norms", None), "plan", None)

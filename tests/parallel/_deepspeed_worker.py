@@ -69,6 +69,11 @@ def configs() -> dict[str, dict]:
     out["z1-bf16-fp32accum"] = {
         "stage": 1, "precision": "bf16", "gas": 1, "check": True, "fp32_accum": True
     }
+    # every rank seeded alike: identical batches, checked on every step
+    for stage in (0, 2, 3):
+        out[f"z{stage}-fp32-dupdata"] = {
+            "stage": stage, "precision": "fp32", "gas": 2, "check": True, "dupdata": True
+        }
     # rank 1's reading of its partitions fails at FAIL_STEP: no rank may hang in the all-reduce
     out["z2-fp32-probe-fails"] = {
         "stage": 2, "precision": "fp32", "gas": 1, "check": True, "fail": True
@@ -137,7 +142,8 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
     if cfg.get("deepcompile"):
         engine.is_deepcompile_enabled = lambda: True
     mon = ddpmon.attach(
-        engine, port=0, run_dir=str(out / "runs"), run_id=f"ds-{name}", stall_seconds=600
+        engine, port=0, run_dir=str(out / "runs"), run_id=f"ds-{name}", stall_seconds=600,
+        data_check_interval=1,
     )
     if cfg.get("fail") and rank == 1 and mon.enabled:
         real = mon.source._reduced_pieces  # test-only: make this rank's own reading fail
@@ -161,7 +167,7 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
         return hook
 
     handles = [p.register_hook(ref_hook(n)) for n, p in names.items()]
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(100 + (0 if cfg.get("dupdata") else rank))
     ds_norms, ref_global, ref_groups, global_steps, skipped, scales = [], [], [], [], [], []
     for step in range(STEPS):
         nan_at["step"] = step

@@ -127,7 +127,11 @@ def test_local_norm_folds_micro_batches(runs, name):
             assert close(float(rec["grad_local_norm"]), ref, LOCAL_REL), (rank, step)
         clean = [float(r["grad_local_norm"]) for r in res["records"][: W.NAN_STEP]]
         other = rank_cfg(runs, 1 - rank, name)["records"][: W.NAN_STEP]
-        assert clean != [float(r["grad_local_norm"]) for r in other]  # per-rank data differs
+        theirs = [float(r["grad_local_norm"]) for r in other]
+        if CONFIGS[name].get("dupdata"):  # every rank seeded alike: the same batches
+            assert clean == theirs
+        else:
+            assert clean != theirs  # per-rank data differs
 
 
 @pytest.mark.parametrize("name", MEASURED)
@@ -294,3 +298,21 @@ def test_collective_counts_match_deepspeeds_own_logger(runs, name):
             assert 0 < mean < res["step_mean"], (op, mean, res["step_mean"])
             assert res["collective_bytes"][op] > 0
         assert "comm" not in res["errors"]
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_identical_batches_are_counted_over_the_data_parallel_group(runs, name):
+    """Checked on every step (``data_check_interval=1``). The dupdata configs seed every rank
+    alike: a step matches where both ranks' local gradients are finite (rank 1's NaN at
+    NAN_STEP, and any step after DeepSpeed applied it, matches nothing). Distinct batches
+    never match."""
+    r0, r1 = (rank_cfg(runs, rank, name)["records"] for rank in (0, 1))
+    assert [r["step"] for r in r0] == [r["step"] for r in r1]
+    for a, b in zip(r0, r1, strict=True):
+        finite = not a["local_nonfinite"] and not b["local_nonfinite"]
+        expected = 1 if CONFIGS[name].get("dupdata") and finite else 0
+        assert a["data_identical_ranks"] == b["data_identical_ranks"] == expected, (name, a["step"])
+    if CONFIGS[name].get("dupdata"):
+        assert sum(r["data_identical_ranks"] for r in r0) >= 1, r0  # not vacuous (step 0)
+    manifest = json.loads((Path(rank_cfg(runs, 0, name)["run_path"]) / "manifest.json").read_text())
+    assert manifest["data_check"] == {"every": 1, "over": "the engine's data-parallel group"}
