@@ -38,6 +38,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
     return result
 
 
+def test_the_backend_is_the_one_accelerate_set_up(run: WorkerRun) -> None:
+    assert run.manifest()["topology"]["backend"] == "gloo"
+
+
 def test_counts_optimizer_steps_not_micro_batches(run: WorkerRun) -> None:
     check_steps(run, STEPS)
     assert run.result(0)["micro_batches"] == STEPS * ACCUMULATE

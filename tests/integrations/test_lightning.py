@@ -60,6 +60,10 @@ def test_attaches_to_the_wrapped_model_and_the_plugin_scaler(run: WorkerRun) -> 
         assert (run.sample(rank, "ddpmon_collective_bytes_total", op="all_reduce") or 0) > 0
 
 
+def test_the_backend_is_the_one_lightning_set_up(run: WorkerRun) -> None:
+    assert run.manifest()["topology"]["backend"] == "gloo"
+
+
 def test_steps_equal_the_trainers_global_steps(run: WorkerRun) -> None:
     check_steps(run, STEPS)
 

@@ -67,6 +67,7 @@ def test_strategy_and_manifest(runs, name):
     assert facts["gradient_accumulation_steps"] == cfg["gas"]
     assert facts["gradient_clipping"] == W.CLIP
     assert manifest["extra"]["strategy"] == f"deepspeed-zero{cfg['stage']}"
+    assert manifest["topology"]["backend"] == "gloo"  # deepspeed.init_distributed's group
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

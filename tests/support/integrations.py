@@ -43,6 +43,11 @@ class WorkerRun:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
+    def manifest(self) -> dict:
+        path = self.out / "runs" / RUN_ID / "manifest.json"
+        assert path.exists(), f"no manifest; output:\n{self.output[-4000:]}"
+        return json.loads(path.read_text())
+
     def summary(self, rank: int) -> dict:
         path = self.out / "runs" / RUN_ID / f"summary.rank{rank}.json"
         assert path.exists(), f"rank {rank} wrote no ddpmon summary; output:\n{self.output[-4000:]}"
