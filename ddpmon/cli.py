@@ -29,7 +29,8 @@ ORDER = (
     "daemon",
     "jobs",
 )
-"""Preferred listing order (DESIGN.md §9); names without a module are skipped."""
+"""Preferred listing order (that of docs/reference/cli.md); names without a module are
+skipped."""
 
 EXTRAS = {
     "grafana_foundation_sdk": "dashboards",

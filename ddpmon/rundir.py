@@ -129,9 +129,6 @@ class RunDir:
     def history(self, rank: int) -> Path:
         return self.path / f"history.rank{_rank(rank)}.arrow"
 
-    def history_journal(self, rank: int) -> Path:
-        return history_journal_of(self.history(rank))
-
     def annotations(self) -> Path:
         return self.path / ANNOTATIONS
 

@@ -46,7 +46,8 @@ class StepHooks:
             self.close()  # all or nothing
             raise
 
-    # Hook bodies stay tiny: the pipeline guards its own work.
+    # Hook bodies stay tiny: the pipeline guards its own work; what runs here before reaching it
+    # is guarded too (nothing raises into forward, backward or the optimizer step).
     def _on_forward(self, module: Any, args: tuple) -> None:
         if not self.closed and torch.is_grad_enabled():
             self.pipeline.forward_started(args)
@@ -54,21 +55,29 @@ class StepHooks:
     def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
         if self.closed or not torch.is_grad_enabled():
             return
-        if isinstance(output, torch.Tensor):  # the common case: one cheap node pre-hook
-            node = output.grad_fn
-            if node is not None:
-                node.register_prehook(self._on_output_grad)
-            elif output.requires_grad:
-                output.register_hook(self._on_output_grad)
-            return
-        tensors = _grad_outputs(output)
-        if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._on_output_grad, mode="any")
+        with self.pipeline.guard("step"):
+            if isinstance(output, torch.Tensor):  # the common case: one cheap node pre-hook
+                node = output.grad_fn
+                if node is not None:
+                    node.register_prehook(self._on_output_grad)
+                elif output.requires_grad:
+                    output.register_hook(self._on_output_grad)
+                return
+            tensors = _grad_outputs(output)
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._on_output_grad, mode="any"
+                )
 
     def _on_output_grad(self, grad: Any) -> None:
-        """Backward reached the model's output (a tensor hook or its node's pre-hook)."""
-        engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(self._on_backward_end))
+        """Backward reached the model's output (a tensor hook or its node's pre-hook). The
+        end-of-backward callback goes through the autograd engine's ``queue_callback``, a
+        private torch API (``Variable._execution_engine``): a torch without it costs the
+        end-of-backward boundary (the step's gradients are then collected at the optimizer
+        step), counted under ``step``, never an exception in backward."""
+        with self.pipeline.guard("step"):
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: engine.queue_callback(self._on_backward_end))
 
     def _on_backward_end(self) -> None:
         if not self.closed:
@@ -81,10 +90,6 @@ class StepHooks:
     def _on_step_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if not self.closed:
             self.pipeline.optimizer_post()
-
-    def on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
-        if not self.closed:
-            self.pipeline.scaler_updated(found, before, after)
 
     def close(self) -> None:
         self.closed = True

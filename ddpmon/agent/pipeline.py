@@ -8,7 +8,7 @@ Everything derived (the record: global and group norms, origin, mismatch; then t
 state, events, progress, history) happens when the values are drained (``drain``), on the
 agent's record thread (``drainer.RecordThread``) when one runs, else right after each step.
 
-What counts as a step (DESIGN §3): one optimizer step, whoever decides it:
+What counts as a step (docs/concepts.md, The step): one optimizer step, whoever decides it:
 - ``optimizer.step()`` (post-hook), or ``scaler.update()`` when a GradScaler is given (so a step
   the scaler skips is still a step);
 - ``optimizer.step(closure)``: the closure's backward runs inside ``step``, so its gradients are

@@ -11,7 +11,6 @@ Errors are JSON ``{"error": ..., "status": ...}`` with 400/401/403/404/409.
 
 import hmac
 import os
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -341,6 +340,3 @@ def _tail(logs_dir: Path, path: Path, size: int) -> bytes:
         fh.seek(max(0, fh.tell() - size))
         return fh.read(size)
 
-
-def job_id_valid(job_id: str) -> bool:
-    return re.fullmatch(JOB_ID_PATTERN, job_id) is not None

@@ -451,9 +451,6 @@ class JobManager:
         self.store.save_job(job)
         log.info("job %s: %s %s", job.id, job.state, job.reason or "")
 
-    def active_ports(self) -> dict[str, list[int]]:
-        return {j.id: j.ports for j in self.store.list_jobs(("RUNNING",))}
-
 
 def _failure_reason(result: dict[str, Any], first: dict[str, Any] | None) -> str:
     if result.get("outcome") == "signalled":

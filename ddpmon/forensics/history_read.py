@@ -224,11 +224,6 @@ def pa_errors() -> tuple[type[BaseException], ...]:
     return (pa.ArrowException, OSError, ValueError, IndexError, TypeError)
 
 
-def read_run_histories(run: RunDir) -> dict[int, History]:
-    """rank -> history of every rank that left one."""
-    return {rank: read_history(p, rank) for rank, p in run.ranked(HISTORY_RE).items()}
-
-
 def iter_histories(run: RunDir, damage: ReadWarnings):
     """``(rank, History)`` of every rank whose history is usable, one at a time (memory stays
     one rank's); a damaged file is named in ``damage`` and never stops the other ranks."""

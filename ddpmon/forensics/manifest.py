@@ -1,4 +1,4 @@
-"""The run manifest: what a person needs to reproduce or compare a run (DESIGN.md §6).
+"""The run manifest: what a person needs to reproduce or compare a run (docs/forensics/timeline.md).
 
 One file per run: rank 0 writes ``run_dir/<run_id>/manifest.json``, once
 (:func:`write_run_manifest` builds and writes it in one call). Other ranks write nothing: what

@@ -1,11 +1,11 @@
 """``ddpmon report``: one self-contained HTML page a person can read after a failed run.
 
-Sections follow the four layers (DESIGN §1): the manifest summary, the first failure and the
-timeline, then plots: numerics (loss; global and local norms per rank; group norms as a
-group x step heatmap; loss scale with skipped steps), data supply (step time and data wait),
-memory, communication (all-reduce p50/p99 across ranks). ``compare`` overlays a second run and
-adds the ``ddpmon compare`` table. No script, no stylesheet or font from elsewhere: every byte
-is in the file (plots are inline SVG, see :mod:`report_plots`).
+Sections follow the four layers (numerics, data supply, memory, communication): the manifest
+summary, the first failure and the timeline, then plots: numerics (loss; global and local norms
+per rank; group norms as a group x step heatmap; loss scale with skipped steps), data supply
+(step time and data wait), memory, communication (all-reduce p50/p99 across ranks). ``compare``
+overlays a second run and adds the ``ddpmon compare`` table. No script, no stylesheet or font
+from elsewhere: every byte is in the file (plots are inline SVG, see :mod:`report_plots`).
 """
 
 from __future__ import annotations

@@ -60,18 +60,6 @@ class NvmlSource:
     def available(self) -> bool:
         return self._ensure() is not None
 
-    def device_count(self) -> int:
-        nvml = self._ensure()
-        return 0 if nvml is None else int(nvml.nvmlDeviceGetCount())
-
-    def uuid_of(self, index: int) -> str | None:
-        nvml = self._ensure()
-        if nvml is None:
-            return None
-        try:
-            return _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
-        except Exception:
-            return None
 
     def read(self, indices: list[int] | None = None) -> list[GpuReading]:
         """Readings for ``indices`` (all GPUs when None). Raises if NVML is unavailable."""

@@ -1,6 +1,6 @@
 """Gradient sources: where one optimizer step's gradients are seen, per parallelism strategy.
 
-DESIGN §8: the gradient source is a strategy chosen at attach; the rest of the agent (step
+The gradient source is a strategy chosen at attach; the rest of the agent (step
 pipeline, step vector, sinks) does not care which. A source produces *device* vectors of
 per-parameter L2 norms (``NormVector``: one fused pass, e.g. ``probes.grads.per_param_norms``,
 plus at most one small reduction) and never reads a device value on the host on the normal

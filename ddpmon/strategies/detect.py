@@ -1,4 +1,4 @@
-"""Which strategy a model is trained with, decided once at attach (DESIGN §8).
+"""Which strategy a model is trained with, decided once at attach (docs/architecture.md).
 
 ``SOURCES`` maps a strategy name to its gradient source (``module:Class``, imported lazily so
 that FSDP2/DTensor code is only loaded where it is used). A model ddpmon cannot analyse

@@ -116,10 +116,6 @@ class ReductionPlan:
     """Where this rank's block sits in a vector summed over a disjoint span, if any."""
 
     @property
-    def needs_comm(self) -> bool:
-        return bool(self.groups)
-
-    @property
     def width(self) -> int:
         """Length of the reduced vector, without its failure slot."""
         return self.span.total if self.span is not None else self.mask.numel()

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ddpmon.mixin import render, shipped
-from tests.support.contract import DESIGN_ALERTS
+from tests.support.contract import CONTRACT_ALERTS
 from tests.support.stack import Alertmanager, WebhookReceiver, wait_for
 
 AMTOOL = shutil.which("amtool") or "/usr/bin/amtool"
@@ -33,7 +33,7 @@ def _route(labels: dict[str, str], receiver: str) -> subprocess.CompletedProcess
 def test_every_alert_routes_by_severity() -> None:
     groups = yaml.safe_load(render.generate()[render.ALERTS_FILE])["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert {r["alert"] for r in rules} == set(DESIGN_ALERTS)
+    assert {r["alert"] for r in rules} == set(CONTRACT_ALERTS)
     for rule in rules:
         severity = rule["labels"]["severity"]
         labels = {"alertname": rule["alert"], "severity": severity, "run": "r1"}

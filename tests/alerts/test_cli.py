@@ -28,7 +28,7 @@ def test_lists_exactly_the_command_modules() -> None:
 
 
 def test_a_new_command_module_is_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Another engineer adds ``ddpmon/commands/compare.py``: it is listed, in DESIGN order."""
+    """Another engineer adds ``ddpmon/commands/compare.py``: it is listed, in documented order."""
     extra = tmp_path / "commands"
     extra.mkdir()
     (extra / "zzz_probe.py").write_text(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.contract import DESIGN_ALERTS, PROM_DIR
+from tests.support.contract import CONTRACT_ALERTS, PROM_DIR
 from tests.support.engines import reads
 
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
@@ -25,7 +25,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
 def test_check_rules_clean() -> None:
     proc = _promtool("check", "rules", "ddpmon-rules.yml", "ddpmon-alerts.yml")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"SUCCESS: {len(DESIGN_ALERTS)} rules found" in proc.stdout
+    assert f"SUCCESS: {len(CONTRACT_ALERTS)} rules found" in proc.stdout
 
 
 @pytest.mark.parametrize("path", TEST_FILES, ids=lambda p: p.name)
@@ -72,7 +72,7 @@ def test_unit_tests_cover_every_alert_before_and_after_for() -> None:
                 if check.get("exp_alerts"):
                     firing.add(name)
                     for alert in check["exp_alerts"]:
-                        assert alert["exp_labels"]["severity"] == DESIGN_ALERTS[name]
+                        assert alert["exp_labels"]["severity"] == CONTRACT_ALERTS[name]
                         assert set(alert["exp_annotations"]) == {
                             "summary", "description", "runbook_url"
                         }
@@ -80,6 +80,6 @@ def test_unit_tests_cover_every_alert_before_and_after_for() -> None:
                     quiet.add(name)
                 if has_stale:
                     stale.add(name)
-    assert quiet >= set(DESIGN_ALERTS), set(DESIGN_ALERTS) - quiet
-    assert firing >= set(DESIGN_ALERTS), set(DESIGN_ALERTS) - firing
+    assert quiet >= set(CONTRACT_ALERTS), set(CONTRACT_ALERTS) - quiet
+    assert firing >= set(CONTRACT_ALERTS), set(CONTRACT_ALERTS) - firing
     assert {"DdpmonRankDown", "DdpmonRanksMissing"} <= stale

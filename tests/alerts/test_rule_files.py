@@ -12,7 +12,7 @@ from ddpmon.cli import main
 from ddpmon.mixin import render
 from ddpmon.mixin.alerts import alerts
 from ddpmon.mixin.config import MixinConfig
-from tests.support.contract import DESIGN_ALERTS, PROM_DIR
+from tests.support.contract import CONTRACT_ALERTS, PROM_DIR
 
 
 def _committed_alert_rules() -> list[dict]:
@@ -39,10 +39,10 @@ def test_rules_check_command_detects_drift(tmp_path: Path, capsys) -> None:
 def test_every_design_alert_present_with_contract_fields() -> None:
     rules = _committed_alert_rules()
     by_name = {rule["alert"]: rule for rule in rules}
-    assert set(by_name) == set(DESIGN_ALERTS)
+    assert set(by_name) == set(CONTRACT_ALERTS)
     runbook = (PROM_DIR / "runbook.md").read_text()
     anchors = {h.lower() for h in re.findall(r"^#+ (Ddpmon\w+)\s*$", runbook, re.M)}
-    for name, severity in DESIGN_ALERTS.items():
+    for name, severity in CONTRACT_ALERTS.items():
         rule = by_name[name]
         assert rule["labels"]["severity"] == severity, name
         assert re.fullmatch(r"[0-9]+[smh]", rule["for"]), name

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from ddpmon.export.discovery import FileSDPublisher
-from tests.support.contract import DESIGN_ALERTS
+from tests.support.contract import CONTRACT_ALERTS
 from tests.support.ports import free_port
 from tests.support.stack import PrometheusAPI, wait_for
 
@@ -66,7 +66,7 @@ def test_stack_serves_shipped_config_and_stops_on_sigterm(tmp_path: Path) -> Non
         prom = PrometheusAPI(f"http://127.0.0.1:{port}")
         groups = prom.api("rules")["groups"]
         kinds = [r["type"] for g in groups for r in g["rules"]]
-        assert kinds.count("alerting") == len(DESIGN_ALERTS) and kinds.count("recording") >= 19
+        assert kinds.count("alerting") == len(CONTRACT_ALERTS) and kinds.count("recording") >= 19
         up = wait_for(lambda: prom.query('up{job="ddpmon"} == 1'), 30, what="target scraped")
         assert up[0]["metric"]["run"] == "s1" and up[0]["metric"]["node"] == "n"
         FakeRank.nonfinite = 1

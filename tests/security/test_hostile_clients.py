@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def realistic_render():
-    """About 150 series, the per-rank budget of DESIGN.md."""
+    """About 150 series, the per-rank series budget (docs/architecture.md)."""
     reg = CollectorRegistry()
     g = Gauge("ddpmon_grad_group_norm", "norm", ["run", "rank", "group"], registry=reg)
     for i in range(100):

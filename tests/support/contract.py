@@ -1,18 +1,18 @@
-"""The alert contract of DESIGN.md §5, copied by hand so a rename in the generator cannot pass."""
+"""The alert contract of docs/alerts.md, copied by hand so a rename in the generator cannot pass."""
 
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROM_DIR = REPO / "deploy" / "prometheus"
 
-DESIGN_ALERTS = {
+CONTRACT_ALERTS = {
     "DdpmonLossScaleAtFloor": "critical",
     "DdpmonLossScaleCollapsing": "warning",
     "DdpmonNonFiniteGradients": "critical",
     "DdpmonNonFiniteLoss": "critical",
     "DdpmonGradNormSpike": "warning",
     "DdpmonGradDesync": "critical",
-    # Added after DESIGN.md §5 was written, with the agent's identical-batch check.
+    # Added with the agent's identical-batch check.
     "DdpmonDuplicateDataShards": "warning",
     "DdpmonTrainingStalled": "critical",
     "DdpmonRankDown": "critical",

@@ -61,8 +61,7 @@ def torch_norm(model: torch.nn.Module) -> float:
 def test_plain_tensors_need_no_reduction():
     params = [torch.zeros(3), torch.zeros(2, 2)]
     plan = build_plan(params)
-    assert not plan.needs_comm
-    assert plan.groups == []
+    assert plan.groups == []  # nothing to reduce over
     assert plan.mask.tolist() == [1.0, 1.0]
     assert plan.width == 2
 
@@ -70,7 +69,6 @@ def test_plain_tensors_need_no_reduction():
 def test_sharded_parameters_reduce_over_their_mesh_group(mesh):
     model = Sharded(mesh)
     plan = build_plan(list(model.parameters()))
-    assert plan.needs_comm
     assert len(plan.groups) == 1  # one mesh dim, named once for both sharded weights
     assert plan.mask.dtype == torch.float64
     assert plan.mask.tolist() == [1.0, 1.0, 1.0]  # rank 0 of the group counts the replica

@@ -1,4 +1,4 @@
-"""Alert rules of DESIGN.md §5, generated from a :class:`MixinConfig`, one module per layer.
+"""Alert rules (docs/alerts.md), generated from a :class:`MixinConfig`, one module per layer.
 
 Every alert has ``severity``, ``for``, a static ``summary`` ending in a period, a templated
 ``description`` naming the run and the rank(s), and ``runbook_url`` pointing at its heading in
