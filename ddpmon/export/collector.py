@@ -30,6 +30,7 @@ from ..sources.allocator import AllocatorReading
 from ..sources.host import ProcessReading
 from ..sources.nvml import GpuReading
 from ..state import Histogram, MetricState
+from ..strategies import table
 
 log = logging.getLogger("ddpmon.collector")
 
@@ -98,15 +99,9 @@ class LiveSources:
             return None
 
 
-REDUCED_STRATEGIES = ("ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp", "hsdp+tp")
-"""Strategies whose reduced norms are the whole model's, identical on every rank (DeepSpeed ZeRO
-too, as ``deepspeed-zero<N>``). ``plain`` (no wrapper: ranks may train different things) and
-``unsupported:*`` (local numbers only) are not."""
-
-
-def reduced_norms_identical(strategy: str) -> bool:
-    """True when every rank of the job computes the same reduced global and group norms."""
-    return strategy in REDUCED_STRATEGIES or strategy.startswith("deepspeed-zero")
+reduced_norms_identical = table.reduced_norms_identical
+"""Whether every rank computes the same reduced norms (``strategies.table``): ``plain`` and
+``unsupported:*`` (local numbers only) do not."""
 
 
 def exports_group_norms(profile: str, rank: int, strategy: str) -> bool:

@@ -15,19 +15,12 @@ import logging
 import torch
 
 from .base import GradientSource, SourceEnv
+from .table import STRATEGIES
 
 log = logging.getLogger("ddpmon")
 
-SOURCES: dict[str, str] = {
-    "plain": "ddpmon.strategies.plain:PlainSource",
-    "ddp": "ddpmon.strategies.ddp:DDPSource",
-    "fsdp2": "ddpmon.strategies.fsdp:FSDPSource",
-    "hsdp": "ddpmon.strategies.fsdp:FSDPSource",
-    "tp": "ddpmon.strategies.tensor_parallel:TensorParallelSource",
-    "fsdp2+tp": "ddpmon.strategies.fsdp:FSDPSource",
-    "hsdp+tp": "ddpmon.strategies.fsdp:FSDPSource",
-    "deepspeed": "ddpmon.strategies.deepspeed:DeepSpeedSource",
-}
+SOURCES: dict[str, str] = {name: s.source for name, s in STRATEGIES.items()}
+"""Strategy name -> its source's ``module:Class`` (from :mod:`.table`)."""
 
 
 PIPELINE_HINT = (

@@ -10,13 +10,15 @@ from __future__ import annotations
 import torch
 
 from .dtensor_norms import is_dtensor, is_sharded
+from .table import SHARDED
 
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - torch without FSDP2
     FSDPModule = None  # type: ignore[assignment,misc]
 
-SHARDED_KINDS = ("fsdp2", "hsdp", "tp", "fsdp2+tp", "hsdp+tp")
+SHARDED_KINDS = SHARDED
+"""The sharded rows of :mod:`.table`."""
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
