@@ -97,7 +97,7 @@ class Endpoint:
                 self._sd.publish()
         if cfg.daemon_url:
             with guard("discovery"):
-                from ..daemon.client import register_rank
+                from ..export.registration import register_rank
 
                 info = {
                     **labels,
@@ -151,7 +151,7 @@ class Endpoint:
                 pass
         if self._daemon is not None:
             try:
-                from ..daemon.client import deregister_rank
+                from ..export.registration import deregister_rank
 
                 deregister_rank(*self._daemon)
             except Exception:

@@ -33,27 +33,12 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+# The error and DeepSpeed's minimum-scale test live in ``ddpmon.errors`` (strategies use them).
+from ..errors import DEEPSPEED_MIN_SCALE, LossScaleFloorError, is_deepspeed_min_scale
+
 log = logging.getLogger("ddpmon")
 
-DEEPSPEED_MIN_SCALE = "loss scale already at minimum"
-"""Text of DeepSpeed's ``DynamicLossScaler`` exception at its ``min_loss_scale``."""
-
-
-class LossScaleFloorError(RuntimeError):
-    """Raised by ``on_loss_scale_floor="raise"`` on every rank at the same step, with one message
-    naming the step, the scale, the overflows' origin ranks and the last checkpoint."""
-
-    def __init__(self, message: str, *, step: int, loss_scale: float | None,
-                 origin_ranks: list[int], checkpoint: dict | None) -> None:
-        super().__init__(message)
-        self.step = step
-        self.loss_scale = loss_scale
-        self.origin_ranks = origin_ranks
-        self.checkpoint = checkpoint
-
-
-def is_deepspeed_min_scale(exc: BaseException) -> bool:
-    return type(exc) is Exception and DEEPSPEED_MIN_SCALE in str(exc)
+__all__ = ["DEEPSPEED_MIN_SCALE", "FloorStreak", "LossScaleFloorError", "is_deepspeed_min_scale"]
 
 
 class FloorStreak:

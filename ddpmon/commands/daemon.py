@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from ..daemon.agent_socket import SOCKET_NAME, AgentSocketError
+        from ..agent_socket import SOCKET_NAME, AgentSocketError
         from ..daemon.app import create_app
         from ..daemon.hostcheck import host_names
         from ..daemon.jobs import JobManager

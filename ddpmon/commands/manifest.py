@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.forensics.damage import ReadWarnings
+    from ddpmon.damage import ReadWarnings
     from ddpmon.forensics.manifest import CHECKLIST, check_manifest
     from ddpmon.forensics.run_facts import load_manifest
     from ddpmon.forensics.timeline import RunDirError, resolve_run_path

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from ddpmon.atomic import write_text_atomic
-    from ddpmon.forensics.damage import ReadWarnings
+    from ddpmon.damage import ReadWarnings
     from ddpmon.forensics.report import ReportError, build_report
 
     from ._damage import print_damage

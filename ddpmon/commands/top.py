@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import metrics
+from ..damage import ReadWarnings
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, read_sd_dir
-from ..forensics.damage import ReadWarnings
 from ..terminal import clean_line, shown
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from .agent_socket import Peer
+from ..agent_socket import Peer
 from .processes import process_start_time, same_process
 from .store import Store
 

@@ -36,9 +36,9 @@ from urllib.parse import unquote
 
 import h11
 
+from ..agent_socket import Peer, listen, peer_credentials
 from ..export.webconfig import WebConfig
 from . import hostcheck
-from .agent_socket import Peer, listen, peer_credentials
 from .asgi import (
     asgi_scope,
     call_app,

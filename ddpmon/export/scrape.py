@@ -19,7 +19,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import metrics
-from ..forensics.damage import ReadWarnings
+from ..damage import ReadWarnings
 from .scrape_config import (
     BasicAuth,
     ScrapeConfig,
@@ -234,7 +234,7 @@ def read_sd_dir(
     """:func:`targets_from_sd_dir` that names each damaged file in ``damage``: not JSON, not a
     list of ``{"targets": [...], "labels": {...}}`` groups, or a group of another shape. What is
     readable is still used (another file's targets, the good groups of a file)."""
-    from ..forensics.damage import parse_json_object, type_name
+    from ..damage import parse_json_object, type_name
 
     found: list[tuple[str, dict]] = []
     for path in sorted(Path(sd_dir).glob("*.json")):

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_json_atomic
+from ..damage import ReadWarnings, read_json
 from ..rundir import ANNOTATIONS  # noqa: E402
-from .damage import ReadWarnings, read_json
 
 KNOWN = ("global_batch", "micro_batch", "accumulation", "seed")
 """Fields ``ddpmon compare`` reads; any other JSON-able field is kept as well."""

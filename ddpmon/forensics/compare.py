@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from ..damage import ReadWarnings
 from ..rundir import HISTORY_RE, RunDir
 from .annotations import load_annotations
-from .damage import ReadWarnings
 from .history_read import History, iter_histories
 from .run_facts import Resume, load_manifest, ranks_present, resumes
 
@@ -110,7 +110,7 @@ class Comparison:
     resumes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Per run: each resume from a checkpoint (attempt, step, states it did not restore)."""
     damaged: list[dict[str, str]] = field(default_factory=list)
-    """Every damaged file of both runs (:class:`~ddpmon.forensics.damage.Damage` records)."""
+    """Every damaged file of both runs (:class:`~ddpmon.damage.Damage` records)."""
 
     @property
     def diverged(self) -> bool:

@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..damage import ReadWarnings
 from ..safe_read import open_regular
-from .damage import ReadWarnings
 from .live_step import dumps
 
 SIGNALS = {

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..damage import ReadWarnings
 from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
 from ..rundir import history_journal_of as journal_path
 from ..safe_read import open_regular
-from .damage import ReadWarnings
 from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS
 
 FORMAT = "1"

@@ -245,7 +245,7 @@ def recovery_gaps(manifest: Mapping[str, Any]) -> list[str]:
 
 def check_manifest(run_path: Path | str) -> list[str]:
     """Checklist items missing from rank 0's manifest (``["manifest.json"]`` when absent)."""
-    from .damage import parse_json_object
+    from ..damage import parse_json_object
 
     path = manifest_path(run_path, 0)
     try:

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from ..damage import ReadWarnings
 from ..rundir import RunDir
 from . import report_plots as rp
 from .annotations import load_annotations
 from .compare import resolve_run
-from .damage import ReadWarnings
 from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present

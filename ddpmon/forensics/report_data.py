@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..damage import ReadWarnings, read_json
 from ..rundir import PROGRESS_RE, RunDir
 from . import report_plots as rp
-from .damage import ReadWarnings, read_json
 from .history_read import History, iter_histories
 
 PER_RANK = (

@@ -2,7 +2,7 @@
 run's event logs record (what each resume did not restore).
 
 Why a module of its own: ``compare``, ``report`` and ``manifest`` read the same files and must
-say the same thing when one is damaged (see :mod:`ddpmon.forensics.damage`).
+say the same thing when one is damaged (see :mod:`ddpmon.damage`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..damage import ReadWarnings, check_version, read_json, read_json_lines
 from ..rundir import EVENTS_RE, HISTORY_JOURNAL_RE, HISTORY_RE, PROGRESS_RE, RunDir
 from . import attempts as att
-from .damage import ReadWarnings, check_version, read_json, read_json_lines
 
 MANIFEST_SCHEMA = 1
 """The manifest ``schema`` this ddpmon writes and reads."""

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..damage import ReadWarnings, read_json, read_json_lines
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
 from .crash_files import crash_event, sigterm_event
-from .damage import ReadWarnings, read_json, read_json_lines
 from .failure import ending, first_failure
 
 

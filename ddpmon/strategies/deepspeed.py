@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..agent.floor import LossScaleFloorError, is_deepspeed_min_scale
+from ..errors import LossScaleFloorError, is_deepspeed_min_scale
 from ..probes.grads import per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector

@@ -162,7 +162,7 @@ def test_registration_and_sd(daemon: Daemon) -> None:
 # A rank as the agent is one: its own endpoint, registered through the agent's client.
 RANK = """
 import socket, sys, time
-from ddpmon.daemon.client import register_rank
+from ddpmon.export.registration import register_rank
 srv = socket.create_server(("127.0.0.1", 0))
 port = srv.getsockname()[1]
 register_rank("unix:" + sys.argv[1], {"run": "r1", "rank": 3, "local_rank": 1, "node": "n",
@@ -173,7 +173,7 @@ time.sleep(60)
 
 
 def test_client_never_raises(daemon: Daemon) -> None:
-    from ddpmon.daemon.client import deregister_rank, register_rank
+    from ddpmon.export.registration import deregister_rank, register_rank
 
     info = {"run": "c1", "rank": "0", "local_rank": "0", "node": "n", "pid": os.getpid(),
             "port": 7470, "target": "127.0.0.1:7470", "job_id": ""}  # fmt: skip

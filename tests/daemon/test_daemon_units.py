@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ddpmon.agent_socket import Peer
 from ddpmon.daemon import outcome
-from ddpmon.daemon.agent_socket import Peer
 from ddpmon.daemon.node import NodeCollector, build_registry
 from ddpmon.daemon.ranks import RankRegistry, RegistrationRefused
 from ddpmon.daemon.settings import DaemonSettings, SettingsError

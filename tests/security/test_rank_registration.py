@@ -95,7 +95,7 @@ def test_a_rank_registers_only_itself_on_this_node(spawn, tmp_path, endpoint):
 def test_the_agent_client_follows_the_daemon_to_its_socket(spawn, tmp_path, endpoint, monkeypatch):
     """An agent configured with the daemon's HTTP URL only (no $DDPMON_DAEMON_SOCKET) learns the
     socket from the refusal and registers there; ``unix:PATH`` works as the URL too."""
-    from ddpmon.daemon import client
+    from ddpmon.export import registration as client
 
     monkeypatch.delenv("DDPMON_DAEMON_SOCKET", raising=False)
     monkeypatch.setattr(client, "_learned", {})

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpmon.daemon.client import AgentSocketConnection
+from ddpmon.export.registration import AgentSocketConnection
 
 
 def call(path: str | Path, method: str, target: str, body: Any = None) -> tuple[int, Any]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..safe_read import MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, open_regular, parse_json
+from .safe_read import MAX_DOCUMENT_BYTES, MAX_LINE_BYTES, open_regular, parse_json
 
 
 @dataclass(frozen=True, slots=True)

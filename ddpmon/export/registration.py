@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-log = logging.getLogger("ddpmon.daemon.client")
+log = logging.getLogger("ddpmon.registration")
 
 TIMEOUT_SECONDS = 2.0
 _warned = threading.Event()
@@ -47,7 +47,7 @@ class AgentSocketConnection(http.client.HTTPConnection):
         self.socket_path = path
 
     def connect(self) -> None:
-        from .agent_socket import connect
+        from ..agent_socket import connect
 
         self.sock = connect(self.socket_path, self.timeout)
 
