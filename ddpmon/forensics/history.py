@@ -73,30 +73,31 @@ journal_path = history_journal_of
 
 
 def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> tuple:
-    """The history row of one step record (a plain tuple in :data:`ROW_FIELDS` order)."""
+    """The history row of one step record: a plain tuple in :data:`ROW_FIELDS` order, built by
+    column name (a column the schema gains and this misses is a ``KeyError``, not a shift)."""
     ar = [t for times in record.collective_seconds.values() for t in times]
-    norms = record.group_norms
-    return (
-        record.step,
-        record.wall_time,
-        record.loss,
-        record.grad_norm,
-        record.grad_local_norm,
-        record.grad_nonfinite,
-        record.local_nonfinite,
-        record.origin,
-        record.poisoned,
-        record.loss_scale,
-        record.amp_skipped,
-        SKIPPED_CODES.get(record.skipped_by, 0),
-        record.duration_seconds,
-        record.data_wait_seconds,
-        len(ar),
-        (sum(ar) / len(ar)) if ar else None,
-        max(ar) if ar else None,
-        memory,
-        tuple(norms.get(g) for g in groups),
-    )
+    values = {
+        "step": record.step,
+        "wall_time": record.wall_time,
+        "loss": record.loss,
+        "grad_norm": record.grad_norm,
+        "grad_local_norm": record.grad_local_norm,
+        "grad_nonfinite": record.grad_nonfinite,
+        "local_nonfinite": record.local_nonfinite,
+        "origin": record.origin,
+        "poisoned": record.poisoned,
+        "loss_scale": record.loss_scale,
+        "amp_skipped": record.amp_skipped,
+        "skipped_by": SKIPPED_CODES.get(record.skipped_by, 0),
+        "duration_seconds": record.duration_seconds,
+        "data_wait_seconds": record.data_wait_seconds,
+        "collective_count": len(ar),
+        "collective_mean_seconds": (sum(ar) / len(ar)) if ar else None,
+        "collective_max_seconds": max(ar) if ar else None,
+        "memory_bytes": memory,
+        GROUPS_COLUMN: tuple(record.group_norms.get(g) for g in groups),
+    }
+    return tuple(values[name] for name in ROW_FIELDS)
 
 
 def _notable(row: tuple) -> bool:
@@ -156,7 +157,7 @@ def batch_of(rows: list[tuple], schema) -> Any:
 
     columns = list(zip(*rows, strict=True))
     arrays = []
-    for (_name, kind), values in zip(SCALAR_COLUMNS, columns, strict=False):
+    for (_name, kind), values in zip(SCALAR_COLUMNS, columns[:len(SCALAR_COLUMNS)], strict=True):
         arrays.append(pa.array(values, type=getattr(pa, kind)(), from_pandas=False))
     width = schema.field(GROUPS_COLUMN).type.list_size
     flat = [v for norms in columns[-1] for v in norms]
