@@ -25,6 +25,7 @@ The result is the same on every rank of a reduction span (replicas compute it in
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -159,6 +160,19 @@ def complete_local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local()
 
 
+_SLOW_PATHS: set[str] = set()
+
+
+def _slow_path(private: str, public: str) -> None:
+    """A torch without the private DTensor attribute of the fast path: said once per
+    attribute, so a torch upgrade cannot turn the fast path into the slow one silently."""
+    if private not in _SLOW_PATHS:
+        _SLOW_PATHS.add(private)
+        logging.getLogger("ddpmon").warning(
+            "ddpmon: this torch's DTensor has no %s; using %s instead, which costs a few "
+            "microseconds per parameter and step (numbers are unchanged)", private, public)
+
+
 def raw_local(grad: torch.Tensor) -> torch.Tensor:
     """This rank's own piece of a gradient, as it holds it (no communication). A DTensor's
     ``_local_tensor`` is that piece without ``to_local``'s autograd function (~4 us of Python
@@ -166,13 +180,18 @@ def raw_local(grad: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(grad):
         return grad
     local = getattr(grad, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else grad.to_local()
+    if isinstance(local, torch.Tensor):
+        return local
+    _slow_path("_local_tensor", "to_local()")
+    return grad.to_local()
 
 
 def has_partial(grad: torch.Tensor) -> bool:
     if not is_dtensor(grad):
         return False
     spec = getattr(grad, "_spec", None)  # the placements without the property's lookup
+    if spec is None:
+        _slow_path("_spec", "the placements property")
     placements = spec.placements if spec is not None else grad.placements
     return any(pl.is_partial() for pl in placements)
 
