@@ -45,7 +45,7 @@ from .guard import Guard
 from .hooks import StepHooks
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
-from .run_facts import emit_start, manifest_extra, scaler_state
+from .run_facts import manifest_extra, scaler_state, start_fields
 from .sinks import IncidentSink, ManifestSink, MetricSink, ProgressSink, SummarySink
 
 log = logging.getLogger("ddpmon")
@@ -237,7 +237,7 @@ class Monitor:
         )
         atexit.register(self.close)
         registry.add(self)
-        emit_start(self)
+        self._emit("start", None, **start_fields(self))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -253,6 +253,11 @@ class Monitor:
         events, progress and history now. Never waits for a device."""
         if not self._closed:
             self.pipeline.drain(wait=False, collectives=True)
+
+    @property
+    def strategy(self) -> str:
+        """The strategy label of this rank (``ddpmon_rank_info{strategy}``)."""
+        return self._state.strategy
 
     @property
     def step(self) -> int:

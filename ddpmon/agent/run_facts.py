@@ -40,7 +40,7 @@ def manifest_extra(mon: Monitor) -> dict:
         "run_id": mon.run_id,
         "batch_shapes": mon.pipeline.batch_shapes,
         "precision": precision,
-        "strategy": mon._state.strategy,
+        "strategy": mon.strategy,
         "data_version": mon.config.data_version,
         "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in mon.index.params),
         "hosts": mon.ctx.hosts,
@@ -65,12 +65,10 @@ def data_check_facts(source: Any, every: int) -> dict:
     return {"every": every, "over": over}
 
 
-def emit_start(mon: Monitor) -> None:
-    """The ``start`` event: who this rank is, where it serves, its clock offset to rank 0 and
-    which attempt of the run it is (the timeline aligns and groups ranks by it)."""
-    mon._emit(
-        "start",
-        None,
+def start_fields(mon: Monitor) -> dict[str, Any]:
+    """The ``start`` event's fields: who this rank is, where it serves, its clock offset to rank
+    0 and which attempt of the run it is (the timeline aligns and groups ranks by it)."""
+    return dict(
         world_size=mon.ctx.identity.world_size,
         local_rank=mon.ctx.identity.local_rank,
         node=mon.ctx.identity.node,
@@ -78,7 +76,7 @@ def emit_start(mon: Monitor) -> None:
         device=mon.ctx.identity.device,
         port=mon.port,
         run_id=mon.ctx.run_id,
-        strategy=mon._state.strategy,
+        strategy=mon.strategy,
         clock_offset_seconds=mon.ctx.clock.get("offset_seconds", 0.0),
         clock_rtt_seconds=mon.ctx.clock.get("rtt_seconds"),
         attempt_source=mon.attempt.source,
