@@ -221,6 +221,11 @@ class P2PTiming:
             from torch.distributed.pipelining import schedules
         except ImportError:  # pragma: no cover - torch without pipelining
             return
+        if not callable(getattr(schedules, "_batch_p2p", None)):
+            # a private torch function; a torch without it costs the send/recv timings only
+            log.warning("ddpmon: this torch's pipelining schedules have no _batch_p2p; "
+                        "send/recv times are not measured (everything else is)")
+            return
         for info in self.setup.stages:
             for name in _P2P_METHODS:
                 original = getattr(info.stage, name, None)

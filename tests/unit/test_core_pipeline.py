@@ -121,3 +121,19 @@ def test_a_local_parameter_gradient_is_an_origin_after_every_activation(pp):
     )
     assert rec.origin
     assert rec.pp_origin["site"] == "param_grad" and rec.pp_origin["param"] == "stage0.bias"
+
+
+def test_a_torch_without_batch_p2p_loses_only_the_send_recv_times(monkeypatch, caplog):
+    """``schedules._batch_p2p`` is private: without it the P2P timing installs nothing and says
+    so once, and never raises into attach."""
+    from torch.distributed.pipelining import schedules
+
+    from ddpmon.strategies.pp_probes import P2PTiming
+
+    monkeypatch.delattr(schedules, "_batch_p2p")
+    timing = P2PTiming(setup=None, recorder=None, on_error=None)  # type: ignore[arg-type]
+    with caplog.at_level("WARNING", logger="ddpmon"):
+        timing.install()
+    assert not timing._installed
+    assert any("_batch_p2p" in r.getMessage() for r in caplog.records)
+    timing.uninstall()  # nothing to undo, no error
