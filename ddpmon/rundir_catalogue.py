@@ -66,14 +66,17 @@ FILES: tuple[RunDirFile, ...] = (
     ),
     RunDirFile(
         "crash.rank<R>.txt", "CRASH_RE",
-        "by `faulthandler` on SIGSEGV/SIGABRT/SIGBUS/SIGFPE/SIGILL",
-        "`Fatal Python error: ...` and every thread's stack (removed at a clean end when empty)",
+        "by `faulthandler` on SIGSEGV/SIGABRT/SIGBUS/SIGFPE/SIGILL, after the attempt's "
+        "`ddpmon-live` line (the step in progress, kept current through a shared mapping)",
+        "`Fatal Python error: ...` and every thread's stack, each dump after its attempt's live "
+        "line (removed at a clean end when nothing followed the line)",
         "timeline (a `signal` row)",
     ),
     RunDirFile(
         "sigterm.rank<R>.txt", "SIGTERM_RE",
         "on SIGTERM (`faulthandler.register`, chained: the process still dies at once)",
-        "every thread's stack when the launcher stopped the rank (removed when empty)",
+        "every thread's stack when the launcher stopped the rank, after the attempt's "
+        "`ddpmon-live` line (removed when nothing followed it)",
         "timeline",
     ),
     RunDirFile(
