@@ -18,7 +18,7 @@ REFERENCE_DIR = "docs/reference"
 
 def generate() -> dict[str, str]:
     """``{path relative to the repository root: Markdown}`` for every reference page."""
-    from . import catalogues, cli, rules
+    from . import catalogues, cli, modules, rules
 
     pages = {
         "metrics.md": catalogues.metrics_page(),
@@ -28,6 +28,7 @@ def generate() -> dict[str, str]:
         "alerts.md": rules.alerts_page(),
         "recording-rules.md": rules.recording_rules_page(),
         "cli.md": cli.cli_page(),
+        "modules.md": modules.modules_page(),
     }
     out = {f"{REFERENCE_DIR}/{name}": text for name, text in pages.items()}
     out["docs/index.md"] = home_page()
