@@ -9,9 +9,9 @@ of the backward on every rank of the group, and read back lazily with the step v
 
 Where it runs: DDP (the first bucket), FSDP2 and FSDP2 + TP (the first unit's reduce-scatter
 input, over the reduce-scatter group: the dp dim only), HSDP (over the shard group and over the
-replicate group), DeepSpeed (the local norms of the step, at the boundary ``engine.step``). Where
-it does not (pipeline-parallel stages, TP alone, no wrapper), the manifest's ``data_check`` says
-why.
+replicate group), DeepSpeed (the local norms of the step, at the boundary ``engine.step``),
+pipeline parallel with DDP or FSDP2 (over each stage's dp group). Where it does not (TP alone,
+no data-parallel wrapper), the manifest's ``data_check`` says why.
 """
 
 from __future__ import annotations

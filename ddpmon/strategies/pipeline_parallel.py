@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..probes.grads import NormVector, full_pass
+from . import data_check
 from .base import DeferredReduction, GradientSource, GradSummaries, SourceEnv
 from .dtensor_norms import DisjointSpan, disjoint_span, reduction_device
 from .pp_probes import NO_EVENT, PARAM_GRAD_SEQ, P2PTiming, PPStep, StageProbes
@@ -58,8 +59,9 @@ class PipelineSource(GradientSource):
     name = "pp"
 
     def data_check_scope(self) -> tuple[str | None, str]:
-        return None, "not for pipeline stages yet: a stage's gather would interleave with " \
-            "the schedule's sends and receives"
+        if self.setup.inner in ("ddp", "fsdp2"):
+            return "each stage's data-parallel group (the ranks that hold the same stage)", ""
+        return None, "pipeline stages without a data-parallel wrapper (DDP, FSDP2)"
 
     def __init__(self, env: SourceEnv, setup: PipelineSetup) -> None:
         super().__init__(env)
@@ -105,7 +107,10 @@ class PipelineSource(GradientSource):
                     inner_hook=allreduce_hook,
                     inner_state=module.process_group,
                     on_error=self.env.on_error,
-                    data_check_interval=0,
+                    # the duplicate-data check on this rank's first stage module only, over the
+                    # stage's dp group (its peers hold the same stages, in the same order)
+                    data_check_interval=0 if self._ddp_probes else self.env.data_check_interval,
+                    group=module.process_group,
                     local_norm_every=self.env.local_norm_every,
                     grads_are_bucket_views=bool(getattr(module, "gradient_as_bucket_view", False)),
                     collectives=self.collectives,
@@ -120,9 +125,8 @@ class PipelineSource(GradientSource):
             from .detect import SOURCES, make_source
 
             if kind in SOURCES:
-                # no duplicate-data check inside a stage yet (data_check_scope says so)
-                self.inner = make_source(
-                    kind, replace(self.env, span=self._span(), data_check_interval=0))
+                # the inner source's duplicate-data check gathers over its stage's dp group
+                self.inner = make_source(kind, replace(self.env, span=self._span()))
                 self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
                 self.inner.install()
                 plan = getattr(getattr(self.inner, "_norms", None), "plan", None)
@@ -301,6 +305,9 @@ class PipelineSource(GradientSource):
             # DDP's bucket is the local sum over micro-batches, before scale_grads
             out.local = _scaled(NormVector(torch.cat(local_norms), positions), unscale)
             out.local_complete = all(p.local_buckets == p.buckets for p in parts)
+        if parts:  # the first stage module's probe is the one that checks
+            out.identical_ranks = data_check.identical_ranks(parts[0].fingerprint,
+                                                             self.env.on_error)
         return out
 
     def _squares(self, reduced: NormVector | None, failed: float) -> torch.Tensor | None:

@@ -351,6 +351,25 @@ def run_nan(args, dp: str, sites) -> dict:
     return results
 
 
+def run_data_check(args, dp: str) -> dict:
+    """pp x dp, 1F1B, the duplicate-data check on every step: two steps where both dp ranks of
+    a stage get the same batch (``dp_rank`` 0's slice), then two with their own slices."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    run = Run(mesh, "1F1B", dp, args.out, 0, data_check_interval=1, tag="datacheck")
+    own = run.dp_rank
+    for s in range(4):
+        run.dp_rank = 0 if s < 2 else own  # steps 0-1: a duplicated shard
+        run.step(s, clip=False)
+    run.dp_rank = own
+    records = [r.as_dict() for r in run.mon.recent_steps()]
+    out = {"identical": [r["data_identical_ranks"] for r in records],
+           "errors": dict(run.mon.state.agent_errors)}
+    run.mon.close()
+    out["manifest"] = json.loads(Path(run.mon.ctx.run_path, "manifest.json").read_text()) \
+        if dist.get_rank() == 0 else None
+    return out
+
+
 FAIL_STEP, FAIL_RANK = 1, 1
 
 
@@ -414,6 +433,8 @@ def main() -> None:
         result["nan_dp"] = run_nan(args, args.nan_dp, ["activation_grad_last"])
     if args.fail_dp:
         result["fail_dp"] = run_fail(args, args.fail_dp)
+    result["data_check"] = {dp: run_data_check(args, dp) for dp in args.dp.split(",")
+                            if dp != "none"}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
     destroy_process_group_now()
 

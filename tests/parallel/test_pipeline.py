@@ -255,3 +255,17 @@ def test_skip_policy_decides_alike_on_every_stage(pp_only):
         assert after["skipped_by"] is None and after["grad_norm"] > 0
         assert not after["local_nonfinite"] and not after["poisoned"]
         assert result["origin_total"] == (1 if rank["rank"] == 1 else 0)
+
+
+@pytest.mark.parametrize("dp", ["fsdp2", "ddp"])
+def test_identical_batches_are_counted_within_a_stages_dp_group(pp_dp, dp):
+    """pp 2 x dp 2, checked every step: steps 0-1 feed both dp ranks of each stage the same
+    batch, steps 2-3 their own slices. The peer is counted on every rank, the pp peer never."""
+    for rank in pp_dp:
+        got = rank["data_check"][dp]
+        assert got["identical"] == [1, 1, 0, 0], (rank["rank"], dp, got["identical"])
+        assert {k: v for k, v in got["errors"].items() if v} == {}, got["errors"]
+        if rank["rank"] == 0:
+            assert got["manifest"]["data_check"] == {
+                "every": 1, "over": "each stage's data-parallel group (the ranks that hold the "
+                "same stage)"}
