@@ -415,6 +415,10 @@ class Monitor:
         """DeepSpeed ended an optimizer step (``strategies.deepspeed.StepFacts``)."""
         if self._closed:
             return
+        if facts.engine_step and self.pipeline.step == 0:
+            # the first step after attach: number it as the engine does (a load_checkpoint
+            # before it restored the engine's count), whether attach came before or after
+            self._resume_at(facts.engine_step)
         self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
         if self.floor.raises:
             self.floor.after_step(self.pipeline.step - 1, facts.scale_after)  # may raise

@@ -412,6 +412,9 @@ class StepFacts:
     skipped: bool
     scale_after: float | None
     """fp16: DeepSpeed's loss scale after the step; None for bf16/fp32 (no scale at all)."""
+    engine_step: int | None = None
+    """``engine.global_steps`` before the step: its index by the engine's own count (after a
+    ``load_checkpoint``, the step the checkpoint says)."""
 
 
 class EngineSteps:
@@ -465,7 +468,8 @@ class EngineSteps:
         if before is not None:
             try:
                 if engine.global_steps != before:
-                    self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale()))
+                    self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale(),
+                                            int(before)))
             except LossScaleFloorError:
                 raise  # on_loss_scale_floor=raise: the one exception meant for the loop
             except Exception as exc:

@@ -128,3 +128,29 @@ def test_a_failed_reading_reports_zero_for_that_step_and_training_goes_on(world,
     assert norms[0] == pytest.approx(reference[0], rel=1e-5)
     assert norms[2] == pytest.approx(reference[2], rel=1e-5)
     assert errors == 1
+
+
+@pytest.mark.parametrize("attach", ["before", "after"])
+def test_a_load_checkpoint_resume_numbers_steps_as_the_engine_does(world, tmp_path, attach):
+    """``engine.load_checkpoint`` restores ``global_steps``: the resumed steps are numbered
+    from it, whether ddpmon was attached before or after the load."""
+    trained = engine_for(2)
+    train(trained)
+    assert trained.global_steps == STEPS
+    trained.save_checkpoint(str(tmp_path), tag="ckpt")
+    trained.destroy()
+    engine = engine_for(2)
+    mon = None
+    if attach == "before":
+        mon = ddpmon.attach(engine, port=0, run_dir=str(world), run_id=f"ds-resume-{attach}")
+    engine.load_checkpoint(str(tmp_path), tag="ckpt")
+    assert engine.global_steps == STEPS
+    if mon is None:
+        mon = ddpmon.attach(engine, port=0, run_dir=str(world), run_id=f"ds-resume-{attach}")
+    try:
+        train(engine, steps=2)
+        records = mon.recent_steps()
+    finally:
+        mon.close()
+        engine.destroy()
+    assert [r.step for r in records] == [STEPS, STEPS + 1], [r.step for r in records]
