@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..forensics.live_step import DATA
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..state import MetricState
@@ -190,8 +189,7 @@ class Monitor:
             grad_norm_tolerance=config.grad_norm_tolerance,
         )
         if self.forensics.crash is not None:
-            self.pipeline.live = self.forensics.crash.live
-            self.pipeline.live.set(self.pipeline.step, DATA)
+            self.pipeline.keep_live(self.forensics.crash.live)
         self.engine_steps = None
         self.hooks = StepHooks(
             model, optimizer, self.pipeline, self.amp, engine_steps=self.source.decides_steps

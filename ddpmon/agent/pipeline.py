@@ -118,6 +118,11 @@ class StepPipeline:
         self._norms_by_step: OrderedDict[int, float] = OrderedDict()
         self._late_trainer: OrderedDict[int, float] = OrderedDict()
 
+    def keep_live(self, live: Any) -> None:
+        """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
+        self.live = live
+        live.set(self.step, DATA)
+
     def resume_at(self, step: int) -> bool:
         """Count steps from ``step`` (a resume from a checkpoint) if none has started yet."""
         if self.step != 0 or self._backward_pending:

@@ -30,7 +30,7 @@ from ..sources.allocator import AllocatorReading
 from ..sources.host import ProcessReading
 from ..sources.nvml import GpuReading
 from ..state import Histogram, MetricState
-from ..strategies import table
+from ..strategies.table import reduced_norms_identical
 
 log = logging.getLogger("ddpmon.collector")
 
@@ -99,9 +99,6 @@ class LiveSources:
             return None
 
 
-reduced_norms_identical = table.reduced_norms_identical
-"""Whether every rank computes the same reduced norms (``strategies.table``): ``plain`` and
-``unsupported:*`` (local numbers only) do not."""
 
 
 def exports_group_norms(profile: str, rank: int, strategy: str) -> bool:

@@ -36,7 +36,7 @@ LINE_LEN = len(_LINE % (0, ord("D"), 0, 0.0))
 LINE_RE = re.compile(
     r"ddpmon-live: step=(-?\d{1,12}) phase=([A-Z]) pid=(\d{1,10}) before=(\d{1,10}\.\d{6})\n"
 )
-"""One attempt's line, as read back (:func:`parse`)."""
+"""One attempt's line, as read back (:func:`dumps`)."""
 
 PHASES = {"D": "before its forward", "F": "in forward or backward", "B": "after backward",
           "O": "in the optimizer step"}

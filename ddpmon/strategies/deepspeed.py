@@ -183,11 +183,6 @@ class DeepSpeedSource(GradientSource):
     """Gradient source for a ``DeepSpeedEngine`` (``env.model``); see the module doc."""
 
     name = "deepspeed"
-
-    def data_check_scope(self) -> tuple[str | None, str]:
-        if not self._local_on:
-            return None, "DeepSpeed's gradients are not readable here (no local norms)"
-        return "the engine's data-parallel group", ""
     decides_steps = True
 
     def __init__(self, env) -> None:
@@ -206,6 +201,11 @@ class DeepSpeedSource(GradientSource):
         self._fingerprint: data_check.Fingerprint | None = None
         self._reduced_on = not self.facts.unreadable
         self._comm: CommTimer | None = None
+
+    def data_check_scope(self) -> tuple[str | None, str]:
+        if not self._local_on:
+            return None, "DeepSpeed's gradients are not readable here (no local norms)"
+        return "the engine's data-parallel group", ""
 
     # ------------------------------------------------------------------ install
     def install(self) -> None:
@@ -298,9 +298,11 @@ class DeepSpeedSource(GradientSource):
         group = getattr(self.engine.optimizer, "dp_process_group", None)
         if group is None:
             group = getattr(self.engine, "data_parallel_group", None)
-        local = torch.full((1,), float("nan"), dtype=torch.float64)  # matches nothing
+        present = [t for t in self._sq if t is not None]
+        # matches nothing; on the device the group's backend gathers on
+        local = torch.full((1,), float("nan"), dtype=torch.float64,
+                           device=_device(present, self.index))
         try:
-            present = [t for t in self._sq if t is not None]
             if present:
                 local = torch.stack(present).sqrt()
         except Exception as exc:  # this rank still gathers: no peer is left waiting
