@@ -153,15 +153,18 @@ def _of(run: str, **labels: str):
 
 def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: Path) -> None:
     base = path.balanced_ports(4)
-    faults = ["nan@rank1:step8", "kill@rank3:step40"]
+    # The kill ends the job (torchrun stops the other ranks): late enough that every series
+    # is searchable for a while before it (VictoriaMetrics 1.79 makes a new series searchable
+    # 7-10 s after its first sample unless flushed; see docs/scale-out.md).
+    faults = ["nan@rank1:step8", "kill@rank3:step100"]
     run = Run(
         tmp_path, path.sd_dir, 200, 0.2, faults, run_id="sharded", nproc=4, base_port=base,
         extra=["--no-amp"],
     )
     with run:
         try:
-            # The shards' target lists first, while every rank still runs (the run ends after
-            # ~40 s, and its ranks then leave the lists). Each poll adds what it saw: a list read
+            # The shards' target lists first, while every rank still runs (its ranks leave the
+            # lists when the job ends). Each poll adds what it saw: a list read
             # while a shard reloads its file_sd can miss a target that it scrapes, and hashmod
             # puts a target in one shard only.
             addresses = {f"127.0.0.1:{p}" for p in range(base, base + 4)}
@@ -173,12 +176,16 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
 
             shard_of = wait_for(listed, 60, what="all four ranks in the shards' target lists")
             # Every rank is in the store, two scraped by each shard.
-            wait_for(
-                lambda: {
+            def ranks_stored() -> set[str]:
+                path.so.store.flush()
+                return {
                     r["metric"]["rank"]
                     for r in path.query('max_over_time(ddpmon_step{run="sharded"}[10m])')
-                } == {"0", "1", "2", "3"},
-                90, what="all four ranks in VictoriaMetrics",
+                }
+
+            wait_for(
+                lambda: ranks_stored() == {"0", "1", "2", "3"}, 90,
+                what="all four ranks in VictoriaMetrics",
             )
             per_shard = [
                 sorted(p - base for p in range(base, base + 4)
@@ -186,6 +193,11 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
                 for s in range(SHARDS)
             ]
             assert sorted(len(x) for x in per_shard) == [2, 2], per_shard
+            # The ruler writes its records back into the store: a run-level series of this run,
+            # looked for while the ranks still run (after the run, each evaluation records
+            # nothing). The write-back is asynchronous (an evaluation, vmalert's remote-write
+            # flush, the store's ingestion buffer).
+            world = _wait_for_world_size(path)
             nonfinite = path.hook.wait_for_alert(
                 "DdpmonNonFiniteGradients", 90, where=_of("sharded")
             )
@@ -199,6 +211,7 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
             ) from exc
     _no_process_left(tmp_path)
     print(f"\nshards' ranks: {per_shard}")
+    assert world == [4.0], world
 
     # The page names the NaN's origin rank (its local gradients, before the all-reduce).
     assert nonfinite.annotations["description"].endswith("before the all-reduce: 1."), (
@@ -209,9 +222,16 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
     # Once: one activation of RankDown for rank 3 (every notification carries the same one).
     starts = {a.starts_at for a in path.hook.firing("DdpmonRankDown") if a.labels["rank"] == "3"}
     assert len(starts) == 1, starts
-    # The ruler wrote its records back into the store: run-level series of this run. The
-    # write-back is asynchronous (an evaluation, vmalert's remote-write flush, the store's
-    # ingestion buffer), so a record evaluated just now may not be searchable yet: wait for it.
+    # vmalert evaluated every shipped rule without an error.
+    errors = [
+        f"{g['name']}/{r['name']}: {r['lastError']}"
+        for g in path.so.ruler.groups() for r in g["rules"] if r.get("lastError")
+    ]
+    assert not errors, errors
+
+
+def _wait_for_world_size(path: Path_) -> list[float]:
+    """The ruler's ``run:ddpmon_world_size:max`` of the run, once the store has it."""
     expr = 'max_over_time(run:ddpmon_world_size:max{run="sharded"}[5m])'
 
     def world_size() -> list[float]:
@@ -219,21 +239,31 @@ def test_four_ranks_nan_and_kill_page_through_the_shards(path: Path_, tmp_path: 
         return [float(r["value"][1]) for r in path.query(expr)]
 
     try:
-        world = wait_for(world_size, 30, what="the ruler's run:ddpmon_world_size:max in the store")
+        return wait_for(world_size, 60, what="the ruler's run:ddpmon_world_size:max in the store")
     except TimeoutError as exc:
         rule = [
             {k: r.get(k) for k in ("lastEvaluation", "lastSamples", "lastError", "health")}
             for g in path.so.ruler.groups() for r in g["rules"]
             if r.get("name") == "run:ddpmon_world_size:max"
         ]
-        raise AssertionError(f"{exc}\nthe rule in vmalert: {rule}") from exc
-    assert world == [4.0], world
-    # vmalert evaluated every shipped rule without an error.
-    errors = [
-        f"{g['name']}/{r['name']}: {r['lastError']}"
-        for g in path.so.ruler.groups() for r in g["rules"] if r.get("lastError")
-    ]
-    assert not errors, errors
+        raise AssertionError(
+            f"{exc}\nthe rule in vmalert: {rule}\n{_write_back_evidence(path)}"
+        ) from exc
+
+
+def _write_back_evidence(path: Path_) -> str:
+    """What a missing record needs explained: the rank series it reads, the records the store
+    holds, and vmalert's own remote-write counters."""
+    inputs = path.query('count_over_time(ddpmon_world_size{run="sharded"}[10m])')
+    series = path.so.store.api("series", **{"match[]": '{__name__=~"run:.+"}'})
+    records = sorted({s["__name__"] for s in series})
+    with urllib.request.urlopen(f"{path.so.ruler.url}/metrics", timeout=10) as resp:
+        counters = [
+            line for line in resp.read().decode().splitlines()
+            if line.startswith(("vmalert_remotewrite_sent_rows", "vmalert_remotewrite_errors",
+                                "vmalert_execution"))
+        ]
+    return f"inputs: {inputs}\nrecords: {records}\nvmalert: {counters}"
 
 
 def _export(path: Path_, selector: str) -> dict[str, list[tuple[int, float]]]:
