@@ -43,9 +43,11 @@ $(STAMP): $(CORE_STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(TORCHTITAN_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
 	@# DeepSpeed's CPU backend JIT-builds its shared-memory comm op at the first
-	@# deepspeed.initialize (about a minute of g++, cached in ~/.cache/torch_extensions): build
-	@# it here, once, as DS_BUILD_OPS would, rather than inside the first test that needs it.
+	@# deepspeed.initialize, and its CPU Adam at the first optimizer offload (about a minute of
+	@# g++ each, cached in ~/.cache/torch_extensions): build them here, once, as DS_BUILD_OPS
+	@# would, rather than inside the first test that needs them.
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 	touch $(STAMP)
 
 debs:
@@ -85,6 +87,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/norm_precision.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md

@@ -5,11 +5,18 @@ vector is all the device computes. Everything else (global norm, per-group norms
 non-finite parameter and its kind, unscaling) is derived from it on the host after the lazy
 readback (:func:`summarize_host`, numpy), so the hot path launches two kernels, not a dozen.
 
-Exactness: a float32 norm overflows to inf for finite values above ~1e19, which would look like an
-Inf gradient. On CUDA the norms accumulate in float64 (memory-bound either way, so free), which
-cannot overflow for fp32/fp16/bf16 gradients. On CPU float64 costs ~3.7x, so norms are float32 and
-an inf norm is re-checked in float64 for that tensor only: CPU tensors can be read without any
-device sync, so this rare path is exact and cheap.
+Exactness, on a GPU: the norms accumulate in float64 (memory-bound either way, so free), which
+is exact to the reference and cannot overflow for fp32/fp16/bf16 gradients.
+
+Exactness, on CPU: a float64 reduction of a long tensor costs ~16x a float32 one there, and a
+float32 running sum over a whole tensor drifts low (measured: -2e-6 relative over 1e5 values,
+-2e-5 over 8e6, and a BERT's global norm 5e-6 low). So a long tensor is reduced in rows of
+:data:`CHUNK` elements in float32 and the rows' squares are added in float64 (one read of every
+gradient, within the float32 rounding of each row's result); a small one (:data:`SMALL_NUMEL`)
+in float64, which costs little in cache. A
+float32 norm overflows to inf for finite values above ~1e19, which would look like an Inf
+gradient: an inf norm is re-measured in float64 for that tensor only (CPU tensors can be read
+without any device sync, so this rare path is exact and cheap).
 """
 
 from __future__ import annotations
@@ -102,25 +109,124 @@ def _groups(names: list[str], depth: int, max_groups: int) -> tuple[list[str], l
 
 def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float64 vector of L2 norms, one per tensor, computed in one fused pass (see module doc;
-    on CPU accumulated in float32 with overflowed entries re-checked in float64)."""
+    on CPU small tensors in float64, long ones in float32 rows whose squares add in float64,
+    overflowed entries re-checked)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
     if not tensors[0].is_cpu:
         return torch.stack(_foreach_norm_grouped(tensors, torch.float64))
-    if _uniform_cpu(tensors):
-        norms = torch.stack(_foreach_norm(list(tensors), None))  # the common case: one call
-    else:
-        wide = all(t.dtype in _WIDE for t in tensors)
-        norms = torch.stack(_foreach_norm_grouped(tensors, None if wide else torch.float32))
+    kinds: dict[str, list[int]] = {"exact": [], "rows": [], "whole": []}
+    for i, t in enumerate(tensors):
+        kinds[_cpu_kind(t)].append(i)
+    if len(kinds["rows"]) == len(tensors):  # the common case for large models
+        return _widen_checked(_row_norms(tensors), tensors)
+    norms = torch.empty(len(tensors), dtype=torch.float64)
+    for kind, idx in kinds.items():
+        if idx:
+            part = [tensors[i] for i in idx]
+            norms[idx] = _CPU_NORMS[kind](part).to(torch.float64)
     return _widen_checked(norms, tensors)
 
 
 _WIDE = (torch.float32, torch.float64)
 
+CHUNK = 256
+"""Elements per float32 row on CPU. Rows this short stay within the float32 rounding of their
+result (a tensor's norm from its rows: worst 6e-8 relative measured from 16,384 values up),
+where one long float32 reduction drifts (2e-6 over 1e5 values, 2e-5 over 8e6). On one thread
+a row pass costs 1.05-1.9x one long reduction; on two it parallelises and wins."""
+
 SMALL_NUMEL = 8192
-"""Up to this many elements per tensor, a CPU norm costs more in per-call dispatch than in
-arithmetic (and a copy of it is cheap), so same-shaped small gradients are stacked and reduced
-in one call: 16 tensors of an 8 x Linear(64) MLP take half the time of ``_foreach_norm``."""
+"""Up to this many elements, a CPU tensor's norm accumulates in float64: its float32 rows would
+be too few to average their rounding (worst 2e-7 measured at 1,024 values), and in cache float64
+costs little. Same-shaped small gradients are also stacked and reduced in one call (per-call
+dispatch dominates there): 16 tensors of an 8 x Linear(64) MLP take half the time of
+``_foreach_norm``."""
+
+
+def _cpu_kind(t: torch.Tensor) -> str:
+    """How a CPU tensor's norm is taken: ``exact`` (float64, small plain tensors), ``rows``
+    (float32 rows, when they are views: dense in some order of its dimensions, or strided with
+    two or more, rows along the last one) or ``whole`` (one reduction: a DTensor, or a strided
+    1-D view that rows would copy)."""
+    if type(t) is not torch.Tensor:
+        return "whole"
+    if t.numel() <= SMALL_NUMEL:
+        return "exact"
+    return "rows" if t.dim() > 1 or t.is_contiguous() else "whole"
+
+
+def _exact_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(_foreach_norm_grouped(tensors, torch.float64))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a contiguous view with its dimensions reordered (a norm does not care about
+    their order), or None if no order makes it contiguous."""
+    if t.is_contiguous():
+        return t
+    view = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return view if view.is_contiguous() else None
+
+
+def _whole_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One float32 (or float64) reduction per tensor, for those a row view would copy."""
+    if _uniform_cpu(tensors):
+        return torch.stack(_foreach_norm(list(tensors), None))  # one call
+    wide = all(t.dtype in _WIDE for t in tensors)
+    return torch.stack(_foreach_norm_grouped(tensors, None if wide else torch.float32))
+
+
+def _row_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float64 norms of ``rows`` tensors (:func:`_cpu_kind`): float32 norms of rows (one call
+    per tensor), their squares summed per tensor in float64, plus the squares of the tails."""
+    rows: list[torch.Tensor] = []
+    tails: list[torch.Tensor] = []
+    tail_of: list[int] = []
+    starts: list[int] = []
+    at = 0
+    for i, t in enumerate(tensors):
+        row, tail = _rows_of(t)
+        rows.append(row)
+        if tail is not None and tail.numel():
+            tails.append(tail)
+            tail_of.append(i)
+        starts.append(at)
+        at += row.numel()
+    if any(r.dtype is not rows[0].dtype for r in rows):
+        rows = [r.double() for r in rows]
+    squares = torch.cat(rows).double().square_().numpy()
+    sums = np.add.reduceat(squares, starts)
+    if tails:
+        tail = torch.stack(_foreach_norm_grouped(tails, torch.float32)).numpy()
+        sums[tail_of] += tail * tail
+    return torch.from_numpy(np.sqrt(sums))
+
+
+def _rows_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The row norms of one tensor (views only, flattened) and its tail of fewer than
+    ``CHUNK`` elements (None for a strided tensor, whose rows cover it)."""
+    dense = _dense(t)
+    if dense is not None:
+        flat = dense.view(-1)
+        body = flat.numel() - flat.numel() % CHUNK
+        return _norm_rows(flat[:body].view(-1, CHUNK), t), flat[body:]
+    last = t.shape[-1]
+    if last > CHUNK and last % CHUNK == 0 and t.stride(-1) == 1:
+        return _norm_rows(t.unflatten(-1, (-1, CHUNK)), t).reshape(-1), None
+    return _norm_rows(t, t).reshape(-1), None
+
+
+def _norm_rows(rows: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(rows, dim=-1, dtype=_acc(source))
+
+
+def _acc(t: torch.Tensor) -> torch.dtype | None:
+    """Accumulate half-precision gradients in float32; float32/float64 in their own."""
+    return None if t.dtype in _WIDE else torch.float32
+
+
+_CPU_NORMS = {"exact": _exact_norms, "rows": _row_norms, "whole": _whole_norms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,16 +254,18 @@ class StackPlan:
         return cls(stacks, rest, tuple(i for g in stacks for i in g) + rest)
 
     def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """float64 norms in ``order`` (same checks as ``per_param_norms``)."""
-        parts = [
-            torch.linalg.vector_norm(
-                torch.stack([tensors[i] for i in group]).reshape(len(group), -1), dim=1
-            )
-            for group in self.stacks
-        ]
+        """float64 norms in ``order`` (same checks and rows as ``per_param_norms``)."""
+        parts = [_stacked_norms([tensors[i] for i in group]) for group in self.stacks]
         if self.rest:
-            parts.append(torch.stack(_foreach_norm([tensors[i] for i in self.rest], None)))
+            parts.append(per_param_norms([tensors[i] for i in self.rest]))
         return _widen_checked(torch.cat(parts), tensors, self.order)
+
+
+def _stacked_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float64 norms of same-shaped small tensors, stacked into one copy and reduced in one
+    float64 call (``SMALL_NUMEL``)."""
+    stacked = torch.stack(list(group)).reshape(len(group), -1)
+    return torch.linalg.vector_norm(stacked, dim=1, dtype=torch.float64)
 
 
 def _uniform_cpu(tensors: Sequence[torch.Tensor]) -> bool:
@@ -194,16 +302,24 @@ def _foreach_norm_grouped(tensors: Sequence[torch.Tensor], dtype: torch.dtype | 
     """``_foreach_norm`` per (device, dtype) group, results in input order, moved to one device."""
     first = tensors[0]
     if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
-        return list(_foreach_norm(list(tensors), dtype))  # the common case: one kernel launch
+        acc = _at_least(first.dtype, dtype)
+        return list(_foreach_norm(list(tensors), acc))  # the common case: one kernel launch
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)
     out: list = [None] * len(tensors)
-    target = dtype or torch.float32
-    for idx in groups.values():
-        for i, n in zip(idx, _foreach_norm([tensors[i] for i in idx], dtype), strict=True):
+    target = torch.float64
+    for (_, group_dtype), idx in groups.items():
+        acc = _at_least(group_dtype, dtype)
+        for i, n in zip(idx, _foreach_norm([tensors[i] for i in idx], acc), strict=True):
             out[i] = n.to(first.device, target, non_blocking=True)
     return out
+
+
+def _at_least(have: torch.dtype, want: torch.dtype | None) -> torch.dtype | None:
+    """The accumulation dtype for tensors of ``have``: ``want`` is a least width, so a wider
+    tensor (float64 asked for float32) keeps its own (None)."""
+    return None if want is None or have.itemsize >= want.itemsize else want
 
 
 def _foreach_norm(group: list[torch.Tensor], dtype: torch.dtype | None) -> Sequence:

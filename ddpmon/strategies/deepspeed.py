@@ -35,7 +35,6 @@ are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``aver
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -384,19 +383,13 @@ class DeepSpeedSource(GradientSource):
         _attached.discard(self.engine)
 
 
-_WIDE = (torch.float32, torch.float64)
-
-
 def _local_norm(grad: torch.Tensor) -> torch.Tensor:
-    """A float64 0-d norm of one micro-batch's gradient. On CPU accumulated in float32 (a third
-    of the float64 cost) and re-measured in float64 when that overflowed, as ``per_param_norms``
-    does (reading a CPU scalar is not a device sync); on a GPU in float64."""
+    """A float64 0-d norm of one micro-batch's gradient: on CPU in float32 rows added in
+    float64, as ``per_param_norms`` does (overflows re-measured; reading a CPU scalar is not a
+    device sync); on a GPU in float64."""
     if not grad.is_cpu:
         return torch.linalg.vector_norm(grad, dtype=torch.float64)
-    norm = torch.linalg.vector_norm(grad, dtype=None if grad.dtype in _WIDE else torch.float32)
-    if not math.isfinite(float(norm)):
-        return torch.linalg.vector_norm(grad, dtype=torch.float64)
-    return norm.to(torch.float64)
+    return per_param_norms([grad])[0]
 
 
 def _device(tensors: list[torch.Tensor], index) -> torch.device:

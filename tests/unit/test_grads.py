@@ -116,3 +116,73 @@ def test_stacked_small_gradients_give_the_same_norms_per_parameter():
 def test_no_stack_plan_without_repeated_small_shapes():
     assert ParamIndex(nn.Linear(8, 4)).stack_plan is None  # weight and bias differ
     assert ParamIndex(nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128))).stack_plan.rest
+
+
+def _mixed(shape, seed: int) -> torch.Tensor:
+    """Gradient values whose magnitudes span e^+-6: a float32 running sum drifts on them."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * torch.exp(2 * torch.randn(shape, generator=g))
+
+
+def _rel(ours: float, reference: float) -> float:
+    return abs(ours - reference) / reference
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        pytest.param(_mixed(3 * 10**6 + 7, 1), id="long-with-tail"),
+        pytest.param(_mixed((2048, 1024), 2), id="2d"),
+        pytest.param(_mixed((1024, 2048), 3).t(), id="transposed"),
+        pytest.param(_mixed((2, 2**20), 4)[:, : 2**19], id="strided-rows"),
+        pytest.param(_mixed(10**6, 5).bfloat16(), id="bf16"),
+        pytest.param(_mixed(10**6, 6).double(), id="fp64"),
+    ],
+)
+def test_cpu_norms_equal_fp64_within_1e_7_where_float32_drifts(tensor):
+    reference = float(tensor.double().norm())
+    assert _rel(float(per_param_norms([tensor])[0]), reference) <= 1e-7
+    if tensor.dtype is torch.float32 and tensor.numel() >= 10**6:
+        assert _rel(float(torch.linalg.vector_norm(tensor)), reference) > 1e-6  # the drift
+
+
+def test_stacked_small_gradients_equal_fp64_within_1e_7():
+    model = nn.Sequential(*[nn.Linear(90, 90) for _ in range(6)])  # 8,100: padded rows
+    for i, p in enumerate(model.parameters()):
+        p.grad = _mixed(p.shape, 10 + i)
+    index = ParamIndex(model)
+    assert index.stack_plan is not None and not index.stack_plan.rest
+    vector = full_pass(index)
+    for position, ours in zip(vector.positions, vector.norms.tolist(), strict=True):
+        assert _rel(ours, float(index.params[position].grad.double().norm())) <= 1e-7
+
+
+def test_plain_attach_global_and_group_norms_equal_fp64_within_1e_7(tmp_path):
+    import ddpmon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))  # 8.4M
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    mon = ddpmon.attach(model, opt, port=0, run_dir=str(tmp_path), announce=False)
+    references = []
+    for step in range(2):
+        x = _mixed((8, 1024), 100 + step)
+        model(x).square().mean().backward()
+        squares = {
+            group: sum(
+                float(p.grad.double().square().sum())
+                for n, p in model.named_parameters() if n.startswith(f"{group}.")
+            )
+            for group in ("0", "2")
+        }
+        references.append(squares)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mon.flush()
+    records = mon.recent_steps()
+    mon.close()
+    assert [r.step for r in records] == [0, 1]
+    for record, squares in zip(records, references, strict=True):
+        assert _rel(record.grad_norm, math.sqrt(sum(squares.values()))) <= 1e-7
+        for group, sq in squares.items():
+            assert _rel(record.group_norms[group], math.sqrt(sq)) <= 1e-7
