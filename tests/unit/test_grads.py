@@ -146,15 +146,21 @@ def test_cpu_norms_equal_fp64_within_1e_7_where_float32_drifts(tensor):
         assert _rel(float(torch.linalg.vector_norm(tensor)), reference) > 1e-6  # the drift
 
 
-def test_stacked_small_gradients_equal_fp64_within_1e_7():
-    model = nn.Sequential(*[nn.Linear(90, 90) for _ in range(6)])  # 8,100: padded rows
+def test_stacked_small_gradients_stay_float32_and_unique_small_ones_are_exact():
+    """Same-shaped small tensors (the host-cost path of small models) keep one float32
+    reduction each: within a float32 sum's drift, not 1e-7. A small tensor of a shape of its
+    own is reduced in float64."""
+    model = nn.Sequential(*[nn.Linear(90, 90) for _ in range(6)], nn.Linear(90, 40))
     for i, p in enumerate(model.parameters()):
         p.grad = _mixed(p.shape, 10 + i)
     index = ParamIndex(model)
-    assert index.stack_plan is not None and not index.stack_plan.rest
+    assert index.stack_plan is not None
     vector = full_pass(index)
+    lone = index.names.index("6.weight")  # 3,600 values, no other tensor of its shape
+    assert lone in index.stack_plan.rest
     for position, ours in zip(vector.positions, vector.norms.tolist(), strict=True):
-        assert _rel(ours, float(index.params[position].grad.double().norm())) <= 1e-7
+        reference = float(index.params[position].grad.double().norm())
+        assert _rel(ours, reference) <= (1e-12 if position == lone else 1e-6), position
 
 
 def test_plain_attach_global_and_group_norms_equal_fp64_within_1e_7(tmp_path):
