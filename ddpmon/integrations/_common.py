@@ -33,11 +33,30 @@ def attach_monitor(
         return None
 
 
+def report_resume(monitor: Any, global_step: int, path: str, **restored: bool | None) -> int:
+    """A trainer that restored a checkpoint before its callbacks attached ddpmon (Lightning's
+    ``fit(ckpt_path=)``, the HF Trainer's ``train(resume_from_checkpoint=)``): report the
+    resume as a load at ``global_step`` (the optimizer steps the checkpoint holds), so ddpmon
+    numbers the steps from there as the trainer does, and the manifest and timeline record what
+    was restored. Returns the global step the trainer had when ddpmon's counting began (the
+    :class:`NormForwarder` offset): 0 once counting is rebased, ``global_step`` if it could not
+    be (a monitor that already counted steps)."""
+    if global_step <= 0 or monitor is None:
+        return 0
+    try:
+        monitor.observe_checkpoint(global_step, path, "load", **restored).done()
+    except Exception as exc:
+        log.warning("ddpmon: the resume was not recorded (%s); training continues", exc)
+    counted_from = getattr(getattr(monitor, "pipeline", None), "step", None)
+    return 0 if counted_from == global_step else global_step
+
+
 class NormForwarder:
     """Hands a trainer-reported gradient norm to ``mon.observe_grad_norm`` once per step.
 
     The step is ddpmon's 0-based step index: the trainer's global step after the optimizer step,
-    minus one, minus the global step the trainer had when ddpmon attached (a resumed run).
+    minus one, minus the global step the trainer had when ddpmon began counting (0 after
+    :func:`report_resume`, which makes ddpmon count from the checkpoint's step).
     """
 
     def __init__(self, monitor: Any, first_global_step: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ._common import NormForwarder, attach_monitor, close_monitor
+from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
 
 log = logging.getLogger("ddpmon")
 
@@ -54,6 +54,7 @@ class _DdpmonLightning:
         self._seen_global_step = 0
         self._scaler: Any = None
         self._last_logged: Any = None
+        self._restored: dict[str, bool] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -81,31 +82,31 @@ class _DdpmonLightning:
         self._accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        # A resumed run's global step is restored after on_fit_start: take ddpmon's offset here.
-        if self.monitor is not None:
-            self._forwarder = NormForwarder(self.monitor, trainer.global_step)
-            self._seen_global_step = trainer.global_step
+        # A resumed run's global step is restored after on_fit_start: report the resume here,
+        # so ddpmon counts steps from the checkpoint's step as Lightning does.
+        if self.monitor is None:
+            return
+        global_step = int(trainer.global_step)
+        path = getattr(trainer, "ckpt_path", None) or "<lightning checkpoint>"
+        counted_from = report_resume(self.monitor, global_step, str(path), **self._restored)
+        self._forwarder = NormForwarder(self.monitor, counted_from)
+        self._seen_global_step = global_step
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict) -> None:
-        """A resume (``fit(ckpt_path=...)``): record what it restored, for the manifest and the
-        timeline (Lightning restores model, optimizer, scaler and loop state; RNG only with
-        its own callback). Loads happen before ``on_fit_start``: nothing to time then."""
-        if self.monitor is None or not isinstance(checkpoint, dict):
+        """A resume (``fit(ckpt_path=...)``): note what it restored (Lightning restores model,
+        optimizer, scaler and loop state; RNG only with its own callback). The load runs before
+        ``on_fit_start`` attaches ddpmon: ``on_train_start`` reports it."""
+        if not isinstance(checkpoint, dict):
             return
-        step = int(checkpoint.get("global_step", 0) or 0)
-        path = getattr(trainer, "ckpt_path", None) or "<lightning checkpoint>"
-        with contextlib.suppress(Exception):
-            self.monitor.observe_checkpoint(
-                step,
-                path,
-                "load",
-                model="state_dict" in checkpoint,
-                optimizer=bool(checkpoint.get("optimizer_states")),
-                data_loader="loops" in checkpoint,
-            ).done()
+        self._restored = {
+            "model": "state_dict" in checkpoint,
+            "optimizer": bool(checkpoint.get("optimizer_states")),
+            "data_loader": "loops" in checkpoint,
+        }
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         close_monitor(self.monitor)
+        self._restored = {}  # a later fit() reports its own load, or none
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         close_monitor(self.monitor)

@@ -22,16 +22,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 
-from ._common import NormForwarder, attach_monitor, close_monitor
+from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
 from .accelerate import unwrap_optimizer
 
 log = logging.getLogger("ddpmon")
+
+
+def _resumed_from(args: Any, global_step: int) -> tuple[str, dict[str, bool | None]]:
+    """Where a resume at ``global_step`` came from and what the Trainer restored from it: the
+    model, optimizer and scheduler always; the scaler and the RNG states (at its first step)
+    when their files are in the checkpoint; the data position unless ``ignore_data_skip``. The
+    checkpoint is ``output_dir/checkpoint-<step>`` when that exists (``resume_from_checkpoint``
+    itself is not kept by the Trainer)."""
+    restored: dict[str, bool | None] = {
+        "model": True, "optimizer": True,
+        "data_loader": not bool(getattr(args, "ignore_data_skip", False)),
+    }
+    named = getattr(args, "resume_from_checkpoint", None)
+    candidates = [named] if isinstance(named, str) else []
+    candidates.append(os.path.join(str(getattr(args, "output_dir", "") or ""),
+                                   f"checkpoint-{global_step}"))
+    for path in candidates:
+        if path and os.path.isdir(path):
+            files = os.listdir(path)
+            restored["scaler"] = "scaler.pt" in files or None
+            restored["rng"] = any(f.startswith("rng_state") for f in files) or None
+            return path, restored
+    return f"<transformers checkpoint of step {global_step}>", restored
 
 __all__ = ["DdpmonCallback"]
 
@@ -81,7 +105,11 @@ class DdpmonCallback(TrainerCallback):
         )
         if self.monitor is None:
             return
-        self._forwarder = NormForwarder(self.monitor, int(state.global_step))
+        # A resume restored the Trainer's state before this hook: count from its global step.
+        global_step = int(state.global_step)
+        path, restored = _resumed_from(args, global_step)
+        counted_from = report_resume(self.monitor, global_step, path, **restored)
+        self._forwarder = NormForwarder(self.monitor, counted_from)
         # How the Trainer weights a micro-batch's loss into the step's (see _on_model_output).
         if getattr(args, "average_tokens_across_devices", False):
             self._token_scale = int(getattr(accelerator, "num_processes", 1) or 1)

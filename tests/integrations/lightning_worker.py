@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--log-every", type=int, default=1, help="log the norm every N steps")
     p.add_argument("--log-key", default="grad_norm", help="name the norm is logged under")
+    p.add_argument("--resume", default=None, help="fit(ckpt_path=RESUME): a resumed run")
     a = p.parse_args()
     pl = importlib.import_module(a.package)
     grad_norm = importlib.import_module(f"{a.package}.utilities").grad_norm
@@ -159,7 +160,7 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(Tiny(), loader)
+    trainer.fit(Tiny(), loader, ckpt_path=a.resume)
 
 
 def _scrape(mon) -> bool | str:

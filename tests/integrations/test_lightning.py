@@ -18,6 +18,7 @@ from tests.support.integrations import (
     check_mismatch,
     check_nan_origin,
     check_norms,
+    check_resume,
     check_steps,
     close,
     python,
@@ -94,3 +95,31 @@ def test_checkpoint_saves_are_timed_on_the_rank_that_writes(run: WorkerRun) -> N
 
 def test_wrong_reported_norm_fires_the_mismatch_counter_and_event(run: WorkerRun) -> None:
     check_mismatch(run, WRONG_STEP, NAN_STEP)
+
+
+RESUME_AT = 4  # ModelCheckpoint(every_n_train_steps=2) writes a checkpoint at global step 4
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
+    """4 steps with checkpoints, then ``fit(ckpt_path=<step 4>)`` in a new process up to 6."""
+    base = [python(), str(WORKER), "--precision", "32-true", *RUNS["32-true"]]
+    base += ["--wrong-step", "-1", "--nan-step", "-1"]
+    first = tmp_path_factory.mktemp("lightning-first")
+    done = run_worker([*base, "--out", str(first), "--port", str(free_port_pair()),
+                       "--steps", str(RESUME_AT)], first, timeout=240)
+    assert done.rc == 0, done.output[-4000:]
+    (ckpt,) = (first / "ckpt").glob(f"*step={RESUME_AT}.ckpt")
+    second = tmp_path_factory.mktemp("lightning-resumed")
+    result = run_worker([*base, "--out", str(second), "--port", str(free_port_pair()),
+                         "--steps", str(STEPS), "--resume", str(ckpt)], second, timeout=240)
+    assert result.rc == 0, result.output[-4000:]
+    return result
+
+
+def test_a_resume_numbers_steps_as_the_trainer_does(resumed: WorkerRun) -> None:
+    """Lightning restores its global step before the callback attaches: ddpmon counts from the
+    checkpoint's step (4, 5), not from 0, and its norms are the trainer's for those steps."""
+    check_resume(resumed, RESUME_AT, STEPS, {"model", "optimizer", "data_loader"})
+    for rank in (0, 1):  # the module's own norms: only the resumed steps ran here
+        assert sorted(by_step(resumed.result(rank)["true_norms"])) == list(range(RESUME_AT, STEPS))

@@ -17,6 +17,7 @@ from tests.support.integrations import (
     check_mismatch,
     check_nan_origin,
     check_norms,
+    check_resume,
     check_steps,
     close,
     run_worker,
@@ -84,3 +85,35 @@ def test_checkpoint_saves_are_recorded_with_their_step(run: WorkerRun) -> None:
 
 def test_wrong_reported_norm_fires_the_mismatch_counter_and_event(run: WorkerRun) -> None:
     check_mismatch(run, WRONG_STEP, NAN_STEP)
+
+
+RESUME_AT = 4  # save_steps=2: checkpoint-4
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
+    """4 steps with full checkpoints, then ``train(resume_from_checkpoint=True)`` in a new
+    launch (the Trainer picks checkpoint-4) up to 6."""
+    hf = tmp_path_factory.mktemp("hf-output")
+    base = ["--accumulate", str(ACCUMULATE), "--wrong-step", "-1", "--nan-step", "-1",
+            "--hf-dir", str(hf), "--full-checkpoints"]
+    first = tmp_path_factory.mktemp("hf-first")
+    cmd = torchrun(WORKER, "--out", str(first), "--port", str(free_port_pair()),
+                   "--steps", str(RESUME_AT), *base)
+    done = run_worker(cmd, first, timeout=240)
+    assert done.rc == 0, done.output[-4000:]
+    assert (hf / f"checkpoint-{RESUME_AT}" / "optimizer.pt").exists()
+    second = tmp_path_factory.mktemp("hf-resumed")
+    cmd = torchrun(WORKER, "--out", str(second), "--port", str(free_port_pair()),
+                   "--steps", str(STEPS), "--resume", *base)
+    result = run_worker(cmd, second, timeout=240)
+    assert result.rc == 0, result.output[-4000:]
+    return result
+
+
+def test_a_resume_numbers_steps_as_the_trainer_does(resumed: WorkerRun) -> None:
+    """The Trainer restores its global step before ``on_train_begin``: ddpmon counts from the
+    checkpoint's step (4, 5), not from 0, and its norms equal the logged ones for those steps."""
+    restored = {"model", "optimizer", "rng", "data_loader"}
+    recovery = check_resume(resumed, RESUME_AT, STEPS, restored)
+    assert recovery["path"].endswith(f"checkpoint-{RESUME_AT}"), recovery

@@ -114,6 +114,9 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--fp16", action="store_true")
     p.add_argument("--deepspeed-stage", type=int, default=None)
+    p.add_argument("--hf-dir", default=None, help="the Trainer's output_dir (default OUT/hf)")
+    p.add_argument("--full-checkpoints", action="store_true", help="checkpoints a resume can use")
+    p.add_argument("--resume", action="store_true", help="train(resume_from_checkpoint=True)")
     a = p.parse_args()
     out = Path(a.out)
     torch.manual_seed(0)
@@ -129,7 +132,7 @@ def main() -> None:
     )
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
-        output_dir=str(out / "hf"),
+        output_dir=a.hf_dir or str(out / "hf"),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=a.accumulate,
         max_steps=a.steps,
@@ -138,7 +141,7 @@ def main() -> None:
         logging_steps=1,
         save_strategy="steps",  # checkpoint-2, -4, -6: ddpmon times each save
         save_steps=2,
-        save_only_model=True,
+        save_only_model=not a.full_checkpoints,
         report_to="none",
         use_cpu=True,
         ddp_backend="gloo",
@@ -161,7 +164,7 @@ def main() -> None:
             Recorder(ddpmon_cb, out, a.steps),
         ],
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if a.resume else None)
 
 
 def ds_config(stage: int) -> dict:

@@ -125,6 +125,30 @@ def check_norms(run: WorkerRun, steps: range, rel: float = 1e-5) -> None:
             assert close(ours[step], theirs[step], rel), (rank, step, ours[step], theirs[step])
 
 
+def check_resume(run: WorkerRun, resume_at: int, steps: int, restored: set[str]) -> dict:
+    """A run resumed from the checkpoint of step ``resume_at``: ddpmon numbers its steps from
+    there (``resume_at`` .. ``steps - 1``, the trainer's own numbers) with the trainer's norms,
+    records one load at ``resume_at`` and names ``restored`` as restored. Returns the
+    manifest's ``recovery``."""
+    for rank in (0, 1):
+        res = run.result(rank)
+        assert res["attached"], res["monitor_error"]
+        assert res["global_step"] == steps
+        ours, theirs = by_step(res["ddpmon_norms"]), by_step(res["true_norms"])
+        assert sorted(ours) == list(range(resume_at, steps)), (ours, theirs)
+        for step in ours:
+            assert close(ours[step], theirs[step], 1e-5), (rank, step, ours[step], theirs[step])
+        # The step gauge follows the trainer; the counter counts this launch's steps.
+        assert run.sample(rank, "ddpmon_step") == steps - 1
+        assert run.sample(rank, "ddpmon_steps_total") == steps - resume_at
+        loads = [e for e in run.events(rank) if e["kind"] == "checkpoint_load"]
+        assert [e["resume_step"] for e in loads] == [resume_at], loads
+    recovery = run.manifest()["recovery"]
+    assert recovery["resume_step"] == resume_at
+    assert restored <= set(recovery["restored"]), recovery
+    return recovery
+
+
 def check_nan_origin(run: WorkerRun, rank: int, step: int, param: str) -> None:
     """The NaN injected into ``rank``'s local gradient is named with that rank, step and param;
     the other rank saw it only after the all-reduce."""
