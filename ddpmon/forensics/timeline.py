@@ -154,11 +154,15 @@ def build_timeline(path: Path | str) -> Timeline:
         """Last completed step index of ``rank`` in ``attempt`` (default: its newest)."""
         if attempt is None:
             attempt = max((e["attempt"] for e in events if "attempt" in e), default=0)
-        # a signal's step is the one that was running, not a completed one
-        mine = [e for e in events if e.get("attempt", 0) == attempt
-                and e.get("kind") not in (att.SAVE, att.LOAD, "signal")]
+        # a signal's step is the one that was running, not a completed one; a step that was
+        # running (a dump's live line) says the one before it completed, which the progress
+        # file, written every 50 ms, may not have reached when the process died
+        ours = [e for e in events if e.get("attempt", 0) == attempt]
+        mine = [e for e in ours if e.get("kind") not in (att.SAVE, att.LOAD, "signal")]
         kept = by_attempt.get(rank, {}).get(attempt, {}).get("step")
-        steps = [s for s in (_last_step(mine), kept) if isinstance(s, int)]
+        before = [e["step"] - 1 for e in ours
+                  if e.get("kind") == "signal" and e.get("running") and isinstance(e["step"], int)]
+        steps = [s for s in (_last_step(mine), kept, *before) if isinstance(s, int) and s >= 0]
         return max(steps) if steps else None
 
     synthetic: list[dict[str, Any]] = []
@@ -173,6 +177,8 @@ def build_timeline(path: Path | str) -> Timeline:
                 live = ev.pop("live_step", None)
                 ev["step"] = live if isinstance(live, int) else last_step(
                     rank, per_rank.get(rank, []), ev["attempt"])
+                if isinstance(live, int):
+                    ev["running"] = True
                 synthetic.append(ev)
                 ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
                                         "clock_rtt_seconds": None})
