@@ -206,7 +206,7 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_grad_first_nonfinite_info": 1,
         "ddpmon_amp_loss_scale": 65536.0 / (2 if broken else 1),
         "ddpmon_amp_loss_scale_floor": 1.0,
-        "ddpmon_amp_skipped_steps_total": 3 + (1 if broken else 0),
+        "ddpmon_steps_skipped_total": 3 + (1 if broken else 0),  # each `by` alike
         "ddpmon_collective_bytes_total": steps * 1.4e9,
         # One check every 10 steps (the agent's data_check_interval), from the NaN onwards.
         "ddpmon_data_identical_batches_total": (

@@ -220,13 +220,19 @@ AMP_LOSS_SCALE_FLOOR = Metric(
     L.NUMERICS,
     when="with a GradScaler or DeepSpeed fp16",
 )
-AMP_SKIPPED_STEPS = Metric(
-    "ddpmon_amp_skipped_steps_total",
+STEPS_SKIPPED = Metric(
+    "ddpmon_steps_skipped_total",
     C,
-    "Optimizer steps skipped by the GradScaler.",
+    "Optimizer steps skipped, by who skipped them: scaler (a GradScaler or DeepSpeed fp16 "
+    "found Inf/NaN), engine (DeepSpeed's overflow check under bf16/fp32), loop (the loop did "
+    "not call optimizer.step()), policy (on_nonfinite='skip').",
     L.NUMERICS,
-    when="with a GradScaler or DeepSpeed fp16",
+    labels=("by",),
+    when="by=loop with a torch optimizer, scaler with a loss scaler, engine under DeepSpeed "
+    "bf16/fp32, policy with on_nonfinite='skip'",
 )
+SKIPPERS = ("scaler", "engine", "loop", "policy")
+"""The values of ``STEPS_SKIPPED``'s ``by`` label (and of ``StepRecord.skipped_by``)."""
 
 # -- communication -------------------------------------------------------------------------
 COLLECTIVE_OPS = (

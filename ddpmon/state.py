@@ -115,7 +115,8 @@ class StepRecord:
     collective_bytes: dict[str, int] = field(default_factory=dict)
     data_identical_ranks: int | None = None
     skipped_by: str | None = None
-    """Who skipped this optimizer step: ``scaler`` (found Inf/NaN), ``policy``
+    """Who skipped this optimizer step: ``scaler`` (a GradScaler or DeepSpeed fp16 found
+    Inf/NaN), ``engine`` (DeepSpeed's overflow check under bf16/fp32), ``policy``
     (``on_nonfinite='skip'``), ``loop`` (the user's loop never called ``optimizer.step()``)."""
     origin: bool = False
     """This rank's local gradients went non-finite while the weights entering the step were
@@ -168,6 +169,8 @@ class MetricState:
     loss_scale: float | None = None
     loss_scale_floor: float = 1.0
     amp_skipped_steps_total: int = 0
+    steps_skipped_total: dict[str, int] = field(default_factory=dict)
+    """``by -> steps skipped``: the skippers this rank can have, each from 0 (``SKIPPERS``)."""
     collective_bytes_total: dict[str, int] = field(default_factory=dict)
     """``op -> bytes``; an op appears at its first observation (only ops in use are exported)."""
     data_identical_batches_total: int = 0
@@ -264,6 +267,9 @@ class MetricState:
             self.loss_scale = record.loss_scale
         if record.amp_skipped:
             self.amp_skipped_steps_total += 1
+        if record.skipped_by is not None:
+            by = record.skipped_by
+            self.steps_skipped_total[by] = self.steps_skipped_total.get(by, 0) + 1
         if record.data_identical_ranks:
             self.data_identical_batches_total += 1
         for op, durations in record.collective_seconds.items():

@@ -61,8 +61,13 @@ def build_record(
     if meta.host_scale_after is not None:
         record.loss_scale = meta.host_scale_after
     if meta.host_skipped:
-        record.amp_skipped = True
-        record.skipped_by = record.skipped_by or "scaler"
+        # DeepSpeed skipped the step: its loss scaler under fp16 (a scale after the step), its
+        # own overflow check under bf16/fp32 (no scale at all).
+        if meta.host_scale_after is not None:
+            record.amp_skipped = True
+            record.skipped_by = record.skipped_by or "scaler"
+        else:
+            record.skipped_by = record.skipped_by or "engine"
     if "identical_ranks" in parts:
         record.data_identical_ranks = int(parts["identical_ranks"][0])
     if meta.comm is not None:

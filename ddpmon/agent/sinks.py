@@ -248,6 +248,8 @@ class SummarySink:
             ),
             "loss_scale": s.loss_scale,
             "amp_skipped_steps": s.amp_skipped_steps_total,
+            "steps_skipped": dict(s.steps_skipped_total),
+            "skipped_steps": sum(s.steps_skipped_total.values()),
             "collective_p50_seconds": self.quantile(0.5),
             "collective_p99_seconds": self.quantile(0.99),
             "collective_count": s.collective_count(),

@@ -249,7 +249,7 @@ LIVE_COLUMNS = (
     ("local\nnorm", metrics.GRAD_LOCAL_NORM, "{:.4g}"),
     ("NaN\norigin", metrics.GRAD_NONFINITE_ORIGIN_STEPS, "{:.0f}"),
     ("loss\nscale", metrics.AMP_LOSS_SCALE, "{:.0f}"),
-    ("skipped", metrics.AMP_SKIPPED_STEPS, "{:.0f}"),
+    ("skipped", metrics.STEPS_SKIPPED, "{:.0f}"),
 )
 """Live-table columns after rank and step: (header, catalogue metric, format)."""
 
@@ -370,7 +370,7 @@ def _print_summary(run_path: Path, nproc: int, console) -> None:
             _fmt(_num(s.get("grad_norm"))),
             str(first["step"]) if first else "-",
             _fmt(_num(s.get("loss_scale")), "{:.0f}"),
-            str(s.get("amp_skipped_steps")),
+            str(s.get("skipped_steps", s.get("amp_skipped_steps"))),
             _ms(s.get("collective_p50_seconds")),
             _ms(s.get("collective_p99_seconds")),
         )

@@ -78,7 +78,7 @@ LAYERED = (
     ),
     Column("scale", metrics.AMP_LOSS_SCALE, _value(metrics.AMP_LOSS_SCALE, lambda v: _num(v))),
     Column(
-        "skipped", metrics.AMP_SKIPPED_STEPS, _value(metrics.AMP_SKIPPED_STEPS, lambda v: _int(v))
+        "skipped", metrics.STEPS_SKIPPED, _value(metrics.STEPS_SKIPPED, lambda v: _int(v))
     ),
     Column("steps/s", metrics.STEPS, lambda m, p, dt: _rate(m, p, dt, metrics.STEPS)),
     Column("step time", metrics.STEP_DURATION, lambda m, p, dt: _mean_ms(m, metrics.STEP_DURATION)),

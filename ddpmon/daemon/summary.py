@@ -26,7 +26,7 @@ HEADLINE = {
     metrics.GRAD_NORM.name: "grad_norm",
     metrics.AMP_LOSS_SCALE.name: "loss_scale",
     metrics.STEPS.name: "steps_total",
-    metrics.AMP_SKIPPED_STEPS.name: "skipped_steps_total",
+    metrics.STEPS_SKIPPED.name: "skipped_steps_total",
     metrics.GRAD_NONFINITE_STEPS.name: "nonfinite_steps_total",
     metrics.WORLD_SIZE.name: "world_size",
 }
@@ -93,7 +93,7 @@ FINAL_KEYS = {
     "grad_norm": "grad_norm",
     "loss_scale": "loss_scale",
     "steps": "steps_total",
-    "amp_skipped_steps": "skipped_steps_total",
+    "skipped_steps": "skipped_steps_total",
     "grad_nonfinite_steps": "nonfinite_steps_total",
 }
 """``summary.rank<R>.json`` key -> key in the job summary."""

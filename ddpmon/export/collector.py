@@ -209,7 +209,9 @@ class DdpmonCollector(Collector):
             if s.loss_scale is not None:
                 out[m.AMP_LOSS_SCALE] = _one(s.loss_scale)
             out[m.AMP_LOSS_SCALE_FLOOR] = _one(s.loss_scale_floor)
-            out[m.AMP_SKIPPED_STEPS] = _one(s.amp_skipped_steps_total)
+        if s.steps_skipped_total:
+            skipped = dict(s.steps_skipped_total)  # one C-level copy: the record thread adds
+            out[m.STEPS_SKIPPED] = [((by,), float(n)) for by, n in skipped.items()]
         return out
 
 

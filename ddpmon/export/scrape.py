@@ -195,7 +195,8 @@ _PER_OP = frozenset(
 
 def flatten(text: str) -> dict[str, float]:
     """Samples keyed by name. Series with labels beyond run/rank are dropped, except
-    ``ddpmon_agent_errors_total`` (summed over probes), the rank read from
+    ``ddpmon_agent_errors_total`` (summed over probes), ``ddpmon_steps_skipped_total`` (over
+    skippers), the rank read from
     ``ddpmon_rank_info`` (as ``rank``) and the collective families' ``_sum``, ``_count`` and
     bytes (summed over ops under the plain name, and each op as ``name{op="..."}``)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -206,8 +207,8 @@ def flatten(text: str) -> dict[str, float]:
             extra = sample.labels.keys() - set(metrics.BASE_LABELS)
             if not extra:
                 out[sample.name] = sample.value
-            elif sample.name == metrics.AGENT_ERRORS.name:
-                out[sample.name] += sample.value
+            elif sample.name in (metrics.AGENT_ERRORS.name, metrics.STEPS_SKIPPED.name):
+                out[sample.name] += sample.value  # summed over probes, over skippers
             elif sample.name == metrics.RANK_INFO.name:
                 out["rank"] = float(sample.labels.get("rank", "nan"))
             elif extra == {"op"} and sample.name in _PER_OP:

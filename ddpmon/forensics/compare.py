@@ -229,7 +229,9 @@ def _series(
         "loss": loss,
         "grad_norm": c["grad_norm"],
         "loss_scale": c["loss_scale"],
-        "skipped": c["amp_skipped"].astype(float),
+        # any skip: the loss scaler's, DeepSpeed's, the loop's or the policy's (older files
+        # have no skipped_by column set for a scaler skip, so amp_skipped still counts)
+        "skipped": (c["amp_skipped"] | (c["skipped_by"] > 0)).astype(float),
     }
     for g in first.groups:
         series[f"group:{g}"] = first.group(g)

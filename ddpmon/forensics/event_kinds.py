@@ -65,7 +65,7 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "origin": "true when this rank's *local* gradients were non-finite first",
             "poisoned": "true when only an earlier applied non-finite step caused it",
             "grad_local_norm": "this rank's local norm at that step",
-            "skipped_by": "who skipped the step (`scaler`, `policy`, `loop`), if anyone",
+            "skipped_by": "who skipped the step (`scaler`, `engine`, `policy`, `loop`), if anyone",
             "action": "`skip` or `raise` under `on_nonfinite`",
             "stage": "pipeline parallel: the origin stage (on an origin step)",
             "microbatch": "pipeline parallel: the micro-batch where it started (null: a "

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-SKIPPED_CODES = {None: 0, "scaler": 1, "policy": 2, "loop": 3}
+SKIPPED_CODES = {None: 0, "scaler": 1, "policy": 2, "loop": 3, "engine": 4}
 """``skipped_by`` as a small integer column; the mapping is also in the schema metadata."""
 SKIPPED_NAMES = {v: k for k, v in SKIPPED_CODES.items()}
 
@@ -53,9 +53,9 @@ COLUMN_DOCS = {
     "origin": "this rank was an origin of non-finite gradients at this step",
     "poisoned": "non-finite only because an earlier non-finite step was applied",
     "loss_scale": "AMP loss scale (null without a loss scaler)",
-    "amp_skipped": "the GradScaler skipped the step",
+    "amp_skipped": "the loss scaler (a GradScaler or DeepSpeed fp16) skipped the step",
     "skipped_by": "who skipped the step: 0 none, 1 scaler, 2 policy (`on_nonfinite=skip`), "
-    "3 loop",
+    "3 loop, 4 engine (DeepSpeed bf16/fp32)",
     "duration_seconds": "step time",
     "data_wait_seconds": "end of the previous step to the first forward of this one",
     "collective_count": "collectives timed in the step, every op (DDP: one per bucket)",

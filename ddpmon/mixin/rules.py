@@ -119,7 +119,12 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     by_run = cfg.by_run
     run_labels = ", ".join(cfg.run_labels)
     by_step = grad_norm_by_step(cfg)
-    skipped = sel(cfg, m.AMP_SKIPPED_STEPS.name)
+    # Steps the loss scaler skipped (its overflows are how fp16 training finds its scale).
+    scaler = 'by="scaler"'
+    skipped = f"sum without (by) ({sel(cfg, m.STEPS_SKIPPED.name, scaler)})"
+    skipped_rate = (
+        f"sum without (by) (rate({sel(cfg, m.STEPS_SKIPPED.name, scaler)}[{cfg.rate_window}]))"
+    )
     step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
     collective = m.COLLECTIVE_DURATION.name
     by_op = f"by ({run_labels}, op)"
@@ -130,7 +135,7 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     numerics = [
         {
             "record": n.SKIPPED_RATIO,
-            "expr": f"{_rate(cfg, m.AMP_SKIPPED_STEPS.name)}\n/\n{_rate(cfg, m.STEPS.name)}",
+            "expr": f"{skipped_rate}\n/\n{_rate(cfg, m.STEPS.name)}",
         },
         {
             # Every step the scaler skipped also counts as a non-finite step, so this counter

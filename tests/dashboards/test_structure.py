@@ -127,7 +127,7 @@ def test_annotations_line_up_alerts_nonfinite_and_skipped() -> None:
                             "Checkpoints", "Restarts"}
         assert 'ALERTS{alertname=~"Ddpmon.*"' in ann["Firing ddpmon alerts"]["expr"]
         assert "ddpmon_grad_nonfinite_origin_steps_total" in ann["Non-finite steps"]["expr"]
-        assert "ddpmon_amp_skipped_steps_total" in ann["Skipped steps"]["expr"]
+        assert "ddpmon_steps_skipped_total" in ann["Skipped steps"]["expr"]
         assert "changes(ddpmon_checkpoint_last_timestamp_seconds" in ann["Checkpoints"]["expr"]
         assert "changes(ddpmon_attempt" in ann["Restarts"]["expr"]
         for a in ann.values():

@@ -186,6 +186,7 @@ def run_case(args: argparse.Namespace, rank: int, case_id: str) -> dict:
         "agent_errors": {k: v for k, v in s.agent_errors.items() if v},
         "strategy": s.strategy,
         "skipped": s.amp_skipped_steps_total,
+        "steps_skipped": dict(s.steps_skipped_total),
         "params_finite": all(
             bool(torch.isfinite(getattr(p, "full_tensor", lambda p=p: p)()).all()) for p in params
         ),

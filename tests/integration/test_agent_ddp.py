@@ -78,7 +78,8 @@ def test_nan_origin_rank_and_first_nonfinite(runs):
     assert value(r0, "ddpmon_grad_nonfinite_origin_steps_total") == 0
     for r in (r0, r1):
         assert value(r, "ddpmon_grad_nonfinite_steps_total") >= 1
-        assert value(r, "ddpmon_amp_skipped_steps_total") == 1  # the scaler skipped it
+        assert value(r, "ddpmon_steps_skipped_total", by="scaler") == 1  # the scaler skipped it
+        assert value(r, "ddpmon_steps_skipped_total", by="loop") == 0
         assert value(r, "ddpmon_steps_total") == 8  # the skipped step still counts
     first = [k for k in r1["metrics"] if k[0] == "ddpmon_grad_first_nonfinite_info"]
     assert dict(first[0][1]) == {"kind": "nan", "param": "layers.2.weight", "step": "3"}
@@ -121,7 +122,7 @@ def test_scale_halves_per_skipped_step_and_skips_equal_injections(runs):
     results = runs["collapse"]
     for r in results:
         scales = r["scales"]
-        assert value(r, "ddpmon_amp_skipped_steps_total") == 5
+        assert value(r, "ddpmon_steps_skipped_total", by="scaler") == 5
         for step in range(2, 7):  # each injected step halves the scale, as GradScaler does
             assert scales[step] == scales[step - 1] / 2
         assert scales[-1] == 2.0**10 / 2**5

@@ -123,7 +123,7 @@ def test_alerts_fire_on_faults_and_not_on_a_clean_run(tmp_path: Path) -> None:
             last = [int(float(r["value"][1])) for r in seen]
             assert len(last) == 2 and min(last) >= STEPS - 4, seen
             skipped = stack.prometheus.query(
-                'max_over_time(ddpmon_amp_skipped_steps_total{run="clean"}[10m]) >= 1'
+                'max_over_time(ddpmon_steps_skipped_total{run="clean",by="scaler"}[10m]) >= 1'
             )
             assert skipped, "the clean run's absorbed overflow was not scraped"
             # Anything the clean run's last scrapes trigger, or a second page for the killed

@@ -83,6 +83,7 @@ def test_guard_and_skip_loop_counts_the_skipped_step_and_its_nan_loss(run):
     r0, r1 = run("guard")
     for r in (r0, r1):
         assert r["steps_total"] == 12  # the step the loop skipped is still a step
+        assert {k: v for k, v in r["steps_skipped"].items() if v} == {"loop": 1}
         assert r["nonfinite_steps"] == 1
         assert r["poisoned_steps"] == 0  # the NaN never reached the weights
         finite = [e for e in r["steps"] if e["step"] != 4]
@@ -99,6 +100,7 @@ def test_one_rank_overflowing_every_step_keeps_the_collectives_in_step(run):
     r0, r1 = run("inf_one_rank")
     for r in (r0, r1):
         assert r["steps_total"] == 12 and r["skipped"] == 9
+        assert r["steps_skipped"] == {"loop": 0, "scaler": 9}
         assert r["agent_errors"] == {}
         for e in r["steps"][:3]:  # unscaled, pre-clip, as torch reports after unscale_
             assert e["ddpmon"] == pytest.approx(e["ref"], rel=1e-5), e
@@ -144,6 +146,7 @@ def test_on_nonfinite_skip_decides_alike_on_every_rank(run, fsdp):
     for r in (r0, r1):
         assert r["params_finite"], r
         assert r["steps_total"] == 8 and r["nonfinite_steps"] == 1 and r["poisoned_steps"] == 0
+        assert r["steps_skipped"] == {"loop": 0, "policy": 1}, r["steps_skipped"]
         assert r["strategy"] == ("fsdp2" if fsdp else "ddp")
     assert r1["origin_steps"] == 1 and r0["origin_steps"] == 0
 
@@ -152,6 +155,7 @@ def test_fsdp2_guard_and_skip_loop_and_accumulation(run):
     r0, r1 = run("guard_fsdp2")
     for r in (r0, r1):
         assert r["steps_total"] == 8 and r["nonfinite_steps"] == 1 and r["poisoned_steps"] == 0
+        assert {k: v for k, v in r["steps_skipped"].items() if v} == {"loop": 1}
         for e in r["steps"]:
             if e["step"] != 4:
                 assert e["ddpmon"] == pytest.approx(e["ref"], rel=1e-5), e

@@ -225,6 +225,7 @@ def run_config(name: str, cfg: dict, out: Path, rank: int) -> dict:
         "loss_scale": state.loss_scale,
         "steps_total": state.steps_total,
         "amp_skipped_steps_total": state.amp_skipped_steps_total,
+        "steps_skipped_total": dict(state.steps_skipped_total),
         "origin_steps": state.grad_nonfinite_origin_steps_total,
         "poisoned_steps": state.grad_nonfinite_poisoned_steps_total,
         "errors": {k: v for k, v in state.agent_errors.items() if v},

@@ -80,9 +80,13 @@ def test_steps_and_skipped_match_engine(runs, name):
         skipped_by_engine = [
             b - a for a, b in zip([0, *res["skipped_steps"]], res["skipped_steps"], strict=False)
         ]
-        assert [int(r["amp_skipped"]) for r in records] == skipped_by_engine
-        by_scaler = [r["skipped_by"] == "scaler" for r in records]
-        assert by_scaler == [bool(s) for s in skipped_by_engine]
+        # fp16: DeepSpeed's loss scaler skipped (an AMP skip); bf16/fp32: its overflow check.
+        fp16 = CONFIGS[name]["precision"] == "fp16"
+        by = "scaler" if fp16 else "engine"
+        assert [int(r["amp_skipped"]) for r in records] == [
+            s if fp16 else 0 for s in skipped_by_engine
+        ]
+        assert [r["skipped_by"] == by for r in records] == [bool(s) for s in skipped_by_engine]
         if name not in APPLIED:  # the NaN step is skipped by DeepSpeed on every rank
             assert skipped_by_engine[W.NAN_STEP] == 1
 
@@ -169,6 +173,28 @@ def test_loss_scale_only_for_fp16(runs, name):
             assert scales == [None] * W.STEPS and res["loss_scale"] is None
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_skipped_steps_equal_deepspeeds_with_who_skipped_them(runs, name):
+    """ddpmon_steps_skipped_total equals engine.skipped_steps under fp32, bf16 and fp16: the
+    loss scaler's skips under fp16 (``by="scaler"``), DeepSpeed's own overflow check's under
+    bf16/fp32 (``by="engine"``); only the scaler's are AMP skips."""
+    fp16 = CONFIGS[name]["precision"] == "fp16"
+    for rank in (0, 1):
+        res = rank_cfg(runs, rank, name)
+        by = "scaler" if fp16 else "engine"
+        assert res["steps_skipped_total"] == {by: res["skipped_steps"][-1]}, res["skipped_steps"]
+        assert res["amp_skipped_steps_total"] == (res["skipped_steps"][-1] if fp16 else 0)
+        skipped_by = {r["step"]: r["skipped_by"] for r in res["records"] if r["skipped_by"]}
+        assert len(skipped_by) == res["skipped_steps"][-1] and set(skipped_by.values()) <= {by}
+
+
+def test_a_zero2_fp32_nan_on_one_rank_shows_one_skipped_step_as_deepspeed_does(runs):
+    for rank in (0, 1):
+        res = rank_cfg(runs, rank, "z2-fp32-gas1")
+        assert res["skipped_steps"][-1] == 1, "DeepSpeed skipped the NaN step"
+        assert res["steps_skipped_total"] == {"engine": 1}
+
+
 def test_attach_refusals_do_not_raise(runs):
     for rank in (0, 1):
         for name in CONFIGS:
@@ -193,7 +219,9 @@ def test_unreadable_feature_warns_once_and_keeps_steps(runs):
         assert res["steps_total"] == W.STEPS
         assert all(r["grad_norm"] is None and r["grad_local_norm"] is None
                    for r in res["records"])
-        assert sum(r["amp_skipped"] for r in res["records"]) == res["skipped_steps"][-1] == 1
+        assert res["skipped_steps"][-1] == 1  # fp32: DeepSpeed's overflow check
+        assert sum(r["skipped_by"] == "engine" for r in res["records"]) == 1
+        assert res["steps_skipped_total"] == {"engine": 1}
 
 
 def test_unknown_optimizer_wrapper_warns_and_keeps_local_numbers(runs):
@@ -249,9 +277,11 @@ def test_exposition(runs, name):
         scale = samples.get("ddpmon_amp_loss_scale")
         if cfg["precision"] == "fp16":
             assert scale[0].value == res["ds_scales"][-1]
-            assert samples["ddpmon_amp_skipped_steps_total"][0].value == 1
         else:
-            assert scale is None and "ddpmon_amp_skipped_steps_total" not in samples
+            assert scale is None
+        skipped = {s.labels["by"]: s.value for s in samples["ddpmon_steps_skipped_total"]}
+        by = "scaler" if cfg["precision"] == "fp16" else "engine"
+        assert skipped == {by: res["skipped_steps"][-1]}, skipped
 
 
 def test_one_rank_failing_to_read_its_partitions_hangs_no_rank(runs):

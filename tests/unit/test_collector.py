@@ -99,6 +99,7 @@ def make_state(groups=4) -> MetricState:
     s.grad_nonfinite_steps_total, s.grad_nonfinite_origin_steps_total = 3, 1
     s.first_nonfinite = FirstNonfinite(20, "encoder.layers.0.linear1.weight", "nan")
     s.amp_enabled, s.loss_scale, s.amp_skipped_steps_total = True, 0.5, 17
+    s.steps_skipped_total = {"loop": 0, "scaler": 17}
     for v in (0.02, 0.3, 1.5, 100.0):
         s.step_duration.observe(v)
     for v in (0.0005, 0.004):

@@ -104,7 +104,7 @@ def _numerics_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     q(Q.NONFINITE_REDUCED, "non-finite reduced grads"),
                     q(Q.NONFINITE_ORIGIN, "non-finite local grads (origin)"),
                     q(Q.NONFINITE_LOSS, "non-finite losses"),
-                    q(Q.SKIPPED, "skipped by the loss scaler"),
+                    q(Q.SKIPPED, "skipped by the {{by}}"),
                 ),
                 "Counts per rate interval.",
             ),

@@ -12,8 +12,9 @@ ANN_NONFINITE = (
     "[$__rate_interval])) > 0"
 )
 ANN_SKIPPED = (
-    f"max by (run) (increase({m.AMP_SKIPPED_STEPS.name}{{R}}[$__rate_interval])) > 0"
+    f"max by (run) (increase({m.STEPS_SKIPPED.name}{{R}}[$__rate_interval])) > 0"
 )
+"""A step was skipped, by anyone (the loss scaler, DeepSpeed, the loop, the skip policy)."""
 ANN_CHECKPOINTS = (
     f"max by (run) (changes({m.CHECKPOINT_LAST_TIMESTAMP.name}{{R}}[$__rate_interval])) > 0"
 )

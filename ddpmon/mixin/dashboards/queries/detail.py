@@ -40,7 +40,7 @@ LOSS_SCALE_FLOOR = f"{m.AMP_LOSS_SCALE_FLOOR.name}{{D}}"
 NONFINITE_REDUCED = f"increase({m.GRAD_NONFINITE_STEPS.name}{{D}}[$__rate_interval])"
 NONFINITE_ORIGIN = f"increase({m.GRAD_NONFINITE_ORIGIN_STEPS.name}{{D}}[$__rate_interval])"
 NONFINITE_LOSS = f"increase({m.LOSS_NONFINITE.name}{{D}}[$__rate_interval])"
-SKIPPED = f"increase({m.AMP_SKIPPED_STEPS.name}{{D}}[$__rate_interval])"
+SKIPPED = f"sum by (rank, by) (increase({m.STEPS_SKIPPED.name}{{D}}[$__rate_interval]))"
 FIRST_NONFINITE = (
     "max by (rank, step, param, kind) "
     f"(last_over_time({m.GRAD_FIRST_NONFINITE_INFO.name}{{D}}[$__range]))"
