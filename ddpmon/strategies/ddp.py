@@ -22,6 +22,7 @@ from ..probes.comm import CollectiveRecorder, tensor_bytes
 from ..probes.grads import ParamIndex, full_pass, per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector, SourceEnv
+from .local_sampling import LocalNormSampler
 
 log = logging.getLogger("ddpmon.comm")
 
@@ -73,9 +74,8 @@ class CommProbe:
         self._parts = BucketParts()
         self._data_check_interval = data_check_interval
         self._group = group
-        self._local_norm_every = max(1, local_norm_every)
+        self._sampler = LocalNormSampler(local_norm_every)
         self._grads_are_bucket_views = grads_are_bucket_views
-        self._steps_taken = 0
         self.collectives = collectives or CollectiveRecorder(on_error)
         """Each bucket's all-reduce is recorded here as one ``all_reduce``."""
 
@@ -86,7 +86,7 @@ class CommProbe:
     def take(self) -> BucketParts:
         """Hand over what was collected for the step that just finished, start a new one."""
         parts, self._parts = self._parts, BucketParts()
-        self._steps_taken += 1
+        self._sampler.step_done()
         return parts
 
     def _local_pass_now(self, bucket: Any, check_data: bool) -> bool:
@@ -101,12 +101,11 @@ class CommProbe:
         leaves local until the step's buckets are finalised. Exact either way."""
         if check_data or self._grads_are_bucket_views:
             return True
-        if bucket.buffer().device.type != "cpu":
-            return True
-        return self._steps_taken % self._local_norm_every == 0
+        return self._sampler.due(bucket.buffer().device)
 
     def _data_check_due(self, bucket: Any) -> bool:
-        if bucket.index() != 0 or not data_check.due(self._data_check_interval, self._steps_taken):
+        due = data_check.due(self._data_check_interval, self._sampler.steps)
+        if bucket.index() != 0 or not due:
             return False
         import torch.distributed as dist
 

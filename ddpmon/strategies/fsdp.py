@@ -36,6 +36,7 @@ from . import data_check
 from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
 from .kinds import detect_sharded, fsdp_modules
+from .local_sampling import LocalNormSampler
 from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
@@ -189,8 +190,7 @@ class FSDPSource(ShardedSource):
         self._pieces: list[_LocalPiece] = []
         self._local_exact = True
         self._scaled = False
-        self._local_every = max(1, int(env.local_norm_every))
-        self._steps = 0
+        self._sampler = LocalNormSampler(env.local_norm_every)
         self._skipped_units = 0
         """Units whose norm pass this step was replaced by the (finite) sum check."""
         self._data_checked = False
@@ -342,7 +342,8 @@ class FSDPSource(ShardedSource):
     def _data_check_now(self, group: dist.ProcessGroup) -> bool:
         """The duplicate-data check runs on this step's first reduce-scatter (the same unit on
         every rank: FSDP2 reduces in one order everywhere)."""
-        if self._data_checked or not data_check.due(self.env.data_check_interval, self._steps):
+        due = data_check.due(self.env.data_check_interval, self._sampler.steps)
+        if self._data_checked or not due:
             return False
         self._data_checked = True
         try:
@@ -365,7 +366,7 @@ class FSDPSource(ShardedSource):
         there, and the check below would read a device value) and on every
         ``local_norm_every``-th step on CPU; on other CPU steps only when the buffer's sum is
         non-finite (read on the host: a CPU tensor, no sync)."""
-        if flat.device.type != "cpu" or self._steps % self._local_every == 0:
+        if self._sampler.due(flat.device):
             return True
         return not math.isfinite(float(flat.sum()))
 
@@ -400,7 +401,7 @@ class FSDPSource(ShardedSource):
         pieces, self._pieces = self._pieces, []
         exact, self._local_exact = self._local_exact, True
         skipped, self._skipped_units = self._skipped_units, 0
-        self._steps += 1
+        self._sampler.step_done()
         twice = any(u.reductions > 1 for u in self._units)
         for unit in self._units:
             unit.reductions = 0
