@@ -39,6 +39,18 @@ from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
 from ..probes.comm import CommTiming
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
+from ..step_slots import (
+    FOUND_INF,
+    GRAD_SCALE,
+    IDENTICAL_RANKS,
+    LOCAL_NORMS,
+    LOSS,
+    LOSS_SCALE,
+    PP_FLAGS,
+    PP_NORM,
+    REDUCED_NORMS,
+    TRAINER_NORM,
+)
 from ..strategies.base import GradientSource, GradSummaries, NormVector
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
@@ -299,18 +311,18 @@ class StepPipeline:
         reduced = s.reduced.norms if s.reduced is not None else None
         local = s.local.norms if s.local is not None else None
         values = {
-            "reduced_norms": reduced,
-            "local_norms": local,
-            "loss": loss,
-            "grad_scale": grad_scale,
-            "loss_scale": scale_after,
-            "found_inf": found,
-            "identical_ranks": s.identical_ranks,
-            "trainer_norm": trainer,
+            REDUCED_NORMS: reduced,
+            LOCAL_NORMS: local,
+            LOSS: loss,
+            GRAD_SCALE: grad_scale,
+            LOSS_SCALE: scale_after,
+            FOUND_INF: found,
+            IDENTICAL_RANKS: s.identical_ranks,
+            TRAINER_NORM: trainer,
         }
         if s.pp is not None:
-            values["pp_norm"] = s.pp.norm
-            values["pp_flags"] = s.pp.flags if s.pp.flags.numel() else None
+            values[PP_NORM] = s.pp.norm
+            values[PP_FLAGS] = s.pp.flags if s.pp.flags.numel() else None
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -387,7 +399,7 @@ class StepPipeline:
             self._norms_by_step[record.step] = record.grad_norm
             while len(self._norms_by_step) > 64:
                 self._norms_by_step.popitem(last=False)
-        theirs = parts["trainer_norm"][0] if "trainer_norm" in parts else meta.trainer_norm_host
+        theirs = parts[TRAINER_NORM][0] if TRAINER_NORM in parts else meta.trainer_norm_host
         target = meta.trainer_norm_step
         if theirs is not None and target is not None and target != record.step:
             self._late_trainer[target] = theirs  # a norm for another step: compare it there

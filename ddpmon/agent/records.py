@@ -8,6 +8,15 @@ from typing import Any
 
 from ..probes.grads import ParamIndex, summarize_host
 from ..state import StepRecord
+from ..step_slots import (
+    FOUND_INF,
+    GRAD_SCALE,
+    IDENTICAL_RANKS,
+    LOCAL_NORMS,
+    LOSS,
+    LOSS_SCALE,
+    REDUCED_NORMS,
+)
 from ..strategies.base import NormVector
 from .guard import Guard
 
@@ -29,20 +38,20 @@ def build_record(
         data_wait_seconds=meta.data_wait,
         skipped_by=meta.skipped_by,
     )
-    scale = parts["grad_scale"][0] if "grad_scale" in parts else None
+    scale = parts[GRAD_SCALE][0] if GRAD_SCALE in parts else None
     reduced = local = None
     if reduction_failed:
         meta.reduced = None  # reported where it failed: no global norm this step
-    if "reduced_norms" in parts and meta.reduced is not None:
-        reduced = summarize_host(meta.reduced, parts["reduced_norms"], index, scale)
+    if REDUCED_NORMS in parts and meta.reduced is not None:
+        reduced = summarize_host(meta.reduced, parts[REDUCED_NORMS], index, scale)
         record.grad_norm = reduced.norm
         record.group_norms = dict(zip(index.group_names, reduced.group_norms, strict=True))
         record.grad_nonfinite = reduced.nonfinite
         if reduced.nonfinite:
             record.grad_nonfinite_param = index.name(reduced.first_position)
             record.grad_nonfinite_kind = reduced.kind
-    if "local_norms" in parts and meta.local is not None:
-        local = summarize_host(meta.local, parts["local_norms"], index, scale)
+    if LOCAL_NORMS in parts and meta.local is not None:
+        local = summarize_host(meta.local, parts[LOCAL_NORMS], index, scale)
     elif meta.local_is_reduced:
         local = reduced
     if local is not None:
@@ -52,10 +61,10 @@ def build_record(
         if local.nonfinite:
             record.local_nonfinite_param = index.name(local.first_position)
             record.local_nonfinite_kind = local.kind
-    record.loss = parts["loss"][0] if "loss" in parts else meta.loss_host
-    if "loss_scale" in parts:
-        record.loss_scale = parts["loss_scale"][0]
-    if "found_inf" in parts and parts["found_inf"][0] > 0:
+    record.loss = parts[LOSS][0] if LOSS in parts else meta.loss_host
+    if LOSS_SCALE in parts:
+        record.loss_scale = parts[LOSS_SCALE][0]
+    if FOUND_INF in parts and parts[FOUND_INF][0] > 0:
         record.amp_skipped = True
         record.skipped_by = record.skipped_by or "scaler"
     if meta.host_scale_after is not None:
@@ -68,8 +77,8 @@ def build_record(
             record.skipped_by = record.skipped_by or "scaler"
         else:
             record.skipped_by = record.skipped_by or "engine"
-    if "identical_ranks" in parts:
-        record.data_identical_ranks = int(parts["identical_ranks"][0])
+    if IDENTICAL_RANKS in parts:
+        record.data_identical_ranks = int(parts[IDENTICAL_RANKS][0])
     if meta.comm is not None:
         with guard("comm"):
             record.collective_bytes = dict(meta.comm.bytes)
@@ -79,9 +88,9 @@ def build_record(
             record,
             parts,
             meta.pp,
-            _host(parts, "local_norms", meta.local)
-            or (_host(parts, "reduced_norms", meta.reduced) if meta.local_is_reduced else None),
-            _host(parts, "reduced_norms", meta.reduced),
+            _host(parts, LOCAL_NORMS, meta.local)
+            or (_host(parts, REDUCED_NORMS, meta.reduced) if meta.local_is_reduced else None),
+            _host(parts, REDUCED_NORMS, meta.reduced),
         )
     return record
 

@@ -163,3 +163,13 @@ def test_reset_starts_a_new_attempt_clean():
     rec = step(3, local=True, grad=True)
     tracker.classify(rec)
     assert rec.origin
+
+
+def test_every_step_slot_is_named_by_one_constant():
+    """The slots' names live in ddpmon.step_slots: STEP_SLOTS declares exactly those, and the
+    records and the pipeline source read them through the constants."""
+    from ddpmon import step_slots
+    from ddpmon.agent.stepvector import STEP_SLOTS
+
+    constants = [v for k, v in vars(step_slots).items() if k.isupper()]
+    assert sorted(s.name for s in STEP_SLOTS) == sorted(constants)
