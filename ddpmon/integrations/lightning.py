@@ -87,8 +87,10 @@ class _DdpmonLightning:
         if self.monitor is None:
             return
         global_step = int(trainer.global_step)
-        path = getattr(trainer, "ckpt_path", None) or "<lightning checkpoint>"
-        counted_from = report_resume(self.monitor, global_step, str(path), **self._restored)
+        counted_from = global_step  # a later fit() of the same trainer: no load to report
+        if self._restored:  # on_load_checkpoint ran: this fit resumed from a checkpoint
+            path = getattr(trainer, "ckpt_path", None) or "<lightning checkpoint>"
+            counted_from = report_resume(self.monitor, global_step, str(path), **self._restored)
         self._forwarder = NormForwarder(self.monitor, counted_from)
         self._seen_global_step = global_step
 

@@ -82,12 +82,17 @@ class Job:
             return []
 
     def kill(self, name: str | None = None) -> None:
+        """The node dies at once: every process of it is stopped (SIGSTOP, torchrun first),
+        then SIGKILLed. Killed one by one, a loaded machine could let torchrun see its first
+        rank die and SIGTERM the others before their own SIGKILL came."""
         for node in [name] if name else list(self.procs):
-            for proc in reversed(self.node_procs(node)):  # ranks first, then their agent
-                try:
-                    proc.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            procs = self.node_procs(node)
+            for action in ("suspend", "kill"):
+                for proc in procs:  # the agent first, then its ranks
+                    try:
+                        getattr(proc, action)()
+                    except psutil.NoSuchProcess:
+                        pass
 
     def stop(self, names: list[str] | None = None, timeout: float = 60.0) -> None:
         """SIGTERM to torchrun (it forwards it to its ranks), then wait for every process of
