@@ -231,8 +231,7 @@ STEPS_SKIPPED = Metric(
     when="by=loop with a torch optimizer, scaler with a loss scaler, engine under DeepSpeed "
     "bf16/fp32, policy with on_nonfinite='skip'",
 )
-SKIPPERS = ("scaler", "engine", "loop", "policy")
-"""The values of ``STEPS_SKIPPED``'s ``by`` label (and of ``StepRecord.skipped_by``)."""
+
 
 # -- communication -------------------------------------------------------------------------
 COLLECTIVE_OPS = (

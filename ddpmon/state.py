@@ -83,6 +83,20 @@ def _bound_label(bound: float) -> str:
     return repr(float(bound))
 
 
+def possible_skippers(deepspeed: bool, loss_scaler: bool, on_nonfinite: str) -> list[str]:
+    """Who can skip this rank's optimizer steps (``ddpmon_steps_skipped_total``'s ``by``, each
+    exported from 0): the loop under a torch optimizer (DeepSpeed counts its engine's steps),
+    a loss scaler, DeepSpeed's own overflow check under bf16/fp32, the skip policy."""
+    out = [] if deepspeed else ["loop"]
+    if loss_scaler:
+        out.append("scaler")
+    elif deepspeed:
+        out.append("engine")
+    if on_nonfinite == "skip":
+        out.append("policy")
+    return out
+
+
 @dataclass(slots=True)
 class FirstNonfinite:
     step: int
@@ -170,7 +184,8 @@ class MetricState:
     loss_scale_floor: float = 1.0
     amp_skipped_steps_total: int = 0
     steps_skipped_total: dict[str, int] = field(default_factory=dict)
-    """``by -> steps skipped``: the skippers this rank can have, each from 0 (``SKIPPERS``)."""
+    """``by -> steps skipped``: the skippers this rank can have, each from 0
+    (:func:`possible_skippers`)."""
     collective_bytes_total: dict[str, int] = field(default_factory=dict)
     """``op -> bytes``; an op appears at its first observation (only ops in use are exported)."""
     data_identical_batches_total: int = 0

@@ -22,7 +22,7 @@ import torch
 from ..config import Config
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
-from ..state import MetricState
+from ..state import MetricState, possible_skippers
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
 from . import registry
@@ -130,8 +130,9 @@ class Monitor:
         self.engine_facts = getattr(self.source, "facts", None)
         if self.engine_facts is not None:
             state.amp_enabled = self.engine_facts.precision == "fp16"
+        deepspeed = self.engine_facts is not None
         state.steps_skipped_total = dict.fromkeys(
-            skippers(self.engine_facts is not None, state.amp_enabled, config.on_nonfinite), 0
+            possible_skippers(deepspeed, state.amp_enabled, config.on_nonfinite), 0
         )
         with guard("grads"):
             self.source.install()
@@ -473,17 +474,3 @@ class Monitor:
 
     def _manifest_extra(self) -> dict:
         return manifest_extra(self)
-
-
-def skippers(deepspeed: bool, loss_scaler: bool, on_nonfinite: str) -> list[str]:
-    """Who can skip this rank's optimizer steps (``ddpmon_steps_skipped_total``'s ``by``, each
-    exported from 0): the loop under a torch optimizer (DeepSpeed counts its engine's steps),
-    a loss scaler, DeepSpeed's own overflow check under bf16/fp32, the skip policy."""
-    out = [] if deepspeed else ["loop"]
-    if loss_scaler:
-        out.append("scaler")
-    elif deepspeed:
-        out.append("engine")
-    if on_nonfinite == "skip":
-        out.append("policy")
-    return out

@@ -35,22 +35,11 @@ from typing import Any
 
 import torch
 
+from .. import step_slots as slot
 from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
 from ..probes.comm import CommTiming
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
-from ..step_slots import (
-    FOUND_INF,
-    GRAD_SCALE,
-    IDENTICAL_RANKS,
-    LOCAL_NORMS,
-    LOSS,
-    LOSS_SCALE,
-    PP_FLAGS,
-    PP_NORM,
-    REDUCED_NORMS,
-    TRAINER_NORM,
-)
 from ..strategies.base import GradientSource, GradSummaries, NormVector
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
@@ -311,18 +300,18 @@ class StepPipeline:
         reduced = s.reduced.norms if s.reduced is not None else None
         local = s.local.norms if s.local is not None else None
         values = {
-            REDUCED_NORMS: reduced,
-            LOCAL_NORMS: local,
-            LOSS: loss,
-            GRAD_SCALE: grad_scale,
-            LOSS_SCALE: scale_after,
-            FOUND_INF: found,
-            IDENTICAL_RANKS: s.identical_ranks,
-            TRAINER_NORM: trainer,
+            slot.REDUCED_NORMS: reduced,
+            slot.LOCAL_NORMS: local,
+            slot.LOSS: loss,
+            slot.GRAD_SCALE: grad_scale,
+            slot.LOSS_SCALE: scale_after,
+            slot.FOUND_INF: found,
+            slot.IDENTICAL_RANKS: s.identical_ranks,
+            slot.TRAINER_NORM: trainer,
         }
         if s.pp is not None:
-            values[PP_NORM] = s.pp.norm
-            values[PP_FLAGS] = s.pp.flags if s.pp.flags.numel() else None
+            values[slot.PP_NORM] = s.pp.norm
+            values[slot.PP_FLAGS] = s.pp.flags if s.pp.flags.numel() else None
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -399,7 +388,9 @@ class StepPipeline:
             self._norms_by_step[record.step] = record.grad_norm
             while len(self._norms_by_step) > 64:
                 self._norms_by_step.popitem(last=False)
-        theirs = parts[TRAINER_NORM][0] if TRAINER_NORM in parts else meta.trainer_norm_host
+        theirs = (
+            parts[slot.TRAINER_NORM][0] if slot.TRAINER_NORM in parts else meta.trainer_norm_host
+        )
         target = meta.trainer_norm_step
         if theirs is not None and target is not None and target != record.step:
             self._late_trainer[target] = theirs  # a norm for another step: compare it there

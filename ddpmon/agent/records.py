@@ -6,17 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import step_slots as slot
 from ..probes.grads import ParamIndex, summarize_host
 from ..state import StepRecord
-from ..step_slots import (
-    FOUND_INF,
-    GRAD_SCALE,
-    IDENTICAL_RANKS,
-    LOCAL_NORMS,
-    LOSS,
-    LOSS_SCALE,
-    REDUCED_NORMS,
-)
 from ..strategies.base import NormVector
 from .guard import Guard
 
@@ -38,20 +30,20 @@ def build_record(
         data_wait_seconds=meta.data_wait,
         skipped_by=meta.skipped_by,
     )
-    scale = parts[GRAD_SCALE][0] if GRAD_SCALE in parts else None
+    scale = parts[slot.GRAD_SCALE][0] if slot.GRAD_SCALE in parts else None
     reduced = local = None
     if reduction_failed:
         meta.reduced = None  # reported where it failed: no global norm this step
-    if REDUCED_NORMS in parts and meta.reduced is not None:
-        reduced = summarize_host(meta.reduced, parts[REDUCED_NORMS], index, scale)
+    if slot.REDUCED_NORMS in parts and meta.reduced is not None:
+        reduced = summarize_host(meta.reduced, parts[slot.REDUCED_NORMS], index, scale)
         record.grad_norm = reduced.norm
         record.group_norms = dict(zip(index.group_names, reduced.group_norms, strict=True))
         record.grad_nonfinite = reduced.nonfinite
         if reduced.nonfinite:
             record.grad_nonfinite_param = index.name(reduced.first_position)
             record.grad_nonfinite_kind = reduced.kind
-    if LOCAL_NORMS in parts and meta.local is not None:
-        local = summarize_host(meta.local, parts[LOCAL_NORMS], index, scale)
+    if slot.LOCAL_NORMS in parts and meta.local is not None:
+        local = summarize_host(meta.local, parts[slot.LOCAL_NORMS], index, scale)
     elif meta.local_is_reduced:
         local = reduced
     if local is not None:
@@ -61,10 +53,10 @@ def build_record(
         if local.nonfinite:
             record.local_nonfinite_param = index.name(local.first_position)
             record.local_nonfinite_kind = local.kind
-    record.loss = parts[LOSS][0] if LOSS in parts else meta.loss_host
-    if LOSS_SCALE in parts:
-        record.loss_scale = parts[LOSS_SCALE][0]
-    if FOUND_INF in parts and parts[FOUND_INF][0] > 0:
+    record.loss = parts[slot.LOSS][0] if slot.LOSS in parts else meta.loss_host
+    if slot.LOSS_SCALE in parts:
+        record.loss_scale = parts[slot.LOSS_SCALE][0]
+    if slot.FOUND_INF in parts and parts[slot.FOUND_INF][0] > 0:
         record.amp_skipped = True
         record.skipped_by = record.skipped_by or "scaler"
     if meta.host_scale_after is not None:
@@ -77,8 +69,8 @@ def build_record(
             record.skipped_by = record.skipped_by or "scaler"
         else:
             record.skipped_by = record.skipped_by or "engine"
-    if IDENTICAL_RANKS in parts:
-        record.data_identical_ranks = int(parts[IDENTICAL_RANKS][0])
+    if slot.IDENTICAL_RANKS in parts:
+        record.data_identical_ranks = int(parts[slot.IDENTICAL_RANKS][0])
     if meta.comm is not None:
         with guard("comm"):
             record.collective_bytes = dict(meta.comm.bytes)
@@ -88,9 +80,9 @@ def build_record(
             record,
             parts,
             meta.pp,
-            _host(parts, LOCAL_NORMS, meta.local)
-            or (_host(parts, REDUCED_NORMS, meta.reduced) if meta.local_is_reduced else None),
-            _host(parts, REDUCED_NORMS, meta.reduced),
+            _host(parts, slot.LOCAL_NORMS, meta.local)
+            or (_host(parts, slot.REDUCED_NORMS, meta.reduced) if meta.local_is_reduced else None),
+            _host(parts, slot.REDUCED_NORMS, meta.reduced),
         )
     return record
 

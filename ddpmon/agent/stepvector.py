@@ -14,18 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..step_slots import (
-    FOUND_INF,
-    GRAD_SCALE,
-    IDENTICAL_RANKS,
-    LOCAL_NORMS,
-    LOSS,
-    LOSS_SCALE,
-    PP_FLAGS,
-    PP_NORM,
-    REDUCED_NORMS,
-    TRAINER_NORM,
-)
+from .. import step_slots as names
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,16 +26,16 @@ class Slot:
 
 
 STEP_SLOTS: tuple[Slot, ...] = (
-    Slot(REDUCED_NORMS, None, "per-parameter norms of the global gradients"),
-    Slot(LOCAL_NORMS, None, "per-parameter norms of this rank's pre-reduction gradients"),
-    Slot(LOSS, 1, "the loss given to observe_loss"),
-    Slot(GRAD_SCALE, 1, "the loss scale the measured gradients carried"),
-    Slot(LOSS_SCALE, 1, "the GradScaler's scale after its update"),
-    Slot(FOUND_INF, 1, "the GradScaler found Inf/NaN and skipped the step"),
-    Slot(IDENTICAL_RANKS, 1, "other ranks whose local gradients were bit-identical"),
-    Slot(TRAINER_NORM, 1, "the grad norm a trainer reported, to cross-check"),
-    Slot(PP_NORM, 2, "pipeline parallel: squared norm summed over stages, failures"),
-    Slot(PP_FLAGS, None, "pipeline parallel: per stage, first non-finite receipt/product"),
+    Slot(names.REDUCED_NORMS, None, "per-parameter norms of the global gradients"),
+    Slot(names.LOCAL_NORMS, None, "per-parameter norms of this rank's pre-reduction gradients"),
+    Slot(names.LOSS, 1, "the loss given to observe_loss"),
+    Slot(names.GRAD_SCALE, 1, "the loss scale the measured gradients carried"),
+    Slot(names.LOSS_SCALE, 1, "the GradScaler's scale after its update"),
+    Slot(names.FOUND_INF, 1, "the GradScaler found Inf/NaN and skipped the step"),
+    Slot(names.IDENTICAL_RANKS, 1, "other ranks whose local gradients were bit-identical"),
+    Slot(names.TRAINER_NORM, 1, "the grad norm a trainer reported, to cross-check"),
+    Slot(names.PP_NORM, 2, "pipeline parallel: squared norm summed over stages, failures"),
+    Slot(names.PP_FLAGS, None, "pipeline parallel: per stage, first non-finite receipt/product"),
 )
 
 

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import step_slots as slot
 from ..probes.grads import NormVector, full_pass
-from ..step_slots import PP_FLAGS, PP_NORM
 from . import data_check
 from .base import DeferredReduction, GradientSource, GradSummaries, SourceEnv
 from .dtensor_norms import DisjointSpan, disjoint_span, reduction_device
@@ -351,14 +351,14 @@ class PipelineSource(GradientSource):
     def finish_record(self, record: Any, parts: dict, step: PPStep, local, reduced) -> None:
         """Global norm over every stage (``pp_norm``); origin per stage (see the module doc).
         Record thread. ``local``/``reduced``: (host values, positions) or None."""
-        if PP_NORM in parts:
-            total, failures = parts[PP_NORM][0], parts[PP_NORM][1]
+        if slot.PP_NORM in parts:
+            total, failures = parts[slot.PP_NORM][0], parts[slot.PP_NORM][1]
             record.grad_norm = None if failures > 0 else math.sqrt(max(total, 0.0))
             if failures == 0 and not math.isfinite(total):
                 record.grad_norm = float("nan") if math.isnan(total) else float("inf")
             if record.grad_norm is not None and not math.isfinite(record.grad_norm):
                 record.grad_nonfinite = True
-        flags = parts.get(PP_FLAGS, [])
+        flags = parts.get(slot.PP_FLAGS, [])
         stage_bad_local = self._bad_stages(local)
         stage_bad_reduced = self._bad_stages(reduced)
         origin_where = None
