@@ -2,7 +2,11 @@
 from the run's event logs, and which failure came first.
 
 torchrun stops the surviving ranks with SIGTERM once one rank fails, so those terminations are
-consequences, not causes: they rank after every other failure when choosing the first one.
+consequences, not causes: they rank after every other failure when choosing the first one. So do
+a peer's communication errors ("Connection closed by peer"): the event log's failures are ranked
+by the timeline's own classes (``forensics.failure.failure_tier``). Time only orders failures of
+one class, and torchrun's timestamps are whole seconds (``ProcessFailure`` truncates
+``time.time()``), so a peer's exception logged 0.3 s after a SIGSEGV can carry the earlier time.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from ..forensics.failure import failure_tier
 from ..rundir import EVENTS_RE, RunDir
 from ..safe_read import json_lines, load_json
 
@@ -85,6 +90,8 @@ def _scalar(value: Any) -> Any:
 
 def _from_event(event: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"source": "event_log"}
+    if isinstance(event.get("source"), str):  # who raised it (a floor: ddpmon or deepspeed)
+        out["raised_by"] = _scalar(event["source"])
     for key in ("ts", "rank", "step", "kind"):
         out[key] = _scalar(event.get(key))
     sig = _scalar(event.get("signal", event.get("signum")))
@@ -96,23 +103,35 @@ def _from_event(event: dict[str, Any]) -> dict[str, Any]:
     if isinstance(sig, int):
         out["signal"] = sig
     for key in ("param", "origin", "nonfinite", "exc_type", "message", "code", "exit_code",
-                "skipped_by"):
+                "skipped_by", "reason", "where", "action"):
         if key in event:
             out[key] = _scalar(event[key])
     return out
 
 
 def _tier(failure: dict[str, Any], floor_stopped: bool = False) -> float:
+    """The timeline's class of a failure (0 origin, 1 vanished, 2 stall, 3 consequence)."""
     sig = failure.get("signal")
-    if sig == signal.SIGTERM:
-        return 2  # what torchrun sends to the survivors
-    if sig in (signal.SIGKILL, signal.SIGINT, signal.SIGHUP):
-        return 1
-    if failure.get("kind") == "nonfinite" and failure.get("origin") is False:
-        return 0.5  # reduced gradients inherit another rank's NaN/Inf
-    if floor_stopped and _absorbed(failure):
-        return 0.5  # overflows the scaler absorbed: the floor they led to is the failure
-    return 0
+    if failure.get("source") != "event_log":  # torchrun's view: an exit code or a signal
+        if sig == signal.SIGTERM:
+            return 3  # what torchrun sends to the survivors
+        if sig in (signal.SIGKILL, signal.SIGINT, signal.SIGHUP):
+            return 1
+        return 0
+    view = dict(failure)
+    if isinstance(sig, int):  # the timeline's rules read signal names
+        view["signal"] = _signal_name(sig)
+    if failure.get("raised_by") is not None:
+        view["source"] = failure["raised_by"]
+    tier = failure_tier(view, floor_stopped=floor_stopped)
+    return 0 if tier is None else tier
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return str(num)
 
 
 def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -122,8 +141,22 @@ def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
 
     floor = any(f.get("kind") == "loss_scale_floor" for f in candidates)
+    explained = _explained_exits(candidates, floor)
 
     def key(f: dict[str, Any]) -> tuple[float, float, int]:
-        return (_tier(f, floor), float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
+        tier = _tier(f, floor)
+        if f.get("source") != "event_log" and f.get("signal") is None:
+            tier = explained.get(f.get("rank"), tier)
+        return (tier, float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
 
     return dict(min(candidates, key=key))
+
+
+def _explained_exits(failures: list[dict[str, Any]], floor: bool) -> dict[Any, float]:
+    """Rank -> the class of the exception its own event log records: torchrun sees only the exit
+    code of a rank that raised a peer's communication error, the rank's log says it was one."""
+    found: dict[Any, float] = {}
+    for f in failures:
+        if f.get("source") == "event_log" and f.get("kind") == "exit":
+            found[f.get("rank")] = min(found.get(f.get("rank"), 3), _tier(f, floor))
+    return found

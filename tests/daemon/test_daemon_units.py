@@ -178,6 +178,32 @@ def test_first_failure_prefers_cause_over_consequences(tmp_path: Path) -> None:
     assert outcome.first_failure([]) is None
 
 
+def test_a_peers_connection_error_is_a_consequence_of_the_crash(tmp_path: Path) -> None:
+    """Rank 1 dies of SIGSEGV; rank 0's gloo call then raises "Connection closed by peer" and
+    its log records the exception 0.9 s later. torchrun stamps rank 1's failure in whole
+    seconds, so the exception may look earlier or later than the crash: either way rank 1's
+    signal is the cause (a CI run under load reported rank 0's exception instead)."""
+    message = ("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:23942. This is typically caused by a remote worker crashing.")
+    _events(tmp_path, 0, [
+        {"ts": 100.2, "step": None, "kind": "start"},
+        {"ts": 100.9, "step": None, "kind": "exit", "reason": "exception", "code": 1,
+         "exc_type": "RuntimeError", "message": message},
+    ])  # fmt: skip
+    crashed = {"rank": 1, "ts": 100.0, "source": "torchrun", "kind": "signal", "signal": 11}
+    exited = {"rank": 0, "ts": 100.0, "source": "torchrun", "kind": "exit", "exit_code": 1}
+    logged = outcome.event_failures(tmp_path)
+    assert [(f["rank"], f["kind"]) for f in logged] == [(0, "exit")]
+    for failures in ([*logged, crashed], [*logged, exited, crashed], [exited, *logged, crashed]):
+        first = outcome.first_failure(failures)
+        assert first is not None and (first["rank"], first.get("signal")) == (1, 11), failures
+    # an exception of the training code itself (no peer in it) stays a cause
+    _events(tmp_path, 0, [{"ts": 99.5, "step": 3, "kind": "exit", "reason": "exception",
+                           "code": 1, "exc_type": "ValueError", "message": "bad shape"}])
+    first = outcome.first_failure([*outcome.event_failures(tmp_path), exited, crashed])
+    assert first is not None and (first["rank"], first["exc_type"]) == (0, "ValueError")
+
+
 def test_loss_scale_floor_that_stopped_the_run_is_the_first_failure(tmp_path: Path) -> None:
     """Many overflows the scaler absorbed (more than the per-file quota), then the floor policy
     raised: the floor is the cause; with only a recorded floor the origin overflow stays it."""
