@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CORE_STAMP := $(VENV)/.core
 STAMP := $(VENV)/.installed
+OPS_STAMP := $(VENV)/torch_extensions/.built
 # Pinned here (not in pyproject.toml, which says torch>=2.3 for users) so that the install
 # step takes the CPU wheel and never resolves to a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
@@ -15,6 +16,11 @@ DEEPSPEED_PINS := deepspeed==0.19.8
 # torchtitan for tests/parallel/test_pipeline.py (its split and clip_grad_norm_ are the
 # reference), with the torch pin.
 TORCHTITAN_PINS := torchtitan==0.3.0
+# DeepSpeed's C++ ops (shared-memory comm, CPU Adam) build into this venv, not a cache that other
+# checkouts share: a shared one is rebuilt whenever another venv built it last, and a process
+# killed mid-build leaves a lock there that every later load waits on (tests/conftest.py sets
+# the same path when pytest runs without make).
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PYTEST_ARGS ?=
 # pytest-xdist: each test file whole on one worker (its module fixtures start once). Most of the
 # suite waits (on ranks' rendezvous, scrape intervals, `for:` durations) rather than computes,
@@ -42,13 +48,16 @@ $(STAMP): $(CORE_STAMP)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(DEEPSPEED_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(TORCHTITAN_PINS)
 	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
-	@# DeepSpeed's CPU backend JIT-builds its shared-memory comm op at the first
-	@# deepspeed.initialize, and its CPU Adam at the first optimizer offload (about a minute of
-	@# g++ each, cached in ~/.cache/torch_extensions): build them here, once, as DS_BUILD_OPS
-	@# would, rather than inside the first test that needs them.
+	touch $(STAMP)
+
+# DeepSpeed's CPU backend JIT-builds its shared-memory comm op at the first
+# deepspeed.initialize, and its CPU Adam at the first optimizer offload (about a minute of g++
+# each, into $TORCH_EXTENSIONS_DIR): build them here, once, as DS_BUILD_OPS would, rather than
+# inside the first test that needs them (where a test timeout could kill the build).
+$(OPS_STAMP): $(STAMP)
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-	touch $(STAMP)
+	touch $(OPS_STAMP)
 
 debs:
 	@bash scripts/install-debs.sh
@@ -64,13 +73,13 @@ demo-pp: $(CORE_STAMP)
 
 # CI=true (set by CI) turns a skipped test into a failure (tests/conftest.py): everything the
 # suite needs is installed here, so a skip would be coverage that did not run.
-test: $(STAMP) debs
+test: $(STAMP) $(OPS_STAMP) debs
 	$(BIN)/ruff check .
 	CI=$${CI:-true} $(BIN)/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # ruff and the unit tests at world size 1 (tests/conftest.py's lanes): no Debian package, no
 # subprocess rank; about a minute on 2 cores.
-check: $(STAMP)
+check: $(STAMP) $(OPS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "$(FAST_LANE)" $(PYTEST_ARGS)
 
@@ -85,7 +94,7 @@ reference: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-bench: $(STAMP)
+bench: $(STAMP) $(OPS_STAMP)
 	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/norm_precision.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md

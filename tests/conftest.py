@@ -10,17 +10,24 @@
 - **No silent skips under CI.** With ``CI`` set (``.ci/run``, ``make test``) a skipped test fails,
   except the GPU tests on a machine without CUDA: a missing package or tool is an install bug
   there, not a reason to count a test that did not run.
+- **DeepSpeed's C++ ops come from this venv's own build** (``TORCH_EXTENSIONS_DIR``, the
+  Makefile's path, built at install): a shared ``~/.cache/torch_extensions`` is rebuilt whenever
+  another checkout's venv built it last, and a rank killed mid-build (a test timeout) leaves the
+  build's lock file behind, on which every later load waits for ever.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 LANE_MARKERS = ("ranks", "services", "browser", "gpu")
 
