@@ -37,15 +37,14 @@ import torch
 
 from .. import step_slots as slot
 from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
-from ..probes.comm import CommTiming
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
-from ..strategies.base import GradientSource, GradSummaries, NormVector
+from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
 from .readback import Arrived, Readback
 from .records import build_record
-from .stepvector import StepVectorLayout
+from .stepvector import STEP_SLOTS, StepVectorLayout
 
 
 @dataclass(slots=True)
@@ -56,11 +55,9 @@ class StepMeta:
     wall_time: float
     duration: float | None
     data_wait: float | None
-    reduced: NormVector | None
-    local: NormVector | None
-    local_complete: bool
-    local_is_reduced: bool
-    comm: CommTiming | None
+    summaries: GradSummaries
+    """The step's device results, as the source collected them (their vectors' positions, the
+    collectives, the strategy's extension)."""
     loss_host: float | None
     trainer_norm_host: float | None
     trainer_norm_step: int | None
@@ -69,8 +66,6 @@ class StepMeta:
     """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
     host_scale_after: float | None = None
     """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
-    pp: Any = None
-    """Pipeline parallel: the step's ``PPStep`` (its source finishes the record)."""
 
 
 class StepPipeline:
@@ -92,7 +87,7 @@ class StepPipeline:
         self.policy = policy
         self.sinks = list(sinks)
         self.tolerance = grad_norm_tolerance
-        self.layout = layout or StepVectorLayout()
+        self.layout = layout or StepVectorLayout((*STEP_SLOTS, *source.extra_slots))
         self.readback = readback or Readback(self.layout)
         self.background = False
         """True while a record thread drains; the hot path then only queues."""
@@ -309,26 +304,20 @@ class StepPipeline:
             slot.IDENTICAL_RANKS: s.identical_ranks,
             slot.TRAINER_NORM: trainer,
         }
-        if s.pp is not None:
-            values[slot.PP_NORM] = s.pp.norm
-            values[slot.PP_FLAGS] = s.pp.flags if s.pp.flags.numel() else None
+        if s.extension is not None:
+            values.update(s.extension.values())
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
             duration=end_perf - start if start is not None else None,
             data_wait=data_wait,
-            reduced=s.reduced,
-            local=s.local,
-            local_complete=s.local_complete,
-            local_is_reduced=s.local_is_reduced,
-            comm=s.comm,
+            summaries=s,
             loss_host=loss_host,
             trainer_norm_host=trainer_host,
             trainer_norm_step=trainer_step,
             skipped_by=skipped_by,
             host_skipped=host[0],
             host_scale_after=host[1],
-            pp=s.pp,
         )
         self.readback.push(values, meta, s.deferred)
         if s.deferred is not None:  # not reduced yet: only the local norms can say now
@@ -459,9 +448,10 @@ def is_inert_step(optimizer: Any) -> bool:
 
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:
-    """Pipeline parallel: the pp-summed squared norm (identical on every stage), so that a
-    skip/raise decision is the same on every stage."""
-    return s.pp.norm[:1] if s.pp is not None else None
+    """The strategy's own whole-step norm where the reduced norms are not it (pipeline parallel:
+    summed over stages, identical on every stage), so a skip/raise decision is the same on every
+    rank."""
+    return s.extension.decision_norm() if s.extension is not None else None
 
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:

@@ -1,9 +1,11 @@
 """A step's record from its read-back values: global and group norms, the local norms and their
-non-finite flags, loss, scaler facts, collectives, and pipeline parallel's per-stage finish.
+non-finite flags, loss, scaler facts, collectives, and the strategy's own finish (its
+``StepExtension``).
 Runs on the record thread (``StepPipeline.drain``); nothing here touches a device."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .. import step_slots as slot
@@ -31,23 +33,31 @@ def build_record(
         skipped_by=meta.skipped_by,
     )
     scale = parts[slot.GRAD_SCALE][0] if slot.GRAD_SCALE in parts else None
+    summaries = meta.summaries
+    extension = summaries.extension
+    # reported where it failed: no global norm this step
+    reduced_vector = None if reduction_failed else summaries.reduced
     reduced = local = None
-    if reduction_failed:
-        meta.reduced = None  # reported where it failed: no global norm this step
-    if slot.REDUCED_NORMS in parts and meta.reduced is not None:
-        reduced = summarize_host(meta.reduced, parts[slot.REDUCED_NORMS], index, scale)
-        record.grad_norm = reduced.norm
+    if slot.REDUCED_NORMS in parts and reduced_vector is not None:
+        reduced = summarize_host(reduced_vector, parts[slot.REDUCED_NORMS], index, scale)
         record.group_norms = dict(zip(index.group_names, reduced.group_norms, strict=True))
         record.grad_nonfinite = reduced.nonfinite
         if reduced.nonfinite:
             record.grad_nonfinite_param = index.name(reduced.first_position)
             record.grad_nonfinite_kind = reduced.kind
-    if slot.LOCAL_NORMS in parts and meta.local is not None:
-        local = summarize_host(meta.local, parts[slot.LOCAL_NORMS], index, scale)
-    elif meta.local_is_reduced:
+    # the one writer of the global norm: the strategy's own where the reduced norms are not it
+    if extension is not None and extension.replaces_global_norm:
+        record.grad_norm = extension.global_norm(parts)
+        if record.grad_norm is not None and not math.isfinite(record.grad_norm):
+            record.grad_nonfinite = True
+    elif reduced is not None:
+        record.grad_norm = reduced.norm
+    if slot.LOCAL_NORMS in parts and summaries.local is not None:
+        local = summarize_host(summaries.local, parts[slot.LOCAL_NORMS], index, scale)
+    elif summaries.local_is_reduced:
         local = reduced
     if local is not None:
-        if meta.local_complete:
+        if summaries.local_complete:
             record.grad_local_norm = local.norm
         record.local_nonfinite = local.nonfinite
         if local.nonfinite:
@@ -71,18 +81,16 @@ def build_record(
             record.skipped_by = record.skipped_by or "engine"
     if slot.IDENTICAL_RANKS in parts:
         record.data_identical_ranks = int(parts[slot.IDENTICAL_RANKS][0])
-    if meta.comm is not None:
+    if summaries.comm is not None:
         with guard("comm"):
-            record.collective_bytes = dict(meta.comm.bytes)
-            record.collective_seconds = meta.comm.resolve(guard.error)
-    if meta.pp is not None:
-        meta.pp.source.finish_record(
-            record,
-            parts,
-            meta.pp,
-            _host(parts, slot.LOCAL_NORMS, meta.local)
-            or (_host(parts, slot.REDUCED_NORMS, meta.reduced) if meta.local_is_reduced else None),
-            _host(parts, slot.REDUCED_NORMS, meta.reduced),
+            record.collective_bytes = dict(summaries.comm.bytes)
+            record.collective_seconds = summaries.comm.resolve(guard.error)
+    if extension is not None:
+        host_reduced = _host(parts, slot.REDUCED_NORMS, reduced_vector)
+        host_local = _host(parts, slot.LOCAL_NORMS, summaries.local)
+        extension.finish(
+            record, parts, host_local or (host_reduced if summaries.local_is_reduced else None),
+            host_reduced,
         )
     return record
 

@@ -4,7 +4,8 @@ Each step the pipeline hands over a tensor per slot (or None: absent this step).
 present slots are concatenated into one float64 vector on the training thread, copied to the
 host lazily (``readback.Readback``), and split back by name with the widths recorded at pack
 time. On CPU no vector is built: the tensors are queued as they are and packed into a host list
-when the record thread drains them. Adding a measurement is one ``Slot`` in ``STEP_SLOTS``.
+when the record thread drains them. Adding a measurement is one ``Slot`` in ``STEP_SLOTS``, or,
+for one strategy's own, in its source's ``extra_slots``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import step_slots as names
+from ..step_slots import Slot
 
-
-@dataclass(frozen=True, slots=True)
-class Slot:
-    name: str
-    width: int | None
-    """Fixed width, or None for a variable-length vector (its width is recorded per step)."""
-    doc: str
+__all__ = ["STEP_SLOTS", "Packed", "Slot", "StepVectorLayout"]
 
 
 STEP_SLOTS: tuple[Slot, ...] = (
@@ -34,9 +30,8 @@ STEP_SLOTS: tuple[Slot, ...] = (
     Slot(names.FOUND_INF, 1, "the GradScaler found Inf/NaN and skipped the step"),
     Slot(names.IDENTICAL_RANKS, 1, "other ranks whose local gradients were bit-identical"),
     Slot(names.TRAINER_NORM, 1, "the grad norm a trainer reported, to cross-check"),
-    Slot(names.PP_NORM, 2, "pipeline parallel: squared norm summed over stages, failures"),
-    Slot(names.PP_FLAGS, None, "pipeline parallel: per stage, first non-finite receipt/product"),
 )
+"""The slots every strategy fills; a source adds its own (``GradientSource.extra_slots``)."""
 
 
 @dataclass(frozen=True, slots=True)

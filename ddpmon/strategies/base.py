@@ -29,6 +29,8 @@ import torch
 
 from ..probes.comm import CollectiveRecorder, CommTiming
 from ..probes.grads import NormVector, ParamIndex, per_param_norms
+from ..step_slots import Slot
+from .reduction import DeferredReduction
 
 __all__ = [
     "CommTiming",
@@ -37,6 +39,7 @@ __all__ = [
     "GradientSource",
     "NormVector",
     "SourceEnv",
+    "StepExtension",
 ]
 
 
@@ -57,58 +60,43 @@ class GradSummaries:
     """Collectives timed this step (the pipeline fills it from ``GradientSource.collectives``)."""
     identical_ranks: torch.Tensor | None = None
     """Device count of other ranks whose sampled local-gradient fingerprint equals ours."""
-    pp: Any = None
-    """Pipeline parallel: the step's ``pipeline_parallel.PPStep`` (pp-reduced norm, origin
-    probes); its source finishes the record (global norm, per-stage origin)."""
+    extension: StepExtension | None = None
+    """What the strategy adds to this step beyond the common slots (pipeline parallel: the norm
+    summed over stages, the stage probes' flags); the step pipeline knows nothing else of it."""
     deferred: DeferredReduction | None = None
     """The ``reduced`` norms are still being reduced (CPU): the readback finishes them."""
 
 
-class DeferredReduction:
-    """A norm reduction still in flight on the host, finished off the training thread: ``done``
-    polls the collective, ``finish`` waits for it and runs the fills (the step's norms from the
-    reduced vector; ``also`` adds one). ``finish`` never raises: a failed collective is reported
-    and marks the step's reduced norms ``failed``."""
+class StepExtension(ABC):
+    """One step's strategy-specific part, carried from ``collect`` to the record thread.
 
-    __slots__ = ("_work", "_fills", "_on_error", "failed")
+    The step pipeline queues ``values()`` under the source's declared ``extra_slots``, hands
+    ``decision_norm()`` to the skip/raise policy, and the record thread lets ``global_norm`` and
+    ``finish`` complete the record from the read-back values. ``build_record`` stays the one
+    writer of ``record.grad_norm``: it takes ``global_norm``'s value where the extension
+    ``replaces_global_norm`` (a pipeline stage's reduced norms cover only its own stages)."""
 
-    def __init__(
-        self, work: Any, fill: Callable[[], Any], on_error: Callable[[str, BaseException], None]
+    replaces_global_norm: ClassVar[bool] = False
+
+    @abstractmethod
+    def values(self) -> dict[str, torch.Tensor | None]:
+        """Device tensors by extra slot name (None: absent this step)."""
+
+    def decision_norm(self) -> torch.Tensor | None:
+        """A device tensor whose non-finite values mean the step's global gradient is not
+        finite, identical on every rank that decides (None: the reduced norms decide)."""
+        return None
+
+    def global_norm(self, parts: dict[str, list[float]]) -> float | None:
+        """The step's global norm from the read-back ``parts`` (``replaces_global_norm``)."""
+        return None
+
+    def finish(  # noqa: B027 (optional hook)
+        self, record: Any, parts: dict[str, list[float]], local: tuple | None,
+        reduced: tuple | None,
     ) -> None:
-        self._work = work
-        self._fills: list[Callable[[], Any]] | None = [fill]
-        self._on_error = on_error
-        self.failed = False
-
-    def also(self, fill: Callable[[], Any]) -> None:
-        """Run ``fill`` too once the collective is done (before ``finish``)."""
-        if self._fills is None:  # finished already
-            if not self.failed:
-                fill()
-        else:
-            self._fills.append(fill)
-
-    def done(self) -> bool:
-        work = self._work
-        if work is None:
-            return True
-        try:
-            return bool(work.is_completed())
-        except Exception:  # a work object that cannot say: finish() will wait for it
-            return True
-
-    def finish(self) -> None:
-        work, fills, self._work, self._fills = self._work, self._fills, None, None
-        if fills is None:
-            return
-        try:
-            if work is not None:
-                work.wait()
-            for fill in fills:
-                fill()
-        except Exception as exc:
-            self.failed = True
-            self._on_error("grads", exc)
+        """Complete ``record`` (record thread). ``local``/``reduced``: (host values, positions)
+        of this step's norm vectors, or None."""
 
 
 @dataclass(slots=True)
@@ -147,6 +135,8 @@ class GradientSource(ABC):
     included) followed by exactly one ``collect()``; ``close()`` at the end."""
 
     name: ClassVar[str] = "base"
+    extra_slots: ClassVar[tuple[Slot, ...]] = ()
+    """Step-vector slots of this strategy's own (``StepExtension.values``)."""
     decides_steps: ClassVar[bool] = False
     """True when the wrapped engine decides optimizer steps itself (DeepSpeed): the agent then
     takes steps from the engine, not from optimizer hooks or dropped gradients."""

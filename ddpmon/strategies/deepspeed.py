@@ -47,6 +47,7 @@ from ..probes.grads import per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector
 from .deepspeed_comm import CommTimer
+from .reduction import FlaggedSum, Issued
 
 log = logging.getLogger("ddpmon")
 
@@ -190,8 +191,9 @@ class DeepSpeedSource(GradientSource):
         self.facts = engine_facts(self.engine)
         self.name = f"deepspeed-zero{self.facts.stage}"  # type: ignore[misc]
         self._sq: list[torch.Tensor | None] = [None] * len(self.index)
-        self._pending: tuple[torch.Tensor, Any, float | torch.Tensor] | None = None
-        """This step's squared norms, their all-reduce in flight and the scale to divide by."""
+        self._sum = FlaggedSum(self._reduce)
+        """This step's squared norms, their all-reduce in flight and (its context) the scale to
+        divide by."""
         self._positions: dict[tuple, torch.Tensor] = {}
         self._scale_used: float | torch.Tensor = 1.0
         """The loss scale this step's gradients carry, noted before ``engine.step`` updates it."""
@@ -255,37 +257,41 @@ class DeepSpeedSource(GradientSource):
     def measure_reduced(self) -> None:
         """At the entry of a boundary ``engine.step``: the reduced, pre-clip gradients.
 
-        ZeRO 1-3: a rank whose own measurement fails still takes part in the all-reduce (no
-        rank is left waiting in it), with a failure flag in the vector's last slot; every rank
-        then reports norms of 0 for that step (never NaN, which would read as a non-finite
-        gradient), as the other strategies do. The failure is counted on the rank it happened.
+        ZeRO 1-3 hold disjoint pieces: their per-parameter squares are summed over the data-
+        parallel group by the strategies' one protocol (:mod:`.reduction`: a failed rank still
+        takes part, every rank then reports norms of 0 for that step, never NaN). ZeRO-0's
+        gradients are whole: nothing is communicated, and a failure is raised at once. The
+        failure is counted on the rank it happened.
         """
-        self._pending = None
+        self._sum.pending = None
         self._launch_data_check()
         if not self._reduced_on:
             return
-        collective = self.facts.stage in (1, 2, 3)
         n = len(self.index)
-        failed = None
-        try:
+        collective = self.facts.stage in (1, 2, 3)
+
+        def values() -> torch.Tensor:
             tensors, positions = self._reduced_pieces()
-            sq = torch.zeros(n + 1, dtype=torch.float64, device=_device(tensors, self.index))
+            sq = torch.zeros(n, dtype=torch.float64, device=_device(tensors, self.index))
             if tensors:
                 norms = per_param_norms(tensors).to(sq.device, torch.float64)
                 sq.index_copy_(0, self._position_tensor(positions, sq.device), norms * norms)
-        except Exception as exc:
-            if not collective:
-                raise
-            failed = exc
-            sq = torch.zeros(n + 1, dtype=torch.float64, device=_device([], self.index))
-            sq[n] = 1.0
-        work = None
-        if collective:  # waited at collect(): by then DeepSpeed's own step collectives are done
-            group = getattr(self.engine.optimizer, "dp_process_group", None)
-            work = torch.distributed.all_reduce(sq, group=group, async_op=True)
-        self._pending = (sq, work, self._scale_used)
-        if failed is not None:
-            raise failed
+            return sq
+
+        if not collective:  # ZeRO-0: whole gradients, no sum to take part in
+            vector = values()
+            self._sum.pending = Issued(torch.cat([vector, vector.new_zeros(1)]), None,
+                                       self._scale_used)
+            return
+        failure = self._sum.issue(values, n, _device([], self.index), self._scale_used)
+        if failure is not None:
+            raise failure
+
+    def _reduce(self, vector: torch.Tensor) -> Any:
+        """The SUM over the data-parallel group, waited on at ``collect()``: by then DeepSpeed's
+        own step collectives are done."""
+        group = getattr(self.engine.optimizer, "dp_process_group", None)
+        return torch.distributed.all_reduce(vector, group=group, async_op=True)
 
     def _launch_data_check(self) -> None:
         """The duplicate-data check (:mod:`.data_check`) at the boundary ``engine.step``, on
@@ -313,16 +319,10 @@ class DeepSpeedSource(GradientSource):
 
     def _finish_reduced(self) -> NormVector | None:
         """The all-reduced norms of the step (the wait is a stream wait on a GPU, no host read)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        taken = self._sum.take()
+        if taken is None:
             return None
-        sq, work, scale = pending
-        n = len(self.index)
-        if work is not None:
-            work.wait()
-        norms = sq[:n].sqrt() / scale
-        if work is not None:  # a device-side choice: nothing is read on the host
-            norms = torch.where(sq[n] > 0, torch.zeros_like(norms), norms)
+        norms = taken.or_zeros(taken.values.sqrt()) / taken.context
         return NormVector(norms, self.index.all_positions, scaled=False)
 
     def _position_tensor(self, positions: list[int], device: torch.device) -> torch.Tensor:

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from ..probes.grads import ParamIndex, per_param_norms
-from .base import DeferredReduction, NormVector
+from .base import NormVector
+from .reduction import DeferredReduction, FlaggedSum, Issued
 
 try:  # DTensor is public since torch 2.5
     from torch.distributed.tensor import DTensor, Replicate
@@ -266,51 +267,56 @@ class ShardedNorms:
     and handed over at collect.
 
     The reduction is issued at ``measure`` because backward passes are collective (the same
-    count on every rank) while the step pipeline's ``collect`` calls need not be. It is always
-    issued, even when this rank's measurement failed: that rank then contributes zeros and a
-    *missing* mark, and every rank of the span reports zeros for that step (never NaN, which
-    would read as a non-finite gradient and could trigger the skip/raise policy).
+    count on every rank) while the step pipeline's ``collect`` calls need not be. It follows the
+    strategies' one protocol (:mod:`.reduction`): always issued, a failed rank contributes zeros
+    and a failure mark, and every rank of the span then reports zeros for that step.
     """
 
     def __init__(self, index: ParamIndex, span: DisjointSpan | None = None) -> None:
         self.index = index
         self.plan = build_plan(index.params, span)
         self._positions = list(range(len(index)))
-        self._pending: _Pending | None = None
+        self._sum = FlaggedSum(lambda vector: reduce_async(vector, self.plan))
+
+    @property
+    def in_flight(self) -> Issued | None:
+        """The sum issued at the last ``measure`` and not yet taken (pipeline parallel reads a
+        folded one's total; None: no backward reduced since the last take)."""
+        return self._sum.pending
 
     def measure(self, scaled: bool) -> tuple[list[int], torch.Tensor | None]:
         """One fused pass over this rank's pieces of the current gradients, then the async
         reduction. Returns (positions, norms of the raw local pieces) for reuse as a local
         summary; raises after issuing the reduction if the pass failed."""
         n = len(self.index)
-        vec = torch.zeros(self.plan.width + 1, dtype=torch.float64, device=self.plan.device)
-        failure: BaseException | None = None
-        idx: list[int] = []
-        norms = None
-        stamp: tuple | None = None
-        try:
+        measured: dict[str, Any] = {"idx": [], "norms": None}
+
+        def values() -> torch.Tensor:
             idx, grads = grads_of(self.index.params)
             raw = [raw_local(g) for g in grads]
             norms = per_param_norms(raw) if raw else None
+            measured.update(idx=idx, norms=norms)
             complete = norms
             partial = [k for k, g in enumerate(grads) if has_partial(g)]
             if partial and norms is not None:  # rare: reduce those gradients first
                 complete = norms.clone()
                 fixed = per_param_norms([complete_local(grads[k]) for k in partial])
                 complete[torch.tensor(partial, dtype=torch.long)] = fixed.to(complete)
+            vec = torch.zeros(self.plan.width, dtype=torch.float64, device=self.plan.device)
             if complete is not None:
                 sq = scatter_squares(complete, idx, n, self.plan.device)
                 self.plan.own(vec).copy_(sq * self.plan.mask)
-            stamp = self._current_stamp(idx)
-        except Exception as exc:  # still take part in the reduction below
-            failure = exc
-            vec.zero_()
-            vec[-1] = 1.0
-        self.wait()  # a previous reducing backward of the same step (rare)
-        self._pending = _Pending(reduce_async(vec, self.plan), vec, scaled, stamp)
+            measured["stamp"] = self._current_stamp(idx)
+            return vec
+
+        failure = self._sum.issue(values, self.plan.width, self.plan.device,
+                                  _Context(scaled, None))
+        pending = self._sum.pending
+        if pending is not None and failure is None:
+            pending.context.stamp = measured["stamp"]
         if failure is not None:
             raise failure
-        return idx, norms
+        return measured["idx"], measured["norms"]
 
     def _current_stamp(self, idx: Sequence[int]) -> tuple:
         # From the gradients themselves: a DTensor's detach() gets a fresh version counter.
@@ -319,19 +325,15 @@ class ShardedNorms:
 
     def wait(self) -> None:
         """Wait on the reduction in flight, if any (a stream wait on NCCL)."""
-        pending = self._pending
-        if pending is not None and pending.work is not None:
-            work, pending.work = pending.work, None
-            work.wait()
+        self._sum.wait()
 
     def take(self) -> NormVector | None:
         """The step's reduced norms (device), or None when no backward reduced since the last
         call; the state is then cleared for the next step."""
-        if self._pending is None:
+        taken = self._sum.take()
+        if taken is None:
             return None
-        self.wait()
-        pending, self._pending = self._pending, None
-        return NormVector(self._final(pending.vector), self._positions, pending.scaled)
+        return NormVector(self._final(taken), self._positions, taken.context.scaled)
 
     def take_later(
         self, on_error: Callable[[str, BaseException], None]
@@ -341,24 +343,20 @@ class ShardedNorms:
         collective completes, which the record thread finishes. On CPU the wait is the other
         ranks reaching the small all-reduce: work no rank does, kept off the training thread
         as NCCL keeps it off the host. On accelerators this is ``take`` (a stream wait)."""
-        pending = self._pending
+        pending = self._sum.pending
         if pending is None:
             return None
         if pending.work is None or not pending.vector.is_cpu:
-            taken = self.take()
-            return (taken, None) if taken is not None else None
-        self._pending = None
-        n = len(self.index)
-        out = torch.zeros(n, dtype=torch.float64)
-        deferred = DeferredReduction(pending.work, lambda: out.copy_(self._final(pending.vector)),
-                                     on_error)
-        return NormVector(out, self._positions, pending.scaled), deferred
+            return self.take(), None  # type: ignore[return-value]
+        out = torch.zeros(len(self.index), dtype=torch.float64)
+        taken = self._sum.take_later(lambda issued: out.copy_(self._final(issued)), on_error)
+        deferred = taken[1] if taken is not None else None
+        return NormVector(out, self._positions, pending.context.scaled), deferred
 
-    def _final(self, vec: torch.Tensor) -> torch.Tensor:
+    def _final(self, issued: Issued) -> torch.Tensor:
         """This rank's per-parameter norms from the reduced squares (its own block under a
         disjoint span); zeros when some rank failed."""
-        own = self.plan.own(vec)
-        return torch.where(vec[-1] > 0, torch.zeros_like(own), own.sqrt())
+        return issued.or_zeros(self.plan.own(issued.values).sqrt())
 
     def reuse_for_clip(
         self, params: Sequence[torch.Tensor], scaled_now: bool, scale: torch.Tensor | None
@@ -375,51 +373,49 @@ class ShardedNorms:
         host (gloo) the flag is read for free and every rank falls back; on a device, where
         reading it would sync, the failed rank reuses too and every rank gets 0 (no clipping
         that step, the failure counted) rather than mismatched collectives."""
-        pending = self._pending
-        if pending is None or pending.reused:
+        pending = self._sum.pending
+        if pending is None or pending.context.reused:
             return None
-        if pending.stamp is None:
+        if pending.context.stamp is None:
             return self._reuse_failed(pending)
-        if scaled_now and not pending.scaled:
+        if scaled_now and not pending.context.scaled:
             return None
         positions = self.index.positions_of(params)
         if positions is None:
             return None
         idx = sorted(i for i, p in zip(positions, params, strict=True) if p.grad is not None)
-        if self._current_stamp(idx) != pending.stamp:
+        if self._current_stamp(idx) != pending.context.stamp:
             return None
-        if pending.scaled and not scaled_now:
+        if pending.context.scaled and not scaled_now:
             if scale is None:
                 return None
             unscale = 1.0 / scale.to(device=pending.vector.device, dtype=torch.float64)
         else:
             unscale = None
-        self.wait()
-        pending.reused = True
-        vec = pending.vector
-        if vec.is_cpu and vec[-1] > 0:  # some rank failed: every rank falls back alike
+        pending.wait()
+        pending.context.reused = True
+        if pending.vector.is_cpu and bool(pending.failed):  # every rank falls back alike
             return None
-        total = vec[:-1].sum().sqrt()
+        total = pending.values.sum().sqrt()
         if unscale is not None:
             total = total * unscale
-        return torch.where(vec[-1] > 0, torch.zeros_like(total), total)
+        return pending.or_zeros(total)
 
-
-    def _reuse_failed(self, pending: _Pending) -> torch.Tensor | None:
+    def _reuse_failed(self, pending: Issued) -> torch.Tensor | None:
         """``reuse_for_clip`` on the rank whose measurement failed (see there)."""
-        self.wait()
-        pending.reused = True
+        pending.wait()
+        pending.context.reused = True
         vec = pending.vector
         return None if vec.is_cpu else torch.zeros((), dtype=vec.dtype, device=vec.device)
 
 
 @dataclass(slots=True)
-class _Pending:
-    work: Any
-    vector: torch.Tensor
+class _Context:
+    """What a ``ShardedNorms`` sum carries beside its vector."""
+
     scaled: bool
     stamp: tuple | None
-    """``_stamp`` of the gradients at measurement."""
+    """``_stamp`` of the gradients at measurement (None: the measurement failed)."""
     reused: bool = False
 
 

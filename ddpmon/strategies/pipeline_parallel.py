@@ -41,13 +41,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import step_slots as slot
 from ..probes.grads import NormVector, full_pass
 from . import data_check
-from .base import DeferredReduction, GradientSource, GradSummaries, SourceEnv
-from .dtensor_norms import DisjointSpan, disjoint_span, reduction_device
-from .pp_probes import NO_EVENT, PARAM_GRAD_SEQ, P2PTiming, PPStep, StageProbes
+from .base import GradientSource, GradSummaries, SourceEnv
+from .dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
+from .pp_probes import (
+    NO_EVENT,
+    PARAM_GRAD_SEQ,
+    PP_FLAGS,
+    PP_NORM,
+    P2PTiming,
+    PPStep,
+    StageProbes,
+)
 from .pp_setup import PipelineSetup
+from .reduction import FlaggedSum, failed_vector
+from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
 
@@ -58,6 +67,7 @@ class PipelineSource(GradientSource):
     global norm (folded into the inner's under FSDP2), and the per-stage origin."""
 
     name = "pp"
+    extra_slots = (PP_NORM, PP_FLAGS)
 
     def data_check_scope(self) -> tuple[str | None, str]:
         if self.setup.inner in ("ddp", "fsdp2"):
@@ -73,7 +83,9 @@ class PipelineSource(GradientSource):
         self.p2p = P2PTiming(setup, self.collectives, env.on_error)
         self._ddp_probes: list[Any] = []
         self._reduced: NormVector | None = None
-        self._pending: tuple[torch.Tensor, Any] | None = None
+        self._sum = FlaggedSum(self._reduce_over_stages)
+        """The pp sum of this rank's squared norm (unfolded: plain, DDP, or a sharded inner
+        source whose own sum does not span the pp group)."""
         self._stage_of = self._stage_positions()
         self._poisoned: set[int] = set()
         self.has_loss = setup.has_loss
@@ -130,10 +142,14 @@ class PipelineSource(GradientSource):
                 self.inner = make_source(kind, replace(self.env, span=self._span()))
                 self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
                 self.inner.install()
-                plan = getattr(getattr(self.inner, "_norms", None), "plan", None)
-                self._folded = getattr(plan, "span", None) is not None
+                norms = self._inner_norms()
+                self._folded = norms is not None and norms.plan.span is not None
         self.probes.install()
         self.p2p.install()
+
+    def _reduce_over_stages(self, vector: torch.Tensor) -> Any:
+        return dist.all_reduce(vector, op=dist.ReduceOp.SUM, group=self.setup.group,
+                               async_op=True)
 
     def _span(self) -> DisjointSpan | None:
         """This rank's block in the folded vector (one all-gather over the pp group, at attach);
@@ -150,7 +166,7 @@ class PipelineSource(GradientSource):
         self.probes.uninstall()
         self.p2p.uninstall()
         try:
-            self._wait_pending()
+            self._sum.wait()
         except Exception:
             pass
         if self.inner is not None:
@@ -158,55 +174,56 @@ class PipelineSource(GradientSource):
         super().close()
 
     # ------------------------------------------------------------------ measurement
+    def _inner_norms(self) -> ShardedNorms | None:
+        """The sharded inner source's norms (FSDP2, TP), whose sum is folded or followed."""
+        return self.inner.norms if isinstance(self.inner, ShardedSource) else None
+
     def on_backward_end(self) -> None:
         """After ``schedule.step()``: every stage's gradients are final (reduced, scaled). The
-        stage's squared norm is measured here and its all-reduce started (async), waited on at
-        ``collect``: folded, the inner source's own; else the pp sum. Every rank runs the same
-        ``schedule.step()`` calls, so the collectives match; the all-reduce is issued whatever
-        happened before it."""
+        stage's squared norm is measured here and its sum over the pp group started by the
+        strategies' one protocol (:mod:`.reduction`: always issued, a failure flagged), waited on
+        at ``collect``. Folded, the inner source's own sum already spans the pp group: nothing
+        more is issued. Every rank runs the same ``schedule.step()`` calls, so the collectives
+        match."""
         if self._folded:
             try:
                 self.inner.on_backward_end()  # type: ignore[union-attr]
             except Exception as exc:
                 self.env.on_error("grads", exc)
             return
-        self._wait_pending()  # an earlier schedule.step() of the same optimizer step
-        vec = None
-        try:
-            if self.inner is not None:
+        if self.inner is None:
+            measure = self._stage_pass
+        else:
+            try:
                 self.inner.on_backward_end()
-                vec = self._inner_squares()
-            else:
-                self._reduced = None
-                self._reduced = full_pass(self.index, scaled=False)
-        except Exception as exc:
-            self.env.on_error("grads", exc)
-            vec = self._failed_vector()
-        if vec is None:
-            vec = self._squares(self._reduced, 0.0)
-        if vec is not None:
-            work = dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.setup.group, async_op=True)
-            self._pending = (vec, work)
+                total = self._inner_total()
+            except Exception as exc:
+                self.env.on_error("grads", exc)
+                total = _FAILED
+            if total is None:  # nothing of this rank's stages was reduced (a no-sync pass)
+                self._sum.take()  # an earlier schedule.step()'s sum is not this step's
+                return
+            measure = lambda: _checked(total)  # noqa: E731
+        failure = self._sum.issue(measure, 1, self._device())
+        if failure is not None and not isinstance(failure, _InnerFailed):  # reported above
+            self.env.on_error("grads", failure)
 
-    def _inner_squares(self) -> torch.Tensor | None:
-        """[squared norm, failures] of the sharded source's own reduction, or None when it has
-        none: this rank's stages (unfolded: the pp sum follows), or every stage (folded: the
-        vector holds every rank's block). Waited on here, before the inner's ``take``."""
-        norms = getattr(self.inner, "_norms", None)
-        pending = getattr(norms, "_pending", None)
-        if pending is None:
-            return None
-        norms.wait()
-        vec = pending.vector
-        return torch.stack([vec[:-1].sum(), (vec[-1] > 0).to(torch.float64)])
+    def _stage_pass(self) -> torch.Tensor:
+        """One pass over this rank's stages' final gradients: their squared norm."""
+        self._reduced = None
+        self._reduced = full_pass(self.index, scaled=False)
+        return _squares(self._reduced)
 
-    def _wait_pending(self) -> torch.Tensor | None:
-        pending, self._pending = self._pending, None
-        if pending is None:
+    def _inner_total(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(squared norm, failed) of the sharded inner source's sum in flight, waited on (before
+        the inner's ``take``), or None when it has none: this rank's stages (unfolded: the pp sum
+        follows), or every stage (folded: the vector holds every rank's block)."""
+        norms = self._inner_norms()
+        issued = norms.in_flight if norms is not None else None
+        if issued is None:
             return None
-        vec, work = pending
-        work.wait()  # a stream wait on NCCL, no host sync
-        return vec
+        issued.wait()
+        return issued.values.sum().reshape(1), issued.failed
 
     def collect(self) -> GradSummaries:
         if self.env.defer_reduction_wait:
@@ -214,53 +231,58 @@ class PipelineSource(GradientSource):
             if later is not None:
                 return later
         out = GradSummaries()
-        failed = 0.0
-        folded = None
+        failed = False
+        folded: torch.Tensor | None = None
         if self._folded:  # before the inner's take() clears its reduction
             try:
                 # None: no schedule.step() end since the last step, on any rank (the folded
                 # reduction is a collective): no norm, and nothing to reduce
-                folded = self._inner_squares()
+                total = self._inner_total()
+                if total is not None:
+                    folded = torch.cat([total[0], total[1].to(torch.float64).reshape(1)])
             except Exception as exc:
                 self.env.on_error("grads", exc)
-            folded = self._failed_vector() if folded is None else folded
+            folded = failed_vector(1, self._device()) if folded is None else folded
         try:
             out = self._collect_inner()
         except Exception as exc:
-            failed = 1.0
+            failed = True
             self.env.on_error("grads", exc)
-        try:
-            # Waited on here, as the sharded sources wait on theirs: the step's values must be
-            # final when it is delivered (on CPU, flush() delivers every completed step).
-            norm = folded if folded is not None else self._wait_pending()
-        except Exception as exc:  # the collective itself failed: not ours to hide, but counted
-            self.env.on_error("grads", exc)
-            norm = self._failed_vector()
+        norm = folded
+        if norm is None:
+            try:
+                # Waited on here, as the sharded sources wait on theirs: the step's values must
+                # be final when it is delivered (on CPU, flush() delivers every completed step).
+                taken = self._sum.take()
+                norm = taken.vector if taken is not None else None
+            except Exception as exc:  # the collective itself failed: not ours to hide, counted
+                self.env.on_error("grads", exc)
+                norm = failed_vector(1, self._device())
         if norm is None:  # no schedule.step() end seen since the last step: measure now
-            vec = self._squares(out.reduced, failed) if out.reduced is not None else None
-            norm = vec if vec is not None else self._failed_vector()
-            dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=self.setup.group)
-        out.pp = self._pp_step(norm)
+            def measured() -> torch.Tensor:
+                if failed or out.reduced is None:
+                    raise RuntimeError("no stage norms measured this step")
+                return _squares(out.reduced)
+
+            self._sum.issue(measured, 1, self._device())
+            taken = self._sum.take()
+            norm = taken.vector if taken is not None else failed_vector(1, self._device())
+        out.extension = self._pp_step(norm)
         return out
 
     def _collect_later(self) -> GradSummaries | None:
-        """``collect`` without waiting on the training thread for the step's all-reduce still in
-        flight on the host (gloo; ``SourceEnv.defer_reduction_wait``): the pp norm starts as
-        "failed" and is filled when the record thread finishes the collective. None where
-        nothing is in flight on the host (the waiting ``collect`` then runs)."""
-        if self._folded:
-            pending = getattr(self.inner._norms, "_pending", None)  # type: ignore[union-attr]
-            if pending is None or pending.work is None or not pending.vector.is_cpu:
-                return None
-            vec = pending.vector
-            squares = lambda: torch.stack([vec[:-1].sum(), (vec[-1] > 0).to(torch.float64)])  # noqa: E731
-        else:
-            if self._pending is None or not self._pending[0].is_cpu:
-                return None
-            (vec, work), self._pending = self._pending, None
-            squares = lambda: vec  # noqa: E731
-        norm = torch.tensor([0.0, 1.0], dtype=torch.float64)
-        fill = lambda: norm.copy_(squares())  # noqa: E731
+        """``collect`` without waiting on the training thread for the step's sum still in flight
+        on the host (gloo; ``SourceEnv.defer_reduction_wait``): the pp norm starts as "failed"
+        and is filled when the record thread finishes the collective. None where nothing is in
+        flight on the host (the waiting ``collect`` then runs)."""
+        issued = self._inner_norms().in_flight if self._folded else self._sum.pending  # type: ignore[union-attr]
+        if issued is None or issued.work is None or not issued.vector.is_cpu:
+            return None
+        norm = failed_vector(1, torch.device("cpu"))
+        fill = lambda: norm.copy_(issued.total())  # noqa: E731
+        deferred = None
+        if not self._folded:
+            deferred = self._sum.take_later(lambda _: fill(), self.env.on_error)[1]  # type: ignore[index]
         out = GradSummaries()
         try:
             out = self._collect_inner()
@@ -269,11 +291,11 @@ class PipelineSource(GradientSource):
         if out.deferred is not None:  # folded: the inner's own reduction fills both
             out.deferred.also(fill)
         elif self._folded:  # the inner's take failed or waited: the vector is final now
-            self.inner._norms.wait()  # type: ignore[union-attr]
+            issued.wait()
             fill()
         else:
-            out.deferred = DeferredReduction(work, fill, self.env.on_error)
-        out.pp = self._pp_step(norm)
+            out.deferred = deferred
+        out.extension = self._pp_step(norm)
         return out
 
     def _pp_step(self, norm: torch.Tensor) -> PPStep:
@@ -311,24 +333,11 @@ class PipelineSource(GradientSource):
                                                              self.env.on_error)
         return out
 
-    def _squares(self, reduced: NormVector | None, failed: float) -> torch.Tensor | None:
-        """[sum of this rank's squared per-parameter norms, failures] (float64, device)."""
-        if reduced is None:
-            return None
-        try:
-            wide = reduced.norms.to(torch.float64)
-            sq = (wide * wide).sum()
-            return torch.stack([sq, torch.full_like(sq, failed)])
-        except Exception as exc:
-            self.env.on_error("grads", exc)
-            return self._failed_vector()
-
-    def _failed_vector(self) -> torch.Tensor:
-        """Zero squares and one failure: every pp rank then reports no norm for the step."""
-        device = torch.device("cpu")
+    def _device(self) -> torch.device:
+        """Where this rank's pp vector lives: its parameters' device (CPU for a meta one)."""
         for p in self.index.params[:1]:
-            device = p.device if p.device.type != "meta" else device
-        return torch.tensor([0.0, 1.0], dtype=torch.float64, device=device)
+            return p.device if p.device.type != "meta" else torch.device("cpu")
+        return torch.device("cpu")
 
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """The global norm over every stage: this rank's (sharded-aware) norm, squared, summed
@@ -349,16 +358,10 @@ class PipelineSource(GradientSource):
 
     # ------------------------------------------------------------------ readback (host)
     def finish_record(self, record: Any, parts: dict, step: PPStep, local, reduced) -> None:
-        """Global norm over every stage (``pp_norm``); origin per stage (see the module doc).
-        Record thread. ``local``/``reduced``: (host values, positions) or None."""
-        if slot.PP_NORM in parts:
-            total, failures = parts[slot.PP_NORM][0], parts[slot.PP_NORM][1]
-            record.grad_norm = None if failures > 0 else math.sqrt(max(total, 0.0))
-            if failures == 0 and not math.isfinite(total):
-                record.grad_norm = float("nan") if math.isnan(total) else float("inf")
-            if record.grad_norm is not None and not math.isfinite(record.grad_norm):
-                record.grad_nonfinite = True
-        flags = parts.get(slot.PP_FLAGS, [])
+        """The origin per stage (see the module doc); the global norm over every stage is
+        ``PPStep.global_norm``'s, already in ``record``. Record thread. ``local``/``reduced``:
+        (host values, positions) or None."""
+        flags = parts.get(PP_FLAGS.name, [])
         stage_bad_local = self._bad_stages(local)
         stage_bad_reduced = self._bad_stages(reduced)
         origin_where = None
@@ -419,6 +422,28 @@ class PipelineSource(GradientSource):
 
     def reset(self) -> None:
         self._poisoned.clear()
+
+
+_FAILED = object()
+"""The inner source's measurement raised (already reported): this rank contributes a failure."""
+
+
+class _InnerFailed(RuntimeError):
+    """The inner source's measurement failed; it is reported where it happened."""
+
+
+def _checked(total: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if total is _FAILED:
+        raise _InnerFailed("the inner source's measurement failed")
+    return total
+
+
+def _squares(reduced: NormVector | None) -> torch.Tensor:
+    """[sum of the squared per-parameter norms] (float64, device)."""
+    if reduced is None:
+        raise RuntimeError("no stage norms measured")
+    wide = reduced.norms.to(torch.float64)
+    return (wide * wide).sum().reshape(1)
 
 
 def _scaled(vector: NormVector | None, factor: float) -> NormVector | None:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..step_slots import Slot
+from .base import StepExtension
 from .pp_setup import (
     PipelineSetup,
     StageInfo,
@@ -29,9 +31,17 @@ _MAX_EVENTS = 1 << 14
 
 
 # ---------------------------------------------------------------------------------- probes
+PP_NORM = Slot("pp_norm", 2, "pipeline parallel: squared norm summed over stages, failures")
+PP_FLAGS = Slot("pp_flags", None, "pipeline parallel: per stage, first non-finite receipt/product")
+
+
 @dataclass(slots=True)
-class PPStep:
-    """What one step's pipeline probes hand to the record (host table + device tensors)."""
+class PPStep(StepExtension):
+    """What one step's pipeline probes hand to the record (host table + device tensors): the
+    step's ``StepExtension`` under pipeline parallel."""
+
+    replaces_global_norm = True
+    """A stage's reduced norms cover its own stages; the global norm is summed over all."""
 
     source: Any
     norm: torch.Tensor
@@ -41,6 +51,30 @@ class PPStep:
     table: list[tuple[int, int, str]]
     """seq -> (stage, micro-batch, site)."""
     stages: list[int]
+
+    def values(self) -> dict[str, torch.Tensor | None]:
+        return {PP_NORM.name: self.norm,
+                PP_FLAGS.name: self.flags if self.flags.numel() else None}
+
+    def decision_norm(self) -> torch.Tensor:
+        """The pp-summed squared norm: a skip/raise decision is the same on every stage."""
+        return self.norm[:1]
+
+    def global_norm(self, parts: dict[str, list[float]]) -> float | None:
+        """The norm over every stage; None when some rank's measurement failed (and NaN or Inf
+        as the sum has it)."""
+        if PP_NORM.name not in parts:
+            return None
+        total, failures = parts[PP_NORM.name][0], parts[PP_NORM.name][1]
+        if failures > 0:
+            return None
+        if not math.isfinite(total):
+            return float("nan") if math.isnan(total) else float("inf")
+        return math.sqrt(max(total, 0.0))
+
+    def finish(self, record: Any, parts: dict[str, list[float]], local: tuple | None,
+               reduced: tuple | None) -> None:
+        self.source.finish_record(record, parts, self, local, reduced)
 
 
 class StageProbes:

@@ -56,6 +56,11 @@ class ShardedSource(GradientSource):
         super().__init__(env)
         self._clip = ClipNormHelper(scale_state=self._scale_state)
 
+    @property
+    def norms(self) -> ShardedNorms | None:
+        """The step's norms and their sum in flight (set at ``install``)."""
+        return self._clip.norms
+
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         return self._clip.norm(params)
 

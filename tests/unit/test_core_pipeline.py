@@ -13,7 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddpmon.agent.guard import Guard
+from ddpmon.agent.pipeline import StepMeta
+from ddpmon.agent.records import build_record
+from ddpmon.probes.grads import NormVector
 from ddpmon.state import StepRecord
+from ddpmon.strategies.base import GradSummaries
 from ddpmon.strategies.pp_probes import NO_EVENT, PPStep
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
@@ -78,11 +83,23 @@ def test_global_norm_over_both_stages_and_the_nan_origin_per_stage(pp):
     assert poisoned.poisoned and not poisoned.origin, "the NaN applied at step 1 poisoned step 2"
 
 
-def finish(mon, parts, *, table=(), flags=(), local=None, reduced=None) -> StepRecord:
-    record = StepRecord(step=9, wall_time=0.0, duration_seconds=None, data_wait_seconds=None)
+def finish(mon, parts, *, table=(), flags=(), local=None) -> StepRecord:
+    """The record thread's work on one read-back step: ``build_record`` (the global norm's one
+    writer, from ``PPStep.global_norm``, then the source's per-stage finish). ``local``: (host
+    values, positions) of this rank's local norms."""
     step = PPStep(mon.source, torch.zeros(2), torch.tensor(flags), list(table), [0, 1])
     parts = {**parts, "pp_flags": list(flags)}  # the flags as read back with the step
-    mon.source.finish_record(record, parts, step, local, reduced)
+    summaries = GradSummaries(extension=step)
+    if local is not None:
+        values, positions = local
+        parts["local_norms"] = list(values)
+        summaries.local = NormVector(torch.zeros(len(positions)), list(positions))
+    meta = StepMeta(step=9, wall_time=0.0, duration=None, data_wait=None, summaries=summaries,
+                    loss_host=None, trainer_norm_host=None, trainer_norm_step=None,
+                    skipped_by=None)
+    errors: list[str] = []
+    record = build_record(parts, meta, mon.index, Guard(errors.append))
+    assert errors == [], errors
     return record
 
 

@@ -14,6 +14,7 @@ from ddpmon.agent.policy import OriginTracker
 from ddpmon.agent.records import build_record
 from ddpmon.probes.grads import NormVector, ParamIndex
 from ddpmon.state import StepRecord
+from ddpmon.strategies.base import GradSummaries
 
 
 class Net(torch.nn.Module):
@@ -29,9 +30,13 @@ def index() -> ParamIndex:
 
 
 def meta(step: int = 7, **kw) -> StepMeta:
+    """A step's host facts; ``reduced``, ``local``, ``local_complete``, ``local_is_reduced`` and
+    ``comm`` go into its ``GradSummaries``, as a source collects them."""
+    summary_fields = {k: kw.pop(k) for k in ("reduced", "local", "local_complete",
+                                             "local_is_reduced", "comm") if k in kw}
     fields = dict(
-        step=step, wall_time=1000.0, duration=0.5, data_wait=0.1, reduced=None, local=None,
-        local_complete=True, local_is_reduced=False, comm=None, loss_host=None,
+        step=step, wall_time=1000.0, duration=0.5, data_wait=0.1,
+        summaries=GradSummaries(**summary_fields), loss_host=None,
         trainer_norm_host=None, trainer_norm_step=None, skipped_by=None,
     )
     fields.update(kw)

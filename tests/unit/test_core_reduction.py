@@ -1,6 +1,6 @@
-"""The sharded-norm reduction, at world size 1 in this process: ``build_plan``, ``ShardedNorms``
-and ``DeferredReduction``, each checked against torch's own numbers (``clip_grad_norm_`` over
-``full_tensor()``), without a subprocess rank.
+"""The norm reduction, at world size 1 in this process: the one protocol (``FlaggedSum``),
+``build_plan``, ``ShardedNorms`` and ``DeferredReduction``, each checked against torch's own
+numbers (``clip_grad_norm_`` over ``full_tensor()``), without a subprocess rank.
 
 A one-rank gloo group is a real process group: DTensors over its mesh have real placements, the
 all-reduce returns a real ``Work``, and the failure slot travels through a real collective.
@@ -20,6 +20,7 @@ from ddpmon.probes.grads import ParamIndex
 from ddpmon.strategies import dtensor_norms
 from ddpmon.strategies.base import DeferredReduction
 from ddpmon.strategies.dtensor_norms import DisjointSpan, ShardedNorms, build_plan
+from ddpmon.strategies.reduction import FlaggedSum, failed_vector
 
 
 @pytest.fixture(scope="module")
@@ -268,3 +269,77 @@ def test_a_torch_without_the_private_dtensor_fields_is_said_once(mesh, caplog, m
             assert dtensor_norms.has_partial(grad) == fast_partial
     said = [r.getMessage() for r in caplog.records if "has no" in r.getMessage()]
     assert len(said) == 2 and "_local_tensor" in said[0] and "_spec" in said[1], said
+
+
+# ---------------------------------------------------------------------------- FlaggedSum
+def _world_sum(vector: torch.Tensor):
+    return dist.all_reduce(vector, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def test_a_flagged_sum_carries_values_and_a_clear_mark(mesh):
+    summed = FlaggedSum(_world_sum)
+    assert summed.take() is None  # nothing issued yet
+    got = summed.issue(lambda: torch.tensor([3.0, 4.0]), 2, torch.device("cpu"), "ctx")
+    assert got is None and summed.pending is not None and summed.pending.work is not None
+    taken = summed.take()
+    assert taken is not None and summed.pending is None and taken.context == "ctx"
+    assert taken.values.tolist() == [3.0, 4.0] and not bool(taken.failed)
+    assert taken.vector.dtype == torch.float64
+    assert taken.total().tolist() == [7.0, 0.0]
+    assert taken.or_zeros(taken.values).tolist() == [3.0, 4.0]
+
+
+def test_a_failed_measurement_is_still_issued_flagged_and_returned(mesh):
+    """The rendezvous happens whatever the measurement did: zeros and the mark go into the
+    collective, every rank reports zeros (never NaN), and the caller gets the exception."""
+    summed = FlaggedSum(_world_sum)
+    boom = ValueError("no gradients")
+
+    def measure():
+        raise boom
+
+    assert summed.issue(measure, 3, torch.device("cpu")) is boom
+    taken = summed.take()
+    assert taken is not None and taken.work is None  # it was issued, then waited on
+    assert bool(taken.failed) and taken.values.tolist() == [0.0, 0.0, 0.0]
+    assert taken.or_zeros(torch.tensor([1.0, 2.0, 3.0])).tolist() == [0.0, 0.0, 0.0]
+    # a measurement of the wrong width is a failure too, not a mismatched collective
+    assert isinstance(summed.issue(lambda: torch.ones(2), 3, torch.device("cpu")), ValueError)
+    assert summed.take().vector.numel() == 4
+    assert failed_vector(2, torch.device("cpu")).tolist() == [0.0, 0.0, 1.0]
+
+
+def test_a_measured_mark_travels_with_the_values(mesh):
+    """Pipeline parallel passes on the mark of a sharded sum it read."""
+    summed = FlaggedSum(_world_sum)
+    assert summed.issue(lambda: (torch.tensor([5.0]), torch.tensor(True)), 1,
+                        torch.device("cpu")) is None
+    taken = summed.take()
+    assert bool(taken.failed) and taken.total().tolist() == [5.0, 1.0]
+
+
+def test_a_later_issue_waits_on_and_replaces_the_earlier_one(mesh):
+    summed = FlaggedSum(_world_sum)
+    summed.issue(lambda: torch.tensor([1.0]), 1, torch.device("cpu"))
+    first = summed.pending
+    summed.issue(lambda: torch.tensor([2.0]), 1, torch.device("cpu"))
+    assert first is not None and first.work is None  # waited
+    assert summed.take().values.tolist() == [2.0]
+
+
+def test_take_later_hands_a_host_wait_to_the_record_thread(mesh):
+    summed = FlaggedSum(_world_sum)
+    summed.issue(lambda: torch.tensor([9.0]), 1, torch.device("cpu"))
+    out = torch.zeros(1, dtype=torch.float64)
+    taken = summed.take_later(lambda issued: out.copy_(issued.values), lambda *_: None)
+    assert taken is not None and summed.pending is None
+    issued, deferred = taken
+    assert deferred is not None and issued.work is None  # the wait is the deferral's now
+    deferred.finish()
+    assert out.tolist() == [9.0]
+    # nothing in flight (no collective): filled now, nothing deferred
+    local = FlaggedSum(lambda vector: None)
+    local.issue(lambda: torch.tensor([4.0]), 1, torch.device("cpu"))
+    issued, deferred = local.take_later(lambda issued: out.copy_(issued.values), lambda *_: None)
+    assert deferred is None and out.tolist() == [4.0]
+    assert local.take_later(lambda issued: None, lambda *_: None) is None
