@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._torch_compat import dcp_logger
 from ..state import CHECKPOINT_KINDS, MetricState
 
 log = logging.getLogger("ddpmon.checkpoints")
@@ -295,9 +295,8 @@ class DcpCapture(logging.Handler):
 
     def install(self) -> bool:
         """True when DCP was imported already and the handler is on its logger."""
-        module = sys.modules.get("torch.distributed.checkpoint.logger")
-        target = getattr(module, "_dcp_logger", None) if module is not None else None
-        if not isinstance(target, logging.Logger):
+        target = dcp_logger()
+        if target is None:
             return False
         target.addHandler(self)
         self._logger = target

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import queue_backward_callback
 from ..probes.amp import ScalerProbe
 from .pipeline import StepPipeline
 
@@ -72,12 +73,12 @@ class StepHooks:
     def _on_output_grad(self, grad: Any) -> None:
         """Backward reached the model's output (a tensor hook or its node's pre-hook). The
         end-of-backward callback goes through the autograd engine's ``queue_callback``, a
-        private torch API (``Variable._execution_engine``): a torch without it costs the
-        end-of-backward boundary (the step's gradients are then collected at the optimizer
-        step), counted under ``step``, never an exception in backward."""
+        private torch API (``_torch_compat.queue_backward_callback``): a torch without it costs
+        the end-of-backward boundary (the step's gradients are then collected at the optimizer
+        step), said once; any other failure is counted under ``step``, never an exception in
+        backward."""
         with self.pipeline.guard("step"):
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: engine.queue_callback(self._on_backward_end))
+            queue_backward_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         if not self.closed:

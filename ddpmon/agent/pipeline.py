@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .. import step_slots as slot
+from .._torch_compat import version
 from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
@@ -329,16 +330,16 @@ class StepPipeline:
         for p in self.index.params:
             g = p.grad
             if g is not None:
-                return p, weakref.ref(g), g._version
+                return p, weakref.ref(g), version(g)
         return None
 
     def _grads_dropped(self) -> bool:
         """The last backward's gradients are gone (zero_grad) and no step consumed them."""
         if self._sentinel is None:
             return False
-        param, ref, version = self._sentinel
+        param, ref, seen = self._sentinel
         g = param.grad
-        return g is None or g is not ref() or g._version != version
+        return g is None or g is not ref() or version(g) != seen
 
     # ------------------------------------------------------------------ readback side
     def drain(self, wait: bool, collectives: bool = False) -> None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._torch_compat import scaler_enabled
+
 if TYPE_CHECKING:
     from .monitor import Monitor
 
@@ -30,7 +32,7 @@ def manifest_extra(mon: Monitor) -> dict:
     hosts, attempt and recovery."""
     scaler = mon.scaler
     precision = "fp32"
-    if scaler is not None and getattr(scaler, "_enabled", True):
+    if scaler is not None and scaler_enabled(scaler):
         precision = "amp+gradscaler"
     extra = {}
     if mon.engine_facts is not None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._torch_compat import flight_recorder_dumps
 from ..atomic import write_bytes_atomic
 from ..rundir import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, RunDir
 
@@ -122,14 +123,10 @@ def request_flight_recorder_dump(path: Path | str) -> bool:
         if not (dist.is_available() and dist.is_initialized()):
             log.debug("flight recorder: no process group, nothing to dump")
             return False
-        from torch._C import _distributed_c10d as c10d
+        dump_pickle, dump_json = flight_recorder_dumps()
     except Exception as exc:
         log.debug("flight recorder unavailable: %s", exc)
         return False
-    dump_pickle = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
-    dump_json = getattr(c10d, "_dump_fr_trace_json", None) or getattr(
-        c10d, "_dump_nccl_trace_json", None
-    )
     if dump_pickle is None and dump_json is None:
         log.debug("flight recorder: this torch build has no dump function")
         return False

@@ -12,6 +12,8 @@ from typing import Any, TypedDict
 
 import torch
 
+from .._torch_compat import scaler_enabled
+
 
 class AcceleratorParts(TypedDict):
     """The parts of an Accelerator that ``attach`` uses."""
@@ -39,7 +41,7 @@ def parts_from_accelerator(accelerator: Any) -> AcceleratorParts:
             f"{type(accelerator).__module__}.{type(accelerator).__qualname__}"
         )
     scaler = getattr(accelerator, "scaler", None)
-    if scaler is not None and not bool(getattr(scaler, "_enabled", True)):
+    if scaler is not None and not scaler_enabled(scaler):
         scaler = None  # a disabled scaler neither scales nor skips
     distributed = getattr(accelerator, "distributed_type", "NO")
     return AcceleratorParts(

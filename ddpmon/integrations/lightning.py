@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import scaler_scale
 from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
 
 log = logging.getLogger("ddpmon")
@@ -131,8 +132,8 @@ class _DdpmonLightning:
             value = loss.detach()
             if self._accumulate > 1 and getattr(pl_module, "automatic_optimization", True):
                 value = value * self._accumulate  # Lightning divided it by the window length
-            scale = getattr(self._scaler, "_scale", None)
-            if isinstance(scale, torch.Tensor):
+            scale = scaler_scale(self._scaler) if self._scaler is not None else None
+            if scale is not None:
                 # 16-mixed hands this hook the scaled loss; divide on the device (no
                 # get_scale(), which reads the value). Same private tensor as ddpmon's AMP probe.
                 value = value / scale.to(value.device, value.dtype)

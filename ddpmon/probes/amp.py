@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import scaler_enabled, scaler_scale, scaler_state
+
 
 class ScalerProbe:
     def __init__(
@@ -32,26 +34,25 @@ class ScalerProbe:
         scaler.update = self._update  # instance attribute shadows the method
 
     def enabled(self) -> bool:
-        return bool(getattr(self.scaler, "_enabled", True))
+        return scaler_enabled(self.scaler)
 
     def current_scale(self) -> torch.Tensor | None:
         """The scale tensor in use (device), for unscaling norms seen inside backward."""
-        scale = getattr(self.scaler, "_scale", None)
-        return scale if isinstance(scale, torch.Tensor) else None
+        return scaler_scale(self.scaler)
 
     def grads_unscaled(self) -> bool:
         """True once ``scaler.unscale_(optimizer)`` ran for this step (host-side state)."""
         try:
             from torch.amp.grad_scaler import OptState
 
-            state = self.scaler._per_optimizer_states[id(self.optimizer)]
-            return state.get("stage") is OptState.UNSCALED
+            state = scaler_state(self.scaler, self.optimizer)
+            return state is not None and state.get("stage") is OptState.UNSCALED
         except Exception:
             return False
 
     def _found_inf(self) -> torch.Tensor | None:
-        state = self.scaler._per_optimizer_states[id(self.optimizer)]
-        found = state.get("found_inf_per_device") or {}
+        state = scaler_state(self.scaler, self.optimizer)
+        found = (state or {}).get("found_inf_per_device") or {}
         tensors = list(found.values())
         if not tensors:
             return None

@@ -127,7 +127,7 @@ class CollectiveRecorder:
                 end.record()
                 self._add(op, nbytes, events=(timer, end))
         except Exception as exc:
-            self._error(exc)
+            self.error(exc)
 
     def stop_at_completion(self, op: str, timer: Any, nbytes: int, work: Any) -> None:
         """Stop ``timer`` when the asynchronous ``work`` completes, seen by a callback on its
@@ -144,7 +144,7 @@ class CollectiveRecorder:
         try:
             future.add_done_callback(done)
         except Exception as exc:
-            self._error(exc)
+            self.error(exc)
 
     def call(self, op: str, nbytes: int, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> Any:
@@ -158,7 +158,7 @@ class CollectiveRecorder:
         try:
             timer = self.start(_first_tensor(args, kwargs))
         except Exception as exc:
-            self._error(exc)
+            self.error(exc)
         result = fn(*args, **kwargs)
         if timer is not None:
             if _is_work(result):
@@ -172,7 +172,7 @@ class CollectiveRecorder:
         try:
             self._add(op, nbytes, seconds=float(seconds))
         except Exception as exc:
-            self._error(exc)
+            self.error(exc)
 
     # ------------------------------------------------------------------ per step
     def take(self) -> CommTiming | None:
@@ -197,7 +197,7 @@ class CollectiveRecorder:
             elif events is not None:
                 t.events.append((op, *events))
 
-    def _error(self, exc: BaseException) -> None:
+    def error(self, exc: BaseException) -> None:
         if self._on_error is not None:
             self._on_error("comm", exc)
 

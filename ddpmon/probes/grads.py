@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._torch_compat import compiled_inner, foreach_norm
+
 
 @dataclass(slots=True)
 class NormVector:
@@ -54,7 +56,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     while seen < 8:
         inner = getattr(model, "module", None)
         if not isinstance(inner, torch.nn.Module):
-            inner = getattr(model, "_orig_mod", None)
+            inner = compiled_inner(model)
         if not isinstance(inner, torch.nn.Module):
             return model
         model, seen = inner, seen + 1
@@ -72,7 +74,8 @@ class ParamIndex:
         self.all_positions: tuple[int, ...] = tuple(range(len(self.params)))
         self.stack_plan = StackPlan.for_shapes([p.shape for p in self.params])
         self.group_names, self.group_of = _groups(self.names, group_depth, max_groups)
-        self._group_array = np.asarray(self.group_of, dtype=np.int64)
+        self.group_array = np.asarray(self.group_of, dtype=np.int64)
+        """``group_of`` as a numpy index (group sums on the host)."""
 
     def __len__(self) -> int:
         return len(self.params)
@@ -326,12 +329,7 @@ def _at_least(have: torch.dtype, want: torch.dtype | None) -> torch.dtype | None
 
 
 def _foreach_norm(group: list[torch.Tensor], dtype: torch.dtype | None) -> Sequence:
-    try:
-        return (
-            torch._foreach_norm(group, 2, dtype=dtype) if dtype else torch._foreach_norm(group, 2)
-        )
-    except (TypeError, RuntimeError):  # older torch without the dtype argument
-        return [torch.linalg.vector_norm(t, dtype=dtype) for t in group]
+    return foreach_norm(group, dtype)
 
 
 @dataclass(slots=True)
@@ -388,7 +386,7 @@ def _summarize_numpy(values, positions, index: ParamIndex) -> GradSummary:
         squares = norms * norms
         total = float(np.sqrt(squares.sum()))
         group_norms = np.sqrt(
-            np.bincount(index._group_array[pos], weights=squares, minlength=index.n_groups)
+            np.bincount(index.group_array[pos], weights=squares, minlength=index.n_groups)
         )
     bad = ~np.isfinite(norms)
     first, kind = -1, None
@@ -421,7 +419,7 @@ def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
     for i, g in enumerate(grads):
         if g is not None:
             if g.is_sparse:
-                g = g.coalesce()._values()
+                g = g.coalesce().values()
             positions.append(i)
             present.append(g)  # .grad never requires grad: no detach needed
     if not present:

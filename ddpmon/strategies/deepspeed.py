@@ -351,7 +351,9 @@ class DeepSpeedSource(GradientSource):
             for pos, p in enumerate(self.index.params):
                 mapping = getattr(p, "_hp_mapping", None)
                 if mapping is not None:
-                    tensors.append(mapping.get_lp_grad_fragment(p._index_in_param_group).detach())
+                    # DeepSpeed's own attribute, the documented way to its fragment of p
+                    slot = p._index_in_param_group  # noqa: SLF001
+                    tensors.append(mapping.get_lp_grad_fragment(slot).detach())
                     positions.append(pos)
         else:
             for pos, p in enumerate(self.index.params):

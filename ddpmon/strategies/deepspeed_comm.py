@@ -106,7 +106,7 @@ class CommTimer:
             return result
 
         timed.__wrapped__ = original  # type: ignore[attr-defined]
-        timed._ddpmon_comm_timer = True  # type: ignore[attr-defined]
+        timed.ddpmon_comm_timer = True  # type: ignore[attr-defined]
         return timed
 
     def close(self) -> None:
@@ -119,7 +119,7 @@ class CommTimer:
 
         for name, original in cls._originals.items():
             current = getattr(dscomm, name, None)
-            if getattr(current, "_ddpmon_comm_timer", False):
+            if getattr(current, "ddpmon_comm_timer", False):
                 setattr(dscomm, name, original)
             # else: someone wrapped it after us; leave their wrapper (ours is then inert)
         cls._originals.clear()

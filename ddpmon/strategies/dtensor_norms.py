@@ -25,7 +25,6 @@ The result is the same on every rank of a reduction span (replicas compute it in
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import dtensor_local, dtensor_placements, version
 from ..probes.grads import ParamIndex, per_param_norms
 from .base import NormVector
 from .reduction import DeferredReduction, FlaggedSum, Issued
@@ -161,40 +161,16 @@ def complete_local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local()
 
 
-_SLOW_PATHS: set[str] = set()
-
-
-def _slow_path(private: str, public: str) -> None:
-    """A torch without the private DTensor attribute of the fast path: said once per
-    attribute, so a torch upgrade cannot turn the fast path into the slow one silently."""
-    if private not in _SLOW_PATHS:
-        _SLOW_PATHS.add(private)
-        logging.getLogger("ddpmon").warning(
-            "ddpmon: this torch's DTensor has no %s; using %s instead, which costs a few "
-            "microseconds per parameter and step (numbers are unchanged)", private, public)
-
-
 def raw_local(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's own piece of a gradient, as it holds it (no communication). A DTensor's
-    ``_local_tensor`` is that piece without ``to_local``'s autograd function (~4 us of Python
-    per parameter, per step); ``to_local`` where a torch lacks the attribute."""
-    if not is_dtensor(grad):
-        return grad
-    local = getattr(grad, "_local_tensor", None)
-    if isinstance(local, torch.Tensor):
-        return local
-    _slow_path("_local_tensor", "to_local()")
-    return grad.to_local()
+    """This rank's own piece of a gradient, as it holds it (no communication; see
+    ``_torch_compat.dtensor_local``)."""
+    return dtensor_local(grad) if is_dtensor(grad) else grad
 
 
 def has_partial(grad: torch.Tensor) -> bool:
     if not is_dtensor(grad):
         return False
-    spec = getattr(grad, "_spec", None)  # the placements without the property's lookup
-    if spec is None:
-        _slow_path("_spec", "the placements property")
-    placements = spec.placements if spec is not None else grad.placements
-    return any(pl.is_partial() for pl in placements)
+    return any(pl.is_partial() for pl in dtensor_placements(grad))
 
 
 def grads_of(params: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
@@ -424,4 +400,4 @@ def _stamp(idx: Sequence[int], grads: Sequence[torch.Tensor]) -> tuple:
     the gradient and of its local piece (an in-place op on a DTensor bumps the wrapper's, one on
     ``to_local()`` the piece's). Reading them is metadata, not a device sync."""
     pieces = [(g, raw_local(g)) for g in grads]
-    return tuple(idx), tuple((t.data_ptr(), t._version, g._version) for g, t in pieces)
+    return tuple(idx), tuple((t.data_ptr(), version(t), version(g)) for g, t in pieces)

@@ -30,6 +30,11 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import (
+    fsdp_group_comms,
+    fsdp_param_groups,
+    set_all_reduce_hook,
+)
 from ..probes.comm import tensor_bytes
 from ..probes.grads import per_param_norms
 from . import data_check
@@ -154,12 +159,7 @@ class _AllReduceTimer:
 
 def _param_groups(module: torch.nn.Module) -> list[Any]:
     """FSDP2's parameter groups of one module (private state; [] when unreadable)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # older torch: one group at most
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
+    return fsdp_param_groups(module)
 
 
 def _columns(fsdp_param: Any) -> int:
@@ -246,8 +246,9 @@ class FSDPSource(ShardedSource):
                 continue
             positions.append(pos)
             columns.append(_columns(fsdp_param))
-        inner = getattr(group, "_reduce_scatter_comm", None) or DefaultReduceScatter()
-        unit = _Unit(positions=positions, columns=columns, hsdp=bool(getattr(group, "_is_hsdp", 0)))
+        reduce_scatter, _, _, hsdp = fsdp_group_comms(group)
+        inner = reduce_scatter or DefaultReduceScatter()
+        unit = _Unit(positions=positions, columns=columns, hsdp=hsdp)
         if unit.hsdp and self._replicate_group is None:
             self._replicate_group = getattr(group.mesh_info, "replicate_process_group", None)
         module.set_custom_reduce_scatter(_ProbedReduceScatter(inner, unit, self))
@@ -261,14 +262,14 @@ class FSDPSource(ShardedSource):
         all-reduce (``set_all_reduce_hook``, the user's own hook kept). Public FSDP2 APIs,
         undone at close; a failure costs only these timings."""
         try:
-            gather = getattr(group, "_all_gather_comm", None) or DefaultAllGather()
+            gather = fsdp_group_comms(group)[1] or DefaultAllGather()
             module.set_custom_all_gather(_TimedAllGather(gather, self))
             self._restore_gather.append((module, gather))
         except Exception as exc:
             self.env.on_error("comm", exc)
         if unit.hsdp:
             try:
-                user_hook = getattr(group, "_all_reduce_hook", None)
+                user_hook = fsdp_group_comms(group)[2]
                 module.set_all_reduce_hook(_AllReduceTimer(unit, self, user_hook))
                 self._restore_hook.append((module, user_hook))
             except Exception as exc:
@@ -290,7 +291,7 @@ class FSDPSource(ShardedSource):
         for module, hook in self._restore_hook:
             try:
                 for group in _param_groups(module):  # set_all_reduce_hook refuses None
-                    group._all_reduce_hook = hook
+                    set_all_reduce_hook(group, hook)
             except Exception:
                 pass
         self._restore_hook.clear()

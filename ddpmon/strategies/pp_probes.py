@@ -8,12 +8,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import batch_p2p, set_batch_p2p
 from ..step_slots import Slot
 from .base import StepExtension
 from .pp_setup import (
@@ -237,12 +239,6 @@ class P2PTiming:
     to their ``Work``'s completion (a future callback, never a wait). ``dist.isend``/``irecv``
     themselves are never patched: ``P2POp`` checks ``op`` by identity."""
 
-    _lock = threading.Lock()
-    _users = 0
-    _original: Any = None
-    _owner: Any = None
-    """``WeakKeyDictionary``: ``P2POp`` -> the ``CollectiveRecorder`` of the stage that made it."""
-
     def __init__(self, setup: PipelineSetup, recorder: Any, on_error) -> None:
         self.setup = setup
         self.recorder = recorder
@@ -252,13 +248,10 @@ class P2PTiming:
 
     def install(self) -> None:
         try:
-            from torch.distributed.pipelining import schedules
+            original = batch_p2p()  # a private torch function: without it, no send/recv times
         except ImportError:  # pragma: no cover - torch without pipelining
             return
-        if not callable(getattr(schedules, "_batch_p2p", None)):
-            # a private torch function; a torch without it costs the send/recv timings only
-            log.warning("ddpmon: this torch's pipelining schedules have no _batch_p2p; "
-                        "send/recv times are not measured (everything else is)")
+        if not callable(original):
             return
         for info in self.setup.stages:
             for name in _P2P_METHODS:
@@ -267,24 +260,19 @@ class P2PTiming:
                     continue
                 setattr(info.stage, name, self._marking(original))
                 self._wrapped.append((info.stage, name))
-        cls = type(self)
-        with cls._lock:
-            if cls._users == 0:
-                import weakref
-
-                cls._owner = weakref.WeakKeyDictionary()
-                cls._original = schedules._batch_p2p
-                schedules._batch_p2p = _timed_batch_p2p
-            cls._users += 1
+        with _PATCH.lock:
+            if _PATCH.users == 0:
+                _PATCH.owner = weakref.WeakKeyDictionary()
+                _PATCH.original = original
+                set_batch_p2p(_timed_batch_p2p)
+            _PATCH.users += 1
         self._installed = True
 
     def _marking(self, original):
-        owner = type(self)
-
         def get_ops(chunk_id, *args, **kwargs):
             ops = original(chunk_id, *args, **kwargs)
             try:
-                table = owner._owner
+                table = _PATCH.owner
                 if table is not None:
                     for op in ops:
                         table[op] = self.recorder
@@ -299,26 +287,37 @@ class P2PTiming:
         if not self._installed:
             return
         self._installed = False
-        cls = type(self)
-        with cls._lock:
-            cls._users -= 1
-            if cls._users == 0:
+        with _PATCH.lock:
+            _PATCH.users -= 1
+            if _PATCH.users == 0:
                 try:
-                    from torch.distributed.pipelining import schedules
-
-                    if schedules._batch_p2p is _timed_batch_p2p:
-                        schedules._batch_p2p = cls._original
+                    if batch_p2p() is _timed_batch_p2p:
+                        set_batch_p2p(_PATCH.original)
                 except Exception:
                     pass
-                cls._owner = None
+                _PATCH.owner = None
 
+
+class _BatchP2PPatch:
+    """The process-wide state of the ``_batch_p2p`` wrapper: one wrapper while any pipeline
+    monitor is attached (``users``), the function it wraps, and which ``P2POp`` is whose."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.original: Any = None
+        self.owner: Any = None
+        """``WeakKeyDictionary``: ``P2POp`` -> the ``CollectiveRecorder`` of its stage."""
+
+
+_PATCH = _BatchP2PPatch()
 
 _P2P_METHODS = ("get_fwd_send_ops", "get_fwd_recv_ops", "get_bwd_send_ops", "get_bwd_recv_ops")
 
 
 def _timed_batch_p2p(p2p_ops, *args, **kwargs):
     """``schedules._batch_p2p`` with ddpmon's P2P ops timed (others pass through untouched)."""
-    original, table = P2PTiming._original, P2PTiming._owner
+    original, table = _PATCH.original, _PATCH.owner
     marked = []
     try:
         if table is not None:
@@ -341,7 +340,7 @@ def _timed_batch_p2p(p2p_ops, *args, **kwargs):
                     rec.stop_at_completion(kind, timer, nbytes, work)
         except Exception as exc:
             rec_error = marked[0][1]
-            rec_error._error(exc)
+            rec_error.error(exc)
     return works
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._torch_compat import schedule_microbatches, schedule_stages
 from ..probes.grads import unwrap_model
 
 log = logging.getLogger("ddpmon")
@@ -67,11 +68,7 @@ class PipelineParts(torch.nn.Module):
 
 
 def _schedule_stages(schedule: Any) -> list[Any]:
-    stages = getattr(schedule, "_stages", None)
-    if stages is None:
-        stage = getattr(schedule, "_stage", None)
-        stages = [stage] if stage is not None else []
-    return list(stages)
+    return schedule_stages(schedule)
 
 
 class PipelineSetup:
@@ -126,7 +123,7 @@ class PipelineSetup:
         self.schedule = schedule
         self.stages = found
         self.group = found[0].stage.group
-        self.n_microbatches = int(getattr(schedule, "_n_microbatches", 1) or 1)
+        self.n_microbatches = schedule_microbatches(schedule)
         self.scale_grads = bool(getattr(schedule, "scale_grads", True))
         self.container = PipelineParts(found)
         self.inner = self._inner_kind()

@@ -15,7 +15,7 @@ FORBIDDEN = {
     "forensics": {"agent", "daemon", "commands"},
     "agent": {"daemon", "commands"},
 }
-LEAVES = {"damage", "errors", "agent_socket", "safe_read"}
+LEAVES = {"damage", "errors", "agent_socket", "safe_read", "_torch_compat", "step_slots"}
 
 
 def _imports(path: Path) -> set[str]:
