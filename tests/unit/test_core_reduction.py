@@ -13,7 +13,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from ddpmon.probes.grads import ParamIndex
@@ -21,18 +20,6 @@ from ddpmon.strategies import dtensor_norms
 from ddpmon.strategies.base import DeferredReduction
 from ddpmon.strategies.dtensor_norms import DisjointSpan, ShardedNorms, build_plan
 from ddpmon.strategies.reduction import FlaggedSum, failed_vector
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    """A one-rank gloo world and its 1-D CPU mesh (torn down after the module)."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this worker")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 class Sharded(torch.nn.Module):

@@ -10,8 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from ddpmon import _torch_compat
 from ddpmon import _torch_compat as compat
@@ -20,18 +18,6 @@ from ddpmon import _torch_compat as compat
 @pytest.fixture(autouse=True)
 def fresh_counts(monkeypatch):
     monkeypatch.setattr(compat, "LOST", compat.LOST.__class__())
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    """A one-rank gloo world and its CPU mesh: DTensors and FSDP2 modules for real."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this worker")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def said(caplog) -> list[str]:
