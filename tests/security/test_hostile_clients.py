@@ -10,7 +10,16 @@ import json
 import statistics
 
 import pytest
-from conftest import PASSWORD, client_ctx, fetch, helper, ms, train_steps, wait_for_line
+from conftest import (
+    ANSWERED_WITHIN,
+    PASSWORD,
+    client_ctx,
+    fetch,
+    helper,
+    ms,
+    train_steps,
+    wait_for_line,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 pytestmark = pytest.mark.timeout(120)
@@ -78,7 +87,7 @@ def test_slow_clients_do_not_block_scrapes(make_server, spawn, tmp_path, pki, pw
     assert report["opened"]["idle"] >= 25 and report["opened"]["stalled_handshake"] >= 20
     assert report["opened"]["slowloris"] >= 25 and report["slowloris_bytes"] > 100
     assert statuses == {200} and len(latencies) >= 20
-    assert max(latencies) < 2.0  # answered, well inside any scrape timeout
+    assert max(latencies) < ANSWERED_WITHIN  # answered, not locked out
     assert srv.stats["errors"] == 0
     assert len(during) > 100  # training kept stepping (its speed is printed, not judged here)
 
