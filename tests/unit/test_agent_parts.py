@@ -17,7 +17,7 @@ from ddpmon.agent.pipeline import StepPipeline
 from ddpmon.agent.policy import NonFiniteGradientError, NonFinitePolicy
 from ddpmon.agent.stepvector import STEP_SLOTS, Slot, StepVectorLayout
 from ddpmon.probes.grads import NormVector, ParamIndex
-from ddpmon.strategies.base import GradientSource, GradSummaries
+from ddpmon.strategies.base import GradientSource, GradSummaries, StepExtension
 
 
 class ScriptedSource(GradientSource):
@@ -325,3 +325,60 @@ def test_monitor_runs_records_on_its_thread_and_readers_catch_up(tmp_path):
     finally:
         mon.close()
     assert not mon.records.alive
+
+
+# ------------------------------------------------------------------------- strategy extension
+class TokensExtension(StepExtension):
+    """A strategy's own per-step value, as docs/architecture.md's recipe adds one: a declared
+    slot, its device tensor, its reading on the record thread (no agent module edited)."""
+
+    replaces_global_norm = True
+    SLOT = Slot("tokens_seen", 2, "tokens this step, and a global squared norm of its own")
+
+    def __init__(self, tokens: float, squares: float) -> None:
+        self.tokens = torch.tensor([tokens, squares], dtype=torch.float64)
+
+    def values(self):
+        return {self.SLOT.name: self.tokens}
+
+    def decision_norm(self):
+        return self.tokens[1:]
+
+    def global_norm(self, parts):
+        return math.sqrt(parts[self.SLOT.name][1])
+
+    def finish(self, record, parts, local, reduced):
+        record.trainer_grad_norm = parts[self.SLOT.name][0]  # a field the test can read back
+
+
+class ExtendedSource(ScriptedSource):
+    name = "extended"
+    extra_slots = (TokensExtension.SLOT,)
+
+    def collect(self):
+        out = super().collect()
+        out.extension = TokensExtension(tokens=512.0, squares=25.0)
+        return out
+
+
+def test_a_strategy_adds_its_own_slot_without_touching_the_pipeline():
+    """The recipe 'add a parallelism strategy' with values of its own: the source declares
+    ``extra_slots`` and hands a ``StepExtension``; the pipeline queues it, the policy reads its
+    decision norm, build_record takes its global norm (the one writer) and calls its finish."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    index = ParamIndex(model)
+    errors = []
+    sink = Collect()
+    pipe = StepPipeline(
+        source=ExtendedSource(index, [[3.0, 0.0, 4.0, 12.0]]), index=index,
+        guard=Guard(errors.append), sinks=[sink],
+        policy=NonFinitePolicy("record", index, 0, lambda *a, **k: None),
+    )
+    assert TokensExtension.SLOT in pipe.layout.slots and set(STEP_SLOTS) <= set(pipe.layout.slots)
+    one_step(pipe)
+    pipe.drain(wait=True)
+    assert errors == []
+    (record,) = sink.records
+    assert record.grad_norm == 5.0  # the extension's, not the reduced norms' 13
+    assert record.trainer_grad_norm == 512.0
+    assert record.group_norms  # the common part still comes from the reduced norms
