@@ -107,6 +107,54 @@ def build_timeline(path: Path | str) -> Timeline:
     run = RunDir(run_path)
     damage = ReadWarnings(run_path)
     warnings: list[str] = []
+    per_rank = _rank_events(run, damage)
+    rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
+    ranks, merged, world_size = _aligned(per_rank, warnings)
+
+    # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
+    progress: dict[int, dict[str, Any]] = {}
+    for rank, f in run.ranked(PROGRESS_RE).items():
+        p = read_json(f, damage, kept="its last step not used", check=_progress_problem)
+        if p is not None:
+            progress[rank] = p
+    steps = _LastSteps({rank: att.progress_by_attempt(rank_starts.get(rank, []), progress.get(rank))
+                        for rank in set(per_rank) | set(progress)})
+
+    merged.extend(_dump_events(run, damage, ranks, rank_starts, per_rank, steps))
+    merged.extend(_vanished_ranks(ranks, merged, steps))
+    merged.sort(key=lambda e: (e["t"], e.get("rank", 0)))
+    t0 = merged[0]["t"] if merged else 0.0
+    for e in merged:
+        e["t_rel"] = round(e["t"] - t0, 6)
+
+    fr_status = _flight_recorder(run, damage)
+    _summarize_ranks(run, ranks, merged, progress, fr_status, steps)
+
+    missing: list[int] = []
+    if world_size:
+        missing = [r for r in range(world_size) if r not in ranks]
+        if missing:
+            warnings.append(f"partial run: no files from rank(s) {missing} of {world_size}")
+    if not merged:
+        if damage.items:
+            raise RunDirError(f"{run_path}: no readable events: " + "; ".join(damage.lines()),
+                              damage)
+        raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
+
+    first = first_failure(merged, fr_status)
+    last_steps = {
+        (rank, a): steps.last(rank, [e for e in merged if e.get("rank") == rank], a)
+        for rank in ranks
+        for a in sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
+    }
+    recovery = att.summarize(merged, first, last_steps)
+    warnings = damage.lines() + warnings
+    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery,
+                    damage)
+
+
+def _rank_events(run: RunDir, damage: ReadWarnings) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's readable events; an empty log beside others that have events is damage."""
     per_rank: dict[int, list[dict[str, Any]]] = {}
     for rank, f in run.ranked(EVENTS_RE).items():
         per_rank[rank] = [_event(e, rank) for e in read_json_lines(f, damage, valid=_is_event)]
@@ -114,8 +162,13 @@ def build_timeline(path: Path | str) -> Timeline:
         for rank, f in run.ranked(EVENTS_RE).items():
             if not per_rank[rank] and damage.name(f) not in damage.files():
                 damage.add(f, "empty", f"no events from rank {rank}")
-    rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
+    return per_rank
 
+
+def _aligned(per_rank: dict[int, list[dict[str, Any]]], warnings: list[str]
+             ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]], int | None]:
+    """Every event on rank 0's clock (``t``: its ``ts`` plus the offset its attempt's start
+    event measured), each rank's clock facts, and the world size the starts name."""
     ranks: dict[int, dict[str, Any]] = {}
     merged: list[dict[str, Any]] = []
     world_size: int | None = None
@@ -138,19 +191,17 @@ def build_timeline(path: Path | str) -> Timeline:
         ranks[rank] = {"events": len(events), "clock_offset_seconds": offset,
                        "clock_rtt_seconds": rtt}
         merged.extend(events)
+    return ranks, merged, world_size
 
-    # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
-    progress: dict[int, dict[str, Any]] = {}
-    for rank, f in run.ranked(PROGRESS_RE).items():
-        p = read_json(f, damage, kept="its last step not used", check=_progress_problem)
-        if p is not None:
-            progress[rank] = p
 
-    by_attempt = {rank: att.progress_by_attempt(rank_starts.get(rank, []), progress.get(rank))
-                  for rank in set(per_rank) | set(progress)}
+class _LastSteps:
+    """The last completed step of a rank in an attempt, from its events and its progress."""
 
-    def last_step(rank: int, events: list[dict[str, Any]], attempt: int | None = None
-                  ) -> int | None:
+    def __init__(self, by_attempt: dict[int, dict[int, dict[str, Any]]]) -> None:
+        self.by_attempt = by_attempt
+
+    def last(self, rank: int, events: list[dict[str, Any]], attempt: int | None = None
+             ) -> int | None:
         """Last completed step index of ``rank`` in ``attempt`` (default: its newest)."""
         if attempt is None:
             attempt = max((e["attempt"] for e in events if "attempt" in e), default=0)
@@ -159,61 +210,70 @@ def build_timeline(path: Path | str) -> Timeline:
         # file, written every 50 ms, may not have reached when the process died
         ours = [e for e in events if e.get("attempt", 0) == attempt]
         mine = [e for e in ours if e.get("kind") not in (att.SAVE, att.LOAD, "signal")]
-        kept = by_attempt.get(rank, {}).get(attempt, {}).get("step")
+        kept = self.by_attempt.get(rank, {}).get(attempt, {}).get("step")
         before = [e["step"] - 1 for e in ours
                   if e.get("kind") == "signal" and e.get("running") and isinstance(e["step"], int)]
         steps = [s for s in (_last_step(mine), kept, *before) if isinstance(s, int) and s >= 0]
         return max(steps) if steps else None
 
+
+def _dump_events(run: RunDir, damage: ReadWarnings, ranks: dict[int, dict[str, Any]],
+                 rank_starts: dict, per_rank: dict[int, list[dict[str, Any]]],
+                 steps: _LastSteps) -> list[dict[str, Any]]:
+    """``signal`` events from the crash and SIGTERM dumps, on rank 0's clock, each at the step
+    that was running (the dump's live line) or else the rank's last completed one."""
     synthetic: list[dict[str, Any]] = []
     for regex, parser in ((CRASH_RE, crash_event), (SIGTERM_RE, sigterm_event)):
         for rank, f in run.ranked(regex).items():
             ev = parser(f, rank, damage)
-            if ev is not None:
-                offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
-                ev["t"] = ev["ts"] + offset
-                ev["attempt"] = att.attempt_at(rank_starts.get(rank, []), ev["ts"])
-                # the step that was running (the dump's live line); else the last completed one
-                live = ev.pop("live_step", None)
-                ev["step"] = live if isinstance(live, int) else last_step(
-                    rank, per_rank.get(rank, []), ev["attempt"])
-                if isinstance(live, int):
-                    ev["running"] = True
-                synthetic.append(ev)
-                ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
-                                        "clock_rtt_seconds": None})
-    merged.extend(synthetic)
+            if ev is None:
+                continue
+            offset = ranks.get(rank, {}).get("clock_offset_seconds", 0.0)
+            ev["t"] = ev["ts"] + offset
+            ev["attempt"] = att.attempt_at(rank_starts.get(rank, []), ev["ts"])
+            live = ev.pop("live_step", None)
+            ev["step"] = live if isinstance(live, int) else steps.last(
+                rank, per_rank.get(rank, []), ev["attempt"])
+            if isinstance(live, int):
+                ev["running"] = True
+            synthetic.append(ev)
+            ranks.setdefault(rank, {"events": 0, "clock_offset_seconds": offset,
+                                    "clock_rtt_seconds": None})
+    return synthetic
 
-    # Ranks (per attempt) that ended without an exit event or a signal: killed from outside,
-    # or still running.
+
+def _vanished_ranks(ranks: dict[int, dict[str, Any]], merged: list[dict[str, Any]],
+                    steps: _LastSteps) -> list[dict[str, Any]]:
+    """Ranks (per attempt) that ended without an exit event or a signal: killed from outside,
+    or still running."""
+    found = []
     for rank in ranks:
         attempts_seen = sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
         for attempt in attempts_seen:
             mine = [e for e in merged if e.get("rank") == rank and e.get("attempt", 0) == attempt]
-            vanished = _vanished(rank, attempt, mine, by_attempt.get(rank, {}).get(attempt, {}),
-                                 ranks[rank]["clock_offset_seconds"])
+            vanished = _vanished(rank, attempt, mine, steps.by_attempt.get(rank, {}).get(
+                attempt, {}), ranks[rank]["clock_offset_seconds"])
             if vanished is not None:
-                vanished["step"] = last_step(rank, mine, attempt)
-                merged.append(vanished)
+                vanished["step"] = steps.last(rank, mine, attempt)
+                found.append(vanished)
+    return found
 
-    merged.sort(key=lambda e: (e["t"], e.get("rank", 0)))
-    t0 = merged[0]["t"] if merged else 0.0
-    for e in merged:
-        e["t_rel"] = round(e["t"] - t0, 6)
 
-    fr_status = _flight_recorder(run, damage)
+def _summarize_ranks(run: RunDir, ranks: dict[int, dict[str, Any]],
+                     merged: list[dict[str, Any]], progress: dict[int, dict[str, Any]],
+                     fr_status: dict, steps: _LastSteps) -> None:
+    """Each rank's last event and step, how it ended, its attempts, evidence and dumps."""
     evidence: dict[int, list[str]] = {}
     for b in run.bundles():
         parsed = parse_bundle_name(b.name)
         if parsed:
-            evidence.setdefault(parsed[0], []).append(str(b.relative_to(run_path)))
-
+            evidence.setdefault(parsed[0], []).append(str(b.relative_to(run.path)))
     for rank, info in ranks.items():
         mine = [e for e in merged if e.get("rank") == rank]
         meaningful = [e for e in mine if e.get("kind") != "vanished"]
         last = meaningful[-1] if meaningful else None
         info["last_event"] = _brief(last) if last else None
-        info["last_step"] = last_step(rank, mine)
+        info["last_step"] = steps.last(rank, mine)
         if rank in progress:
             info["progress"] = progress[rank]
         newest = max((e.get("attempt", 0) for e in mine), default=0)
@@ -222,28 +282,6 @@ def build_timeline(path: Path | str) -> Timeline:
         info["evidence"] = evidence.get(rank, [])
         if rank in fr_status:
             info["flight_recorder"] = fr_status[rank]
-
-    missing: list[int] = []
-    if world_size:
-        missing = [r for r in range(world_size) if r not in ranks]
-        if missing:
-            warnings.append(f"partial run: no files from rank(s) {missing} of {world_size}")
-    if not merged:
-        if damage.items:
-            raise RunDirError(f"{run_path}: no readable events: " + "; ".join(damage.lines()),
-                              damage)
-        raise RunDirError(f"{run_path}: the run has no events yet (empty event logs)")
-
-    first = first_failure(merged, fr_status)
-    last_steps = {
-        (rank, a): last_step(rank, [e for e in merged if e.get("rank") == rank], a)
-        for rank in ranks
-        for a in sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
-    }
-    recovery = att.summarize(merged, first, last_steps)
-    warnings = damage.lines() + warnings
-    return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery,
-                    damage)
 
 
 def _is_event(obj: Any) -> bool:
