@@ -116,6 +116,16 @@ def rank_problems(cfg: MixinConfig) -> str:
 
 def recording_rules(cfg: MixinConfig) -> list[dict]:
     """Rule groups in Prometheus' rule file shape, one per layer."""
+    return [
+        {"name": f"ddpmon-{m.Layer.NUMERICS.slug}.rules", "rules": _numerics_records(cfg)},
+        {"name": f"ddpmon-{m.Layer.DATA_SUPPLY.slug}.rules", "rules": _data_records(cfg)},
+        {"name": f"ddpmon-{m.Layer.MEMORY.slug}.rules", "rules": _memory_records(cfg)},
+        {"name": f"ddpmon-{m.Layer.COMMUNICATION.slug}.rules",
+         "rules": _communication_records(cfg)},
+    ]
+
+
+def _numerics_records(cfg: MixinConfig) -> list[dict]:
     by_run = cfg.by_run
     run_labels = ", ".join(cfg.run_labels)
     by_step = grad_norm_by_step(cfg)
@@ -125,14 +135,7 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
     skipped_rate = (
         f"sum without (by) (rate({sel(cfg, m.STEPS_SKIPPED.name, scaler)}[{cfg.rate_window}]))"
     )
-    step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
-    collective = m.COLLECTIVE_DURATION.name
-    by_op = f"by ({run_labels}, op)"
-    collective_per_step = (
-        f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
-    )
-    gw = cfg.gauge_window
-    numerics = [
+    return [
         {
             "record": n.SKIPPED_RATIO,
             "expr": f"{skipped_rate}\n/\n{_rate(cfg, m.STEPS.name)}",
@@ -170,7 +173,13 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             "expr": _median(cfg, sel(cfg, m.GRAD_LOCAL_NORM.name)),
         },
     ]
-    data = [
+
+
+def _data_records(cfg: MixinConfig) -> list[dict]:
+    by_run = cfg.by_run
+    step_mean, wait_mean = _mean(cfg, m.STEP_DURATION.name), _mean(cfg, m.DATA_WAIT.name)
+    gw = cfg.gauge_window
+    return [
         {"record": n.STEP_P99, "expr": _quantile(cfg, "0.99", m.STEP_DURATION.name)},
         {"record": n.STEPS_RATE, "expr": _rate(cfg, m.STEPS.name)},
         {"record": n.DATA_WAIT_MEAN, "expr": wait_mean},
@@ -199,7 +208,11 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": n.DATA_WAIT_RANKS, "expr": _ranks_bucket(cfg, n.DATA_WAIT_MEAN)},
         {"record": n.STEP_P99_RANKS, "expr": _ranks_bucket(cfg, n.STEP_P99)},
     ]
-    memory = [
+
+
+def _memory_records(cfg: MixinConfig) -> list[dict]:
+    gw = cfg.gauge_window
+    return [
         {
             "record": n.GPU_ALLOCATED_RATIO,
             # group_right: the result keeps the NVML series' `gpu` label.
@@ -211,7 +224,18 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
             "expr": _median(cfg, sel(cfg, m.PROCESS_RESIDENT_MEMORY.name)),
         },
     ]
-    communication = [
+
+
+def _communication_records(cfg: MixinConfig) -> list[dict]:
+    by_run = cfg.by_run
+    run_labels = ", ".join(cfg.run_labels)
+    step_mean = _mean(cfg, m.STEP_DURATION.name)
+    collective = m.COLLECTIVE_DURATION.name
+    by_op = f"by ({run_labels}, op)"
+    collective_per_step = (
+        f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
+    )
+    return [
         {
             # Per rank and op, exact; NaN (no collective of that op in the window) dropped so
             # the CollectiveSlow baseline (quantile_over_time) stays finite.
@@ -244,11 +268,5 @@ def recording_rules(cfg: MixinConfig) -> list[dict]:
         {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},
         {"record": n.RANKS_REPORTING, "expr": f"count {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.WORLD_SIZE, "expr": f"max {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
-    ]
-    communication.append({"record": n.RANK_PROBLEMS, "expr": rank_problems(cfg)})
-    return [
-        {"name": f"ddpmon-{m.Layer.NUMERICS.slug}.rules", "rules": numerics},
-        {"name": f"ddpmon-{m.Layer.DATA_SUPPLY.slug}.rules", "rules": data},
-        {"name": f"ddpmon-{m.Layer.MEMORY.slug}.rules", "rules": memory},
-        {"name": f"ddpmon-{m.Layer.COMMUNICATION.slug}.rules", "rules": communication},
+        {"record": n.RANK_PROBLEMS, "expr": rank_problems(cfg)},
     ]
