@@ -125,6 +125,18 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
+    require_token = _token_check(token)
+    _error_handlers(app)
+    _node_routes(app, ranks, registry)
+    _job_routes(app, jobs, require_token)
+    _rank_routes(app, ranks)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.state.job_states = JOB_STATES
+    return app
+
+
+def _token_check(token: str) -> Any:
+    """The dependency of the job routes that change something: the node's bearer token."""
     bearer = HTTPBearer(auto_error=False)
 
     def require_token(
@@ -136,11 +148,17 @@ def create_app(
                 401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
             )
 
-    def caller(request: Request) -> Peer | None:
-        """The calling process on the agent socket (``server.py`` sets it; None on TCP)."""
-        peer = request.scope.get("extensions", {}).get("ddpmon.peer")
-        return peer if isinstance(peer, Peer) else None
+    return require_token
 
+
+def _caller(request: Request) -> Peer | None:
+    """The calling process on the agent socket (``server.py`` sets it; None on TCP)."""
+    peer = request.scope.get("extensions", {}).get("ddpmon.peer")
+    return peer if isinstance(peer, Peer) else None
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error as ``{"error", "status"}``; validation errors as 400, not FastAPI's 422."""
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(
@@ -165,6 +183,9 @@ def create_app(
             status_code=400,
         )
 
+
+def _node_routes(app: FastAPI, ranks: RankRegistry, registry: CollectorRegistry) -> None:
+    """Node metrics, Prometheus discovery and health."""
     @app.get("/metrics", response_class=PlainTextResponse, tags=["metrics"])
     def metrics() -> Response:
         """Node metrics: GPUs (NVML), host (psutil), job states."""
@@ -179,6 +200,9 @@ def create_app(
     def healthz() -> dict[str, str]:
         return {"status": "ok", "version": __version__}
 
+
+def _job_routes(app: FastAPI, jobs: JobManager, require_token: Any) -> None:
+    """The job gateway: submit and cancel (token), list, status, logs."""
     @app.post(
         "/api/v1/jobs",
         status_code=201,
@@ -257,6 +281,9 @@ def create_app(
             raise HTTPException(404, f"{stream} log for rank {rank}: {exc}") from None
         return PlainTextResponse(data.decode("utf-8", "replace"))
 
+
+def _rank_routes(app: FastAPI, ranks: RankRegistry) -> None:
+    """Rank registration by the agents, over the agent socket (the caller's PID is checked)."""
     @app.post(
         "/api/v1/ranks",
         status_code=201,
@@ -267,7 +294,7 @@ def create_app(
         """Called by an agent on start, over the agent socket: the PID must be the caller's
         own, the host this node's, and no other live process may hold the same rank."""
         try:
-            ranks.register(body.model_dump(exclude_none=True), caller(request))
+            ranks.register(body.model_dump(exclude_none=True), _caller(request))
         except RegistrationRefused as exc:
             raise HTTPException(exc.status, str(exc)) from None
         return {"registered": True, "run": body.run, "rank": body.rank}
@@ -285,47 +312,45 @@ def create_app(
         """Called by an agent on close, over the agent socket: only the entry's own process
         (or anyone, once it died) removes it."""
         try:
-            removed = ranks.deregister(run, rank, caller(request))
+            removed = ranks.deregister(run, rank, _caller(request))
         except RegistrationRefused as exc:
             raise HTTPException(exc.status, str(exc)) from None
         if not removed:
             raise HTTPException(404, f"rank {rank} of run {run!r} is not registered")
         return {"deregistered": True, "run": run, "rank": rank}
 
-    def openapi() -> dict[str, Any]:
-        # Validation errors are answered with 400 (handler above), not FastAPI's default 422.
-        if app.openapi_schema is None:
-            schema = get_openapi(
-                title=app.title,
-                version=app.version,
-                description=app.description,
-                routes=app.routes,
-            )
-            for path in schema.get("paths", {}).values():
-                for op in path.values():
-                    responses = op.get("responses", {})
-                    if responses.pop("422", None) is not None:
-                        responses.setdefault(
-                            "400",
-                            {
-                                "description": "Invalid request",
-                                "content": {
-                                    "application/json": {
-                                        "schema": {"$ref": "#/components/schemas/ErrorBody"}
-                                    }
-                                },
-                            },
-                        )
-            comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                comps.pop(name, None)
-            comps.setdefault("ErrorBody", ErrorBody.model_json_schema())
-            app.openapi_schema = schema
-        return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]
-    app.state.job_states = JOB_STATES
-    return app
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI spec, built once: validation errors are answered with 400
+    (``_error_handlers``), not FastAPI's default 422."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            description=app.description,
+            routes=app.routes,
+        )
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.setdefault(
+                        "400",
+                        {
+                            "description": "Invalid request",
+                            "content": {
+                                "application/json": {
+                                    "schema": {"$ref": "#/components/schemas/ErrorBody"}
+                                }
+                            },
+                        },
+                    )
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            comps.pop(name, None)
+        comps.setdefault("ErrorBody", ErrorBody.model_json_schema())
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _tail(logs_dir: Path, path: Path, size: int) -> bytes:
