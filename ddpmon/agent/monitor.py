@@ -87,6 +87,15 @@ class Monitor:
         return self
 
     def _assemble(self, model, optimizer, scaler, comm_hook, comm_state, pp=None) -> None:
+        """Build the parts in order: who and where this rank is, what measures its gradients,
+        where its records go, what marks its steps, and what observes and serves it."""
+        self._settle(model, optimizer, scaler, pp)
+        self._measure(comm_hook, comm_state, pp)
+        self._pipeline(self._sinks(), pp)
+        self._observe_and_serve()
+
+    def _settle(self, model, optimizer, scaler, pp) -> None:
+        """Identity, run dir, parameter index, forensic files, attempt, the scaler probe."""
         config, state, guard = self.config, self._state, self.guard
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.ctx = ctx = RunContext.establish(model, config, guard)
@@ -107,6 +116,11 @@ class Monitor:
                 scaler, optimizer, on_update=self._on_scaler_update, on_error=guard.error
             )
             state.amp_enabled = self.amp.enabled()
+
+    def _measure(self, comm_hook, comm_state, pp) -> None:
+        """The gradient source of this strategy, installed."""
+        config, state, guard = self.config, self._state, self.guard
+        model = self.model
         env = SourceEnv(
             model=model,
             index=self.index,
@@ -136,6 +150,12 @@ class Monitor:
         )
         with guard("grads"):
             self.source.install()
+
+    def _sinks(self) -> list[Any]:
+        """Where records go: metrics, incidents (events, evidence, the floor policy), progress,
+        summary, manifest, history."""
+        config, state, guard, ctx = self.config, self._state, self.guard, self.ctx
+        rank, emit = ctx.identity.rank, self._emit
         self.floor = FloorPolicy(
             mode=config.on_loss_scale_floor,
             floor=config.loss_scale_floor,
@@ -183,6 +203,13 @@ class Monitor:
                 )
                 if history is not None:
                     sinks.append(history)
+        return sinks
+
+    def _pipeline(self, sinks: list[Any], pp) -> None:
+        """The step pipeline over the source and sinks, what marks its steps (hooks, the
+        schedule or the engine), and the record thread."""
+        config, guard, ctx, emit = self.config, self.guard, self.ctx, self._emit
+        model, optimizer = self.model, self.optimizer
         policy = NonFinitePolicy(config.on_nonfinite, self.index, ctx.identity.rank, emit)
         self.pipeline = StepPipeline(
             source=self.source,
@@ -213,6 +240,11 @@ class Monitor:
             )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
+
+    def _observe_and_serve(self) -> None:
+        """Checkpoints and DCP, the /metrics endpoint, the stall watchdog, the start event."""
+        config, state, guard, ctx, emit = (self.config, self._state, self.guard, self.ctx,
+                                           self._emit)
         self.checkpoints = CheckpointObserver(
             state, emit, guard, on_load=self._resume_at, present=self._states_present
         )
