@@ -248,22 +248,22 @@ class P2PTiming:
 
     def install(self) -> None:
         try:
-            original = batch_p2p()  # a private torch function: without it, no send/recv times
+            batch = batch_p2p()  # a private torch function: without it, no send/recv times
         except ImportError:  # pragma: no cover - torch without pipelining
             return
-        if not callable(original):
+        if not callable(batch):
             return
         for info in self.setup.stages:
             for name in _P2P_METHODS:
-                original = getattr(info.stage, name, None)
-                if original is None:
+                get_ops = getattr(info.stage, name, None)
+                if get_ops is None:
                     continue
-                setattr(info.stage, name, self._marking(original))
+                setattr(info.stage, name, self._marking(get_ops))
                 self._wrapped.append((info.stage, name))
         with _PATCH.lock:
             if _PATCH.users == 0:
                 _PATCH.owner = weakref.WeakKeyDictionary()
-                _PATCH.original = original
+                _PATCH.original = batch
                 set_batch_p2p(_timed_batch_p2p)
             _PATCH.users += 1
         self._installed = True
