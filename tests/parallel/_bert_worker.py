@@ -27,10 +27,12 @@ from transformers import RobertaConfig, RobertaForMaskedLM  # noqa: E402
 
 import ddpmon  # noqa: E402
 
-# 64 tokens a step, fewer than the script's batches: the float32 drift grows with the parameters,
-# which are the script's, while the tokens cost bf16 matmuls, slow on a CPU without bf16 units
-# (an AVX2-only EPYC took 144 s for 4 steps of 8 x 64 at the script's width, 33 s for these).
-VOCAB, SEQ, BATCH, STEPS = 50265, 16, 4, 4
+# 16 tokens a step, far fewer than the script's batches: the float32 drift grows with the
+# parameters, which are the script's (the tied output layer's gradient is dense over the whole
+# vocabulary whatever the tokens), while each token costs bf16 matmuls against that vocabulary,
+# slow on a CPU without bf16 units: an AVX2-only EPYC took 144 s for 4 steps of 8 x 64 tokens at
+# the script's width, and 27 s a backward at 768 wide with 4 x 16.
+VOCAB, SEQ, BATCH, STEPS = 50265, 8, 2, 4
 
 
 class MaskedLM(torch.nn.Module):
@@ -53,6 +55,7 @@ def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * step + rank)
     ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
     masked = torch.rand(BATCH, SEQ, generator=gen) < 0.15
+    masked[:, 1] = True  # every row predicts a token: a loss over no label would be NaN
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
     return {"input_ids": torch.where(masked, torch.full_like(ids, 4), ids), "labels": labels}
 
