@@ -92,7 +92,7 @@ def dtensor_placements(tensor: Any) -> tuple:
     ``placements`` where it is missing."""
     spec = getattr(tensor, "_spec", None)
     if spec is not None:
-        return tuple(spec.placements)
+        return spec.placements  # a tuple already: no copy per parameter and step
     lost("DTensor._spec", "the placements property is used instead (numbers are unchanged)")
     return tuple(tensor.placements)
 

@@ -231,34 +231,6 @@ def test_a_work_that_cannot_say_counts_as_done():
     assert DeferredReduction(None, lambda: None, lambda *_: None).done()
 
 
-def test_a_torch_without_the_private_dtensor_fields_is_said_once(mesh, caplog, monkeypatch):
-    """``raw_local`` and ``has_partial`` read ``_local_tensor`` and ``_spec`` (through
-    ``ddpmon._torch_compat``); a torch without them takes the public path, with one warning per
-    field, and the same numbers."""
-    from torch.distributed.tensor import DTensor
-
-    from ddpmon import _torch_compat
-
-    model = Sharded(mesh)
-    grad = next(p for p in model.parameters() if isinstance(p, DTensor)).detach().clone()
-    fast_local, fast_partial = dtensor_norms.raw_local(grad), dtensor_norms.has_partial(grad)
-    monkeypatch.setattr(_torch_compat, "LOST", _torch_compat.LOST.__class__())
-    real_getattr = getattr
-
-    def without_private(obj, name, *default):  # torch itself still reads them
-        if isinstance(obj, DTensor) and name in ("_local_tensor", "_spec"):
-            return default[0] if default else None
-        return real_getattr(obj, name, *default)
-
-    monkeypatch.setattr(_torch_compat, "getattr", without_private, raising=False)
-    with caplog.at_level("WARNING", logger="ddpmon"):
-        for _ in range(3):
-            assert torch.equal(dtensor_norms.raw_local(grad), fast_local)
-            assert dtensor_norms.has_partial(grad) == fast_partial
-    said = [r.getMessage() for r in caplog.records if "has no" in r.getMessage()]
-    assert len(said) == 2 and "_local_tensor" in said[0] and "_spec" in said[1], said
-
-
 # ---------------------------------------------------------------------------- FlaggedSum
 def _world_sum(vector: torch.Tensor):
     return dist.all_reduce(vector, op=dist.ReduceOp.SUM, async_op=True)

@@ -77,6 +77,8 @@ def test_foreach_norm_equals_vector_norm_and_falls_back_alike(monkeypatch, caplo
 
 # ---------------------------------------------------------------------------- DTensor
 def test_dtensor_local_piece_and_placements_without_the_private_fields(mesh, monkeypatch):
+    """The fast path and the public one give the same piece and placements, and so the same
+    norms (``dtensor_norms.raw_local`` and ``has_partial`` are these two)."""
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     grad = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)])
