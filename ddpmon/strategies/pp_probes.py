@@ -5,7 +5,6 @@ of the stages' sends and receives, and the wrapper of ``schedule.step()`` that m
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import weakref
@@ -22,8 +21,6 @@ from .pp_setup import (
     PipelineSetup,
     StageInfo,
 )
-
-log = logging.getLogger("ddpmon")
 
 PARAM_GRAD_SEQ = 1.0e9
 """Sequence number of the parameter gradients: after every per-micro-batch event of a step."""
