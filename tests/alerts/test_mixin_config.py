@@ -60,12 +60,18 @@ def test_operator_job_selector_passes_the_promtool_tests(tmp_path: Path) -> None
         capture_output=True, text=True, timeout=60,
     )
     assert check.returncode == 0, check.stdout + check.stderr
+    # The selector moves everywhere and nothing else changes: each file is the shipped one with
+    # the default selector replaced. A hard-coded job="ddpmon" anywhere breaks the equality, and
+    # since the rest is the same text, test_promtool's full run of the shipped tests holds for
+    # these rules too (running all of them again here cost 17 CPU-seconds for no new outcome).
+    for shipped in sorted(PROM_DIR.glob("ddpmon-*.yml")):
+        moved_text = shipped.read_text().replace('job="ddpmon"', f'job="{OPERATOR_JOB}"')
+        assert (rules / shipped.name).read_text() == moved_text, shipped.name
+    # Live witness on one file: the relabelled tests pass against the customised rules, and the
+    # default job's series do not satisfy them (the agent file's alerts stay silent).
     moved = _relabel_tests(PROM_DIR / "tests", rules / "tests", OPERATOR_JOB)
-    result = _promtool_test(moved)
+    result = _promtool_test([p for p in moved if p.name == "agent.yml"])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    # Control: series of the default job do not satisfy the customised rules: the agent file's
-    # alerts stay silent. One file shows it (the whole failing suite took over 120 s beside a
-    # CPU hog, where promtool evaluates every case to the end).
     unmoved = _relabel_tests(PROM_DIR / "tests", rules / "unmoved", "ddpmon")
     control = _promtool_test([p for p in unmoved if p.name == "agent.yml"])
     assert control.returncode != 0 and "alertname: DdpmonAgentUnhealthy" in control.stderr, (
