@@ -108,6 +108,11 @@ class Config:
     grad_norm_tolerance: float = 1e-3
     """Relative difference above which a trainer-reported grad norm (``observe_grad_norm``)
     counts as a mismatch with ddpmon's own."""
+    step_metrics: tuple[str, ...] = ()
+    """Opt-in per-step metrics, by name: ``learning_rate`` (``ddpmon_learning_rate``, the first
+    parameter group's lr at each step). Each adds one series per rank, so none is on by default:
+    a rank issuing four collective ops is at its 150-series budget without them. As a variable:
+    ``DDPMON_STEP_METRICS=learning_rate`` (comma-separated)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Unrecognised options are not allowed; kept only for forward-compatible callers."""
 
@@ -150,6 +155,7 @@ class Config:
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
         _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)
+        self.step_metrics = _check_step_metrics(self.step_metrics)
         if self.web_config is not None and not isinstance(self.web_config, str):
             raise ConfigError(f"web_config={self.web_config!r}: expected a file path")
         if self.extra:
@@ -192,6 +198,8 @@ def _parse_env(var: str, raw: str, annotation: Any) -> Any:
         if lowered in ("0", "false", "no", "off"):
             return False
         raise ConfigError(f"{var}={raw!r}: expected a boolean (1/0, true/false, yes/no, on/off)")
+    if kind.startswith("tuple"):
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     if kind.startswith("int"):
         try:
             return int(raw.strip(), 10)
@@ -219,6 +227,26 @@ def _check_float(name: str, value: Any, low: float, high: float | None) -> None:
     if not ok:
         bound = f"from {low} to {high}" if high is not None else f">= {low}"
         raise ConfigError(f"{name}={value!r}: expected a finite number {bound}")
+
+
+def _check_step_metrics(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, str) for v in value
+    ):
+        raise ConfigError(
+            f"step_metrics={value!r}: expected a list of names, such as ['learning_rate']"
+        )
+    if not value:
+        return ()
+    from .step_metrics import AVAILABLE  # imports torch: only when some are asked for
+
+    unknown = [v for v in value if v not in AVAILABLE]
+    if unknown:
+        raise ConfigError(
+            f"step_metrics={list(value)!r}: unknown {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(AVAILABLE)}"
+        )
+    return tuple(dict.fromkeys(value))
 
 
 def _check_label_value(name: str, value: Any) -> None:

@@ -231,6 +231,13 @@ STEPS_SKIPPED = Metric(
     when="by=loop with a torch optimizer, scaler with a loss scaler, engine under DeepSpeed "
     "bf16/fp32, policy with on_nonfinite='skip'",
 )
+LEARNING_RATE = Metric(
+    "ddpmon_learning_rate",
+    G,
+    "Learning rate of the optimizer's first parameter group at the step.",
+    L.NUMERICS,
+    when="opt-in (step_metrics=['learning_rate']), after the first step",
+)
 
 
 # -- communication -------------------------------------------------------------------------

@@ -11,6 +11,9 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from .metrics import MetricType
 
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DATA_WAIT_SECONDS_BUCKETS = (
@@ -144,6 +147,8 @@ class StepRecord:
     ``site``: activation, output, activation_grad or param_grad; ``param``)."""
     origin_decided: bool = False
     """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
+    step_values: dict[Any, float] = field(default_factory=dict)
+    """The per-step metrics' values (``ddpmon.step_metrics``), keyed by their ``Metric``."""
 
     def as_dict(self) -> dict:
         out = {}
@@ -152,7 +157,7 @@ class StepRecord:
             if isinstance(value, float) and not math.isfinite(value):
                 value = str(value)
             elif isinstance(value, dict):
-                value = {k: _jsonable(v) for k, v in value.items()}
+                value = {getattr(k, "name", k): _jsonable(v) for k, v in value.items()}
             out[name] = value
         return out
 
@@ -213,6 +218,9 @@ class MetricState:
     checkpoint_size_bytes: int | None = None
     checkpoint_duration: dict[str, Histogram] = field(default_factory=dict)
     """``save``/``load`` -> histogram, created at the first observation of that kind."""
+    step_values: dict[Any, float] = field(default_factory=dict)
+    """The per-step metrics (``ddpmon.step_metrics``) by ``Metric``: a gauge's last value, a
+    counter's sum."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Writers run on several threads (records, checkpoints, probe errors): one at a time."""
 
@@ -287,6 +295,10 @@ class MetricState:
             self.steps_skipped_total[by] = self.steps_skipped_total.get(by, 0) + 1
         if record.data_identical_ranks:
             self.data_identical_batches_total += 1
+        for metric, value in record.step_values.items():
+            if metric.type is MetricType.COUNTER:
+                value += self.step_values.get(metric, 0.0)
+            self.step_values[metric] = value
         for op, durations in record.collective_seconds.items():
             hist = self.collective_duration.get(op)
             if hist is None:

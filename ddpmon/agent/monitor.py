@@ -23,6 +23,7 @@ from ..config import Config
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..state import MetricState, possible_skippers
+from ..step_metrics import chosen
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
 from . import registry
@@ -218,6 +219,8 @@ class Monitor:
             policy=policy,
             sinks=sinks,
             grad_norm_tolerance=config.grad_norm_tolerance,
+            optimizer=optimizer,
+            step_metrics=chosen(config.step_metrics),
         )
         if self.forensics.crash is not None:
             self.pipeline.keep_live(self.forensics.crash.live)

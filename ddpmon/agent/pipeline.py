@@ -38,8 +38,10 @@ import torch
 from .. import step_slots as slot
 from .._torch_compat import version
 from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
+from ..metrics import Metric
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
+from ..step_metrics import StepInputs, StepMetric
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
@@ -67,6 +69,10 @@ class StepMeta:
     """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
     host_scale_after: float | None = None
     """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
+    step_metrics: dict[str, Metric] | None = None
+    """The per-step metrics queued in the step vector this step, by slot name."""
+    step_values_host: dict[Metric, float] | None = None
+    """The per-step metrics whose value was on the host already."""
 
 
 class StepPipeline:
@@ -81,6 +87,8 @@ class StepPipeline:
         grad_norm_tolerance: float = 1e-3,
         layout: StepVectorLayout | None = None,
         readback: Readback | None = None,
+        optimizer: Any = None,
+        step_metrics: Sequence[StepMetric] = (),
     ) -> None:
         self.source = source
         self.index = index
@@ -88,7 +96,11 @@ class StepPipeline:
         self.policy = policy
         self.sinks = list(sinks)
         self.tolerance = grad_norm_tolerance
-        self.layout = layout or StepVectorLayout((*STEP_SLOTS, *source.extra_slots))
+        self.optimizer = optimizer
+        self.step_metrics = tuple(step_metrics)
+        self.layout = layout or StepVectorLayout(
+            (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
+        )
         self.readback = readback or Readback(self.layout)
         self.background = False
         """True while a record thread drains; the hot path then only queues."""
@@ -307,6 +319,7 @@ class StepPipeline:
         }
         if s.extension is not None:
             values.update(s.extension.values())
+        queued, on_host = self._step_metrics(s, values)
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -319,11 +332,34 @@ class StepPipeline:
             skipped_by=skipped_by,
             host_skipped=host[0],
             host_scale_after=host[1],
+            step_metrics=queued,
+            step_values_host=on_host,
         )
         self.readback.push(values, meta, s.deferred)
         if s.deferred is not None:  # not reduced yet: only the local norms can say now
             reduced = None
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
+
+    def _step_metrics(
+        self, s: GradSummaries, values: dict
+    ) -> tuple[dict[str, Metric] | None, dict[Metric, float] | None]:
+        """Each chosen per-step metric's value (``ddpmon.step_metrics``): a tensor joins the step
+        vector under its slot, a float rides on the host; one that fails is counted under the
+        ``step`` probe and left out of this step."""
+        if not self.step_metrics:
+            return None, None
+        inputs = StepInputs(self.step, self.optimizer, self._loss, s)
+        queued: dict[str, Metric] = {}
+        on_host: dict[Metric, float] = {}
+        for entry in self.step_metrics:
+            with self.guard("step"):
+                value = entry.compute(inputs)
+                if isinstance(value, torch.Tensor):
+                    values[entry.slot.name] = value.detach().reshape(-1)[:1]
+                    queued[entry.slot.name] = entry.metric
+                elif value is not None:
+                    on_host[entry.metric] = float(value)
+        return queued or None, on_host or None
 
     # ------------------------------------------------------------------ dropped gradients
     def _take_sentinel(self) -> tuple[torch.Tensor, Any, int] | None:

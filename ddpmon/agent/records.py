@@ -85,6 +85,11 @@ def build_record(
         with guard("comm"):
             record.collective_bytes = dict(summaries.comm.bytes)
             record.collective_seconds = summaries.comm.resolve(guard.error)
+    if meta.step_values_host:
+        record.step_values.update(meta.step_values_host)
+    for name, metric in (meta.step_metrics or {}).items():
+        if name in parts:
+            record.step_values[metric] = parts[name][0]
     if extension is not None:
         host_reduced = _host(parts, slot.REDUCED_NORMS, reduced_vector)
         host_local = _host(parts, slot.LOCAL_NORMS, summaries.local)

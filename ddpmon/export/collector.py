@@ -137,9 +137,11 @@ class DdpmonCollector(Collector):
             values.update(_live_values(live))
         base = [self.run_id, str(self.identity.rank)]
         for metric in m.CATALOGUE:
-            samples = values.get(metric)
+            samples = values.pop(metric, None)
             if samples is not None:
                 yield _family(metric, base, samples)
+        for metric, samples in values.items():  # a per-step metric declared outside metrics.py
+            yield _family(metric, base, samples)
 
     def _state_values(self) -> dict[m.Metric, Samples]:
         s, ident = self.state, self.identity
@@ -209,6 +211,8 @@ class DdpmonCollector(Collector):
             if s.loss_scale is not None:
                 out[m.AMP_LOSS_SCALE] = _one(s.loss_scale)
             out[m.AMP_LOSS_SCALE_FLOOR] = _one(s.loss_scale_floor)
+        for metric, value in list(s.step_values.items()):
+            out[metric] = _one(value)
         if s.steps_skipped_total:
             skipped = dict(s.steps_skipped_total)  # one C-level copy: the record thread adds
             out[m.STEPS_SKIPPED] = [((by,), float(n)) for by, n in skipped.items()]

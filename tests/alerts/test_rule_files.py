@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,8 @@ from ddpmon.cli import main
 from ddpmon.mixin import render
 from ddpmon.mixin.alerts import alerts
 from ddpmon.mixin.config import MixinConfig
-from tests.support.contract import CONTRACT_ALERTS, PROM_DIR
+from tests.support import alert_contract
+from tests.support.contract import CONTRACT_ALERTS, PROM_DIR, REPO
 
 
 def _committed_alert_rules() -> list[dict]:
@@ -37,21 +37,14 @@ def test_rules_check_command_detects_drift(tmp_path: Path, capsys) -> None:
 
 
 def test_every_design_alert_present_with_contract_fields() -> None:
-    rules = _committed_alert_rules()
-    by_name = {rule["alert"]: rule for rule in rules}
-    assert set(by_name) == set(CONTRACT_ALERTS)
-    runbook = (PROM_DIR / "runbook.md").read_text()
-    anchors = {h.lower() for h in re.findall(r"^#+ (Ddpmon\w+)\s*$", runbook, re.M)}
-    for name, severity in CONTRACT_ALERTS.items():
-        rule = by_name[name]
-        assert rule["labels"]["severity"] == severity, name
-        assert re.fullmatch(r"[0-9]+[smh]", rule["for"]), name
-        notes = rule["annotations"]
-        assert notes["summary"].endswith(".") and "{{" not in notes["summary"], name
-        assert "$labels.run" in notes["description"], name
-        assert "rank" in notes["description"], name
-        base, anchor = notes["runbook_url"].split("#")
-        assert base == MixinConfig().runbook_base_url and anchor in anchors, name
+    """The contract list, each alert's fields, its runbook section, its promtool cases and its
+    row in docs/alerts.md (tests/support/alert_contract.py)."""
+    docs = [yaml.safe_load(p.read_text()) for p in sorted((PROM_DIR / "tests").glob("*.yml"))]
+    found = alert_contract.problems(
+        _committed_alert_rules(), CONTRACT_ALERTS, (PROM_DIR / "runbook.md").read_text(), docs,
+        (REPO / "docs" / "alerts.md").read_text(encoding="utf-8"),
+    )
+    assert found == []
 
 
 def test_config_tunes_the_output() -> None:

@@ -25,6 +25,7 @@ from ddpmon import metrics, rundir_catalogue
 from ddpmon.forensics import event_kinds, history_schema
 from ddpmon.mixin import shipped
 from ddpmon.reference import catalogues, rules
+from tests.support.alert_contract import alerts_table
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -297,11 +298,7 @@ def test_every_history_column_is_described():
 def test_the_alerts_table_lists_every_alert_with_its_severity_and_for():
     """docs/alerts.md says in plain words when each alert fires; it is written by hand, so the
     names, severities and ``for:`` it shows are checked against the shipped rule file."""
-    table = {}
-    for line in (ROOT / "docs" / "alerts.md").read_text(encoding="utf-8").splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 4 and cells[0].startswith("Ddpmon"):
-            table[cells[0]] = (cells[1], cells[2])
+    table = alerts_table((ROOT / "docs" / "alerts.md").read_text(encoding="utf-8"))
     shipped_rules = {
         r["alert"]: (r["labels"]["severity"], r.get("for", "0m"))
         for g in rules._groups(rules.ALERTS) for r in g["rules"]

@@ -91,7 +91,9 @@ def allocator_stats(device):
     }
 
 
-def make_state(groups=4) -> MetricState:
+def make_state(groups=4, opt_in=True) -> MetricState:
+    """A rank's state with every series; ``opt_in=False`` leaves out the opt-in per-step metrics
+    (``step_metrics``), as an agent with defaults does."""
     s = MetricState(loss_scale_floor=1.0, started_at=1700000000.0)
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
     s.loss, s.grad_norm, s.grad_local_norm = 2.5, float("nan"), float("inf")
@@ -106,7 +108,8 @@ def make_state(groups=4) -> MetricState:
         s.data_wait.observe(v)
     s.apply(StepRecord(step=41, wall_time=1700000042.5, duration_seconds=None,
                        data_wait_seconds=None, collective_seconds={"all_reduce": [0.0002, 0.003,
-                       0.003]}, collective_bytes={"all_reduce": 1 << 20}))
+                       0.003]}, collective_bytes={"all_reduce": 1 << 20},
+                       step_values={metrics.LEARNING_RATE: 3e-4} if opt_in else {}))
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
     s.agent_errors = {"comm": 1}
     s.grad_nonfinite_poisoned_steps_total, s.grad_norm_mismatch_total = 2, 1
@@ -187,7 +190,7 @@ def test_nvml_absent_reports_collector_failure_not_an_error_page():
 
 
 def test_series_budget_with_default_group_bound():
-    text = make_exposition(make_state(groups=32)).render().decode()
+    text = make_exposition(make_state(groups=32, opt_in=False)).render().decode()
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert len(series) <= 150, len(series)
 
@@ -210,7 +213,7 @@ def test_series_budget_holds_for_every_strategy_op_set(ops):
     from ddpmon.config import Config
     from ddpmon.state import CORE_PROBES
 
-    state = make_state(groups=Config().max_groups)
+    state = make_state(groups=Config().max_groups, opt_in=False)
     state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
     state.collective_duration.clear()
     state.collective_bytes_total.clear()
@@ -293,7 +296,7 @@ def test_docs_state_the_default_series_per_rank():
     from ddpmon.state import CORE_PROBES
 
     def count(profile: str, rank: int) -> int:
-        state = make_state(groups=Config().max_groups)
+        state = make_state(groups=Config().max_groups, opt_in=False)
         state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
         exposition = make_exposition(state, rank=rank, series_profile=profile)
         return len(_series(exposition.render().decode()))
