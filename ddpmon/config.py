@@ -76,6 +76,11 @@ class Config:
     milliseconds on CPU; a rank's non-finite local gradients are still found, and named, on
     every step. TP measures local and reduced norms in one shared pass, every step. On GPUs the
     local norm is measured every step."""
+    replica_check_every: int = 100
+    """Every N steps, compare checksums of the parameters across data-parallel replicas (one
+    int64 per parameter group, one small async all-gather over the replica group; DDP, HSDP and
+    DeepSpeed ZeRO-0/1/2): a replica whose bits differ from the majority is named
+    (``ddpmon_replica_mismatch_total``, a ``replica_mismatch`` event). 0 turns it off."""
     live_refresh_seconds: float = 1.0
     """Minimum age before live readings (NVML, allocator, psutil) are read again at scrape."""
     evidence_max_per_kind: int = 5
@@ -150,6 +155,7 @@ class Config:
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
+        _check_int("replica_check_every", self.replica_check_every, 0, 10**6)
         _check_float("linger_seconds", self.linger_seconds, 0.0, 600.0)
         _check_float("grad_norm_tolerance", self.grad_norm_tolerance, 0.0, 1.0)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)

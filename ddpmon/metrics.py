@@ -198,6 +198,16 @@ GRAD_NORM_MISMATCH = Metric(
     "tolerance.",
     L.NUMERICS,
 )
+REPLICA_MISMATCH = Metric(
+    "ddpmon_replica_mismatch_total",
+    C,
+    "Replica checks at which this rank's parameters differed, bit for bit, from its replica "
+    "group's majority (silent data corruption, a step skipped on one rank, a non-deterministic "
+    "kernel, another checkpoint).",
+    L.NUMERICS,
+    when="where the strategy has data-parallel replicas (DDP, HSDP, DeepSpeed ZeRO-0/1/2) and "
+    "replica_check_every > 0",
+)
 GRAD_FIRST_NONFINITE_INFO = Metric(
     "ddpmon_grad_first_nonfinite_info",
     G,

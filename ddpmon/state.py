@@ -149,6 +149,9 @@ class StepRecord:
     """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
     step_values: dict[Any, float] = field(default_factory=dict)
     """The per-step metrics' values (``ddpmon.step_metrics``), keyed by their ``Metric``."""
+    replica_divergence: dict | None = None
+    """A replica check at this step found replicas that differ from their group's majority
+    (``strategies.replicas.Divergence`` as a dict: ``ranks``, ``this_rank``, ``group``...)."""
 
     def as_dict(self) -> dict:
         out = {}
@@ -221,6 +224,9 @@ class MetricState:
     step_values: dict[Any, float] = field(default_factory=dict)
     """The per-step metrics (``ddpmon.step_metrics``) by ``Metric``: a gauge's last value, a
     counter's sum."""
+    replica_mismatch_total: int | None = None
+    """Replica checks at which this rank differed from its replicas' majority; None where the
+    check does not run (its series is then not exported)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Writers run on several threads (records, checkpoints, probe errors): one at a time."""
 
@@ -295,6 +301,9 @@ class MetricState:
             self.steps_skipped_total[by] = self.steps_skipped_total.get(by, 0) + 1
         if record.data_identical_ranks:
             self.data_identical_batches_total += 1
+        divergence = record.replica_divergence
+        if divergence is not None and divergence.get("this_rank"):
+            self.replica_mismatch_total = (self.replica_mismatch_total or 0) + 1
         for metric, value in record.step_values.items():
             if metric.type is MetricType.COUNTER:
                 value += self.step_values.get(metric, 0.0)

@@ -26,6 +26,7 @@ from ..state import MetricState, possible_skippers
 from ..step_metrics import chosen
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
+from ..strategies.replicas import ReplicaCheck
 from . import registry
 from .checkpoints import (
     CheckpointObserver,
@@ -176,6 +177,7 @@ class Monitor:
             param_grad=self._param_grad,
             scaler_state=self._scaler_state,
             floor_policy=self.floor,
+            device=ctx.identity.device,
         )
         self.manifest = ManifestSink(manifest_writer(ctx, config, self._manifest_extra, guard))
         from ..atomic import write_json_atomic
@@ -222,6 +224,11 @@ class Monitor:
             optimizer=optimizer,
             step_metrics=chosen(config.step_metrics),
         )
+        with guard("comm"):
+            scope, _ = self.source.replica_scope()
+            self.pipeline.replicas = ReplicaCheck.of(scope, self.index, config.replica_check_every)
+            if self.pipeline.replicas is not None:
+                self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
         if self.forensics.crash is not None:
             self.pipeline.keep_live(self.forensics.crash.live)
         self.engine_steps = None

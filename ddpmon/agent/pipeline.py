@@ -73,6 +73,8 @@ class StepMeta:
     """The per-step metrics queued in the step vector this step, by slot name."""
     step_values_host: dict[Metric, float] | None = None
     """The per-step metrics whose value was on the host already."""
+    replica_check: Any = None
+    """The replica checksums' gather issued at this step's end (``strategies.replicas``)."""
 
 
 class StepPipeline:
@@ -98,6 +100,8 @@ class StepPipeline:
         self.tolerance = grad_norm_tolerance
         self.optimizer = optimizer
         self.step_metrics = tuple(step_metrics)
+        self.replicas: Any = None
+        """``strategies.replicas.ReplicaCheck`` where the strategy has replicas."""
         self.layout = layout or StepVectorLayout(
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
         )
@@ -250,7 +254,7 @@ class StepPipeline:
                     )
                 urgent = self._package(
                     summaries, skipped_by, found, grad_scale, scale_after,
-                    host=(host_skipped, host_scale_after),
+                    host=(host_skipped, host_scale_after), replica_check=self._check_replicas(),
                 )
         finally:
             self.step += 1
@@ -282,8 +286,18 @@ class StepPipeline:
                     self._collected.comm = taken
         return self._collected
 
+    def _check_replicas(self) -> Any:
+        """Start the replica checksums' gather on a check step (after the update: every rank
+        closes the step here, whoever decided it)."""
+        if self.replicas is None or not self.replicas.due(self.step):
+            return None
+        with self.guard("comm"):
+            return self.replicas.launch(self.step)
+        return None
+
     def _package(
-        self, s: GradSummaries, skipped_by, found, grad_scale, scale_after, host=(None, None)
+        self, s: GradSummaries, skipped_by, found, grad_scale, scale_after, host=(None, None),
+        replica_check: Any = None,
     ) -> bool:
         """Queue the step's tensors and host facts; True when its gradients are known (host
         memory) to be non-finite, so the caller drains now and the evidence holds them."""
@@ -334,6 +348,7 @@ class StepPipeline:
             host_scale_after=host[1],
             step_metrics=queued,
             step_values_host=on_host,
+            replica_check=replica_check,
         )
         self.readback.push(values, meta, s.deferred)
         if s.deferred is not None:  # not reduced yet: only the local norms can say now

@@ -5,6 +5,7 @@ Runs on the record thread (``StepPipeline.drain``); nothing here touches a devic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -90,6 +91,11 @@ def build_record(
     for name, metric in (meta.step_metrics or {}).items():
         if name in parts:
             record.step_values[metric] = parts[name][0]
+    if meta.replica_check is not None:
+        with guard("comm"):
+            divergence = meta.replica_check.compare()
+            if divergence is not None:
+                record.replica_divergence = dataclasses.asdict(divergence)
     if extension is not None:
         host_reduced = _host(parts, slot.REDUCED_NORMS, reduced_vector)
         host_local = _host(parts, slot.LOCAL_NORMS, summaries.local)

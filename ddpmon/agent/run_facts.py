@@ -50,7 +50,25 @@ def manifest_extra(mon: Monitor) -> dict:
         "attempt": mon.attempt.number,
         "recovery": mon.checkpoints.recovery,
         "data_check": data_check_facts(mon.source, mon.config.data_check_interval),
+        "replica_check": replica_check_facts(mon),
     }
+
+
+def replica_check_facts(mon: Monitor) -> dict:
+    """The manifest's ``replica_check``: how often and over which ranks the parameters'
+    checksums are compared, or why they are not."""
+    every = mon.config.replica_check_every
+    if not every:
+        return {"every": 0, "off": "replica_check_every is 0"}
+    try:
+        scope, why_not = mon.source.replica_scope()
+    except Exception as exc:
+        scope, why_not = None, f"unknown ({exc})"
+    if scope is None:
+        return {"every": 0, "off": why_not}
+    if mon.pipeline.replicas is None:
+        return {"every": 0, "off": "one replica only"}
+    return {"every": every, "over": scope.over}
 
 
 def data_check_facts(source: Any, every: int) -> dict:

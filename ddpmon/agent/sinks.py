@@ -85,8 +85,10 @@ class IncidentSink:
         param_grad: Callable[[str], Any],
         scaler_state: Callable[[], dict | None],
         floor_policy: Any = None,
+        device: str = "",
     ) -> None:
         self._emit = emit
+        self._device = device
         self._evidence = evidence
         self._rank = rank
         self._floor = loss_scale_floor
@@ -134,6 +136,12 @@ class IncidentSink:
             self._emit("identical_data", r.step, other_ranks=r.data_identical_ranks)
         if r.grad_norm_mismatch:
             self._emit_mismatch(r.step, r.grad_norm, r.trainer_grad_norm)
+        divergence = r.replica_divergence
+        if divergence is not None and divergence.get("this_rank"):
+            self._emit(
+                "replica_mismatch", r.step, ranks=list(divergence["ranks"]),
+                group=divergence["group"], replicas=divergence["replicas"], device=self._device,
+            )
         if r.loss_scale is not None:
             below = r.loss_scale <= self._floor
             if below and not self._below_floor:

@@ -178,6 +178,8 @@ class DdpmonCollector(Collector):
             m.GRAD_NORM_MISMATCH: _one(s.grad_norm_mismatch_total),
             m.AGENT_ERRORS: [((probe,), n) for probe, n in sorted(dict(s.agent_errors).items())],
         }
+        if s.replica_mismatch_total is not None:
+            out[m.REPLICA_MISMATCH] = _one(s.replica_mismatch_total)
         if s.stall_threshold_seconds is not None:
             out[m.STALL_THRESHOLD] = _one(s.stall_threshold_seconds)
         if s.loss is not None:

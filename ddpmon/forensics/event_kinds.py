@@ -111,6 +111,20 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         {"other_ranks": "the ranks with identical gradients"},
     ),
     EventKind(
+        "replica_mismatch",
+        "This rank's parameters differed, bit for bit, from its data-parallel replicas' majority "
+        "at a replica check (`replica_check_every`): silent data corruption, a step skipped on "
+        "this rank only, a non-deterministic kernel or another checkpoint.",
+        {
+            "ranks": "every rank of the replica group that differed from the majority (all of "
+            "them when there is none, as with two replicas)",
+            "group": "the first parameter group whose checksum differs",
+            "replicas": "ranks in the replica group",
+            "device": "this rank's device; its GPU UUID is `ddpmon_rank_info{gpu_uuid}`",
+        },
+        failure=True,
+    ),
+    EventKind(
         "grad_norm_mismatch",
         "The norm the trainer reported differs from ddpmon's beyond `grad_norm_tolerance`.",
         {"grad_norm": "ddpmon's norm", "trainer_grad_norm": "the trainer's"},

@@ -40,7 +40,7 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
                 "exc_type", "message", "code", "idle_seconds", "detail", "phase", "frame",
                 "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
-                "microbatch", "site"):
+                "microbatch", "site", "ranks", "group"):
         if key in e:
             out[key] = e[key]
     return out
@@ -77,7 +77,7 @@ def failure_tier(e: dict[str, Any], *, floor_stopped: bool = False) -> int | Non
         return 3 if e.get("origin") is False or decided or where in ("reduced", "global") else 0
     if kind == "signal":
         return 3 if str(e.get("signal")) in SECONDARY_SIGNALS else 0
-    if kind == "oom":
+    if kind in ("oom", "replica_mismatch"):
         return 0
     if kind == "exit":
         reason = e.get("reason")

@@ -166,6 +166,7 @@ def build_manifest(
         "attempt": int(extra.pop("attempt", 0) or 0),
         "recovery": extra.pop("recovery", None),
         "data_check": extra.pop("data_check", None),
+        "replica_check": extra.pop("replica_check", None),
         "extra": extra,
     }
     return manifest

@@ -68,6 +68,11 @@ class MixinConfig:
     grad_desync_for: str = "5m"
     grad_norm_mismatch_window: str = "10m"
     grad_norm_mismatch_for: str = "3m"
+    replica_mismatch_window: str = "15m"
+    """DdpmonReplicaDiverged: a replica mismatch counted in this window (longer than a check
+    interval's worth of steps at your step rate), or a mismatch counter younger than it that
+    is already non-zero (the first check can come before Prometheus's first scrape)."""
+    replica_mismatch_for: str = "0m"
 
     # --- data supply / liveness ---
     stall_seconds: float = 300.0

@@ -31,6 +31,7 @@ from ..probes.comm import CollectiveRecorder, CommTiming
 from ..probes.grads import NormVector, ParamIndex, per_param_norms
 from ..step_slots import Slot
 from .reduction import DeferredReduction
+from .replicas import ReplicaScope
 
 __all__ = [
     "CommTiming",
@@ -152,6 +153,12 @@ class GradientSource(ABC):
         """``(over, why_not)``: which ranks the duplicate-data check compares
         (:mod:`.data_check`), or None and why it does not run (the manifest's ``data_check``)."""
         return None, f"not available under {self.name}"
+
+    def replica_scope(self) -> tuple[ReplicaScope | None, str]:
+        """``(scope, why_not)``: the parameters this rank holds as a data-parallel replica and
+        the group of those replicas (:mod:`.replicas`), or None and why there are none (the
+        manifest's ``replica_check``)."""
+        return None, f"no data-parallel replicas under {self.name}"
 
     def install(self) -> None:  # noqa: B027 (optional hook)
         """Register the hooks this strategy needs (default: none)."""

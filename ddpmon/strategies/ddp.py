@@ -23,6 +23,7 @@ from ..probes.grads import ParamIndex, full_pass, per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector, SourceEnv
 from .local_sampling import LocalNormSampler
+from .replicas import ReplicaScope
 
 log = logging.getLogger("ddpmon.comm")
 
@@ -213,6 +214,15 @@ class DDPSource(GradientSource):
 
     def data_check_scope(self) -> tuple[str | None, str]:
         return "the ranks of the DDP process group", ""
+
+    def replica_scope(self) -> tuple[ReplicaScope | None, str]:
+        """DDP broadcasts the parameters at wrap time and all-reduces every gradient, so every
+        rank of its process group holds the same parameters after each step."""
+        group = getattr(self.env.model, "process_group", None)
+        params = self.index.params
+        scope = ReplicaScope(lambda: params, self.index.all_positions, group,
+                             "the ranks of the DDP process group")
+        return scope, ""
 
     def collect(self) -> GradSummaries:
         parts = self.probe.take() if self.probe is not None else None

@@ -48,6 +48,7 @@ from . import data_check
 from .base import GradientSource, GradSummaries, NormVector
 from .deepspeed_comm import CommTimer
 from .reduction import FlaggedSum, Issued
+from .replicas import ReplicaScope
 
 log = logging.getLogger("ddpmon")
 
@@ -202,6 +203,19 @@ class DeepSpeedSource(GradientSource):
         self._fingerprint: data_check.Fingerprint | None = None
         self._reduced_on = not self.facts.unreadable
         self._comm: CommTimer | None = None
+
+    def replica_scope(self) -> tuple[ReplicaScope | None, str]:
+        """ZeRO-0/1/2 keep the whole module on every data-parallel rank (ZeRO-1/2 gather the
+        updated partitions into it after each step); ZeRO-3 partitions it."""
+        if self.facts.stage not in (0, 1, 2):
+            return None, "ZeRO-3 partitions the parameters: no two ranks hold the same ones"
+        group = getattr(self.engine.optimizer, "dp_process_group", None)
+        if group is None:
+            group = getattr(self.engine, "data_parallel_group", None)
+        params = self.index.params
+        scope = ReplicaScope(lambda: params, self.index.all_positions, group,
+                             "the engine's data-parallel group")
+        return scope, ""
 
     def data_check_scope(self) -> tuple[str | None, str]:
         if not self._local_on:

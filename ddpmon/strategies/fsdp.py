@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import (
+    dtensor_local,
     fsdp_group_comms,
     fsdp_param_groups,
     set_all_reduce_hook,
@@ -42,6 +43,7 @@ from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
 from .kinds import detect_sharded, fsdp_modules
 from .local_sampling import LocalNormSampler
+from .replicas import ReplicaScope
 from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
@@ -204,6 +206,20 @@ class FSDPSource(ShardedSource):
         if self.name.endswith("+tp"):
             return "the dp dim (each rank's reduce-scatter group; TP peers share a batch)", ""
         return "the FSDP2 reduce-scatter group", ""
+
+    def replica_scope(self) -> tuple[ReplicaScope | None, str]:
+        """HSDP: the ranks of a replicate group hold the same local shards (same shard and TP
+        coordinates); FSDP2 alone shards every parameter over all its ranks."""
+        if not self.name.startswith("hsdp"):
+            return None, "FSDP2 shards every parameter: no two ranks hold the same shard"
+        if self._replicate_group is None:
+            return None, "the replicate dim's process group was not found"
+        params = self.index.params
+        scope = ReplicaScope(lambda: [dtensor_local(p) if hasattr(p, "to_local") else p
+                                      for p in params],
+                             self.index.all_positions, self._replicate_group,
+                             "the replicate group of each rank (HSDP)")
+        return scope, ""
 
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:

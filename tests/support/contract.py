@@ -30,6 +30,8 @@ CONTRACT_ALERTS = {
     "DdpmonNoFirstStep": "warning",
     "DdpmonAgentUnhealthy": "warning",
     "DdpmonGradNormMismatch": "warning",
+    # Issue 33: replica checksums.
+    "DdpmonReplicaDiverged": "critical",
     # Issue 16: checkpoints.
     "DdpmonCheckpointStale": "warning",
     "DdpmonCheckpointSlow": "warning",

@@ -91,9 +91,10 @@ def allocator_stats(device):
     }
 
 
-def make_state(groups=4, opt_in=True) -> MetricState:
+def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     """A rank's state with every series; ``opt_in=False`` leaves out the opt-in per-step metrics
-    (``step_metrics``), as an agent with defaults does."""
+    (``step_metrics``), as an agent with defaults does; ``replicas=False`` the replica check's
+    counter, as a strategy without replicas does."""
     s = MetricState(loss_scale_floor=1.0, started_at=1700000000.0)
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
     s.loss, s.grad_norm, s.grad_local_norm = 2.5, float("nan"), float("inf")
@@ -115,6 +116,7 @@ def make_state(groups=4, opt_in=True) -> MetricState:
     s.grad_nonfinite_poisoned_steps_total, s.grad_norm_mismatch_total = 2, 1
     s.stall_threshold_seconds, s.strategy = 300.0, "ddp"
     s.attempt = 1
+    s.replica_mismatch_total = 0 if replicas else None
     s.apply_checkpoint("load", 30, 2.5, 1700000001.0, None)
     s.apply_checkpoint("save", 40, 12.0, 1700000040.0, 5 << 20)
     return s
@@ -196,24 +198,25 @@ def test_series_budget_with_default_group_bound():
 
 
 @pytest.mark.parametrize(
-    "ops",
+    ("ops", "replicas"),
     [
-        ("all_reduce",),  # DDP
-        ("reduce_scatter", "all_gather"),  # FSDP2
-        ("all_reduce", "reduce_scatter", "all_gather"),  # HSDP
-        ("all_reduce", "reduce_scatter", "all_gather", "broadcast"),  # DeepSpeed ZeRO-3
-        ("all_reduce", "reduce", "all_gather"),  # DeepSpeed ZeRO-1/2
-        ("reduce_scatter", "all_gather", "send", "recv"),  # PP + FSDP2
-        ("all_reduce", "send", "recv"),  # PP + DDP
+        (("all_reduce",), True),  # DDP
+        (("reduce_scatter", "all_gather"), False),  # FSDP2
+        (("all_reduce", "reduce_scatter", "all_gather"), True),  # HSDP
+        (("all_reduce", "reduce_scatter", "all_gather", "broadcast"), False),  # ZeRO-3
+        (("all_reduce", "reduce", "all_gather"), True),  # DeepSpeed ZeRO-1/2
+        (("reduce_scatter", "all_gather", "send", "recv"), False),  # PP + FSDP2
+        (("all_reduce", "send", "recv"), False),  # PP + DDP
     ],
 )
-def test_series_budget_holds_for_every_strategy_op_set(ops):
+def test_series_budget_holds_for_every_strategy_op_set(ops, replicas):
     """Only the ops a rank issues are exported; each costs 8 series. Counted as an agent
-    exports them: every core probe's error counter at zero, the default group cap."""
+    exports them: every core probe's error counter at zero, the default group cap, the replica
+    check's counter where the strategy has replicas."""
     from ddpmon.config import Config
     from ddpmon.state import CORE_PROBES
 
-    state = make_state(groups=Config().max_groups, opt_in=False)
+    state = make_state(groups=Config().max_groups, opt_in=False, replicas=replicas)
     state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
     state.collective_duration.clear()
     state.collective_bytes_total.clear()

@@ -45,6 +45,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
     origin_sel = sel(c, m.GRAD_NONFINITE_ORIGIN_STEPS.name)
     norm = sel(c, m.GRAD_NORM.name, BY_RUN)
     largest_local = f"{sel(c, m.GRAD_LOCAL_NORM.name, BY_RUN)} < +Inf"
+    replicas, rw = sel(c, m.REPLICA_MISMATCH.name), c.replica_mismatch_window
     return [
         Alert(
             "DdpmonLossScaleAtFloor", L, "critical",
@@ -128,5 +129,15 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"{c.grad_norm_mismatch_window} the norm the training loop reported (e.g. its "
             "clip_grad_norm_ result) differed from ddpmon's; one of the two sees different "
             "gradients (scaling, sharding, accumulation).",
+        ),
+        Alert(
+            "DdpmonReplicaDiverged", L, "critical",
+            f"increase({replicas}[{rw}]) > 0\nor\n{replicas} > 0 unless {replicas} offset {rw}",
+            c.replica_mismatch_for,
+            "A data-parallel replica's parameters differ, bit for bit, from the other replicas.",
+            f"{RANK}: at a replica check in the last {rw} its parameters' checksums differed "
+            "from its replica group's majority (ddpmon_replica_mismatch_total; the "
+            "replica_mismatch event names the parameter group). Suspect this GPU (silent data "
+            "corruption), or a step this rank skipped alone, or another checkpoint.",
         ),
     ]

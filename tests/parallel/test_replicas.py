@@ -1,0 +1,117 @@
+"""Replica checksums on real gloo ranks (``_replica_worker.py``): a flipped bit, a step one
+rank's guard skipped, a non-deterministic kernel and another checkpoint at resume are each
+named at the next check, with the rank and the parameter group; clean runs (accumulation, bf16
+autocast, DeepSpeed ZeRO-2) raise nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.parallel._replica_worker import (
+    EVERY,
+    FLIP_RANK,
+    FLIP_STEP,
+    NOISY_STEP,
+    RESUME_RANK,
+    RUN_ID,
+    SKIP_RANK,
+    SKIP_STEP,
+    STEPS,
+)
+from tests.support.ranks import run_ranks
+
+WORKER = Path(__file__).with_name("_replica_worker.py")
+
+
+def _next_check(step: int) -> int:
+    return (step // EVERY + 1) * EVERY
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory) -> tuple[list[dict], Path]:
+    out = tmp_path_factory.mktemp("replicas")
+    return run_ranks(WORKER, out, ["--scenario", "phases"], world=4), out
+
+
+def test_each_fault_is_named_at_the_next_check_with_its_rank_and_group(phases):
+    ranks, _ = phases
+    flip, skip, noisy = (_next_check(s) for s in (FLIP_STEP, SKIP_STEP, NOISY_STEP))
+    assert flip < skip < noisy < STEPS
+    expected = {  # rank -> the checks it is named at (noisy: every rank differs, none leads)
+        0: [noisy], 1: [skip, noisy], 2: [flip, noisy], 3: [noisy],
+    }
+    for r in ranks:
+        assert r["errors"] == {} and r["steps"] == STEPS, r
+        events = r["events"]
+        assert [e["step"] for e in events] == expected[r["rank"]], (r["rank"], events)
+        assert r["mismatch_total"] == len(expected[r["rank"]])
+        assert r["exposed"] == [
+            f'ddpmon_replica_mismatch_total{{rank="{r["rank"]}",run="{RUN_ID}-phases"}} '
+            f'{float(len(expected[r["rank"]]))}'
+        ]
+        for e in events:
+            assert e["group"] == "embed" and e["replicas"] == 4 and e["device"] == "cpu"
+            assert e["ranks"] == ({flip: [FLIP_RANK], skip: [SKIP_RANK]}.get(e["step"])
+                                  or [0, 1, 2, 3])
+    assert ranks[0]["replica_check"] == {"every": EVERY,
+                                         "over": "the ranks of the DDP process group"}
+
+
+def test_the_timeline_names_the_flipped_rank_first(phases):
+    _, out = phases
+    run = out / "runs" / f"{RUN_ID}-phases"
+    proc = subprocess.run([sys.executable, "-m", "ddpmon.cli", "timeline", str(run), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 1), proc.stderr
+    first = json.loads(proc.stdout)["first_failure"]
+    assert (first["kind"], first["rank"], first["step"]) == (
+        "replica_mismatch", FLIP_RANK, _next_check(FLIP_STEP))
+    assert first["ranks"] == [FLIP_RANK] and first["group"] == "embed"
+    text = subprocess.run([sys.executable, "-m", "ddpmon.cli", "timeline", str(run)],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "replica_mismatch" in text, text
+
+
+def test_another_checkpoint_on_one_rank_is_named_at_the_first_step(tmp_path):
+    ranks = run_ranks(WORKER, tmp_path, ["--scenario", "resume"], world=3)
+    for r in ranks:
+        assert r["errors"] == {}
+        named = r["rank"] == RESUME_RANK  # at the first step, then at every check: it persists
+        assert [e["step"] for e in r["events"]] == ([0, EVERY] if named else [])
+        assert r["mismatch_total"] == 2 * named
+    for event in ranks[RESUME_RANK]["events"]:
+        assert event["ranks"] == [RESUME_RANK] and event["group"] == "head"
+
+
+def test_hsdp_names_the_flipped_shard_and_its_replicate_peer(tmp_path):
+    """2 x 2 mesh: ranks {0, 2} and {1, 3} hold the same shards. Rank 2's flipped bit leaves
+    its replicate group without a majority, so both of its ranks are named; {1, 3} agree."""
+    ranks = run_ranks(WORKER, tmp_path, ["--scenario", "hsdp"], world=4)
+    flip = _next_check(FLIP_STEP)
+    for r in ranks:
+        assert r["errors"] == {}, r
+        named = r["rank"] in (0, FLIP_RANK)
+        assert [e["step"] for e in r["events"]] == ([flip] if named else []), r
+        for e in r["events"]:
+            assert e["ranks"] == [0, FLIP_RANK] and e["group"] == "embed" and e["replicas"] == 2
+    assert ranks[0]["replica_check"] == {
+        "every": EVERY, "over": "the replicate group of each rank (HSDP)"}
+
+
+@pytest.mark.parametrize(("scenario", "world", "over"), [
+    ("clean", 3, "the ranks of the DDP process group"),
+    ("zero2", 2, "the engine's data-parallel group"),
+])
+def test_clean_runs_raise_no_mismatch(tmp_path, scenario, world, over):
+    """DDP with accumulation over no_sync micro-batches and bf16 autocast, a check every step;
+    DeepSpeed ZeRO-2, whose module parameters every rank gathers after each step."""
+    env = {"DS_ACCELERATOR": "cpu"} if scenario == "zero2" else None
+    ranks = run_ranks(WORKER, tmp_path, ["--scenario", scenario], world=world, env=env)
+    for r in ranks:
+        assert r["errors"] == {} and r["events"] == [] and r["mismatch_total"] == 0, r
+    assert ranks[0]["replica_check"]["over"] == over
