@@ -141,6 +141,7 @@ class IncidentSink:
             self._emit(
                 "replica_mismatch", r.step, ranks=list(divergence["ranks"]),
                 group=divergence["group"], replicas=divergence["replicas"], device=self._device,
+                first_check=divergence["first_check"],
             )
         if r.loss_scale is not None:
             below = r.loss_scale <= self._floor

@@ -111,6 +111,8 @@ def _render(tl, show_steps: bool) -> None:
             f"  rank {shown(rank)}: {shown(info['ended'])}; last event {shown(last.get('kind'))} "
             f"at step {shown(last.get('step'))} (+{last.get('t_rel', 0):.3f}s){ev}"
         )
+    if tl.verdict:
+        console.print(f"[bold]Verdict:[/bold] {shown(tl.verdict['line'])}")
 
 
 def _render_recovery(console, rec: dict) -> None:

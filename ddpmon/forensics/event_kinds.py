@@ -121,6 +121,8 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "group": "the first parameter group whose checksum differs",
             "replicas": "ranks in the replica group",
             "device": "this rank's device; its GPU UUID is `ddpmon_rank_info{gpu_uuid}`",
+            "first_check": "the first check of this process (a resume): the weights were loaded "
+            "different, not computed different",
         },
         failure=True,
     ),

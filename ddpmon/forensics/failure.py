@@ -40,7 +40,8 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
     for key in ("param", "tensor", "nonfinite", "origin", "signal", "signum", "where", "action",
                 "exc_type", "message", "code", "idle_seconds", "detail", "phase", "frame",
                 "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
-                "microbatch", "site", "ranks", "group"):
+                "microbatch", "site", "ranks", "group", "replicas", "device",
+                "first_check"):
         if key in e:
             out[key] = e[key]
     return out

@@ -192,7 +192,10 @@ def _failure(tl) -> str:
         + (f" ({what})" if what else "")
         + f" at +{ff['t_rel']:.3f}s [{ff['class']}]"
     )
-    return f'<h2>First failure</h2><p id="first-failure" class="fail">{html.escape(text)}</p>'
+    verdict = (f'<p id="verdict"><b>Verdict:</b> {html.escape(tl.verdict["line"])}</p>'
+               if tl.verdict else "")
+    return (f'<h2>First failure</h2><p id="first-failure" class="fail">{html.escape(text)}</p>'
+            f"{verdict}")
 
 
 def _timeline(tl) -> str:

@@ -40,6 +40,7 @@ from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse
 from . import attempts as att
 from .crash_files import crash_event, sigterm_event
 from .failure import ending, first_failure
+from .verdict import verdict
 
 
 class RunDirError(Exception):
@@ -65,12 +66,15 @@ class Timeline:
     ``restarted`` (see :mod:`ddpmon.forensics.attempts`)."""
     damage: ReadWarnings = field(default_factory=ReadWarnings)
     """Damaged files met (their lines are in ``warnings`` too)."""
+    verdict: dict[str, str] | None = None
+    """The layer the first failure points at, and the evidence (:mod:`.verdict`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "run_path": str(self.run_path),
             "world_size": self.world_size,
             "first_failure": self.first_failure,
+            "verdict": self.verdict,
             **self.recovery,
             "ranks": {str(r): v for r, v in sorted(self.ranks.items())},
             "missing_ranks": self.missing_ranks,
@@ -150,7 +154,7 @@ def build_timeline(path: Path | str) -> Timeline:
     recovery = att.summarize(merged, first, last_steps)
     warnings = damage.lines() + warnings
     return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery,
-                    damage)
+                    damage, verdict(first, merged))
 
 
 def _rank_events(run: RunDir, damage: ReadWarnings) -> dict[int, list[dict[str, Any]]]:

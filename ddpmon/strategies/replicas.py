@@ -55,6 +55,8 @@ class Divergence:
     group: str
     """The first parameter group in which this rank (else the first named rank) differs."""
     replicas: int
+    first_check: bool = False
+    """The first check of this process: a mismatch there was loaded, not computed."""
 
 
 @dataclass(slots=True)
@@ -70,6 +72,7 @@ class InFlight:
     me: int
     """This rank's row."""
     group_names: list[str]
+    first_check: bool = False
 
     def compare(self) -> Divergence | None:
         """Wait for the gather and name the replicas that differ from the majority (record
@@ -92,6 +95,7 @@ class InFlight:
             this_rank=self.me in differ,
             group=self.group_names[column],
             replicas=len(rows),
+            first_check=self.first_check,
         )
 
 
@@ -130,6 +134,8 @@ class ReplicaCheck:
             else list(range(dist.get_world_size()))
         self._me = self._ranks.index(dist.get_rank())
         self._first = True
+        self.first_check = False
+        """The check ``due`` last allowed is the first of this process."""
 
     @staticmethod
     def of(scope: ReplicaScope | None, index: Any, every: int) -> ReplicaCheck | None:
@@ -146,8 +152,8 @@ class ReplicaCheck:
     def due(self, step: int) -> bool:
         """Every ``every`` steps, and at the first step this process takes (a resume from a
         checkpoint is compared at once: every rank resumes at the same step)."""
-        first, self._first = self._first, False
-        return first or step % self.every == 0
+        self.first_check, self._first = self._first, False
+        return self.first_check or step % self.every == 0
 
     def launch(self, step: int) -> InFlight:
         """Sum and start the gather (training thread; nothing is read back)."""
@@ -160,4 +166,4 @@ class ReplicaCheck:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         work = gather(flat, mine, async_op=True, group=self.scope.group)
         return InFlight(step, work, flat.view(len(self._ranks), -1), self._ranks, self._me,
-                        self.group_names)
+                        self.group_names, self.first_check)

@@ -72,9 +72,14 @@ def test_the_timeline_names_the_flipped_rank_first(phases):
     assert (first["kind"], first["rank"], first["step"]) == (
         "replica_mismatch", FLIP_RANK, _next_check(FLIP_STEP))
     assert first["ranks"] == [FLIP_RANK] and first["group"] == "embed"
+    expected = (f"hardware (suspect rank {FLIP_RANK} (cpu): silent data corruption; replicas "
+                f"diverged at step {_next_check(FLIP_STEP)} in embed)")
+    assert json.loads(proc.stdout)["verdict"]["line"] == expected
     text = subprocess.run([sys.executable, "-m", "ddpmon.cli", "timeline", str(run)],
-                          capture_output=True, text=True, timeout=120).stdout
+                          capture_output=True, text=True, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "COLUMNS": "400"}).stdout
     assert "replica_mismatch" in text, text
+    assert text.splitlines()[-1] == f"Verdict: {expected}", text
 
 
 def test_another_checkpoint_on_one_rank_is_named_at_the_first_step(tmp_path):
@@ -84,8 +89,10 @@ def test_another_checkpoint_on_one_rank_is_named_at_the_first_step(tmp_path):
         named = r["rank"] == RESUME_RANK  # at the first step, then at every check: it persists
         assert [e["step"] for e in r["events"]] == ([0, EVERY] if named else [])
         assert r["mismatch_total"] == 2 * named
-    for event in ranks[RESUME_RANK]["events"]:
+    first, later = ranks[RESUME_RANK]["events"]
+    for event in (first, later):
         assert event["ranks"] == [RESUME_RANK] and event["group"] == "head"
+    assert first["first_check"] and not later["first_check"]  # loaded, not computed
 
 
 def test_hsdp_names_the_flipped_shard_and_its_replicate_peer(tmp_path):

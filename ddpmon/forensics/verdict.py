@@ -1,0 +1,93 @@
+"""The run's verdict: which layer the first failure points at, and the evidence, in one line.
+
+The on-call question after "who failed first" is "what kind of failure": numerics, data supply,
+memory, communication, or the hardware itself. The verdict reads the first failure the timeline
+picked (``failure.first_failure``) and the events around it:
+
+- ``replica_mismatch``: replicas' parameters differ bit for bit. A step the named rank skipped
+  alone since the previous check (``step_skipped``), a mismatch at the first check of an attempt
+  (another checkpoint loaded), or every replica differing (a non-deterministic kernel) are bugs
+  of the script or its numerics; otherwise the named rank's device is the suspect (hardware).
+- ``nonfinite`` (origin), ``loss_scale_floor``: numerics, with the rank, step and tensor. No
+  rerun has told a transient fault from a deterministic one, so hardware is not excluded.
+- ``oom``: memory. ``stall``: data supply when the rank waited for its batch, else
+  communication. ``vanished`` and communication errors: communication.
+- a signal or an exception not explained above: the process, with what it was.
+
+Pure function of the timeline's events (no file access): the timeline, ``report`` and the
+daemon's job outcome can all carry it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAYERS = ("hardware", "numerics", "data", "memory", "communication", "process")
+
+
+def verdict(first: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[str, str] | None:
+    """``{"layer", "evidence", "line"}`` for the first failure ``first``, or None."""
+    if not first:
+        return None
+    kind, rank, step = first.get("kind"), first.get("rank"), first.get("step")
+    at = f"rank {rank}, step {step}"
+    if kind == "replica_mismatch":
+        layer, evidence = _replicas(first, events)
+    elif kind == "nonfinite":
+        what = first.get("param") or first.get("tensor") or "a gradient"
+        layer, evidence = "numerics", (
+            f"{first.get('nonfinite') or 'non-finite'} first on {at}, in {what}; no rerun told "
+            "a transient fault from a deterministic one, so the hardware is not excluded"
+        )
+    elif kind == "loss_scale_floor":
+        layer, evidence = "numerics", f"the loss scale stayed at its floor, {at}"
+    elif kind == "oom":
+        layer, evidence = "memory", f"out of memory on {at}"
+    elif kind == "stall":
+        if first.get("phase") == "data":
+            layer, evidence = "data", f"{at} waited for its batch past the stall threshold"
+        else:
+            layer, evidence = "communication", f"{at} stopped making progress" + (
+                f" in {first['phase']}" if first.get("phase") else "")
+    elif kind == "vanished":
+        layer, evidence = "communication", f"rank {rank} vanished at step {step}"
+    elif kind == "signal":
+        frame = f" in {first['frame']}" if first.get("frame") else ""
+        layer, evidence = "process", f"{first.get('signal')} on {at}{frame}"
+    elif kind == "exit" and first.get("class") == "consequence":
+        layer, evidence = "communication", f"{at}: {first.get('message') or first.get('exc_type')}"
+    elif kind == "exit":
+        what = first.get("exc_type") or f"exit code {first.get('code')}"
+        layer, evidence = "process", f"{what} on {at}"
+    else:
+        layer, evidence = "process", f"{kind} on {at}"
+    return {"layer": layer, "evidence": evidence, "line": f"{layer} ({evidence})"}
+
+
+def _replicas(first: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str, str]:
+    rank, step = first.get("rank"), first.get("step")
+    ranks = first.get("ranks") or [rank]
+    group = first.get("group")
+    diverged = f"replicas diverged at step {step}" + (f" in {group}" if group else "")
+    attempt = first.get("attempt", 0)
+    mine = [e for e in events if e.get("rank") == rank and e.get("attempt", 0) == attempt]
+    previous = max((e.get("step") for e in mine if e.get("kind") == "replica_mismatch"
+                    and isinstance(e.get("step"), int) and e["step"] < (step or 0)),
+                   default=None)
+    skipped = [e.get("step") for e in mine if e.get("kind") == "step_skipped"
+               and isinstance(e.get("step"), int) and e["step"] <= (step or 0)
+               and (previous is None or e["step"] > previous)]
+    if skipped:
+        return "numerics", (f"rank {rank} alone skipped step {skipped[-1]}: its loop's guard "
+                            f"decided on a value only it saw; {diverged}")
+    if first.get("first_check"):
+        return "numerics", (f"rank {rank} held other weights from the first step of attempt "
+                            f"{attempt}: another checkpoint; {diverged}")
+    replicas = first.get("replicas")
+    if replicas and replicas > 2 and len(ranks) == replicas:
+        return "numerics", f"every replica differs: a non-deterministic kernel; {diverged}"
+    device = first.get("device")
+    where = f"rank {rank}" + (f" ({device})" if device else "")
+    others = [r for r in ranks if r != rank]
+    tie = f"; no majority, rank {', '.join(map(str, others))} differs too" if others else ""
+    return "hardware", f"suspect {where}: silent data corruption; {diverged}{tie}"
