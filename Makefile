@@ -101,6 +101,7 @@ bench: $(STAMP) $(OPS_STAMP)
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/replica_check.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack
