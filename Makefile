@@ -32,7 +32,7 @@ FAST_LANE := not ranks and not services and not browser and not gpu
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo demo-pp test check docs reference lint bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
+.PHONY: demo demo-pp test check docs reference lint replica-soak bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
 
 # Two install levels. CORE: torch and ddpmon's own dependencies, all `make demo` needs. TEST
 # (the default stamp): CORE plus the extras, the frameworks the integration tests drive and the
@@ -118,6 +118,12 @@ rules: $(STAMP)
 
 dashboards: $(STAMP)
 	$(BIN)/ddpmon dashboards --write
+
+# Long clean runs under every strategy with replicas (DDP, HSDP, ZeRO-2; fp32 and bf16 with
+# accumulation): the replica checksums must report no mismatch (docs/parallelism.md).
+SOAK_ARGS ?= --steps 10000 --every 10
+replica-soak: $(STAMP) $(OPS_STAMP)
+	$(BIN)/python scripts/replica_soak.py $(SOAK_ARGS)
 
 bench-dashboards: $(STAMP) debs
 	$(BIN)/python benchmarks/dashboards_scale.py --write-results

@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ddpmon import step_metrics  # noqa: E402
 from ddpmon.config import DEFAULT_PORT, SERIES_PROFILES, Config  # noqa: E402
 from ddpmon.export.collector import exports_group_norms  # noqa: E402
 from ddpmon.mixin import dashboards  # noqa: E402
@@ -203,6 +204,7 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_grad_nonfinite_origin_steps_total": 1 if (broken and m.origin) else 0,
         "ddpmon_grad_nonfinite_poisoned_steps_total": 0,
         "ddpmon_grad_norm_mismatch_total": 0,
+        "ddpmon_replica_mismatch_total": 0,
         "ddpmon_grad_first_nonfinite_info": 1,
         "ddpmon_amp_loss_scale": 65536.0 / (2 if broken else 1),
         "ddpmon_amp_loss_scale_floor": 1.0,
@@ -234,10 +236,17 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
     return table[name]
 
 
+OPT_IN = frozenset(entry.metric.name for entry in step_metrics.AVAILABLE.values())
+"""The per-step metrics an agent exports only when asked (``Config.step_metrics``)."""
+
+
 def exports(family: str, m: RankModel, profile: str) -> bool:
     """Whether rank ``m`` exports ``family`` at all: the synthetic NaN origin alone has a
     first-non-finite info series; under ``series_profile=large`` only rank 0 exports the group
-    norms (``ddpmon.export.collector.exports_group_norms`` for a DDP run)."""
+    norms (``ddpmon.export.collector.exports_group_norms`` for a DDP run); the opt-in
+    per-step metrics (``step_metrics``) are off, as by default."""
+    if family in OPT_IN:
+        return False
     if family == "ddpmon_grad_first_nonfinite_info":
         return m.origin
     if family == "ddpmon_grad_group_norm":

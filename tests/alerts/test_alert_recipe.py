@@ -73,13 +73,16 @@ def test_an_alert_added_by_the_recipe_is_wanted_at_each_place_it_names(monkeypat
                     for p in sorted((PROM_DIR / "tests").glob("*.yml"))]
     runbook = (PROM_DIR / "runbook.md").read_text()
     alerts_md = (REPO / "docs" / "alerts.md").read_text(encoding="utf-8")
-    before = alert_contract.problems(rules, CONTRACT_ALERTS, runbook, shipped_docs, alerts_md)
+    scale_out = (REPO / "docs" / "scale-out.md").read_text(encoding="utf-8")
+    before = alert_contract.problems(rules, CONTRACT_ALERTS, runbook, shipped_docs, alerts_md,
+                                     scale_out)
     assert before == [
         f"{NAME}: in the rules but not the contract list",
         f"{NAME}: no runbook section for #{NAME.lower()}",
         f"{NAME}: no promtool case where it stays quiet",
         f"{NAME}: no promtool case where it fires",
         f"{NAME}: docs/alerts.md's table lacks | {NAME} | warning | 5m |",
+        f"{NAME}: not placed in docs/scale-out.md's where-each-rule-runs table",
     ]
     # steps 2 and 3 done, in a scratch copy: the runbook section, the promtool cases, the rule
     # files, the table row and the contract entry
@@ -89,9 +92,10 @@ def test_an_alert_added_by_the_recipe_is_wanted_at_each_place_it_names(monkeypat
     (prom / "tests" / "loss.yml").write_text(CASES)
     runbook += f"\n## {NAME}\n\nWhat it means, what to check, what to do.\n"
     alerts_md += f"\n| {NAME} | warning | 5m | a rank's loss above a million |\n"
+    scale_out += f"\n| each shard | {NAME} | it reads one rank's series |\n"
     docs = [*shipped_docs, yaml.safe_load(CASES)]
     after = alert_contract.problems(
-        rules, {**CONTRACT_ALERTS, NAME: "warning"}, runbook, docs, alerts_md
+        rules, {**CONTRACT_ALERTS, NAME: "warning"}, runbook, docs, alerts_md, scale_out
     )
     assert after == []
     unit = subprocess.run([PROMTOOL, "test", "rules", "loss.yml"], cwd=prom / "tests",

@@ -1,7 +1,8 @@
 """The checks every alert must pass, as one function over the places docs/architecture.md's
-alert recipe names: the rules (generated), the contract list, the runbook, the promtool cases and
-docs/alerts.md's table. The contract tests run it over the shipped files; the recipe test over a
-made-up alert, before and after its recipe."""
+alert recipe names: the rules (generated), the contract list, the runbook, the promtool cases,
+docs/alerts.md's table and docs/scale-out.md's federation table (which row:
+tests/scaleout/test_configs.py). The contract tests run it over the shipped files; the recipe
+test over a made-up alert, before and after its recipe."""
 
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ def alerts_table(alerts_md: str) -> dict[str, tuple[str, str]]:
         if len(cells) >= 4 and cells[0].startswith("Ddpmon"):
             table[cells[0]] = (cells[1], cells[2])
     return table
+
+
+def federation_rows(scale_out_md: str) -> dict[str, str]:
+    """docs/scale-out.md's where-each-rule-runs table: alert -> ``each shard`` or ``global``."""
+    placed = {}
+    for line in scale_out_md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in ("each shard", "global"):
+            for name in re.findall(r"Ddpmon\w+", cells[1]):
+                placed[name] = cells[0]
+    return placed
 
 
 def promtool_cases(test_docs: Iterable[Mapping]) -> tuple[set[str], set[str], set[str]]:
@@ -49,6 +61,7 @@ def problems(
     runbook: str,
     test_docs: list[Mapping],
     alerts_md: str,
+    scale_out_md: str,
     cfg: MixinConfig | None = None,
 ) -> list[str]:
     """Every way the alerts in ``rules`` (the alerting rules of the rule file) fall short of
@@ -62,6 +75,7 @@ def problems(
     anchors = runbook_anchors(runbook)
     quiet, firing, _ = promtool_cases(test_docs)
     table = alerts_table(alerts_md)
+    placed = federation_rows(scale_out_md)
     for name, rule in by_name.items():
         if name in contract and rule["labels"]["severity"] != contract[name]:
             out.append(f"{name}: severity {rule['labels']['severity']}, contract {contract[name]}")
@@ -83,6 +97,8 @@ def problems(
         if table.get(name) != (rule["labels"]["severity"], for_):
             out.append(f"{name}: docs/alerts.md's table lacks | {name} | "
                        f"{rule['labels']['severity']} | {for_} |")
+        if name not in placed:
+            out.append(f"{name}: not placed in docs/scale-out.md's where-each-rule-runs table")
     for name in sorted(set(table) - set(by_name)):
         out.append(f"{name}: in docs/alerts.md's table but not the rules")
     return out
