@@ -16,7 +16,7 @@ gradients belongs to the gradient source's one fused pass instead (``GradSummari
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from . import metrics
 from .metrics import Metric, MetricType
 from .step_slots import Slot
 
-__all__ = ["AVAILABLE", "StepInputs", "StepMetric", "chosen", "learning_rate"]
+__all__ = ["AVAILABLE", "StepInputs", "StepMetric", "chosen", "evaluate", "learning_rate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +85,25 @@ AVAILABLE: dict[str, StepMetric] = {
     for entry in (StepMetric("learning_rate", metrics.LEARNING_RATE, learning_rate),)
 }
 """Every per-step metric, by the name ``Config.step_metrics`` turns it on with."""
+
+
+def evaluate(
+    entries: Sequence[StepMetric], inputs: StepInputs, guard: Any, values: dict
+) -> tuple[dict[str, Metric] | None, dict[Metric, float] | None]:
+    """Each entry's value this step: a tensor joins ``values`` (the step vector) under its slot,
+    a float rides on the host; one that raises is counted under ``guard``'s ``step`` probe and
+    left out. Returns (slot name -> metric of the queued ones, metric -> host value)."""
+    queued: dict[str, Metric] = {}
+    on_host: dict[Metric, float] = {}
+    for entry in entries:
+        with guard("step"):
+            value = entry.compute(inputs)
+            if isinstance(value, torch.Tensor):
+                values[entry.slot.name] = value.detach().reshape(-1)[:1]
+                queued[entry.slot.name] = entry.metric
+            elif value is not None:
+                on_host[entry.metric] = float(value)
+    return queued or None, on_host or None
 
 
 def chosen(names: tuple[str, ...]) -> tuple[StepMetric, ...]:

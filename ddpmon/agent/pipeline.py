@@ -41,7 +41,7 @@ from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
 from ..metrics import Metric
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
-from ..step_metrics import StepInputs, StepMetric
+from ..step_metrics import StepInputs, StepMetric, evaluate
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
 from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
@@ -333,7 +333,10 @@ class StepPipeline:
         }
         if s.extension is not None:
             values.update(s.extension.values())
-        queued, on_host = self._step_metrics(s, values)
+        queued, on_host = (None, None) if not self.step_metrics else evaluate(
+            self.step_metrics, StepInputs(self.step, self.optimizer, self._loss, s), self.guard,
+            values,
+        )
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -354,27 +357,6 @@ class StepPipeline:
         if s.deferred is not None:  # not reduced yet: only the local norms can say now
             reduced = None
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
-
-    def _step_metrics(
-        self, s: GradSummaries, values: dict
-    ) -> tuple[dict[str, Metric] | None, dict[Metric, float] | None]:
-        """Each chosen per-step metric's value (``ddpmon.step_metrics``): a tensor joins the step
-        vector under its slot, a float rides on the host; one that fails is counted under the
-        ``step`` probe and left out of this step."""
-        if not self.step_metrics:
-            return None, None
-        inputs = StepInputs(self.step, self.optimizer, self._loss, s)
-        queued: dict[str, Metric] = {}
-        on_host: dict[Metric, float] = {}
-        for entry in self.step_metrics:
-            with self.guard("step"):
-                value = entry.compute(inputs)
-                if isinstance(value, torch.Tensor):
-                    values[entry.slot.name] = value.detach().reshape(-1)[:1]
-                    queued[entry.slot.name] = entry.metric
-                elif value is not None:
-                    on_host[entry.metric] = float(value)
-        return queued or None, on_host or None
 
     # ------------------------------------------------------------------ dropped gradients
     def _take_sentinel(self) -> tuple[torch.Tensor, Any, int] | None:

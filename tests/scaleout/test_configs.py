@@ -14,6 +14,7 @@ import yaml
 from ddpmon.mixin import render, shipped
 from ddpmon.services import StackError, find_binary, shard_scrape_config
 from ddpmon.services.victoria import SHARD_SCRAPE_YML
+from tests.support import alert_contract
 
 try:
     VMAGENT, VMALERT = find_binary("vmagent"), find_binary("vmalert")
@@ -90,14 +91,7 @@ def test_the_where_each_rule_runs_table_classifies_every_alert() -> None:
         for g in groups for r in g["rules"]
     }
     page = (Path(__file__).resolve().parents[2] / "docs" / "scale-out.md").read_text()
-    placed = {}
-    for line in page.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 3 and cells[0] in ("each shard", "global"):
-            for name in re.findall(r"Ddpmon\w+", cells[1]):
-                assert name not in placed, f"{name} is in two rows"
-                placed[name] = cells[0]
-    assert placed == expected
+    assert alert_contract.federation_rows(page) == expected
 
 
 def test_the_families_the_global_prometheus_federates_are_what_its_rules_read() -> None:

@@ -34,6 +34,8 @@ def federation_rows(scale_out_md: str) -> dict[str, str]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[0] in ("each shard", "global"):
             for name in re.findall(r"Ddpmon\w+", cells[1]):
+                if name in placed:
+                    raise ValueError(f"{name} is in two rows of docs/scale-out.md's table")
                 placed[name] = cells[0]
     return placed
 
