@@ -19,7 +19,7 @@ Chosen outside 9100-9999 (node_exporter 9100, dcgm-exporter 9400), away from tor
 and below Linux's ephemeral range (32768-60999). The node daemon uses ``DEFAULT_PORT - 1``.
 """
 
-ON_NONFINITE_CHOICES = ("record", "skip", "raise")
+ON_NONFINITE_CHOICES = ("record", "skip", "raise", "rerun")
 SERIES_PROFILES = ("full", "large")
 ON_LOSS_SCALE_FLOOR_CHOICES = ("record", "raise")
 ENV_PREFIX = "DDPMON_"
@@ -57,7 +57,15 @@ class Config:
     """``record`` a ``loss_scale_floor`` event (sync-free), or ``raise``
     ``ddpmon.LossScaleFloorError`` on every rank at the same step (reads the scale each step)."""
     on_nonfinite: str = "record"
-    """``record`` (sync-free), ``skip`` the optimizer step on every rank, or ``raise``."""
+    """``record`` (sync-free), ``skip`` the optimizer step on every rank, ``raise``, or
+    ``rerun``: run a non-finite step once more on the same batch and RNG state (a loop that
+    steps with ``optimizer.step(closure)``), then skip it when the fault did not reproduce
+    (transient: suspect the device) or raise when it did (deterministic: the data or the
+    numerics). See docs/forensics/hardware-or-numerics.md."""
+    rerun_norm_jump: float = 0.0
+    """With ``on_nonfinite='rerun'``: also rerun a step whose global gradient norm exceeds this
+    factor times the median of the last 32 applied steps (e.g. ``10``); a jump that reproduces
+    is the data's and the step goes on, one that does not is skipped. 0 turns it off."""
     stall_seconds: float = 300.0
     """No completed step for this long counts as a hang."""
     web_config: str | None = None
@@ -156,6 +164,17 @@ class Config:
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
         _check_int("replica_check_every", self.replica_check_every, 0, 10**6)
+        _check_float("rerun_norm_jump", self.rerun_norm_jump, 0.0, None)
+        if 0 < self.rerun_norm_jump <= 1:
+            raise ConfigError(
+                f"rerun_norm_jump={self.rerun_norm_jump!r}: expected 0 (off) or a factor above 1, "
+                "such as 10"
+            )
+        if self.rerun_norm_jump and self.on_nonfinite != "rerun":
+            raise ConfigError(
+                f"rerun_norm_jump={self.rerun_norm_jump!r} needs on_nonfinite='rerun' (it is "
+                f"{self.on_nonfinite!r})"
+            )
         _check_float("linger_seconds", self.linger_seconds, 0.0, 600.0)
         _check_float("grad_norm_tolerance", self.grad_norm_tolerance, 0.0, 1.0)
         _check_float("live_refresh_seconds", self.live_refresh_seconds, 0.0, 3600.0)

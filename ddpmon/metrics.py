@@ -208,6 +208,16 @@ REPLICA_MISMATCH = Metric(
     when="where the strategy has data-parallel replicas (DDP, HSDP, DeepSpeed ZeRO-0/1/2) and "
     "replica_check_every > 0",
 )
+STEP_RERUNS = Metric(
+    "ddpmon_step_reruns_total",
+    C,
+    "Steps run twice on the same batch and RNG state (on_nonfinite='rerun'), by fault: "
+    "transient (the fault did not reproduce: suspect the device) or deterministic (it did: the "
+    "data or the numerics).",
+    L.NUMERICS,
+    labels=("fault",),
+    when="with on_nonfinite='rerun', both faults from 0",
+)
 GRAD_FIRST_NONFINITE_INFO = Metric(
     "ddpmon_grad_first_nonfinite_info",
     G,
@@ -235,11 +245,11 @@ STEPS_SKIPPED = Metric(
     C,
     "Optimizer steps skipped, by who skipped them: scaler (a GradScaler or DeepSpeed fp16 "
     "found Inf/NaN), engine (DeepSpeed's overflow check under bf16/fp32), loop (the loop did "
-    "not call optimizer.step()), policy (on_nonfinite='skip').",
+    "not call optimizer.step()), policy (on_nonfinite='skip', or 'rerun' on a transient fault).",
     L.NUMERICS,
     labels=("by",),
     when="by=loop with a torch optimizer, scaler with a loss scaler, engine under DeepSpeed "
-    "bf16/fp32, policy with on_nonfinite='skip'",
+    "bf16/fp32, policy with on_nonfinite='skip' or 'rerun'",
 )
 LEARNING_RATE = Metric(
     "ddpmon_learning_rate",

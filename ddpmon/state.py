@@ -95,7 +95,7 @@ def possible_skippers(deepspeed: bool, loss_scaler: bool, on_nonfinite: str) -> 
         out.append("scaler")
     elif deepspeed:
         out.append("engine")
-    if on_nonfinite == "skip":
+    if on_nonfinite in ("skip", "rerun"):
         out.append("policy")
     return out
 
@@ -227,6 +227,9 @@ class MetricState:
     replica_mismatch_total: int | None = None
     """Replica checks at which this rank differed from its replicas' majority; None where the
     check does not run (its series is then not exported)."""
+    step_reruns_total: dict[str, int] | None = None
+    """Reruns by fault (``transient``, ``deterministic``) under ``on_nonfinite='rerun'``;
+    None otherwise (not exported)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Writers run on several threads (records, checkpoints, probe errors): one at a time."""
 
@@ -324,6 +327,14 @@ class MetricState:
     def count_error(self, probe: str) -> None:
         with self._lock:
             self.agent_errors[probe] = self.agent_errors.get(probe, 0) + 1
+            self.version += 1
+
+    def count_rerun(self, fault: str) -> None:
+        """A step rerun under ``on_nonfinite='rerun'`` (training thread)."""
+        with self._lock:
+            reruns = self.step_reruns_total if self.step_reruns_total is not None else {}
+            reruns[fault] = reruns.get(fault, 0) + 1
+            self.step_reruns_total = reruns
             self.version += 1
 
     def count_mismatch(self) -> None:

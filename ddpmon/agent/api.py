@@ -126,6 +126,9 @@ class NullMonitor:
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         pass
 
+    def observe_samples(self, ids: Any) -> None:
+        pass
+
     def annotate(self, **fields: Any) -> None:
         pass
 

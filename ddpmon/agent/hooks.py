@@ -84,9 +84,10 @@ class StepHooks:
         if not self.closed:
             self.pipeline.backward_ended()
 
-    def _on_step_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+    def _on_step_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         if not self.closed:
-            self.pipeline.optimizer_pre(args, kwargs)
+            return self.pipeline.optimizer_pre(args, kwargs)  # a replaced closure, or None
+        return None
 
     def _on_step_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if not self.closed:

@@ -224,6 +224,8 @@ class Monitor:
             optimizer=optimizer,
             step_metrics=chosen(config.step_metrics),
         )
+        if config.on_nonfinite == "rerun":
+            self._rerun_policy()
         with guard("comm"):
             scope, _ = self.source.replica_scope()
             self.pipeline.replicas = ReplicaCheck.of(scope, self.index, config.replica_check_every)
@@ -250,6 +252,25 @@ class Monitor:
             )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
+
+    def _rerun_policy(self) -> None:
+        """``on_nonfinite='rerun'`` (``agent.rerun``): its counter is exported from 0."""
+        from .rerun import StepRerun
+
+        ident, state = self.ctx.identity, self._state
+        state.step_reruns_total = {"deterministic": 0, "transient": 0}
+        self.pipeline.rerun = StepRerun(
+            index=self.index,
+            rank=ident.rank,
+            device=ident.device,
+            gpu_uuid=ident.gpu_uuid,
+            norm_jump=self.config.rerun_norm_jump,
+            emit=self._emit,
+            evidence=lambda step, param, **info: self.incidents.write_evidence(
+                "rerun", step, param, **info),
+            count=self.guard.count,
+            counted=state.count_rerun,
+        )
 
     def _observe_and_serve(self) -> None:
         """Checkpoints and DCP, the /metrics endpoint, the stall watchdog, the start event."""
@@ -313,6 +334,13 @@ class Monitor:
         pipeline parallel only the last stage has a loss: other stages ignore it (no sample)."""
         if not self._closed and getattr(self.source, "has_loss", True):
             self.pipeline.observe_loss(loss)
+
+    def observe_samples(self, ids: Any) -> None:
+        """The ids of this step's samples (a list, or a tensor on any device): kept by
+        reference, read only when ``on_nonfinite='rerun'`` reruns the step, for its event and
+        evidence (never the samples themselves)."""
+        if not self._closed:
+            self.pipeline.observe_samples(ids)
 
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         """The gradient norm your trainer computed for optimizer step ``step`` (default: the

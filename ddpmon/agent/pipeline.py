@@ -102,6 +102,8 @@ class StepPipeline:
         self.step_metrics = tuple(step_metrics)
         self.replicas: Any = None
         """``strategies.replicas.ReplicaCheck`` where the strategy has replicas."""
+        self.rerun: Any = None
+        """``agent.rerun.StepRerun`` under ``on_nonfinite='rerun'``."""
         self.layout = layout or StepVectorLayout(
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
         )
@@ -149,6 +151,11 @@ class StepPipeline:
         with self.guard("loss"):
             self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
+    def observe_samples(self, ids: Any) -> None:
+        """The step's sample ids, kept by reference and read only if the step is rerun."""
+        if self.rerun is not None:
+            self.rerun.samples = ids
+
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         """A trainer's own grad norm for ``step`` (default: the step in progress)."""
         with self.guard("loss"):
@@ -172,6 +179,10 @@ class StepPipeline:
 
     # ------------------------------------------------------------------ boundaries (hooks)
     def forward_started(self, args: tuple) -> None:
+        if self.rerun is not None and self.rerun.rerunning:  # the same step, run again
+            with self.guard("step"):
+                self.rerun.saw_batch(args)
+            return
         if (
             self._backward_pending
             and not getattr(self.source, "decides_steps", False)
@@ -200,8 +211,9 @@ class StepPipeline:
         if self._step_start is None:
             self._step_start = time.perf_counter()
 
-    def optimizer_pre(self, args: tuple, kwargs: dict) -> None:
-        """``args`` as torch passes them to step pre-hooks: ``(optimizer, *step_args)``."""
+    def optimizer_pre(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """``args`` as torch passes them to step pre-hooks: ``(optimizer, *step_args)``.
+        Returns new ``(args, kwargs)`` when the closure is to be replaced (``rerun``)."""
         closure = kwargs.get("closure") if kwargs else None
         if closure is None and not self._backward_pending and self._step_start is None:
             with self.guard("step"):
@@ -211,13 +223,43 @@ class StepPipeline:
         self.live.set(self.step, OPTIMIZER)
         if closure is not None or (len(args) > 1 and any(callable(a) for a in args[1:])):
             self._closure_step = True  # its backward has not run yet: collect after the step
-            return
+            return self._wrap_closure(args, kwargs) if self.rerun is not None else None
         self._collect()
+        if self.rerun is not None:
+            self.rerun.no_closure()
         if self.policy.reads:
             self._policy_skipped = self.policy.before_step(
                 self._collected.reduced, self.step, skip_allowed=True,
                 extra=_global_norm(self._collected),
             )
+        return None
+
+    def _wrap_closure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        from .rerun import wrap_closure
+
+        with self.guard("step"):
+            if kwargs and kwargs.get("closure") is not None:
+                return args, {**kwargs, "closure": wrap_closure(self, kwargs["closure"])}
+            at = next(i for i in range(1, len(args)) if callable(args[i]))
+            return (*args[:at], wrap_closure(self, args[at]), *args[at + 1:]), kwargs
+        return None
+
+    # ------------------------------------------------------------------ for agent.rerun
+    def collect_now(self) -> GradSummaries:
+        """The step's gradient results so far (collected once per backward pass)."""
+        return self._collect()
+
+    def recollect(self) -> None:
+        """The step's backward runs again: collect its results afresh."""
+        self._collected = None
+        self._backward_pending = False
+
+    def drop_grads(self) -> None:
+        for p in self.index.params:
+            p.grad = None
+
+    def skipped_by_policy(self) -> None:
+        self._policy_skipped = True
 
     def optimizer_post(self) -> None:
         if self._inert:
@@ -246,7 +288,8 @@ class StepPipeline:
         try:
             with self.guard("step"):
                 summaries = self._collect()
-                if self.policy.reads and (self._closure_step or found is not None):
+                decided = self.rerun is not None and self._closure_step
+                if self.policy.reads and not decided and (self._closure_step or found is not None):
                     # closure or scaler steps: the update already happened; raise still can
                     self.policy.before_step(
                         summaries.reduced, self.step, skip_allowed=False,
@@ -265,6 +308,8 @@ class StepPipeline:
             self._closure_step = self._policy_skipped = False
             self._backward_pending = False
             self._sentinel = None
+            if self.rerun is not None:
+                self.rerun.end_step()
             self.live.set(self.step, DATA)
         if not self.background or urgent or self.readback.full:
             self.drain(wait=False)

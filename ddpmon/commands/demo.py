@@ -48,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="SPEC",
         help="fault, e.g. nan@rank1:step20, scale-collapse@step40, segv@rank1:step25, "
-        "grad-scale@rank1:step20, dup-data@rank1:step0",
+        "grad-scale@rank1:step20, dup-data@rank1:step0, bad-batch@rank1:step30, "
+        "bitflip@rank2:step40",
     )
     p.add_argument(
         "--sd-dir",
@@ -57,7 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "`ddpmon stack` looks); 'none' to publish nothing",
     )
     p.add_argument("--daemon-url", default=None, help="register ranks with a ddpmon daemon")
-    p.add_argument("--on-nonfinite", default=None, choices=("record", "skip", "raise"))
+    p.add_argument("--on-nonfinite", default=None, choices=("record", "skip", "raise", "rerun"),
+                   help="rerun: each step is handed over as optimizer.step(closure), in fp32, "
+                   "and a non-finite one is run again to tell a transient fault from a "
+                   "deterministic one")
+    p.add_argument("--replica-check-every", type=int, default=None, metavar="N",
+                   help="the ranks' replica_check_every (default 100)")
     p.add_argument("--no-amp", action="store_true", help="fp32, no GradScaler")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after training")
@@ -139,6 +145,8 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
         ("--sd-dir", args.sd_dir),
         ("--daemon-url", args.daemon_url),
         ("--on-nonfinite", args.on_nonfinite),
+        ("--replica-check-every", None if args.replica_check_every is None
+         else str(args.replica_check_every)),
     ):
         if value:
             cmd += [flag, value]

@@ -1,6 +1,10 @@
 """Fault injection for the demo and the tests: ``KIND@[rankR:]stepS[:key=value...]``.
 
-Kinds: nan, inf (into one parameter's gradient on one rank), scale-collapse (inf gradients on
+Kinds: nan, inf (into one parameter's gradient on one rank, at the step's first backward only:
+a transient fault, which a rerun does not reproduce), bad-batch (NaN into that gradient at every
+backward of the step: a batch that always fails, deterministic), bitflip (after the optimizer
+step, flip bit ``bit`` (default 20) of element 0 of ``param`` on one rank: silent data
+corruption of its weights), scale-collapse (inf gradients on
 every step from S on, so GradScaler halves its scale each step), slow (sleep per step from S on:
 a straggler), hang (stop before the backward pass), segv, kill (SIGKILL self), exit (code=N),
 oom (a real CPU allocator failure), dup-data (from step S on this rank reads rank 0's shard),
@@ -30,6 +34,8 @@ KINDS = (
     "oom",
     "dup-data",
     "grad-scale",
+    "bad-batch",
+    "bitflip",
 )
 DEFAULT_PARAM = "encoder.layers.0.linear1.weight"
 
@@ -75,6 +81,7 @@ class FaultPlan:
     def __init__(self, specs: list[str], rank: int) -> None:
         self.faults = [f for f in (Fault.parse(s) for s in specs) if f.applies(rank)]
         self.rank = rank
+        self._backwards: dict[int, int] = {}
 
     def data_rank(self, step: int) -> int:
         """Whose data shard this rank reads at ``step`` (dup-data makes it rank 0's)."""
@@ -85,14 +92,18 @@ class FaultPlan:
 
     def before_backward(self, step: int, model: torch.nn.Module) -> None:
         """Called between forward and backward: gradient faults register one-shot hooks."""
+        seen = self._backwards.get(step, 0)  # backwards of this step so far (a rerun: 1)
+        self._backwards = {step: seen + 1}
         for fault in self.faults:
             active = step == fault.step or (
                 fault.kind in ("scale-collapse", "slow", "grad-scale") and step >= fault.step
             )
             if not active:
                 continue
-            if fault.kind in ("nan", "inf", "scale-collapse"):
-                value = float("nan") if fault.kind == "nan" else float("inf")
+            if fault.kind in ("nan", "inf") and seen:
+                continue  # transient: the step's rerun computes clean gradients
+            if fault.kind in ("nan", "inf", "scale-collapse", "bad-batch"):
+                value = float("inf") if fault.kind in ("inf", "scale-collapse") else float("nan")
                 name = fault.options.get("param", DEFAULT_PARAM)
                 _poison_grad(model, name, value)
             elif fault.kind == "grad-scale":
@@ -114,6 +125,24 @@ class FaultPlan:
                 sys.exit(int(fault.options.get("code", "1")))
             elif fault.kind == "oom":
                 torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator refuses this
+
+
+    def after_step(self, step: int, model: torch.nn.Module) -> None:
+        """Called after the optimizer step: weight faults."""
+        for fault in self.faults:
+            if fault.kind == "bitflip" and step == fault.step:
+                name = fault.options.get("param", DEFAULT_PARAM)
+                flip_bit(model, name, int(fault.options.get("bit", "20")))
+
+
+def flip_bit(model: torch.nn.Module, name: str, bit: int) -> None:
+    """One bit of element 0 of an fp32 parameter, flipped in place: what a faulty GPU does."""
+    inner = getattr(model, "module", model)
+    params = dict(inner.named_parameters())
+    if name not in params:
+        raise FaultSpecError(f"no parameter {name!r}; e.g. {', '.join(list(params)[:4])}")
+    with torch.no_grad():
+        params[name].view(-1).view(torch.int32)[0] ^= 1 << bit
 
 
 def _poison_grad(model: torch.nn.Module, name: str, value: float) -> None:

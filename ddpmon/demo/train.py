@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sd-dir", default=None)
     p.add_argument("--daemon-url", default=None)
     p.add_argument("--on-nonfinite", default=None)
+    p.add_argument("--replica-check-every", type=int, default=None)
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout (s)")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after the last step")
     p.add_argument("--linger", type=float, default=6.0, help="the agent's linger_seconds")
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = DistributedDataParallel(TinyTransformer())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    amp = not args.no_amp
+    rerun = args.on_nonfinite == "rerun"
+    amp = not args.no_amp and not rerun  # a GradScaler takes no closure: rerun trains in fp32
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=amp)
     options = {
         k: v
@@ -106,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             "sd_dir": args.sd_dir,
             "daemon_url": args.daemon_url,
             "on_nonfinite": args.on_nonfinite,
+            "replica_check_every": args.replica_check_every,
             "linger_seconds": args.linger,
         }.items()
         if v is not None
@@ -123,7 +126,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     loss_fn = nn.CrossEntropyLoss()
     for step in range(start, args.steps):
-        x, y = batch(step, faults.data_rank(step), world, global_batch, args.seed)
+        shard = faults.data_rank(step)
+        x, y = batch(step, shard, world, global_batch, args.seed)
+        micro = global_batch // world
+        mon.observe_samples(range(step * global_batch + shard * micro,
+                                  step * global_batch + (shard + 1) * micro))
+        if rerun:  # the step handed over as a closure, so ddpmon can run it again
+
+            def closure(x=x, y=y, step=step):
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x).reshape(-1, VOCAB), y.reshape(-1))
+                mon.observe_loss(loss)
+                faults.before_backward(step, model)
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+            optimizer.zero_grad(set_to_none=True)
+            faults.after_step(step, model)
+            checkpoints.after_step(step, model.module, optimizer, scaler, mon)
+            if args.step_delay:
+                time.sleep(args.step_delay)
+            continue
         with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
             logits = model(x)
             loss = loss_fn(logits.float().reshape(-1, VOCAB), y.reshape(-1))
@@ -137,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        faults.after_step(step, model)
         checkpoints.after_step(step, model.module, optimizer, scaler, mon)
         if args.step_delay:
             time.sleep(args.step_delay)

@@ -180,6 +180,9 @@ class DdpmonCollector(Collector):
         }
         if s.replica_mismatch_total is not None:
             out[m.REPLICA_MISMATCH] = _one(s.replica_mismatch_total)
+        reruns = s.step_reruns_total
+        if reruns is not None:
+            out[m.STEP_RERUNS] = [((v,), float(n)) for v, n in sorted(dict(reruns).items())]
         if s.stall_threshold_seconds is not None:
             out[m.STALL_THRESHOLD] = _one(s.stall_threshold_seconds)
         if s.loss is not None:

@@ -75,6 +75,28 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         failure=True,
     ),
     EventKind(
+        "rerun",
+        "Under `on_nonfinite='rerun'`, a step was run once more on the same batch and RNG state "
+        "(every rank reruns together) to tell a transient fault from a deterministic one.",
+        {
+            "trigger": "`nonfinite` (reduced gradients) or `norm_jump` (`rerun_norm_jump`)",
+            "fault": "`transient` (did not reproduce: suspect the device) or `deterministic` "
+            "(reproduced: the data or the numerics)",
+            "origin": "true on the rank whose local gradients were bad (the suspect)",
+            "action": "`skip` (transient), `raise` (deterministic non-finite) or `apply` (a "
+            "norm jump that reproduced)",
+            "device": "this rank's device",
+            "gpu_uuid": "its GPU UUID, to compare with DCGM (null off CUDA)",
+            "param": "first non-finite parameter of this rank's local gradients",
+            "grad_norm": "the first run's global norm",
+            "rerun_grad_norm": "the rerun's",
+            "batch": "shapes and dtypes of the batch's tensors (never their values)",
+            "sample_ids": "the step's sample ids from `mon.observe_samples` (first 64)",
+            "sample_count": "how many sample ids the step had",
+        },
+        failure=True,
+    ),
+    EventKind(
         "overflow",
         "The GradScaler skipped the step (inf/NaN it absorbed).",
         {"loss_scale": "the scale at that step", "absorbed": "always true"},

@@ -41,7 +41,8 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
                 "exc_type", "message", "code", "idle_seconds", "detail", "phase", "frame",
                 "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
                 "microbatch", "site", "ranks", "group", "replicas", "device",
-                "first_check"):
+                "first_check", "trigger", "fault", "gpu_uuid", "sample_ids", "sample_count",
+                "batch"):
         if key in e:
             out[key] = e[key]
     return out
@@ -80,6 +81,8 @@ def failure_tier(e: dict[str, Any], *, floor_stopped: bool = False) -> int | Non
         return 3 if str(e.get("signal")) in SECONDARY_SIGNALS else 0
     if kind in ("oom", "replica_mismatch"):
         return 0
+    if kind == "rerun":  # the rank named in the event is the origin; the others reran with it
+        return 0 if e.get("origin") is True and e.get("action") != "apply" else None
     if kind == "exit":
         reason = e.get("reason")
         if reason == "exception":

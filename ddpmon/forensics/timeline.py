@@ -12,7 +12,8 @@ latest ``start`` event before it (rank 0's clock). Synthetic events: a crash fil
 a rank whose log ends without ``exit`` or signal a ``vanished`` event at its last event.
 
 The first failure is chosen by evidence, then time:
-0. *origin* failures: a local ``nonfinite`` (``origin`` not false), a fatal signal, ``oom``, an
+0. *origin* failures: a local ``nonfinite`` (``origin`` not false), a ``rerun`` on its origin
+   rank (unless it applied the step), a ``replica_mismatch``, a fatal signal, ``oom``, an
    ``exit`` by exception that is not a communication error, an ``exit`` with a non-zero code;
 1. ``vanished`` ranks (died without a word: SIGKILL, OOM killer, ``os._exit``);
 2. ``stall`` events, the rank whose flight recorder shows the fewest enqueued collectives first

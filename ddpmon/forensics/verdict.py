@@ -8,6 +8,9 @@ picked (``failure.first_failure``) and the events around it:
   alone since the previous check (``step_skipped``), a mismatch at the first check of an attempt
   (another checkpoint loaded), or every replica differing (a non-deterministic kernel) are bugs
   of the script or its numerics; otherwise the named rank's device is the suspect (hardware).
+- ``rerun`` (``on_nonfinite='rerun'``): a transient fault (the step did not reproduce on the
+  same batch and RNG state) points at the origin rank's device (hardware); a deterministic one
+  at the data or the numerics, with the batch's sample ids.
 - ``nonfinite`` (origin), ``loss_scale_floor``: numerics, with the rank, step and tensor. No
   rerun has told a transient fault from a deterministic one, so hardware is not excluded.
 - ``oom``: memory. ``stall``: data supply when the rank waited for its batch, else
@@ -20,6 +23,7 @@ daemon's job outcome can all carry it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 LAYERS = ("hardware", "numerics", "data", "memory", "communication", "process")
@@ -33,6 +37,8 @@ def verdict(first: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[
     at = f"rank {rank}, step {step}"
     if kind == "replica_mismatch":
         layer, evidence = _replicas(first, events)
+    elif kind == "rerun":
+        layer, evidence = _rerun(first)
     elif kind == "nonfinite":
         what = first.get("param") or first.get("tensor") or "a gradient"
         layer, evidence = "numerics", (
@@ -64,6 +70,21 @@ def verdict(first: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[
     return {"layer": layer, "evidence": evidence, "line": f"{layer} ({evidence})"}
 
 
+def _rerun(first: dict[str, Any]) -> tuple[str, str]:
+    rank, step = first.get("rank"), first.get("step")
+    gpu, device = first.get("gpu_uuid"), first.get("gpu_uuid") or first.get("device")
+    what = "a non-finite gradient" if first.get("trigger") == "nonfinite" else "a norm jump"
+    if first.get("fault") == "transient":
+        act = f"drain the node and compare {gpu} with DCGM" if gpu else "drain the node"
+        return "hardware", (f"transient on rank {rank}" + (f", {device}" if device else "")
+                            + f": {what} at step {step} did not reproduce on a rerun of the "
+                            f"same batch; {act}")
+    ids = format_ids(first.get("sample_ids"), first.get("sample_count"))
+    where = f" in {first['param']}" if first.get("param") else ""
+    return "numerics", (f"deterministic on rank {rank}: {what} at step {step}{where} reproduced"
+                        f" on a rerun" + (f"; batch ids {ids}" if ids else ""))
+
+
 def _replicas(first: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str, str]:
     rank, step = first.get("rank"), first.get("step")
     ranks = first.get("ranks") or [rank]
@@ -91,3 +112,19 @@ def _replicas(first: dict[str, Any], events: list[dict[str, Any]]) -> tuple[str,
     others = [r for r in ranks if r != rank]
     tie = f"; no majority, rank {', '.join(map(str, others))} differs too" if others else ""
     return "hardware", f"suspect {where}: silent data corruption; {diverged}{tie}"
+
+
+def format_ids(ids: Sequence[int] | None, count: int | None = None) -> str:
+    """``8812-8815, 9001`` (consecutive runs folded), ``… (N in all)`` when cut."""
+    if not ids:
+        return ""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    if count is not None and count > len(ids):
+        text += f", … ({count} in all)"
+    return text
