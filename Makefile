@@ -102,6 +102,7 @@ bench: $(STAMP) $(OPS_STAMP)
 	$(BIN)/python benchmarks/deepspeed_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/replica_check.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/rerun_cost.py --write benchmarks/RESULTS.md
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack

@@ -69,6 +69,8 @@ class JobView(BaseModel):
     job_dir: str
     ranks: dict[str, dict[str, Any]]
     first_failure: dict[str, Any] | None = None
+    verdict: dict[str, str] | None = None
+    """The layer the first failure points at and its evidence, as ``ddpmon timeline`` ends."""
     failures: list[dict[str, Any]]
     summary: dict[str, Any]
     cancel_requested_at: float | None = None

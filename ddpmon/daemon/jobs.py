@@ -427,6 +427,7 @@ class JobManager:
         job.ended_at = (result or {}).get("ended_at") or time.time()
         if job.run_dir:
             job.summary = summary.merge_final(job.summary, Path(job.run_dir) / job.id)
+            job.verdict = outcome.run_verdict(Path(job.run_dir) / job.id)
         if job.cancel_requested_at is not None:
             job.state, job.reason = "CANCELLED", "cancelled by request"
         elif result is not None:

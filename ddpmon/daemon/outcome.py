@@ -11,6 +11,7 @@ one class, and torchrun's timestamps are whole seconds (``ProcessFailure`` trunc
 
 from __future__ import annotations
 
+import logging
 import signal
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from typing import Any
 from ..forensics.failure import failure_tier
 from ..rundir import EVENTS_RE, RunDir
 from ..safe_read import json_lines, load_json
+
+log = logging.getLogger("ddpmon.daemon")
 
 FAILURE_EVENT_KINDS = frozenset(
     {"nonfinite", "scale_floor", "stall", "oom", "signal", "exception", "thread_exception", "crash"}
@@ -132,6 +135,18 @@ def _signal_name(num: int) -> str:
         return signal.Signals(num).name
     except ValueError:
         return str(num)
+
+
+def run_verdict(run_path: Path) -> dict[str, str] | None:
+    """The verdict ``ddpmon timeline`` ends with (``forensics.verdict``), from the job's run
+    dir; None when it has none or cannot be read (logged, never raised)."""
+    from ..forensics.timeline import build_timeline
+
+    try:
+        return build_timeline(run_path).verdict if run_path.is_dir() else None
+    except Exception:
+        log.exception("the verdict of %s could not be read", run_path)
+        return None
 
 
 def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -62,6 +62,7 @@ class JobRecord:
     job_dir: str = ""
     ranks: dict[str, dict[str, Any]] = field(default_factory=dict)
     first_failure: dict[str, Any] | None = None
+    verdict: dict[str, str] | None = None
     failures: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     cancel_requested_at: float | None = None

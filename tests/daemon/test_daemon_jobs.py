@@ -50,6 +50,9 @@ def test_demo_completes_with_metrics_and_segv_fails_on_rank1(daemon: Daemon) -> 
     assert (first["rank"], first["signal"]) == (1, signal.SIGSEGV), bad["failures"]
     assert bad["ranks"]["1"]["signal"] == signal.SIGSEGV
     assert "rank 1" in bad["reason"] and "signal 11" in bad["reason"]
+    assert bad["verdict"]["layer"] == "process", bad["verdict"]  # as `ddpmon timeline` ends
+    assert bad["verdict"]["line"].startswith("process (SIGSEGV on rank 1"), bad["verdict"]
+    assert ok["verdict"] is None
     assert _sd_ranks(daemon, "segv") == set()
     # per-rank output kept
     log = daemon.get("/api/v1/jobs/ok/logs", params={"rank": 1, "stream": "stderr"})
