@@ -32,9 +32,9 @@ def main() -> int:
     p.add_argument("--write", default=None)
     args = p.parse_args()
     import torch
+    from two_ranks import residual_net
 
     import ddpmon
-    from two_ranks import residual_net
 
     torch.set_num_threads(1)
     x = torch.randn(args.batch, args.d_model)

@@ -13,6 +13,8 @@ at the first step of the process compares at once.
 ``--scenario zero2``: DeepSpeed ZeRO-2 (``DS_ACCELERATOR=cpu``), clean: no mismatch.
 ``--scenario hsdp``: HSDP on a 2 x 2 mesh (replicate x shard); one bit of ``FLIP_RANK``'s
 local shard flips at ``FLIP_STEP``. Its replicate group has two ranks: both are named.
+``--scenario tp``: tensor parallel over 4 ranks (``head`` row-wise: its bias is replicated);
+one bit of ``FLIP_RANK``'s copy of that bias flips at ``FLIP_STEP``.
 ``--scenario clean``: accumulation over two micro-batches (``no_sync``) and bf16 autocast, a
 check every step: no mismatch.
 
@@ -68,7 +70,7 @@ def repair(model: nn.Module) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--scenario", choices=("phases", "resume", "zero2", "clean", "hsdp"),
+    ap.add_argument("--scenario", choices=("phases", "resume", "zero2", "clean", "hsdp", "tp"),
                     required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -98,6 +100,25 @@ def main() -> None:
             loss = engine(torch.randn(4, 8, generator=gen)).pow(2).mean()
             engine.backward(loss)
             engine.step()
+    elif args.scenario == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+        parallelize_module(net, mesh, {"embed": ColwiseParallel(), "head": RowwiseParallel()})
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        mon = ddpmon.attach(net, opt, **options)
+        data = torch.Generator().manual_seed(100)  # TP: every rank computes on the same batch
+        for step in range(10):
+            opt.zero_grad()
+            net(torch.randn(4, 8, generator=data)).pow(2).mean().backward()
+            opt.step()
+            if step == FLIP_STEP and rank == FLIP_RANK:
+                flip_bit(net.head.bias.to_local(), 1, FLIP_BIT)
     elif args.scenario == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard

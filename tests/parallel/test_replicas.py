@@ -110,6 +110,20 @@ def test_hsdp_names_the_flipped_shard_and_its_replicate_peer(tmp_path):
         "every": EVERY, "over": "the replicate group of each rank (HSDP)"}
 
 
+def test_tp_names_the_rank_whose_replicated_bias_flipped(tmp_path):
+    """Tensor parallel over 4 ranks: the row-wise layer's bias is replicated; the flipped bit
+    on one rank is outvoted by the other three."""
+    ranks = run_ranks(WORKER, tmp_path, ["--scenario", "tp"], world=4)
+    flip = _next_check(FLIP_STEP)
+    for r in ranks:
+        assert r["errors"] == {}, r
+        named = r["rank"] == FLIP_RANK
+        assert [e["step"] for e in r["events"]] == ([flip] if named else []), r
+        for e in r["events"]:
+            assert e["ranks"] == [FLIP_RANK] and e["group"] == "head" and e["replicas"] == 4
+    assert ranks[0]["replica_check"]["over"].startswith("the TP ranks")
+
+
 @pytest.mark.parametrize(("scenario", "world", "over"), [
     ("clean", 3, "the ranks of the DDP process group"),
     ("zero2", 2, "the engine's data-parallel group"),

@@ -93,7 +93,8 @@ def allocator_stats(device):
 
 def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     """A rank's state with every series; ``opt_in=False`` leaves out the opt-in per-step metrics
-    (``step_metrics``), as an agent with defaults does; ``replicas=False`` the replica check's
+    (``step_metrics``) and the reruns' counter (``on_nonfinite='rerun'``), as an agent with
+    defaults does; ``replicas=False`` the replica check's
     counter, as a strategy without replicas does."""
     s = MetricState(loss_scale_floor=1.0, started_at=1700000000.0)
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
@@ -117,6 +118,7 @@ def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     s.stall_threshold_seconds, s.strategy = 300.0, "ddp"
     s.attempt = 1
     s.replica_mismatch_total = 0 if replicas else None
+    s.step_reruns_total = {"deterministic": 0, "transient": 1} if opt_in else None
     s.apply_checkpoint("load", 30, 2.5, 1700000001.0, None)
     s.apply_checkpoint("save", 40, 12.0, 1700000040.0, 5 << 20)
     return s
@@ -202,7 +204,7 @@ def test_series_budget_with_default_group_bound():
     [
         (("all_reduce",), True),  # DDP
         (("reduce_scatter", "all_gather"), False),  # FSDP2
-        (("all_reduce", "reduce_scatter", "all_gather"), True),  # HSDP
+        (("all_reduce", "reduce_scatter", "all_gather"), True),  # HSDP, TP (sequence parallel)
         (("all_reduce", "reduce_scatter", "all_gather", "broadcast"), False),  # ZeRO-3
         (("all_reduce", "reduce", "all_gather"), True),  # DeepSpeed ZeRO-1/2
         (("reduce_scatter", "all_gather", "send", "recv"), False),  # PP + FSDP2
@@ -229,6 +231,10 @@ def test_series_budget_holds_for_every_strategy_op_set(ops, replicas):
     per_op = [s for s in series if s.startswith("ddpmon_collective_")]
     assert len(per_op) == 8 * len(ops)
     assert len(series) <= 150, len(series)
+    if "send" not in ops and "broadcast" not in ops:  # on_nonfinite='rerun' runs here: 2 more
+        state.step_reruns_total = {"deterministic": 0, "transient": 0}
+        text = make_exposition(state).render().decode()
+        assert len(_series(text)) == len(series) + 2 <= 150, len(_series(text))
 
 
 def _series(text: str) -> list[str]:
