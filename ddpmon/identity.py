@@ -59,8 +59,13 @@ def backend_in_use(device: str) -> str:
 
 
 def detect_identity(model: torch.nn.Module | None, node: str | None = None) -> RankIdentity:
-    """From ``torch.distributed`` when initialised, else torchrun's environment, else rank 0/1."""
+    """From ``torch.distributed`` when initialised, else torchrun's environment, else Slurm's
+    (``srun`` without torchrun: ``SLURM_PROCID``, ``SLURM_NTASKS``), else rank 0 of 1. The local
+    rank: ``LOCAL_RANK``, else ``SLURM_LOCALID``, else the rank; the node: ``node``, else
+    ``SLURMD_NODENAME``, else the host name."""
     import torch.distributed as dist
+
+    from .slurm import task_env
 
     device = "cpu"
     if model is not None:
@@ -71,13 +76,15 @@ def detect_identity(model: torch.nn.Module | None, node: str | None = None) -> R
         rank, world_size = dist.get_rank(), dist.get_world_size()
         backend = backend_in_use(device)
     else:
-        rank, world_size, backend = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), "none"
-    local_rank = _env_int("LOCAL_RANK", rank)
+        rank = _env_int("RANK", task_env("SLURM_PROCID") or 0)
+        world_size, backend = _env_int("WORLD_SIZE", task_env("SLURM_NTASKS") or 1), "none"
+    localid = task_env("SLURM_LOCALID")
+    local_rank = _env_int("LOCAL_RANK", rank if localid is None else localid)
     return RankIdentity(
         rank=rank,
         local_rank=local_rank,
         world_size=world_size,
-        node=node or socket.gethostname(),
+        node=node or os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
         backend=backend,
         device=device,
         pid=os.getpid(),

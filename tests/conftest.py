@@ -66,6 +66,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "scaleout/": ("services",),
     "scaleout/test_sharded_path.py": ("ranks", "services"),
     "security/": (),
+    "slurm/": ("ranks", "services"),
     "unit/": (),
     "unit/test_collector.py": ("services",),
 }
@@ -74,7 +75,8 @@ LANES: dict[str, tuple[str, ...]] = {
 # ``python -m``); ``ddpmon demo`` and ``torchrun`` start ranks.
 SERVICE_PROGRAMS = frozenset(
     {"prometheus", "promtool", "prometheus-alertmanager", "alertmanager", "amtool",
-     "victoria-metrics", "vmagent", "vmalert", "ip", "unshare", "nsenter"}
+     "victoria-metrics", "vmagent", "vmalert", "ip", "unshare", "nsenter", "munged",
+     "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel"}
 )
 BROWSER_PROGRAMS = frozenset({"chromium", "chromium-browser", "chrome", "headless_shell"})
 RANK_PROGRAMS = frozenset({"torchrun"})

@@ -61,6 +61,9 @@ def detect_attempt(
     """This process's attempt; call before the ``start`` event is written."""
     environ = os.environ if environ is None else environ
     elastic = _int(environ.get("TORCHELASTIC_RESTART_COUNT"))
+    from ..slurm import restart_count
+
+    requeues = restart_count(environ)
     try:
         starts = Path(events_file).read_bytes().count(b'"kind":"start"')
     except OSError:
@@ -68,6 +71,8 @@ def detect_attempt(
     number, source = starts, "run_dir"
     if elastic is not None and elastic >= starts:
         number, source = elastic, "torchelastic"
+    if requeues is not None and requeues > number:
+        number, source = requeues, "slurm"
     previous = None
     if number > 0:
         from ..forensics.eventlog import read_progress

@@ -1,7 +1,8 @@
 """Who this rank is and which run it belongs to, settled once at attach.
 
 Identity (rank, local rank, world size, node, device, GPU UUID), the run id every rank agrees on
-(explicit > torchrun's ``TORCHELASTIC_RUN_ID`` > one id broadcast from rank 0), this rank's clock
+(explicit > torchrun's ``TORCHELASTIC_RUN_ID`` > the Slurm job's id > one id broadcast from rank
+0), this rank's clock
 offset to rank 0 and every rank's host (for rank 0's manifest). The collectives here run once,
 in the same order on every rank, inside ``attach``.
 """
@@ -40,6 +41,11 @@ class RunContext:
         if not candidate:
             elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
             candidate = elastic if elastic and elastic != "none" else None
+        if not candidate:
+            from ..slurm import from_environ
+
+            job = from_environ()
+            candidate = job.run_id if job is not None else None
         clock: dict[str, Any] = {}
         hosts = None
         dist = torch.distributed

@@ -85,6 +85,11 @@ class Endpoint:
             "node": ident.node,
             "local_rank": str(ident.local_rank),
         }
+        from ..slurm import from_environ
+
+        job = from_environ()
+        if job is not None:
+            labels |= job.labels()
         sd_dir = cfg.sd_dir or os.environ.get("DDPMON_SD_DIR")
         if sd_dir:
             with guard("discovery"):

@@ -38,6 +38,11 @@ def manifest_extra(mon: Monitor) -> dict:
     if mon.engine_facts is not None:
         precision = f"deepspeed-{mon.engine_facts.precision}"
         extra["deepspeed"] = mon.engine_facts.manifest()
+    from ..slurm import from_environ
+
+    job = from_environ()
+    if job is not None:
+        extra["slurm"] = job.manifest()
     return extra | {
         "run_id": mon.run_id,
         "batch_shapes": mon.pipeline.batch_shapes,

@@ -22,6 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--steps", action="store_true", help="also list per-step events")
+    p.add_argument("--no-slurm", action="store_true",
+                   help="do not ask Slurm (sacct, scontrol) how the run's job ended")
     p.set_defaults(func=run)
 
 
@@ -41,16 +43,22 @@ def run(args: argparse.Namespace) -> int:
     from ._damage import print_damage
 
     print_damage("timeline", tl.damage.lines())
+    slurm = None
+    if not args.no_slurm:
+        from ddpmon.forensics import slurm_outcome
+
+        job = slurm_outcome.job_id_of(tl.run_path)
+        slurm = slurm_outcome.query(job) if job else None
     if args.json:
         from ddpmon.atomic import dumps
 
-        print(dumps(tl.to_json(), indent=1, sort_keys=False))
+        print(dumps({**tl.to_json(), "slurm": slurm}, indent=1, sort_keys=False))
     else:
-        _render(tl, show_steps=args.steps)
+        _render(tl, show_steps=args.steps, slurm=slurm)
     return 3 if tl.missing_ranks else 0
 
 
-def _render(tl, show_steps: bool) -> None:
+def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
     from rich.table import Table
 
     from ddpmon.forensics.timeline import describe
@@ -111,6 +119,10 @@ def _render(tl, show_steps: bool) -> None:
             f"  rank {shown(rank)}: {shown(info['ended'])}; last event {shown(last.get('kind'))} "
             f"at step {shown(last.get('step'))} (+{last.get('t_rel', 0):.3f}s){ev}"
         )
+    if slurm:
+        from ddpmon.forensics.slurm_outcome import line
+
+        console.print(f"[bold]Slurm:[/bold] {shown(line(slurm))}")
     if tl.verdict:
         console.print(f"[bold]Verdict:[/bold] {shown(tl.verdict['line'])}")
 

@@ -93,6 +93,9 @@ class RankRegistration(BaseModel):
     port: int = Field(ge=1, le=65535)
     host: str = Field(default="127.0.0.1", pattern=HOST_PATTERN)
     job_id: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    slurm_job: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    slurm_user: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
+    slurm_partition: str | None = Field(default=None, pattern=JOB_ID_PATTERN)
 
 
 class SdGroup(BaseModel):

@@ -158,8 +158,9 @@ class RankRegistry:
                 "local_rank": str(doc.get("local_rank", "")),
                 "node": str(doc.get("node", "")),
             }
-            if doc.get("job_id"):
-                labels["job_id"] = str(doc["job_id"])
+            for key in ("job_id", "slurm_job", "slurm_user", "slurm_partition"):
+                if doc.get(key):
+                    labels[key] = str(doc[key])
             host = str(doc["host"])
             host = f"[{host}]" if ":" in host else host
             groups.append({"targets": [f"{host}:{doc['port']}"], "labels": labels})

@@ -51,7 +51,8 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "strategy": "detected parallelism (`plain`, `ddp`, `fsdp2`, ...)",
             "clock_offset_seconds": "rank 0's clock minus this rank's, measured at attach",
             "clock_rtt_seconds": "width of the narrowest measurement round (uncertainty x2)",
-            "attempt_source": "where the attempt number came from (`torchelastic` or `events`)",
+            "attempt_source": "where the attempt number came from (`torchelastic`, `run_dir`: "
+            "the starts before this one, or `slurm`: `SLURM_RESTART_COUNT`, a requeue)",
             "previous_progress": "last step the previous attempt of this rank completed",
         },
     ),

@@ -167,6 +167,7 @@ def build_manifest(
         "recovery": extra.pop("recovery", None),
         "data_check": extra.pop("data_check", None),
         "replica_check": extra.pop("replica_check", None),
+        "slurm": extra.pop("slurm", None),
         "extra": extra,
     }
     return manifest

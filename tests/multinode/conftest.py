@@ -6,7 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 from harness import Stack, start_stack
-from netns import NetnsUnavailable, check_available, create
+
+from tests.support.netns import NetnsUnavailable, check_available, create
 
 
 @pytest.fixture(scope="module")

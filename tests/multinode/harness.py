@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from netns import Cluster, Node
 from pki import PASSWORD, USER, write_web_config
 
 from ddpmon.mixin import render
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.services import Alertmanager, Prometheus
+from tests.support.netns import Cluster, Node
 from tests.support.stack import WebhookReceiver
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,179 @@
+"""A real Slurm cluster on one machine: munged, slurmctld and two slurmd "nodes" (Debian's
+``slurmctld``, ``slurmd``, ``slurm-client``, ``munge``, 22.05), each slurmd in its own network
+and UTS namespace (``tests/support/netns.py``), so ``node-a`` and ``node-b`` have their own
+address and host name, as two hosts would.
+
+Everything is private to the harness: its own munge key and socket, its own ``slurm.conf``
+(``SLURM_CONF``), state and spool directories, ports chosen free. No accounting database runs
+(``accounting_storage/none``): ``sacct`` answers nothing, ``scontrol show job`` keeps a finished
+job for ``MinJobAge`` (600 s here). ``close()`` stops every daemon and every job process and
+removes the namespaces, also after errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.netns import Cluster, NetnsUnavailable, check_available, create
+from tests.support.ports import free_port
+
+COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo")
+
+
+class SlurmUnavailable(RuntimeError):
+    """The message is the skip reason."""
+
+
+def check() -> None:
+    missing = [c for c in COMMANDS if shutil.which(c) is None]
+    if missing:
+        raise SlurmUnavailable(f"Slurm is not installed ({', '.join(missing)} missing: Debian "
+                               "slurmctld slurmd slurm-client munge)")
+    try:
+        check_available()
+    except NetnsUnavailable as exc:
+        raise SlurmUnavailable(str(exc)) from None
+
+
+@dataclass
+class SlurmCluster:
+    workdir: Path
+    net: Cluster
+    env: dict[str, str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def nodes(self):
+        return self.net.nodes
+
+    def run(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **self.env})
+
+    def sbatch(self, script: Path, *options: str) -> str:
+        res = self.run("sbatch", "--parsable", *options, str(script))
+        assert res.returncode == 0, res.stderr
+        return res.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job -o``, as a dict (empty once Slurm forgot the job)."""
+        res = self.run("scontrol", "show", "job", "-o", job_id)
+        out: dict[str, str] = {}
+        for item in res.stdout.split():
+            key, _, value = item.partition("=")
+            out.setdefault(key, value)
+        return out
+
+    def wait_state(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job(job_id)
+            if info.get("JobState") in states:
+                return info
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not {states} after {timeout}s: {info}\n"
+                                   + self.logs())
+            time.sleep(0.5)
+
+    def logs(self) -> str:
+        tails = []
+        for name in ("slurmctld.log", "slurmd-node-a.log", "slurmd-node-b.log"):
+            path = self.workdir / name
+            if path.exists():
+                tails.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-15:]))
+        return "\n".join(tails)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run("scancel", "--full", "--user", "root", timeout=10)
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        self.net.close()  # slurmd, slurmstepd and every task: killed with the namespaces
+
+
+def start(workdir: Path) -> SlurmCluster:
+    check()
+    workdir.mkdir(parents=True, exist_ok=True)
+    net = create(("node-a", "node-b"))
+    cluster = SlurmCluster(workdir, net, {})
+    try:
+        _start(cluster)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _start(cluster: SlurmCluster) -> None:
+    w, net = cluster.workdir, cluster.net
+    key = w / "munge.key"
+    key.write_bytes(os.urandom(128))
+    key.chmod(0o600)
+    sock = w / "munge.socket"
+    cluster.procs.append(subprocess.Popen(
+        ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={sock}",
+         f"--pid-file={w / 'munged.pid'}", f"--log-file={w / 'munged.log'}",
+         f"--seed-file={w / 'munged.seed'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    (w / "state").mkdir(exist_ok=True)
+    ctl_port, node_port = free_port(), free_port()
+    nodes = "".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs=2 State=UNKNOWN\n"
+                    for n in net.nodes)
+    (w / "slurm.conf").write_text(f"""ClusterName=ddpmon
+SlurmctldHost={socket.gethostname()}({net.gateway})
+SlurmctldPort={ctl_port}
+SlurmdPort={node_port}
+AuthType=auth/munge
+AuthInfo=socket={sock}
+CredType=cred/munge
+SlurmUser=root
+SlurmdUser=root
+MailProg=/bin/true
+StateSaveLocation={w}/state
+SlurmdSpoolDir={w}/spool-%n
+SlurmctldPidFile={w}/slurmctld.pid
+SlurmdPidFile={w}/slurmd-%n.pid
+SlurmctldLogFile={w}/slurmctld.log
+SlurmdLogFile={w}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MinJobAge=600
+KillWait=5
+{nodes}PartitionName=debug Nodes={','.join(n.name for n in net.nodes)} Default=YES MaxTime=INFINITE State=UP
+""")
+    (w / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
+    cluster.env = {"SLURM_CONF": str(w / "slurm.conf")}
+    env = {**os.environ, **cluster.env}
+    cluster.procs.append(subprocess.Popen(
+        ["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    for node in net.nodes:
+        node.popen(["slurmd", "-D"], w / f"{node.name}.out", env=cluster.env)
+    deadline = time.monotonic() + 60
+    while True:
+        res = cluster.run("sinfo", "-h", "-N", "-o", "%N %T")
+        if res.stdout.count("idle") == len(net.nodes):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Slurm nodes did not come up: {res.stdout}{res.stderr}\n"
+                               + cluster.logs())
+        time.sleep(0.5)
