@@ -18,6 +18,7 @@ _REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = "deploy/prometheus"
 ALERTMANAGER_YML = "deploy/alertmanager/alertmanager.yml"
 PROMETHEUS_YML = "deploy/prometheus/prometheus.yml"
+PROMETHEUS_SLURM_YML = "deploy/prometheus/prometheus-slurm.yml"
 KUBERNETES_DIR = "deploy/kubernetes"
 DASHBOARD_DIR = "dashboards"
 GRAFANA_PROVISIONING_DIR = "deploy/grafana/provisioning"

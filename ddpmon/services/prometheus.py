@@ -32,8 +32,10 @@ def prometheus_config(
     scrape_interval: str | None = None,
     evaluation_interval: str | None = None,
     base: Path | None = None,
+    http_sd_urls: list[str] | None = None,
 ) -> dict[str, Any]:
-    """The shipped prometheus.yml with this machine's paths and addresses filled in."""
+    """The shipped prometheus.yml (or ``base``, e.g. the Slurm one) with this machine's paths
+    and addresses filled in: the file_sd directory, or the nodes' http_sd URLs."""
     cfg = yaml.safe_load((base or shipped.path(shipped.PROMETHEUS_YML)).read_text())
     glob = str(Path(sd_dir).resolve() / "*.json")
     for job in cfg["scrape_configs"]:
@@ -41,6 +43,13 @@ def prometheus_config(
             sd["files"] = [glob]
             if scrape_interval:
                 sd["refresh_interval"] = scrape_interval
+        if http_sd_urls is not None and job.get("http_sd_configs"):
+            template = job["http_sd_configs"][0]
+            job["http_sd_configs"] = [
+                {**template, "url": url,
+                 **({"refresh_interval": scrape_interval} if scrape_interval else {})}
+                for url in http_sd_urls
+            ]
     cfg["rule_files"] = [str(Path(p).resolve()) for p in rule_files]
     if alertmanager:
         cfg["alerting"]["alertmanagers"][0]["static_configs"] = [{"targets": [alertmanager]}]
@@ -89,6 +98,8 @@ class Prometheus(PrometheusAPI, ManagedServer):
         evaluation_interval: str | None = None,
         port: int | None = None,
         flags: list[str] | None = None,
+        base: Path | None = None,
+        http_sd_urls: list[str] | None = None,
     ) -> None:
         self.workdir = Path(workdir)
         self.flags = list(flags or [])
@@ -101,6 +112,8 @@ class Prometheus(PrometheusAPI, ManagedServer):
             alertmanager=alertmanager,
             scrape_interval=scrape_interval,
             evaluation_interval=evaluation_interval,
+            base=base,
+            http_sd_urls=http_sd_urls,
         )
         self.config_path = self.workdir / "prometheus.yml"
         self._process: ManagedProcess | None = None

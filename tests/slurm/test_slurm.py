@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
+from ddpmon.mixin import shipped
 from ddpmon.mixin.config import MixinConfig
 from tests.support.ports import free_port
 from tests.support.slurm import SlurmUnavailable, start
@@ -64,20 +66,34 @@ def timeline(run: Path, env: dict[str, str], *args: str) -> subprocess.Completed
 
 
 def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp_path):
-    """2 nodes x 2 tasks, ``srun python train.py``: identity from SLURM_*, the run named by the
-    job id, every rank scraped, the NaN on rank 3 (node-b) pages, the timeline names it."""
-    sd, runs, out = (tmp_path / d for d in ("sd", "runs", "out"))
-    for d in (sd, runs, out):
-        d.mkdir()
+    """2 nodes x 2 tasks, ``srun python train.py``, a ``ddpmon daemon`` per node for the job:
+    identity from SLURM_*, the run named by the job id, every rank discovered through the
+    daemons' /sd (the shipped prometheus-slurm.yml) with the job's labels, the NaN on rank 3
+    (node-b) pages, the timeline names it, and nothing of the job is left running."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    out.mkdir()
+    daemon = free_port()
     script = job_script(
         tmp_path / "job.sh",
-        f"srun bash -c 'DDPMON_BIND=$(hostname -i) exec {sys.executable} {TRAIN} --out {out} "
-        "--steps 40 --step-delay 0.2 --nan 3:5'",
+        # the node daemons, for the job's lifetime (Slurm ends the step with the job)
+        "srun --ntasks-per-node=1 --overlap bash -c 'exec "
+        f"{sys.executable} -m ddpmon.cli daemon --bind $(hostname -i) --port {daemon} "
+        f"--state-dir {tmp_path}/daemon-$SLURMD_NODENAME --node $SLURMD_NODENAME' &\n"
+        "for node in $(scontrol show hostnames \"$SLURM_JOB_NODELIST\"); do\n"
+        f"  until {sys.executable} -c \"import socket,sys; socket.create_connection((sys.argv[1],"
+        f" {daemon}), 1)\" $node 2>/dev/null; do sleep 0.2; done\n"
+        "done\n"
+        "srun bash -c 'export DDPMON_BIND=$(hostname -i) "
+        f"DDPMON_DAEMON_URL=http://$(hostname -i):{daemon}; exec {sys.executable} {TRAIN} "
+        f"--out {out} --steps 40 --step-delay 0.2 --nan 3:5'",
         "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/slurm-%j.out",
-        DDPMON_RUN_DIR=runs, DDPMON_SD_DIR=sd, DDPMON_PORT=free_port(),
-        DDPMON_LINGER_SECONDS=3)
-    with WebhookReceiver() as hook, live_stack(tmp_path / "stack", sd, MixinConfig(),
-                                               hook.url) as stack:
+        DDPMON_RUN_DIR=runs, DDPMON_PORT=free_port(), DDPMON_LINGER_SECONDS=3)
+    urls = [f"http://{n.addr}:{daemon}/sd" for n in slurm.nodes]
+    with WebhookReceiver() as hook, live_stack(
+            tmp_path / "stack", tmp_path / "no-sd", MixinConfig(), hook.url,
+            prometheus_base=shipped.path(shipped.PROMETHEUS_SLURM_YML),
+            http_sd_urls=urls) as stack:
         job = slurm.sbatch(script)
         try:
             page = hook.wait_for_alert("DdpmonNonFiniteGradients", 180,
@@ -92,6 +108,10 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
     assert sorted(int(r["metric"]["rank"]) for r in scraped) == [0, 1, 2, 3]
     assert {r["metric"]["slurm_job"] for r in labels} == {job}
     assert {r["metric"]["slurm_partition"] for r in labels} == {"debug"}
+    assert {r["metric"]["slurm_user"] for r in labels} == {"root"}
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+            if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left  # the daemons and the ranks ended with the job
 
     facts = ranks(out)
     assert [(r["rank"], r["local_rank"], r["node"]) for r in facts] == [
@@ -99,7 +119,8 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
     assert {(r["world_size"], r["run_id"], r["attempt"]) for r in facts} == {(4, job, 0)}
     run = runs / job
     manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["slurm"]["job_id"] == job and manifest["slurm"]["step_id"] == "0"
+    # step 0 is the daemons' srun, step 1 the ranks'
+    assert manifest["slurm"]["job_id"] == job and manifest["slurm"]["step_id"] == "1"
     assert manifest["slurm"]["allocation"]["nodes"] == "node-a,node-b"
     assert manifest["slurm"]["allocation"]["tasks_per_node"] == "2(x2)"
     assert manifest["slurm"]["partition"] == "debug"

@@ -4,7 +4,8 @@ and UTS namespace (``tests/support/netns.py``), so ``node-a`` and ``node-b`` hav
 address and host name, as two hosts would.
 
 Everything is private to the harness: its own munge key and socket, its own ``slurm.conf``
-(``SLURM_CONF``), state and spool directories, ports chosen free. No accounting database runs
+(``SLURM_CONF``), state and spool directories, ports chosen free, a 5 s credential lifetime (so
+a requeued job starts again within seconds, not two minutes). No accounting database runs
 (``accounting_storage/none``): ``sacct`` answers nothing, ``scontrol show job`` keeps a finished
 job for ``MinJobAge`` (600 s here). ``close()`` stops every daemon and every job process and
 removes the namespaces, also after errors.
@@ -129,12 +130,13 @@ def _start(cluster: SlurmCluster) -> None:
     ctl_port, node_port = free_port(), free_port()
     nodes = "".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs=2 State=UNKNOWN\n"
                     for n in net.nodes)
+    names = ",".join(n.name for n in net.nodes)
     (w / "slurm.conf").write_text(f"""ClusterName=ddpmon
 SlurmctldHost={socket.gethostname()}({net.gateway})
 SlurmctldPort={ctl_port}
 SlurmdPort={node_port}
 AuthType=auth/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire=5
 CredType=cred/munge
 SlurmUser=root
 SlurmdUser=root
@@ -159,7 +161,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 MinJobAge=600
 KillWait=5
-{nodes}PartitionName=debug Nodes={','.join(n.name for n in net.nodes)} Default=YES MaxTime=INFINITE State=UP
+{nodes}PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """)
     (w / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
     cluster.env = {"SLURM_CONF": str(w / "slurm.conf")}

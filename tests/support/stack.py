@@ -214,6 +214,8 @@ def live_stack(
     scrape_interval: str = "1s",
     evaluation_interval: str = "1s",
     group_wait: str = "0s",
+    prometheus_base: Path | None = None,
+    http_sd_urls: list[str] | None = None,
 ) -> Iterator[LiveStack]:
     """Alertmanager (``group_wait``, group_interval 1s) and Prometheus (1s scrape/eval, file_sd
     over ``sd_dir``) running the shipped configs with rules generated from ``config``."""
@@ -226,7 +228,7 @@ def live_stack(
     prom = Prometheus(
         workdir / "prometheus", sd_dir=sd_dir, rule_files=rule_files,
         alertmanager=am.address, scrape_interval=scrape_interval,
-        evaluation_interval=evaluation_interval,
+        evaluation_interval=evaluation_interval, base=prometheus_base, http_sd_urls=http_sd_urls,
     )
     try:
         am.start()
