@@ -236,15 +236,19 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
     return table[name]
 
 
-OPT_IN = frozenset(entry.metric.name for entry in step_metrics.AVAILABLE.values())
-"""The per-step metrics an agent exports only when asked (``Config.step_metrics``)."""
+OPT_IN = frozenset(
+    {entry.metric.name for entry in step_metrics.AVAILABLE.values()}
+    | {"ddpmon_step_reruns"}  # a counter's family, as the exposition parser names it
+)
+"""What an agent exports only when asked: the per-step metrics (``Config.step_metrics``) and
+the reruns' counter (``on_nonfinite='rerun'``)."""
 
 
 def exports(family: str, m: RankModel, profile: str) -> bool:
     """Whether rank ``m`` exports ``family`` at all: the synthetic NaN origin alone has a
     first-non-finite info series; under ``series_profile=large`` only rank 0 exports the group
     norms (``ddpmon.export.collector.exports_group_norms`` for a DDP run); the opt-in
-    per-step metrics (``step_metrics``) are off, as by default."""
+    series (``step_metrics``, the reruns' counter) are off, as by default."""
     if family in OPT_IN:
         return False
     if family == "ddpmon_grad_first_nonfinite_info":

@@ -237,11 +237,15 @@ class StepPipeline:
     def _wrap_closure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         from .rerun import wrap_closure
 
+        # gradients accumulated before the closure (micro-steps outside it) cannot be replayed
+        replayable = not self._backward_pending
         with self.guard("step"):
             if kwargs and kwargs.get("closure") is not None:
-                return args, {**kwargs, "closure": wrap_closure(self, kwargs["closure"])}
+                closure = wrap_closure(self, kwargs["closure"], replayable)
+                return args, {**kwargs, "closure": closure}
             at = next(i for i in range(1, len(args)) if callable(args[i]))
-            return (*args[:at], wrap_closure(self, args[at]), *args[at + 1:]), kwargs
+            closure = wrap_closure(self, args[at], replayable)
+            return (*args[:at], closure, *args[at + 1:]), kwargs
         return None
 
     # ------------------------------------------------------------------ for agent.rerun

@@ -137,6 +137,17 @@ class StepRerun:
         """Shapes and dtypes of the rerun's forward inputs (captured while it runs)."""
         self.rerunning = False
         self._told_no_closure = False
+        self._told_no_replay = False
+
+    def not_replayable(self) -> None:
+        """Gradients accumulated outside the closure: nothing to rerun; said once."""
+        if not self._told_no_replay:
+            self._told_no_replay = True
+            log.warning(
+                "ddpmon: on_nonfinite='rerun' cannot rerun a step whose gradients began "
+                "accumulating before optimizer.step(closure) (micro-steps outside the closure): "
+                "its non-finite steps are skipped without a rerun (as under on_nonfinite='skip')."
+            )
 
     def no_closure(self) -> None:
         """The loop stepped without a closure: nothing to rerun; said once."""
@@ -265,8 +276,13 @@ class StepRerun:
         self.batch = None
 
 
-def wrap_closure(pipeline: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
-    """The closure torch's optimizer calls in place of the loop's (see the module doc)."""
+def wrap_closure(
+    pipeline: Any, closure: Callable[[], Any], replayable: bool = True
+) -> Callable[[], Any]:
+    """The closure torch's optimizer calls in place of the loop's (see the module doc).
+    ``replayable``: False when this step's gradients began accumulating before the closure
+    (micro-steps outside it): the closure alone cannot reproduce them, so a non-finite step is
+    skipped without a rerun, as under ``skip``."""
     rerun: StepRerun = pipeline.rerun
 
     def step_closure() -> Any:
@@ -278,7 +294,7 @@ def wrap_closure(pipeline: Any, closure: Callable[[], Any]) -> Callable[[], Any]
             return loss
         outcome, again = None, None
         with pipeline.guard("step"):
-            outcome, again = _decide(pipeline, rerun, closure, rng)
+            outcome, again = _decide(pipeline, rerun, closure, rng, replayable)
         if outcome is not None and outcome.raises:
             raise rerun.error_for(pipeline.step, outcome)  # deliberately, on every rank
         return loss if again is None else again
@@ -286,13 +302,20 @@ def wrap_closure(pipeline: Any, closure: Callable[[], Any]) -> Callable[[], Any]
     return step_closure
 
 
-def _decide(pipeline: Any, rerun: StepRerun, closure: Callable[[], Any], rng: RngState):
+def _decide(pipeline: Any, rerun: StepRerun, closure: Callable[[], Any], rng: RngState,
+            replayable: bool = True):
     """Read the step; when it triggers, run it again and act. (outcome, the rerun's loss)."""
     first_s = pipeline.collect_now()
     first = rerun.read(first_s)
     trigger = rerun.trigger(first) if first is not None else None
     if trigger is None:
         rerun.applied(first)
+        return None, None
+    if not replayable:
+        rerun.not_replayable()
+        if trigger == "nonfinite":
+            pipeline.drop_grads()
+            pipeline.skipped_by_policy()
         return None, None
     pipeline.drop_grads()
     pipeline.recollect()

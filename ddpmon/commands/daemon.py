@@ -82,6 +82,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "name and the address a request arrived on (repeatable; a DNS alias Prometheus uses). "
         "Any other Host gets 421: a DNS-rebinding page cannot reach the API",
     )
+    p.add_argument(
+        "--backend",
+        choices=("local", "slurm"),
+        default="local",
+        help="where jobs run: local (torchrun on this node) or slurm (each job one sbatch job "
+        "on a node, followed with scontrol, cancelled with scancel; the state dir must be on "
+        "a file system the nodes share)",
+    )
     p.set_defaults(func=run)
 
 
@@ -139,9 +147,19 @@ def run(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"ddpmon daemon: {exc}", file=sys.stderr)
         return 2
-    jobs = JobManager(
-        store, settings, state_dir, daemon_url=daemon_url, agent_socket=str(agent_socket)
-    )
+    if args.backend == "slurm":
+        from ..daemon.slurm_jobs import SlurmJobManager, check_available
+
+        why_not = check_available()
+        if why_not:
+            print(f"ddpmon daemon: {why_not}", file=sys.stderr)
+            return 2
+        # the ranks run on other nodes: they register with their own node's daemon, if any
+        jobs = SlurmJobManager(store, settings, state_dir)
+    else:
+        jobs = JobManager(
+            store, settings, state_dir, daemon_url=daemon_url, agent_socket=str(agent_socket)
+        )
     names = host_names(args.bind, args.node, args.allowed_host)
     ranks = RankRegistry(store, names)
     collector = NodeCollector(

@@ -74,6 +74,8 @@ class JobView(BaseModel):
     failures: list[dict[str, Any]]
     summary: dict[str, Any]
     cancel_requested_at: float | None = None
+    slurm_job_id: str | None = None
+    """The Slurm job running it, under ``ddpmon daemon --backend slurm``."""
 
 
 class JobList(BaseModel):

@@ -10,6 +10,7 @@ command. Example::
     max_arg_length: 256
     max_running_jobs: 4
     port_range: [7500, 7999]
+    slurm_args: ["--partition=gpu", "--time=04:00:00"]   # --backend slurm: sbatch options
     scrape_config:                 # how the job summary reads ranks that serve web_config
       basic_auth: {username: prometheus, password_file: prometheus.pw}
       tls_config: {ca_file: ca.crt}  # or a path to a file in `ddpmon top --scrape-config` format
@@ -99,6 +100,9 @@ class DaemonSettings:
     """How often job processes are checked and their ranks' /metrics scraped."""
     torchrun_args: list[str] = field(default_factory=lambda: ["--monitor-interval", "0.1"])
     """Extra torchrun options (before the entry point)."""
+    slurm_args: list[str] = field(default_factory=list)
+    """``--backend slurm``: extra ``sbatch`` options for every job (``--partition=gpu``,
+    ``--time=04:00:00``, ``--gres=gpu:8``), each one ``--name=value`` string."""
     scrape_config: ScrapeConfig = field(default_factory=ScrapeConfig)
     """Client config for scraping the jobs' ranks (scheme, basic_auth, tls_config), as in a
     Prometheus scrape config; inline or a file path, relative paths against this file."""
@@ -116,6 +120,11 @@ class DaemonSettings:
         lo, hi = self.port_range
         if not (1 <= lo <= hi <= 65535):
             raise SettingsError(f"port_range={self.port_range!r}: expected [low, high] in 1..65535")
+        if not isinstance(self.slurm_args, list) or not all(
+                isinstance(a, str) and a.startswith("--") and "\n" not in a
+                for a in self.slurm_args):
+            raise SettingsError(f"slurm_args={self.slurm_args!r}: expected a list of "
+                                "'--option=value' strings")
         if self.cancel_grace_seconds < 0 or self.poll_seconds <= 0:
             raise SettingsError("cancel_grace_seconds must be >= 0 and poll_seconds > 0")
 

@@ -66,6 +66,8 @@ class JobRecord:
     failures: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     cancel_requested_at: float | None = None
+    slurm_job_id: str | None = None
+    """The Slurm job running it (``--backend slurm``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

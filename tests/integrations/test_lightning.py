@@ -123,3 +123,21 @@ def test_a_resume_numbers_steps_as_the_trainer_does(resumed: WorkerRun) -> None:
     check_resume(resumed, RESUME_AT, STEPS, {"model", "optimizer", "data_loader"})
     for rank in (0, 1):  # the module's own norms: only the resumed steps ran here
         assert sorted(by_step(resumed.result(rank)["true_norms"])) == list(range(RESUME_AT, STEPS))
+
+
+def test_rerun_needs_no_change_to_a_lightning_module(tmp_path: Path) -> None:
+    """``DdpmonCallback(on_nonfinite="rerun")``: Lightning's own optimizer closure is rerun on
+    both ranks; the one-off NaN on rank 1 is transient, its step skipped, training goes on."""
+    worker = Path(__file__).with_name("lightning_rerun_worker.py")
+    cmd = [python(), str(worker), "--out", str(tmp_path), "--port", str(free_port_pair()),
+           "--steps", "6", "--nan-step", "3", "--nan-rank", "1"]
+    result = run_worker(cmd, tmp_path, timeout=240)
+    assert result.rc == 0, result.output[-4000:]
+    for rank in (0, 1):
+        res = result.result(rank)
+        assert res["global_step"] == 6 and res["finite"], res
+        assert res["backwards"] == {"0": 1, "1": 1, "2": 1, "3": 2, "4": 1, "5": 1}, res
+        (rerun,) = res["reruns"]
+        assert (rerun["step"], rerun["fault"], rerun["action"]) == (3, "transient", "skip")
+        assert rerun["origin"] is (rank == 1), rerun
+

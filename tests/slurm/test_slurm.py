@@ -6,13 +6,16 @@ line (``_train.py``). The job scripts are the ones docs/slurm.md shows."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
+import yaml
 
 from ddpmon.mixin import shipped
 from ddpmon.mixin.config import MixinConfig
@@ -103,7 +106,8 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
         done = slurm.wait_state(job, ("COMPLETED", "FAILED"), 120)
         assert done["JobState"] == "COMPLETED", (done, (tmp_path / f"slurm-{job}.out"))
         scraped = stack.prometheus.query(f'max_over_time(ddpmon_step{{run="{job}"}}[10m])')
-        labels = stack.prometheus.query(f'up{{run="{job}"}}')
+        # over the run: once the job ended its targets are gone and `up` is stale
+        labels = stack.prometheus.query(f'max_over_time(up{{run="{job}"}}[10m])')
     assert page.annotations["description"].rstrip(".").endswith(": 3"), page.annotations
     assert sorted(int(r["metric"]["rank"]) for r in scraped) == [0, 1, 2, 3]
     assert {r["metric"]["slurm_job"] for r in labels} == {job}
@@ -189,3 +193,84 @@ def test_a_requeued_job_numbers_its_attempts_on_one_timeline(slurm, tmp_path):
     text = timeline(run, slurm.env).stdout
     assert "Attempts (2, one clock)" in text, text
     assert f"Slurm: job {job} COMPLETED (exit 0:0, requeued 1 time) [scontrol]" in text, text
+
+
+def _daemon(slurm, state: Path, config: Path, port: int, log: Path) -> subprocess.Popen:
+    out = open(log, "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpmon.cli", "daemon", "--port", str(port), "--state-dir",
+         str(state), "--config", str(config), "--backend", "slurm"],
+        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **slurm.env})
+    out.close()
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def test_the_gateway_submits_to_slurm_follows_cancels_and_readopts(slurm, tmp_path):
+    """``ddpmon daemon --backend slurm``: the demo submitted through the job API runs as a
+    Slurm job (the same allow-list and token), its status, summary and logs come back, a
+    cancel is an ``scancel``, and a daemon restart mid-job re-adopts it."""
+    state, port = tmp_path / "state", free_port()
+    config = tmp_path / "daemon.yml"
+    config.write_text(yaml.safe_dump({"slurm_args": ["--partition=debug"]}))
+    log = tmp_path / "daemon.log"
+    url = f"http://127.0.0.1:{port}"
+    proc = _daemon(slurm, state, config, port, log)
+    try:
+        auth = {"Authorization": f"Bearer {(state / 'token').read_text().strip()}"}
+
+        def submit(job_id: str, nproc: int, args: list[str]) -> None:
+            body = {"id": job_id, "entrypoint": "demo", "nproc": nproc, "args": args}
+            resp = httpx.post(f"{url}/api/v1/jobs", json=body, headers=auth, timeout=30)
+            assert resp.status_code == 201, resp.text
+
+        def job(job_id: str) -> dict:
+            return httpx.get(f"{url}/api/v1/jobs/{job_id}", timeout=10).json()
+
+        def wait(job_id: str, check, timeout: float = 150) -> dict:
+            deadline = time.monotonic() + timeout
+            while not check(doc := job(job_id)):
+                assert time.monotonic() < deadline, (doc, log.read_text()[-2000:])
+                time.sleep(0.3)
+            return doc
+
+        submit("ok", 2, ["--steps", "40", "--step-delay", "0.25"])
+        submit("stop", 1, ["--steps", "2000", "--step-delay", "0.2"])
+        refused = httpx.post(f"{url}/api/v1/jobs", json={"id": "x", "entrypoint": "demo",
+                                                          "nproc": 1, "args": ["--evil"]},
+                             headers=auth, timeout=10)
+        assert refused.status_code == 400  # the allow-list, as for the local backend
+        running = wait("ok", lambda d: d["summary"].get("ranks_up") == 2)
+        slurm_id = running["slurm_job_id"]
+        assert slurm.job(slurm_id)["JobName"] == "ddpmon-ok"
+
+        proc.terminate()  # a daemon restart mid-job
+        proc.wait(timeout=15)
+        proc = _daemon(slurm, state, config, port, log)
+        assert "re-adopted job ok (Slurm job" in log.read_text()
+
+        wait("stop", lambda d: d["summary"].get("ranks_up") == 1)
+        resp = httpx.delete(f"{url}/api/v1/jobs/stop", headers=auth, timeout=30)
+        assert resp.status_code == 202, resp.text
+        stopped = wait("stop", lambda d: d["state"] in ("CANCELLED", "FAILED", "COMPLETED"))
+        assert stopped["state"] == "CANCELLED", stopped
+        assert slurm.wait_state(stopped["slurm_job_id"], ("CANCELLED",), 30)
+
+        done = wait("ok", lambda d: d["state"] in ("COMPLETED", "FAILED", "CANCELLED"))
+        assert done["state"] == "COMPLETED", done
+        assert {r: s["exit_code"] for r, s in done["ranks"].items()} == {"0": 0, "1": 0}
+        assert done["summary"]["max_step"] == 39, done["summary"]  # steps 0-39
+        logs = httpx.get(f"{url}/api/v1/jobs/ok/logs", params={"rank": 1, "stream": "stderr"},
+                         timeout=10)
+        assert logs.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)

@@ -214,3 +214,37 @@ def test_a_loop_without_a_closure_is_skipped_as_under_skip_and_told_once(tmp_pat
     assert skipped["policy"] == 1
     assert not events(tmp_path / "r", "rerun")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_micro_steps_outside_the_closure_are_not_rerun_but_skipped(tmp_path, caplog):
+    """Gradient accumulation whose first micro-batches run before ``step(closure)``: the closure
+    cannot replay them, so a non-finite step is skipped without a rerun, and ddpmon says so."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    faults = Faults(model, always=[1])
+    mon = ddpmon.attach(model, opt, port=0, run_dir=str(tmp_path), run_id="r",
+                        on_nonfinite="rerun")
+    try:
+        with caplog.at_level(logging.WARNING, logger="ddpmon"):
+            for step in range(3):
+                faults.step = step
+                model(torch.randn(8, 4)).pow(2).mean().backward()  # micro-batch 1, outside
+
+                def closure():
+                    loss = model(torch.randn(8, 4)).pow(2).mean()
+                    faults.arm()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+                opt.zero_grad()
+        mon.flush()
+        skipped = dict(mon.state.steps_skipped_total)
+    finally:
+        mon.close()
+    assert faults.backwards == {0: 1, 1: 1, 2: 1}  # no rerun
+    told = [r for r in caplog.records if "micro-steps outside the closure" in r.getMessage()]
+    assert len(told) == 1
+    assert skipped["policy"] == 1 and mon.state.steps_total == 3
+    assert not events(tmp_path / "r", "rerun")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
