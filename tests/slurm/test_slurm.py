@@ -163,9 +163,18 @@ def test_torchrun_inside_the_allocation_keeps_its_ranks_and_the_job_labels_the_r
     assert manifest["slurm"]["job_id"] == job and manifest["slurm"]["step_id"] == "0"
 
 
-def test_a_requeued_job_numbers_its_attempts_on_one_timeline(slurm, tmp_path):
-    """``sbatch --requeue``, then ``scontrol requeue`` mid-run: the second run of the job is
-    attempt 1 (``SLURM_RESTART_COUNT``), both attempts on one timeline with Slurm's count."""
+def _wait_started(slurm, run: Path, job: str, ranks: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while len(events(run, "start") if run.exists() else []) < ranks:
+        assert time.monotonic() < deadline, slurm.job(job)
+        time.sleep(0.3)
+
+
+def test_a_killed_node_requeues_the_job_and_both_attempts_share_one_timeline(slurm, tmp_path):
+    """``sbatch --requeue``; node-b dies mid-run (slurmd and the job's processes SIGKILLed) and
+    comes back: Slurm requeues the job, its second run is attempt 1 (``SLURM_RESTART_COUNT``),
+    and the timeline lines up both attempts, names the rank that vanished, and gives Slurm's
+    count of requeues."""
     runs, out = tmp_path / "runs", tmp_path / "out"
     runs.mkdir()
     out.mkdir()
@@ -177,13 +186,10 @@ def test_a_requeued_job_numbers_its_attempts_on_one_timeline(slurm, tmp_path):
         DDPMON_RUN_DIR=runs, DDPMON_PORT=0)
     job = slurm.sbatch(script)
     run = runs / job
-    deadline = time.monotonic() + 120
-    while len(events(run, "step") if run.exists() else []) < 2 and \
-            len([e for e in events(run, "start")] if run.exists() else []) < 2:
-        assert time.monotonic() < deadline, slurm.job(job)
-        time.sleep(0.5)
-    res = slurm.run("scontrol", "requeue", job)
-    assert res.returncode == 0, res.stderr
+    _wait_started(slurm, run, job, 2)
+    slurm.kill_node("node-b")
+    slurm.wait_state(job, ("PENDING", "REQUEUED", "CONFIGURING"), 60)
+    slurm.start_node("node-b")
     done = slurm.wait_state(job, ("COMPLETED", "FAILED"), 240)
     assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1", done
     facts = ranks(out)
@@ -193,6 +199,28 @@ def test_a_requeued_job_numbers_its_attempts_on_one_timeline(slurm, tmp_path):
     text = timeline(run, slurm.env).stdout
     assert "Attempts (2, one clock)" in text, text
     assert f"Slurm: job {job} COMPLETED (exit 0:0, requeued 1 time) [scontrol]" in text, text
+
+
+def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path):
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    runs.mkdir()
+    out.mkdir()
+    script = job_script(
+        tmp_path / "job.sh",
+        f"srun bash -c 'exec {sys.executable} {TRAIN} --out {out} --steps 600 "
+        "--step-delay 0.2'",
+        "--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/slurm-%j.out",
+        DDPMON_RUN_DIR=runs, DDPMON_PORT=0)
+    job = slurm.sbatch(script)
+    run = runs / job
+    _wait_started(slurm, run, job, 2)
+    assert slurm.run("scancel", job).returncode == 0
+    slurm.wait_state(job, ("CANCELLED",), 60)
+    text = timeline(run, slurm.env).stdout
+    assert f"Slurm: job {job} CANCELLED" in text, text
+    assert "signal SIGTERM" in text or "vanished" in text, text  # ddpmon's view of the end
+    as_json = json.loads(timeline(run, slurm.env, "--json").stdout)
+    assert as_json["slurm"]["state"] == "CANCELLED" and as_json["slurm"]["job_id"] == job
 
 
 def _daemon(slurm, state: Path, config: Path, port: int, log: Path) -> subprocess.Popen:

@@ -83,6 +83,18 @@ class SlurmCluster:
                                    + self.logs())
             time.sleep(0.5)
 
+    def kill_node(self, name: str) -> None:
+        """The node dies: SIGKILL to everything in its namespace (slurmd, the job's steps)."""
+        node = next(n for n in self.nodes if n.name == name)
+        for pid in node.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+    def start_node(self, name: str) -> None:
+        """The node comes back: its slurmd starts again (``ReturnToService=2`` takes it in)."""
+        node = next(n for n in self.nodes if n.name == name)
+        node.popen(["slurmd", "-D"], self.workdir / f"{node.name}.restart.out", env=self.env)
+
     def logs(self) -> str:
         tails = []
         for name in ("slurmctld.log", "slurmd-node-a.log", "slurmd-node-b.log"):
@@ -158,7 +170,7 @@ JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SlurmctldTimeout=30
-SlurmdTimeout=30
+SlurmdTimeout=10
 MinJobAge=600
 KillWait=5
 {nodes}PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
