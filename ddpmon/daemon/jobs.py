@@ -220,45 +220,31 @@ class JobManager:
             base = clash + 1
         raise JobError(f"no {nproc} consecutive free ports in port_range {lo}-{hi}")
 
-    def _launch(self, job: JobRecord) -> None:
+    def _prepare(self, job: JobRecord) -> list[str]:
+        """Ports, the job dir (links checked) and the launcher's argv: the launcher around
+        torchrun with the entry point and the checked arguments (both backends run this)."""
         entry = self.settings.entrypoints.get(job.entrypoint)
+        if entry is None:
+            raise JobError(f"entrypoint {job.entrypoint!r} is no longer configured")
+        job_dir = Path(job.job_dir)
+        job.ports = self._allocate_ports(job.nproc)
+        job_dir.mkdir(parents=True, exist_ok=True)
+        self._check_confined(job, job_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        return [
+            self.python, "-m", "ddpmon.daemon.launcher",
+            "--result", str(job_dir / "result.json"), "--",
+            "--nnodes", "1", "--nproc-per-node", str(job.nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            "--max-restarts", "0", "--rdzv-id", job.id,
+            "--log-dir", str(job_dir / "logs"), "--redirects", "3", "--tee", "3",
+            *self.settings.torchrun_args, *entry.argv(), *job.args,
+        ]  # fmt: skip
+
+    def _launch(self, job: JobRecord) -> None:
         job_dir = Path(job.job_dir)
         try:
-            if entry is None:
-                raise JobError(f"entrypoint {job.entrypoint!r} is no longer configured")
-            job.ports = self._allocate_ports(job.nproc)
-            job_dir.mkdir(parents=True, exist_ok=True)
-            self._check_confined(job, job_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            argv = [
-                self.python,
-                "-m",
-                "ddpmon.daemon.launcher",
-                "--result",
-                str(job_dir / "result.json"),
-                "--",
-                "--nnodes",
-                "1",
-                "--nproc-per-node",
-                str(job.nproc),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(_free_port()),
-                "--max-restarts",
-                "0",
-                "--rdzv-id",
-                job.id,
-                "--log-dir",
-                str(job_dir / "logs"),
-                "--redirects",
-                "3",
-                "--tee",
-                "3",
-                *self.settings.torchrun_args,
-                *entry.argv(),
-                *job.args,
-            ]
+            argv = self._prepare(job)
             env = self._environment(job)
             with open(job_dir / "launcher.log", "ab") as out:
                 popen = subprocess.Popen(

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from . import summary
 from .jobs import JobError, JobManager, JobStateConflict
-from .processes import free_port
 from .store import JobRecord
 
 log = logging.getLogger("ddpmon.daemon.slurm")
@@ -77,24 +76,9 @@ class SlurmJobManager(JobManager):
     backend = "slurm"
 
     def _launch(self, job: JobRecord) -> None:
-        entry = self.settings.entrypoints.get(job.entrypoint)
         job_dir = Path(job.job_dir)
         try:
-            if entry is None:
-                raise JobError(f"entrypoint {job.entrypoint!r} is no longer configured")
-            job.ports = self._allocate_ports(job.nproc)
-            job_dir.mkdir(parents=True, exist_ok=True)
-            self._check_confined(job, job_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            launcher = [
-                self.python, "-m", "ddpmon.daemon.launcher",
-                "--result", str(job_dir / "result.json"), "--",
-                "--nnodes", "1", "--nproc-per-node", str(job.nproc),
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                "--max-restarts", "0", "--rdzv-id", job.id,
-                "--log-dir", str(job_dir / "logs"), "--redirects", "3", "--tee", "3",
-                *self.settings.torchrun_args, *entry.argv(), *job.args,
-            ]  # fmt: skip
+            launcher = self._prepare(job)
             script = job_dir / "slurm-job.sh"
             script.write_text(
                 "#!/bin/sh\n# written by ddpmon daemon --backend slurm; every value quoted\n"

@@ -14,25 +14,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import ddpmon
 from ddpmon.agent.policy import NonFiniteGradientError
+from tests.parallel._replica_worker import Net
 
 TRANSIENT_STEP, TRANSIENT_RANK = 3, 1
 BAD_STEP, BAD_RANK = 6, 2
 STEPS = 9
 RUN_ID = "test-reruns"
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 16)
-        self.head = nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.embed(x)))
 
 
 def main() -> None:
