@@ -175,7 +175,11 @@ MinJobAge=600
 KillWait=5
 {nodes}PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 """)
-    (w / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n")
+    # slurmd will not start without a cgroup plugin: v2 where /sys/fs/cgroup is the unified
+    # tree, v1 where it holds the per-controller mounts (a hybrid tree, as on this machine)
+    unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()
+    (w / "cgroup.conf").write_text(
+        f"CgroupPlugin=cgroup/{'v2' if unified else 'v1'}\nCgroupMountpoint=/sys/fs/cgroup\n")
     cluster.env = {"SLURM_CONF": str(w / "slurm.conf")}
     env = {**os.environ, **cluster.env}
     cluster.procs.append(subprocess.Popen(
