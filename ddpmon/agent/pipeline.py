@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,10 +43,11 @@ from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
-from .policy import NonFinitePolicy, OriginTracker, as_float, norm_mismatch
+from .policy import NonFinitePolicy, OriginTracker, as_float
 from .readback import Arrived, Readback
 from .records import build_record
 from .stepvector import STEP_SLOTS, StepVectorLayout
+from .trainer_norms import TrainerNorms
 
 
 @dataclass(slots=True)
@@ -97,7 +97,6 @@ class StepPipeline:
         self.guard = guard
         self.policy = policy
         self.sinks = list(sinks)
-        self.tolerance = grad_norm_tolerance
         self.optimizer = optimizer
         self.step_metrics = tuple(step_metrics)
         self.replicas: Any = None
@@ -130,8 +129,7 @@ class StepPipeline:
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
         self.live: Any = _NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
-        self._norms_by_step: OrderedDict[int, float] = OrderedDict()
-        self._late_trainer: OrderedDict[int, float] = OrderedDict()
+        self.trainer_norms = TrainerNorms(grad_norm_tolerance, lambda: self.sinks, guard)
 
     def keep_live(self, live: Any) -> None:
         """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
@@ -170,12 +168,7 @@ class StepPipeline:
                 self._trainer = (number, step)
                 return
             with self._records_lock:
-                if step in self._norms_by_step:
-                    self._compare_late(step, number)
-                else:
-                    self._late_trainer[step] = number  # its record is still in flight
-                    while len(self._late_trainer) > 64:
-                        self._late_trainer.popitem(last=False)
+                self.trainer_norms.reported(step, number)
 
     # ------------------------------------------------------------------ boundaries (hooks)
     def forward_started(self, args: tuple) -> None:
@@ -456,28 +449,10 @@ class StepPipeline:
         return record
 
     def _cross_check(self, record: StepRecord, parts: dict, meta: StepMeta) -> None:
-        if record.grad_norm is not None:
-            self._norms_by_step[record.step] = record.grad_norm
-            while len(self._norms_by_step) > 64:
-                self._norms_by_step.popitem(last=False)
         theirs = (
             parts[slot.TRAINER_NORM][0] if slot.TRAINER_NORM in parts else meta.trainer_norm_host
         )
-        target = meta.trainer_norm_step
-        if theirs is not None and target is not None and target != record.step:
-            self._late_trainer[target] = theirs  # a norm for another step: compare it there
-            theirs = None
-        late = self._late_trainer.pop(record.step, None)
-        theirs = late if theirs is None else theirs
-        if theirs is not None:
-            record.trainer_grad_norm = theirs
-            record.grad_norm_mismatch = norm_mismatch(record.grad_norm, theirs, self.tolerance)
-        self.compare_pending()
-
-    def compare_pending(self) -> None:
-        """Compare trainer norms whose step's record has arrived (kept until it does)."""
-        for step in [s for s in self._late_trainer if s in self._norms_by_step]:
-            self._compare_late(step, self._late_trainer.pop(step))
+        self.trainer_norms.with_record(record, theirs, meta.trainer_norm_step)
 
     def flush_trainer_norm(self) -> None:
         """At close: a trainer norm reported after the last step is read now (one read, once)."""
@@ -488,18 +463,8 @@ class StepPipeline:
         number = as_float(value.item() if isinstance(value, torch.Tensor) else value)
         if number is not None:
             with self._records_lock:
-                self._late_trainer[step] = number
-                self.compare_pending()
-
-    def _compare_late(self, step: int, theirs: float) -> None:
-        """A trainer norm for a step whose record was already delivered."""
-        ours = self._norms_by_step.get(step)
-        mismatch = norm_mismatch(ours, theirs, self.tolerance)
-        for sink in self.sinks:
-            handler = getattr(sink, "on_late_cross_check", None)
-            if handler is not None:
-                with self.guard(sink.probe):
-                    handler(step, ours, theirs, mismatch)
+                self.trainer_norms.reported(step, number)
+                self.trainer_norms.compare_pending()
 
 
 class _NoLive:
