@@ -225,7 +225,9 @@ class Monitor:
             step_metrics=chosen(config.step_metrics),
         )
         if config.on_nonfinite == "rerun":
-            self._rerun_policy()
+            from .rerun import StepRerun
+
+            self.pipeline.rerun = StepRerun.for_monitor(self, self._state, self._emit)
         with guard("comm"):
             scope, _ = self.source.replica_scope()
             self.pipeline.replicas = ReplicaCheck.of(scope, self.index, config.replica_check_every)
@@ -252,25 +254,6 @@ class Monitor:
             )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
-
-    def _rerun_policy(self) -> None:
-        """``on_nonfinite='rerun'`` (``agent.rerun``): its counter is exported from 0."""
-        from .rerun import StepRerun
-
-        ident, state = self.ctx.identity, self._state
-        state.step_reruns_total = {"deterministic": 0, "transient": 0}
-        self.pipeline.rerun = StepRerun(
-            index=self.index,
-            rank=ident.rank,
-            device=ident.device,
-            gpu_uuid=ident.gpu_uuid,
-            norm_jump=self.config.rerun_norm_jump,
-            emit=self._emit,
-            evidence=lambda step, param, **info: self.incidents.write_evidence(
-                "rerun", step, param, **info),
-            count=self.guard.count,
-            counted=state.count_rerun,
-        )
 
     def _observe_and_serve(self) -> None:
         """Checkpoints and DCP, the /metrics endpoint, the stall watchdog, the start event."""

@@ -139,6 +139,20 @@ class StepRerun:
         self._told_no_closure = False
         self._told_no_replay = False
 
+    @classmethod
+    def for_monitor(cls, mon: Any, state: Any, emit: Callable[..., None]) -> StepRerun:
+        """The policy of a ``Monitor`` being built (its metric state and event writer); its
+        counter is exported from 0."""
+        ident = mon.ctx.identity
+        state.step_reruns_total = {"deterministic": 0, "transient": 0}
+        return cls(
+            index=mon.index, rank=ident.rank, device=ident.device, gpu_uuid=ident.gpu_uuid,
+            norm_jump=mon.config.rerun_norm_jump, emit=emit,
+            evidence=lambda step, param, **info: mon.incidents.write_evidence(
+                "rerun", step, param, **info),
+            count=mon.guard.count, counted=state.count_rerun,
+        )
+
     def not_replayable(self) -> None:
         """Gradients accumulated outside the closure: nothing to rerun; said once."""
         if not self._told_no_replay:
