@@ -8,8 +8,9 @@ the script is written by the daemon with every argument quoted (``shlex.quote``)
 directory (logs, ``result.json``) and run dir must be on a file system the node shares with the
 daemon's host, as Slurm clusters have.
 
-Followed with ``scontrol show job`` (state, reason, exit code, batch host); the ranks' summary
-is scraped on the node's address. Cancel is ``scancel``; a daemon restart re-adopts every job
+Followed with ``scontrol show job`` while it runs (state, reason, batch host), and ended from
+``sacct`` where Slurm keeps accounting (``scontrol`` otherwise); the ranks' summary is scraped on
+the node's address. Cancel is ``scancel``; a daemon restart re-adopts every job
 Slurm still has, and one Slurm has forgotten ends from its ``result.json``.
 """
 
@@ -175,9 +176,8 @@ class SlurmJobManager(JobManager):
                     current.summary, current.reason = job.summary, reason
                     self.store.save_job(current)
             return
-        code = None
-        if info is not None and ":" in info.get("ExitCode", ""):
-            code = int(info["ExitCode"].split(":")[0])
+        state, exit_code, why = _final(handle.slurm_id, info)
+        code = int(exit_code.split(":")[0]) if exit_code and exit_code[0].isdigit() else None
         with self._lock:
             self._active.pop(handle.job_id, None)
             fresh = self.store.get_job(handle.job_id)
@@ -186,10 +186,29 @@ class SlurmJobManager(JobManager):
             self._finish(fresh, code)
             if state in ENDED and state != "COMPLETED" and fresh.cancel_requested_at is None:
                 fresh = self.store.get_job(handle.job_id) or fresh
-                fresh.reason = f"Slurm: {state}" + (
-                    f" ({info['Reason']})" if info and info.get("Reason") not in (None, "None")
-                    else "") + (f"; {fresh.reason}" if fresh.reason else "")
+                fresh.reason = f"Slurm: {state}" + (f" ({why})" if why else "") + (
+                    f"; {fresh.reason}" if fresh.reason else "")
                 self.store.save_job(fresh)
+
+
+def _final(slurm_id: str, info: dict[str, str] | None) -> tuple[str | None, str | None,
+                                                                str | None]:
+    """How an ended (or forgotten) job ended: state, ``ExitCode`` and reason.
+
+    Accounting (``sacct``) first: it outlives ``MinJobAge``, so a daemon restarted long after
+    the job still learns its state. ``scontrol``'s answer where no accounting runs, or where
+    the job's end has not reached the database yet.
+    """
+    from ddpmon.forensics import slurm_outcome
+
+    outcome = slurm_outcome.query(slurm_id)
+    if outcome is not None and outcome["state"].split(" ")[0] in ENDED:
+        return outcome["state"].split(" ")[0], outcome["exit_code"], outcome["reason"]
+    if info is None:
+        return None, None, None
+    reason = info.get("Reason")
+    return (info.get("JobState"), info.get("ExitCode"),
+            None if reason in (None, "None") else reason)
 
 
 def check_available() -> str | None:

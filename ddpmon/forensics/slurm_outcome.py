@@ -2,8 +2,9 @@
 requeues, beside ddpmon's first failure.
 
 The job id comes from the run's manifest (``slurm.job_id``, written by the agent under Slurm).
-``sacct`` answers where Slurm keeps accounting; ``scontrol show job`` otherwise, for as long as
-the controller remembers the job (``MinJobAge``, 300 s by default). Best effort: no Slurm
+``sacct`` answers where Slurm keeps accounting, once the job's end has reached the database
+(every run of a requeued job, and why each ended); ``scontrol show job`` otherwise, for as long
+as the controller remembers the job (``MinJobAge``, 300 s by default). Best effort: no Slurm
 command, no answer, or an answer that cannot be read gives None, never an error.
 """
 
@@ -18,6 +19,8 @@ from typing import Any
 from ..safe_read import load_json
 
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
+_LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING",
+                   "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING"})
 
 
 def job_id_of(run_path: Path) -> str | None:
@@ -35,7 +38,12 @@ def query(job_id: str, timeout: float = 10.0) -> dict[str, Any] | None:
     """``{"job_id", "state", "reason", "exit_code", "restarts", "source"}`` or None."""
     if not _JOB_ID.match(job_id):
         return None
-    return _sacct(job_id, timeout) or _scontrol(job_id, timeout)
+    accounted = _sacct(job_id, timeout)
+    if accounted is not None and accounted["state"].split(" ")[0] not in _LIVE:
+        return accounted
+    # the database learns of a job's end a moment after the controller: while the controller
+    # still remembers the job, its word is the newer one
+    return _scontrol(job_id, timeout) or accounted
 
 
 def _run(argv: list[str], timeout: float) -> str | None:
@@ -50,14 +58,21 @@ def _run(argv: list[str], timeout: float) -> str | None:
 
 
 def _sacct(job_id: str, timeout: float) -> dict[str, Any] | None:
-    out = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o",
+    # -D lists every run of a requeued job, oldest first: the last row is the job's end, the
+    # earlier ones say why Slurm requeued it (NODE_FAIL, PREEMPTED, REQUEUED...)
+    out = _run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o",
                 "JobID,State,ExitCode,Reason,NodeList"], timeout)
     rows = [line.split("|") for line in (out or "").splitlines() if line.count("|") == 4]
     if not rows:
         return None
     _, state, code, reason, nodes = rows[-1]
-    return {"job_id": job_id, "state": state, "reason": reason or None, "exit_code": code,
-            "nodes": nodes, "restarts": None, "source": "sacct"}
+    earlier = [row[1] for row in rows[:-1]]
+    # sacct's Reason is the last reason the job waited for: say it only while it waits
+    waiting = state.split(" ")[0] in _LIVE and reason not in ("", "None")
+    return {"job_id": job_id, "state": state, "reason": reason if waiting else None,
+            "exit_code": code,
+            "nodes": nodes, "restarts": len(earlier) or None, "requeued_after": earlier,
+            "source": "sacct"}
 
 
 def _scontrol(job_id: str, timeout: float) -> dict[str, Any] | None:
@@ -83,6 +98,8 @@ def line(outcome: dict[str, Any]) -> str:
     if outcome.get("reason"):
         parts.insert(0, f"reason {outcome['reason']}")
     if outcome.get("restarts"):
-        parts.append(f"requeued {outcome['restarts']} time" + "s" * (outcome["restarts"] > 1))
+        after = sorted(set(outcome.get("requeued_after") or []))
+        parts.append(f"requeued {outcome['restarts']} time" + "s" * (outcome["restarts"] > 1)
+                     + (f" after {', '.join(after)}" if after else ""))
     return (f"job {outcome['job_id']} {outcome['state']}"
             + (f" ({', '.join(parts)})" if parts else "") + f" [{outcome['source']}]")

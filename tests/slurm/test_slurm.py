@@ -17,6 +17,7 @@ import psutil
 import pytest
 import yaml
 
+from ddpmon.forensics import slurm_outcome
 from ddpmon.mixin import shipped
 from ddpmon.mixin.config import MixinConfig
 from tests.support.ports import free_port
@@ -131,7 +132,7 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
 
     text = timeline(run, slurm.env).stdout
     assert "First failure: rank 3, step 5" in text, text
-    assert f"Slurm: job {job} COMPLETED (exit 0:0) [scontrol]" in text, text
+    assert f"Slurm: job {job} COMPLETED (exit 0:0) [sacct]" in text, text
     assert text.strip().splitlines()[-1].startswith("Verdict: numerics"), text
 
 
@@ -198,10 +199,11 @@ def test_a_killed_node_requeues_the_job_and_both_attempts_share_one_timeline(slu
     assert sorted((e["attempt"], e["rank"]) for e in starts) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     text = timeline(run, slurm.env).stdout
     assert "Attempts (2, one clock)" in text, text
-    assert f"Slurm: job {job} COMPLETED (exit 0:0, requeued 1 time) [scontrol]" in text, text
+    assert (f"Slurm: job {job} COMPLETED (exit 0:0, requeued 1 time after NODE_FAIL) [sacct]"
+            in text), text
 
 
-def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path):
+def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path, monkeypatch):
     runs, out = tmp_path / "runs", tmp_path / "out"
     runs.mkdir()
     out.mkdir()
@@ -220,7 +222,43 @@ def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path
     assert f"Slurm: job {job} CANCELLED" in text, text
     assert "signal SIGTERM" in text or "vanished" in text, text  # ddpmon's view of the end
     as_json = json.loads(timeline(run, slurm.env, "--json").stdout)
-    assert as_json["slurm"]["state"] == "CANCELLED" and as_json["slurm"]["job_id"] == job
+    assert as_json["slurm"]["state"].startswith("CANCELLED"), as_json["slurm"]
+    assert as_json["slurm"]["job_id"] == job and as_json["slurm"]["source"] == "sacct"
+    # where no accounting runs, the controller's memory of the job says the same
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    fallback = slurm_outcome._scontrol(job, 10)
+    assert fallback is not None and fallback["state"] == "CANCELLED", fallback
+    assert fallback["source"] == "scontrol"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limited_job(slurm, tmp_path_factory):
+    """A job with a one-minute limit (Slurm's smallest), submitted before the module's first
+    test so that its minute passes while the others run (4 CPUs a node leave room for it)."""
+    base = tmp_path_factory.mktemp("time-limit")
+    runs, out = base / "runs", base / "out"
+    runs.mkdir()
+    out.mkdir()
+    script = job_script(
+        base / "job.sh",
+        f"srun bash -c 'exec {sys.executable} {TRAIN} --out {out} --steps 100000 "
+        "--step-delay 0.5'",
+        # on node-a: the requeue test kills node-b
+        "--nodes=1", "--nodelist=node-a", "--ntasks=2", "--time=1",
+        f"--output={base}/slurm-%j.out",
+        DDPMON_RUN_DIR=runs, DDPMON_PORT=0)
+    return slurm.sbatch(script), runs
+
+
+def test_a_time_limit_ends_the_job_with_slurms_timeout_on_the_timeline(slurm, time_limited_job):
+    """Slurm checks limits every 30 s: the job ends between 60 and about 95 s after it starts,
+    SIGTERM first, then SIGKILL after ``KillWait``. ``sacct`` says TIMEOUT; ddpmon's ranks saw
+    the signal."""
+    job, runs = time_limited_job
+    slurm.wait_state(job, ("TIMEOUT",), 180)
+    text = timeline(runs / job, slurm.env).stdout
+    assert f"Slurm: job {job} TIMEOUT (exit " in text and ") [sacct]" in text, text
+    assert "signal SIGTERM" in text or "vanished" in text, text
 
 
 def _daemon(slurm, state: Path, config: Path, port: int, log: Path) -> subprocess.Popen:

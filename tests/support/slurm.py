@@ -5,10 +5,11 @@ address and host name, as two hosts would.
 
 Everything is private to the harness: its own munge key and socket, its own ``slurm.conf``
 (``SLURM_CONF``), state and spool directories, ports chosen free, a 5 s credential lifetime (so
-a requeued job starts again within seconds, not two minutes). No accounting database runs
-(``accounting_storage/none``): ``sacct`` answers nothing, ``scontrol show job`` keeps a finished
-job for ``MinJobAge`` (600 s here). ``close()`` stops every daemon and every job process and
-removes the namespaces, also after errors.
+a requeued job starts again within seconds, not two minutes). Accounting is real too: a private
+MariaDB (Debian ``mariadb-server``, its own data dir and loopback port) behind ``slurmdbd``, so
+``sacct`` answers as on a production cluster; ``scontrol show job`` also keeps a finished job for
+``MinJobAge`` (600 s here). ``close()`` stops every daemon and every job process and removes the
+namespaces, also after errors.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from pathlib import Path
 from tests.support.netns import Cluster, NetnsUnavailable, check_available, create
 from tests.support.ports import free_port
 
-COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo")
+COMMANDS = ("munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "srun", "scontrol", "squeue",
+            "sinfo", "sacct", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb")
+
+
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"})
 
 
 class SlurmUnavailable(RuntimeError):
@@ -36,7 +41,7 @@ def check() -> None:
     missing = [c for c in COMMANDS if shutil.which(c) is None]
     if missing:
         raise SlurmUnavailable(f"Slurm is not installed ({', '.join(missing)} missing: Debian "
-                               "slurmctld slurmd slurm-client munge)")
+                               "slurmctld slurmd slurmdbd slurm-client munge mariadb-server)")
     try:
         check_available()
     except NetnsUnavailable as exc:
@@ -72,11 +77,21 @@ class SlurmCluster:
             out.setdefault(key, value)
         return out
 
+    def accounted_state(self, job_id: str) -> str | None:
+        """The job's state in the accounting database (``sacct``), first word only."""
+        res = self.run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State")
+        rows = res.stdout.splitlines()  # "CANCELLED by 0": the first word is the state
+        return rows[-1].split(" ")[0] if rows else None
+
     def wait_state(self, job_id: str, states: tuple[str, ...], timeout: float) -> dict[str, str]:
+        """Until the controller reports one of ``states``, and where that is an end, until
+        the accounting database has it too (it learns of an end a moment later)."""
         deadline = time.monotonic() + timeout
         while True:
             info = self.job(job_id)
-            if info.get("JobState") in states:
+            state = info.get("JobState")
+            if state in states and (state not in ENDED
+                                    or self.accounted_state(job_id) == state):
                 return info
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} not {states} after {timeout}s: {info}\n"
@@ -97,7 +112,7 @@ class SlurmCluster:
 
     def logs(self) -> str:
         tails = []
-        for name in ("slurmctld.log", "slurmd-node-a.log", "slurmd-node-b.log"):
+        for name in ("slurmctld.log", "slurmdbd.log", "slurmd-node-a.log", "slurmd-node-b.log"):
             path = self.workdir / name
             if path.exists():
                 tails.append(f"--- {name}\n" + "\n".join(path.read_text().splitlines()[-15:]))
@@ -140,7 +155,10 @@ def _start(cluster: SlurmCluster) -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     (w / "state").mkdir(exist_ok=True)
     ctl_port, node_port = free_port(), free_port()
-    nodes = "".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs=2 State=UNKNOWN\n"
+    dbd_port = _start_accounting(cluster, sock)
+    # 4 CPUs a node, more than the machine has (SlurmdParameters=config_overrides): the tests'
+    # jobs are light, and a long one (the time limit's) can run beside the others
+    nodes = "".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs=4 State=UNKNOWN\n"
                     for n in net.nodes)
     names = ",".join(n.name for n in net.nodes)
     (w / "slurm.conf").write_text(f"""ClusterName=ddpmon
@@ -163,12 +181,16 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 ReturnToService=2
+SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort={dbd_port}
+AccountingStoragePass={sock}
 SlurmctldTimeout=30
 SlurmdTimeout=10
 MinJobAge=600
@@ -180,8 +202,9 @@ KillWait=5
     unified = Path("/sys/fs/cgroup/cgroup.controllers").exists()
     (w / "cgroup.conf").write_text(
         f"CgroupPlugin=cgroup/{'v2' if unified else 'v1'}\nCgroupMountpoint=/sys/fs/cgroup\n")
-    cluster.env = {"SLURM_CONF": str(w / "slurm.conf")}
     env = {**os.environ, **cluster.env}
+    res = cluster.run("sacctmgr", "-i", "add", "cluster", "ddpmon")
+    assert res.returncode == 0, f"sacctmgr add cluster: {res.stdout}{res.stderr}"
     cluster.procs.append(subprocess.Popen(
         ["slurmctld", "-D", "-i"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     for node in net.nodes:
@@ -195,3 +218,59 @@ KillWait=5
             raise RuntimeError(f"the Slurm nodes did not come up: {res.stdout}{res.stderr}\n"
                                + cluster.logs())
         time.sleep(0.5)
+
+
+def _start_accounting(cluster: SlurmCluster, munge_socket: Path) -> int:
+    """A private MariaDB and the ``slurmdbd`` in front of it; returns slurmdbd's port.
+
+    ``slurmdbd`` reads ``slurmdbd.conf`` beside ``SLURM_CONF`` and refuses one that others can
+    read. The database's root account has no password and listens on loopback only.
+    """
+    w = cluster.workdir
+    data, db_port, dbd_port = w / "mariadb", free_port(), free_port()
+    res = subprocess.run(
+        ["mariadb-install-db", "--no-defaults", f"--datadir={data}", "--user=root",
+         "--auth-root-authentication-method=normal", "--skip-test-db"],
+        capture_output=True, text=True, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(f"mariadb-install-db failed: {res.stdout[-2000:]}{res.stderr[-2000:]}")
+    cluster.procs.append(subprocess.Popen(
+        ["mariadbd", "--no-defaults", f"--datadir={data}", "--user=root", f"--port={db_port}",
+         "--bind-address=127.0.0.1", f"--socket={w / 'mariadb.sock'}",
+         f"--pid-file={w / 'mariadb.pid'}", f"--log-error={w / 'mariadb.log'}",
+         "--innodb-buffer-pool-size=32M", "--skip-log-bin"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    _wait_listening(db_port, 60, w / "mariadb.log")
+    conf = w / "slurmdbd.conf"
+    conf.write_text(f"""AuthType=auth/munge
+AuthInfo=socket={munge_socket}
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort={dbd_port}
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={db_port}
+StorageUser=root
+StorageLoc=slurm_acct_db
+LogFile={w}/slurmdbd.log
+PidFile={w}/slurmdbd.pid
+""")
+    conf.chmod(0o600)
+    cluster.env = {"SLURM_CONF": str(w / "slurm.conf")}
+    cluster.procs.append(subprocess.Popen(
+        ["slurmdbd", "-D"], env={**os.environ, **cluster.env},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    _wait_listening(dbd_port, 60, w / "slurmdbd.log")
+    return dbd_port
+
+
+def _wait_listening(port: int, timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        if time.monotonic() > deadline:
+            tail = log.read_text()[-2000:] if log.exists() else "(no log)"
+            raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout}s:\n{tail}")
+        time.sleep(0.1)
