@@ -76,7 +76,8 @@ LANES: dict[str, tuple[str, ...]] = {
 SERVICE_PROGRAMS = frozenset(
     {"prometheus", "promtool", "prometheus-alertmanager", "alertmanager", "amtool",
      "victoria-metrics", "vmagent", "vmalert", "ip", "unshare", "nsenter", "munged",
-     "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel"}
+     "slurmctld", "slurmd", "slurmdbd", "sbatch", "srun", "scontrol", "squeue", "sinfo", "scancel",
+     "sacct", "sacctmgr", "mariadbd", "mariadb-install-db"}
 )
 BROWSER_PROGRAMS = frozenset({"chromium", "chromium-browser", "chrome", "headless_shell"})
 RANK_PROGRAMS = frozenset({"torchrun"})
