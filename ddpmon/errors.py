@@ -7,6 +7,11 @@ DEEPSPEED_MIN_SCALE = "loss scale already at minimum"
 """Text of DeepSpeed's ``DynamicLossScaler`` exception at its ``min_loss_scale``."""
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """Raised by ``on_nonfinite='raise'`` (names the rank, step and parameter), and by
+    ``on_nonfinite='rerun'`` on every rank when a rerun reproduces the fault."""
+
+
 class LossScaleFloorError(RuntimeError):
     """Raised by ``on_loss_scale_floor="raise"`` on every rank at the same step, with one message
     naming the step, the scale, the overflows' origin ranks and the last checkpoint."""

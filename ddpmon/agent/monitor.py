@@ -252,6 +252,12 @@ class Monitor:
                 model, self.source, self._on_engine_step, guard.error,
                 on_min_scale=self._on_deepspeed_min_scale,
             )
+            if self.pipeline.rerun is not None:
+                from .engine_rerun import EngineRerun
+
+                rerun = EngineRerun(self.pipeline, self.source, model)
+                self.engine_steps.before_step = rerun.before_step
+                self.engine_steps.after_step = rerun.after_step
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
 
@@ -324,6 +330,17 @@ class Monitor:
         evidence (never the samples themselves)."""
         if not self._closed:
             self.pipeline.observe_samples(ids)
+
+    def run_step(self, closure: Callable[[], Any]) -> Any:
+        """Run the step's forward and backward (``closure``, returning the loss) and keep it in
+        hand for ``on_nonfinite='rerun'``: the ``optimizer.step()`` or DeepSpeed
+        ``engine.step()`` that follows reruns it once when the step triggers. For loops whose
+        optimizer takes no closure. Without the rerun policy it just calls ``closure()``."""
+        if self._closed or self.pipeline.rerun is None:
+            return closure()
+        from .rerun import run_step
+
+        return run_step(self.pipeline, closure)
 
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         """The gradient norm your trainer computed for optimizer step ``step`` (default: the

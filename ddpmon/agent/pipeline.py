@@ -149,6 +149,11 @@ class StepPipeline:
         with self.guard("loss"):
             self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
 
+    @property
+    def backward_pending(self) -> bool:
+        """A backward ran since the last optimizer step (gradients are accumulating)."""
+        return self._backward_pending
+
     def observe_samples(self, ids: Any) -> None:
         """The step's sample ids, kept by reference and read only if the step is rerun."""
         if self.rerun is not None:
@@ -219,6 +224,10 @@ class StepPipeline:
             return self._wrap_closure(args, kwargs) if self.rerun is not None else None
         self._collect()
         if self.rerun is not None:
+            from .rerun import decide_recorded
+
+            if decide_recorded(self):  # a trainer recorded the step: decided, reran or not
+                return None
             self.rerun.no_closure()
         if self.policy.reads:
             self._policy_skipped = self.policy.before_step(

@@ -18,13 +18,10 @@ from typing import Any
 
 import torch
 
+from ..errors import NonFiniteGradientError
 from ..probes.grads import ParamIndex, summarize_host
 from ..state import StepRecord
 from ..strategies.base import NormVector
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """Raised by ``on_nonfinite='raise'``; names the rank, step and parameter."""
 
 
 class NonFinitePolicy:

@@ -30,7 +30,10 @@ closure; ddpmon's wraps it:
 A ``rerun`` event on every rank (``origin`` on the rank whose local gradients were bad), an
 evidence bundle on that rank with the batch's shapes, dtypes and sample ids (never the data),
 and ``ddpmon_step_reruns_total{fault}``. A loop that steps without a closure cannot be rerun:
-its non-finite steps are skipped, as under ``skip``, said once.
+its non-finite steps are skipped, as under ``skip``, said once. The exception is a trainer whose
+integration records each step's micro-steps as they run (the Transformers Trainer's
+``training_step`` calls): ``decide_recorded`` replays them from the optimizer's pre-hook, the
+same decision before anything is applied.
 """
 
 from __future__ import annotations
@@ -86,6 +89,21 @@ class Outcome:
     """The first non-finite parameter of this rank's local gradients (first run, else rerun)."""
     skip: bool
     raises: bool
+    action: str | None = None
+    """What happened to the step where the engine decided it (DeepSpeed: ``replace``, the
+    rerun's gradients went on, or ``skip``); None: from ``skip`` and ``raises``."""
+
+
+@dataclass(slots=True)
+class Recorded:
+    """A step a trainer ran before ``optimizer.step()``, as it can be run again."""
+
+    replay: Callable[[], Any]
+    """Runs every micro-step of the step once more (forward, backward), as the trainer did."""
+    rng: RngState
+    """The generators as they were before the step's first micro-step."""
+    replayable: bool = True
+    """False when gradients began accumulating before the replay's first micro-step."""
 
 
 class RngState:
@@ -136,6 +154,11 @@ class StepRerun:
         self.batch: list[dict[str, Any]] | None = None
         """Shapes and dtypes of the rerun's forward inputs (captured while it runs)."""
         self.rerunning = False
+        self.held: Recorded | None = None
+        """The step handed over through ``mon.run_step(closure)``, until the step ends."""
+        self.recorded: Callable[[], Recorded | None] | None = None
+        """Set by a trainer integration that records each step's micro-steps (the Transformers
+        Trainer): the step as a replay, for loops that step without a closure."""
         self._told_no_closure = False
         self._told_no_replay = False
 
@@ -237,7 +260,8 @@ class StepRerun:
 
     def report(self, step: int, outcome: Outcome) -> None:
         """The event on every rank, the evidence on the origin rank. Never raises."""
-        action = "raise" if outcome.raises else "skip" if outcome.skip else "apply"
+        action = outcome.action or (
+            "raise" if outcome.raises else "skip" if outcome.skip else "apply")
         ids, count = self.sample_ids()
         fields: dict[str, Any] = {
             "trigger": outcome.trigger,
@@ -288,6 +312,14 @@ class StepRerun:
     def end_step(self) -> None:
         self.samples = None
         self.batch = None
+        self.held = None
+
+    def step_in_hand(self) -> Recorded | None:
+        """The step as it can be run again: handed over (``run_step``) or recorded by a
+        trainer integration; None when neither."""
+        if self.held is not None:
+            return self.held
+        return self.recorded() if self.recorded is not None else None
 
 
 def wrap_closure(
@@ -314,6 +346,36 @@ def wrap_closure(
         return loss if again is None else again
 
     return step_closure
+
+
+def run_step(pipeline: Any, closure: Callable[[], Any]) -> Any:
+    """``mon.run_step(closure)``: run the step's forward and backward now and keep them in
+    hand, so that the ``optimizer.step()`` (or DeepSpeed's ``engine.step()``) that follows can
+    rerun them. The closure's own exceptions are the loop's."""
+    rerun: StepRerun = pipeline.rerun
+    rng, replayable = None, not pipeline.backward_pending
+    with pipeline.guard("step"):
+        rng = RngState(rerun.device)
+    loss = closure()
+    if rng is not None:
+        rerun.held = Recorded(closure, rng, replayable)
+    return loss
+
+
+def decide_recorded(pipeline: Any) -> bool:
+    """A step without a closure that was handed over (``run_step``) or recorded (a trainer):
+    decided here, in the optimizer's pre-hook, before anything is applied. False when the
+    step is not in hand."""
+    rerun: StepRerun = pipeline.rerun
+    outcome, recorded = None, None
+    with pipeline.guard("step"):
+        recorded = rerun.step_in_hand()
+        if recorded is not None:
+            outcome, _ = _decide(pipeline, rerun, recorded.replay, recorded.rng,
+                                 recorded.replayable)
+    if outcome is not None and outcome.raises:
+        raise rerun.error_for(pipeline.step, outcome)  # deliberately, on every rank
+    return recorded is not None
 
 
 def _decide(pipeline: Any, rerun: StepRerun, closure: Callable[[], Any], rng: RngState,

@@ -11,6 +11,10 @@ it uses the public ``model_wrapped`` and ``accelerator`` (whose GradScaler serve
 DeepSpeed config ``model_wrapped`` is the ``DeepSpeedEngine`` (also ``trainer.deepspeed``), so
 ddpmon attaches to the engine as ``ddpmon.attach(engine)`` does (docs/parallelism.md, DeepSpeed).
 
+Under ``on_nonfinite="rerun"`` the callback records the step's ``training_step`` calls
+(``_trainer_replay``), so that ddpmon can run the step once more from the optimizer's pre-hook:
+the Trainer steps without a closure, and the model needs no change.
+
 Per step it adds no host read. The loss is summed on the device from the model output's ``loss``
 of each micro-batch (a forward hook), weighted as the Trainer weights it, so ``ddpmon_loss`` is
 this rank's loss of the optimizer step, the quantity whose mean over ranks the Trainer logs. The
@@ -79,6 +83,8 @@ class DdpmonCallback(TrainerCallback):
         self._token_scale = 1
         self._accumulation: Any = None
         self._save_timer: Any = None
+        self._recorder: Any = None
+        """Under ``on_nonfinite="rerun"``: the step's ``training_step`` calls, for a rerun."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None:
@@ -121,15 +127,25 @@ class DdpmonCallback(TrainerCallback):
             )
         except Exception as exc:
             log.debug("ddpmon: no loss hook: %s", exc)
+        rerun = getattr(self.monitor.pipeline, "rerun", None)
+        if rerun is not None and trainer is not None and not getattr(
+                self.monitor.state, "strategy", "").startswith("deepspeed"):
+            from ._trainer_replay import StepRecorder
+
+            self._recorder = StepRecorder(trainer, rerun)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._step_loss = None  # a new optimizer step: its first micro-batch comes next
+        if self._recorder is not None:
+            self._recorder.new_step()
         pipeline = getattr(self.monitor, "pipeline", None)
         if pipeline is not None:  # a training step, even at a warm-up's lr 0
             with contextlib.suppress(Exception):
                 pipeline.batch_started()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.new_step()  # the step's batch is not kept past its step
         self._arm_save_timer(args, state, control)
 
     def on_log(
@@ -176,6 +192,8 @@ class DdpmonCallback(TrainerCallback):
         """
         if not module.training or self.monitor is None:
             return
+        if self._recorder is not None and self._recorder.rerun.rerunning:
+            return  # the same step once more: its loss is already counted
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor):
             return
@@ -191,6 +209,9 @@ class DdpmonCallback(TrainerCallback):
             log.debug("ddpmon: loss not observed: %s", exc)
 
     def _detach(self) -> None:
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None

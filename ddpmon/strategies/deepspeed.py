@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LossScaleFloorError, is_deepspeed_min_scale
+from ..errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
 from ..probes.grads import per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector
@@ -203,6 +203,8 @@ class DeepSpeedSource(GradientSource):
         self._fingerprint: data_check.Fingerprint | None = None
         self._reduced_on = not self.facts.unreadable
         self._comm: CommTimer | None = None
+        self._ready: NormVector | None = None
+        """The step's reduced norms, finished early for a rerun decision (``reduced_now``)."""
 
     def replica_scope(self) -> tuple[ReplicaScope | None, str]:
         """ZeRO-0/1/2 keep the whole module on every data-parallel rank (ZeRO-1/2 gather the
@@ -376,18 +378,35 @@ class DeepSpeedSource(GradientSource):
                     positions.append(pos)
         return tensors, positions
 
+    # ------------------------------------------------------------------ for agent.engine_rerun
+    def reduced_now(self) -> NormVector | None:
+        """The step's reduced norms now (the all-reduce waited), kept for ``collect``."""
+        if self._ready is None:
+            self._ready = self._finish_reduced()
+        return self._ready
+
+    def local_now(self) -> NormVector | None:
+        """This rank's local norms of the micro-batches so far (kept for ``collect``)."""
+        present = [(i, t) for i, t in enumerate(self._sq) if t is not None]
+        if not present:
+            return None
+        norms = torch.stack([t for _, t in present]).sqrt() / self._scale_used
+        return NormVector(norms, [i for i, _ in present], scaled=False)
+
+    def swap_local(self, squares: list | None = None) -> list:
+        """Hand over the local squares so far and continue from ``squares`` (empty: None)."""
+        taken = list(self._sq)
+        self._sq[:] = squares if squares is not None else [None] * len(self._sq)
+        return taken
+
     # ------------------------------------------------------------------ per step
     def collect(self) -> GradSummaries:
-        reduced = self._finish_reduced()
+        reduced, self._ready = self._ready or self._finish_reduced(), None
         self._steps += 1
         fingerprint, self._fingerprint = self._fingerprint, None
         identical = data_check.identical_ranks(fingerprint, self.env.on_error)
-        local = None
-        present = [(i, t) for i, t in enumerate(self._sq) if t is not None]
+        local = self.local_now()
         self._sq[:] = [None] * len(self._sq)
-        if present:
-            norms = torch.stack([t for _, t in present]).sqrt() / self._scale_used
-            local = NormVector(norms, [i for i, _ in present], scaled=False)
         return GradSummaries(reduced=reduced, local=local, local_complete=local is not None,
                              identical_ranks=identical)
 
@@ -441,6 +460,13 @@ class EngineSteps:
         on_error: Callable[[str, BaseException], None],
         on_min_scale: Callable[[BaseException, float | None], None] | None = None,
     ) -> None:
+        self.after_step: Callable[[bool], None] | None = None
+        """Called after an ``engine.step`` that ended an optimizer step, with whether
+        DeepSpeed skipped it."""
+        self.before_step: Callable[[], None] | None = None
+        """Called at a boundary ``engine.step`` once the reduced norms are measured, before
+        DeepSpeed steps (``on_nonfinite='rerun'``: ``agent.engine_rerun``); its
+        ``NonFiniteGradientError`` reaches the loop, anything else is counted."""
         self.engine = engine
         self.source = source
         self._on_step = on_step
@@ -460,9 +486,11 @@ class EngineSteps:
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
         before = skipped = None
+        boundary = False
         try:
             self.source.note_scale()
-            if engine.is_gradient_accumulation_boundary():
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary:
                 try:
                     self.source.measure_reduced()
                 except Exception as exc:
@@ -470,6 +498,13 @@ class EngineSteps:
             before, skipped = engine.global_steps, engine.skipped_steps
         except Exception as exc:
             self._on_error("step", exc)
+        if boundary and self.before_step is not None:
+            try:
+                self.before_step()
+            except NonFiniteGradientError:
+                raise  # on_nonfinite=rerun, deterministic: meant for the loop, on every rank
+            except Exception as exc:
+                self._on_error("step", exc)
         try:
             result = self._original(*args, **kwargs)
         except Exception as exc:
@@ -479,6 +514,8 @@ class EngineSteps:
         if before is not None:
             try:
                 if engine.global_steps != before:
+                    if self.after_step is not None:
+                        self.after_step(engine.skipped_steps != skipped)
                     self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale(),
                                             int(before)))
             except LossScaleFloorError:

@@ -117,3 +117,31 @@ def test_a_resume_numbers_steps_as_the_trainer_does(resumed: WorkerRun) -> None:
     restored = {"model", "optimizer", "rng", "data_loader"}
     recovery = check_resume(resumed, RESUME_AT, STEPS, restored)
     assert recovery["path"].endswith(f"checkpoint-{RESUME_AT}"), recovery
+
+
+def test_rerun_needs_no_change_to_a_trainer(tmp_path: Path) -> None:
+    """``DdpmonCallback(on_nonfinite="rerun")`` on 2 DDP ranks, 2 micro-batches a step: the
+    Trainer steps without a closure, yet its recorded ``training_step`` calls are rerun on both
+    ranks. A one-off NaN on rank 1 at step 2 is transient (step skipped, training goes on); a
+    NaN in every backward of rank 0 at step 4 reproduces, and ``trainer.train()`` raises
+    ddpmon's error on both ranks at that step, before anything is applied."""
+    worker = Path(__file__).with_name("transformers_rerun_worker.py")
+    cmd = torchrun(worker, "--out", str(tmp_path), "--port", str(free_port_pair()))
+    result = run_worker(cmd, tmp_path, timeout=240)
+    assert result.rc == 0, result.output[-4000:]
+    for rank in (0, 1):
+        res = result.result(rank)
+        # each step 2 backward passes; steps 2 and 4 twice that (the rerun)
+        assert res["backwards"] == {"0": 2, "1": 2, "2": 4, "3": 2, "4": 4}, res
+        assert res["global_step"] == 4 and res["finite"], res
+        assert res["error"]["type"] == "NonFiniteGradientError", res
+        assert "step 4" in res["error"]["message"], res["error"]
+        assert ("rank 0 is the origin" in res["error"]["message"]) is (rank == 0), res["error"]
+        transient, deterministic = res["reruns"]
+        assert (transient["step"], transient["fault"], transient["action"]) == (
+            2, "transient", "skip"), transient
+        assert transient["origin"] is (rank == 1), transient
+        assert transient["param"] == (NAN_PARAM if rank == 1 else None), transient
+        assert (deterministic["step"], deterministic["fault"], deterministic["action"]) == (
+            4, "deterministic", "raise"), deterministic
+        assert deterministic["origin"] is (rank == 0), deterministic

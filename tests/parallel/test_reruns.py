@@ -34,3 +34,35 @@ def test_hsdp_reruns_together_and_tells_transient_from_deterministic(tmp_path):
     assert bad["reruns"][1]["sample_ids"] == ids
     assert f"rank {BAD_RANK} is the origin" in bad["error"]
     assert "another rank is the origin" in ranks[0]["error"]
+
+
+def test_deepspeed_zero2_reruns_a_handed_over_step(tmp_path):
+    """ZeRO-2, fp32, 2 ranks: the loop hands each step to ``mon.run_step(closure)``. The
+    one-off NaN on rank 1 is transient: both ranks reran it, and DeepSpeed stepped with the
+    rerun's reduction in place of the first run's, so the weights are bit-identical to a run
+    without the fault (action ``replace``). The batch that always fails on rank 0 is
+    deterministic and raises on both ranks before ``engine.step`` applies anything."""
+    from tests.parallel import _engine_rerun_worker as w
+
+    env = {"DS_ACCELERATOR": "cpu"}
+    ranks = run_ranks(Path(w.__file__), tmp_path / "faulty", [], world=2, env=env)
+    clean = run_ranks(Path(w.__file__), tmp_path / "clean", ["--no-transient"], world=2, env=env)
+    for r, reference in zip(ranks, clean, strict=True):
+        assert r["errors"] == {}, r
+        assert r["calls"][str(w.TRANSIENT_STEP)] == 2 and r["calls"][str(w.BAD_STEP)] == 2, r
+        assert r["calls"][str(w.TRANSIENT_STEP + 1)] == 1, r
+        # steps 0-4 were applied (the transient one with the rerun's gradients); step 5 raised
+        assert (r["global_steps"], r["skipped_steps"]) == (w.BAD_STEP, 0), r
+        assert r["finite"] and r["weights"] == reference["weights"], r["rank"]
+        assert "reproduced on a rerun" in r["error"], r
+        transient, deterministic = r["reruns"]
+        assert (transient["step"], transient["fault"], transient["action"]) == (
+            w.TRANSIENT_STEP, "transient", "replace")
+        assert transient["origin"] is (r["rank"] == w.TRANSIENT_RANK), transient
+        assert (deterministic["step"], deterministic["fault"], deterministic["action"]) == (
+            w.BAD_STEP, "deterministic", "raise")
+        assert deterministic["origin"] is (r["rank"] == w.BAD_RANK), deterministic
+    bad = ranks[w.BAD_RANK]
+    assert bad["reruns"][1]["sample_ids"] == [w.BAD_STEP * 100 + w.BAD_RANK * 4 + i
+                                              for i in range(4)]
+    assert f"rank {w.BAD_RANK} is the origin" in bad["error"]

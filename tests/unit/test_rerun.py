@@ -248,3 +248,57 @@ def test_micro_steps_outside_the_closure_are_not_rerun_but_skipped(tmp_path, cap
     assert skipped["policy"] == 1 and mon.state.steps_total == 3
     assert not events(tmp_path / "r", "rerun")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_step_handed_to_run_step_is_rerun_from_the_optimizer_step_that_follows(tmp_path):
+    """``mon.run_step(closure)`` then ``optimizer.step()`` without a closure (the form a
+    DeepSpeed loop needs, here with a torch optimizer): a one-off NaN at step 2 is transient
+    and skipped, the batch that always fails at step 4 raises before anything is applied."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    faults, masks = Faults(model, once=[2], always=[4]), {}
+    mon = ddpmon.attach(model, opt, port=0, run_dir=str(tmp_path), run_id="r",
+                        on_nonfinite="rerun")
+    weights = {}
+    try:
+        with pytest.raises(NonFiniteGradientError, match="step 4 reproduced on a rerun"):
+            for step in range(6):
+                faults.step = step
+                x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+
+                def forward_backward(x=x, step=step):
+                    out = model(x)
+                    masks.setdefault(step, []).append(out.detach().clone())
+                    loss = out.pow(2).mean()
+                    faults.arm()
+                    loss.backward()
+                    return loss
+
+                opt.zero_grad()
+                loss = mon.run_step(forward_backward)
+                assert torch.isfinite(loss) or step in (2, 4)
+                opt.step()
+                weights[step] = model[0].weight.detach().clone()
+        mon.flush()
+    finally:
+        mon.close()
+    assert faults.backwards == {0: 1, 1: 1, 2: 2, 3: 1, 4: 2}
+    assert torch.equal(masks[2][0], masks[2][1])  # the same dropout mask on the rerun
+    assert torch.equal(weights[1], weights[2])  # the transient step was skipped
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    transient, deterministic = events(tmp_path / "r", "rerun")
+    assert (transient["step"], transient["fault"], transient["action"]) == (2, "transient", "skip")
+    assert (deterministic["step"], deterministic["action"]) == (4, "raise")
+
+
+def test_run_step_without_the_rerun_policy_just_runs_the_closure(tmp_path):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls = []
+    mon = ddpmon.attach(model, opt, port=0, run_dir=str(tmp_path), run_id="r")
+    try:
+        loss = mon.run_step(lambda: calls.append(1) or model(torch.ones(2, 4)).sum())
+    finally:
+        mon.close()
+    assert calls == [1] and loss.shape == ()
+    assert ddpmon.attach(model, opt, enabled=False).run_step(lambda: 7) == 7
