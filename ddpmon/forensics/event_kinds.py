@@ -84,8 +84,9 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "fault": "`transient` (did not reproduce: suspect the device) or `deterministic` "
             "(reproduced: the data or the numerics)",
             "origin": "true on the rank whose local gradients were bad (the suspect)",
-            "action": "`skip` (transient), `raise` (deterministic non-finite) or `apply` (a "
-            "norm jump that reproduced)",
+            "action": "`skip` (transient), `raise` (deterministic non-finite), `apply` (a "
+            "norm jump that reproduced) or `replace` (DeepSpeed, transient: the engine stepped "
+            "with the rerun's gradients)",
             "device": "this rank's device",
             "gpu_uuid": "its GPU UUID, to compare with DCGM (null off CUDA)",
             "param": "first non-finite parameter of this rank's local gradients",
