@@ -101,6 +101,9 @@ class StepPipeline:
         self.step_metrics = tuple(step_metrics)
         self.replicas: Any = None
         """``strategies.replicas.ReplicaCheck`` where the strategy has replicas."""
+        self._replica_inflight: Any = None
+        """A check issued at this step's first forward (``ReplicaScope.at_forward``)."""
+        self._forward_seen = False
         self.rerun: Any = None
         """``agent.rerun.StepRerun`` under ``on_nonfinite='rerun'``."""
         self.layout = layout or StepVectorLayout(
@@ -189,6 +192,10 @@ class StepPipeline:
             self.complete(skipped_by="loop")
         if self._step_start is None:
             self._step_start = time.perf_counter()
+        if not self._forward_seen:
+            self._forward_seen = True
+            if self.replicas is not None and self.replicas.scope.at_forward:
+                self._replica_inflight = self._launch_replicas()
         self.live.set(self.step, FORWARD)
         if self.batch_shapes is None:
             with self.guard("data"):
@@ -314,6 +321,7 @@ class StepPipeline:
             self._closure_step = self._policy_skipped = False
             self._backward_pending = False
             self._sentinel = None
+            self._forward_seen = False
             if self.rerun is not None:
                 self.rerun.end_step()
             self.live.set(self.step, DATA)
@@ -339,8 +347,15 @@ class StepPipeline:
 
     def _check_replicas(self) -> Any:
         """Start the replica checksums' gather on a check step (after the update: every rank
-        closes the step here, whoever decided it)."""
-        if self.replicas is None or not self.replicas.due(self.step):
+        closes the step here, whoever decided it); or hand over the one this step's first
+        forward started (``at_forward``)."""
+        inflight, self._replica_inflight = self._replica_inflight, None
+        if self.replicas is None or self.replicas.scope.at_forward:
+            return inflight
+        return self._launch_replicas()
+
+    def _launch_replicas(self) -> Any:
+        if not self.replicas.due(self.step):
             return None
         with self.guard("comm"):
             return self.replicas.launch(self.step)

@@ -215,8 +215,11 @@ class DeepSpeedSource(GradientSource):
         if group is None:
             group = getattr(self.engine, "data_parallel_group", None)
         params = self.index.params
+        # ZeRO-1/2 rewrite the module's parameters in the step (the all-gather from the
+        # owners' partitions): compared as the next forward finds them
         scope = ReplicaScope(lambda: params, self.index.all_positions, group,
-                             "the engine's data-parallel group")
+                             "the engine's data-parallel group",
+                             at_forward=self.facts.stage in (1, 2))
         return scope, ""
 
     def data_check_scope(self) -> tuple[str | None, str]:

@@ -41,6 +41,10 @@ class ReplicaScope:
     """The process group of the replicas (``None``: the default group)."""
     over: str
     """Who is compared, in words (the manifest's ``replica_check``)."""
+    at_forward: bool = False
+    """Compare the parameters as the step's first forward finds them, not at the step's end:
+    for a strategy whose step rewrites them from elsewhere (ZeRO-1/2's all-gather from the
+    owners' partitions), where a fault between two steps would be gone by the step's end."""
 
 
 @dataclass(frozen=True, slots=True)

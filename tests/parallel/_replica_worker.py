@@ -11,6 +11,9 @@ restart from a good checkpoint would do):
 ``--scenario resume`` (DDP): ``RESUME_RANK`` loads another checkpoint after the wrap; the check
 at the first step of the process compares at once.
 ``--scenario zero2``: DeepSpeed ZeRO-2 (``DS_ACCELERATOR=cpu``), clean: no mismatch.
+``--scenario zero2-flip``: ZeRO-2 on 3 ranks; one bit of a module weight flips on rank 1 after
+``FLIP_STEP`` and on ``FLIP_RANK`` after ``ZERO2_FLIP_STEP``, the step before a check. The next
+step's forward uses each; that step's all-gather then rewrites the weight from its owner.
 ``--scenario hsdp``: HSDP on a 2 x 2 mesh (replicate x shard); one bit of ``FLIP_RANK``'s
 local shard flips at ``FLIP_STEP``. Its replicate group has two ranks: both are named.
 ``--scenario tp``: tensor parallel over 4 ranks (``head`` row-wise: its bias is replicated);
@@ -42,6 +45,7 @@ SKIP_STEP, SKIP_RANK = 13, 1
 NOISY_STEP = 21
 STEPS = 28
 RESUME_RANK = 2
+ZERO2_FLIP_STEP = 7  # the step before a check step (8)
 RUN_ID = "test-replicas"
 
 
@@ -70,11 +74,11 @@ def repair(model: nn.Module) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--scenario", choices=("phases", "resume", "zero2", "clean", "hsdp", "tp"),
-                    required=True)
+    ap.add_argument("--scenario", required=True, choices=(
+        "phases", "resume", "zero2", "zero2-flip", "clean", "hsdp", "tp"))
     args = ap.parse_args()
     out = Path(args.out)
-    if args.scenario == "zero2":
+    if args.scenario.startswith("zero2"):
         import deepspeed
 
         deepspeed.init_distributed("gloo", timeout=datetime.timedelta(seconds=120))
@@ -87,7 +91,7 @@ def main() -> None:
     options = dict(port=0, run_dir=str(out / "runs"), run_id=f"{RUN_ID}-{args.scenario}",
                    replica_check_every=every)
     gen = torch.Generator().manual_seed(100 + rank)
-    if args.scenario == "zero2":
+    if args.scenario.startswith("zero2"):
         import deepspeed
 
         config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {
@@ -96,10 +100,13 @@ def main() -> None:
         engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                           config=config)
         mon = ddpmon.attach(engine, **options)
-        for _ in range(12):
+        for step in range(12):
             loss = engine(torch.randn(4, 8, generator=gen)).pow(2).mean()
             engine.backward(loss)
             engine.step()
+            if args.scenario == "zero2-flip" and (step, rank) in (
+                    (FLIP_STEP, 1), (ZERO2_FLIP_STEP, FLIP_RANK)):
+                flip_bit(engine.module.embed.weight, 7, FLIP_BIT)
     elif args.scenario == "tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -180,6 +187,7 @@ def main() -> None:
         "exposed": [line for line in exposed.splitlines()
                     if line.startswith("ddpmon_replica_mismatch_total")],
         "steps": state.steps_total,
+        "weights": [p.detach().reshape(-1).tolist() for p in net.parameters()],
     }
     mon.close()
     manifest = out / "runs" / f"{RUN_ID}-{args.scenario}" / "manifest.json"

@@ -22,6 +22,7 @@ from tests.parallel._replica_worker import (
     SKIP_RANK,
     SKIP_STEP,
     STEPS,
+    ZERO2_FLIP_STEP,
 )
 from tests.support.ranks import run_ranks
 
@@ -136,3 +137,21 @@ def test_clean_runs_raise_no_mismatch(tmp_path, scenario, world, over):
     for r in ranks:
         assert r["errors"] == {} and r["events"] == [] and r["mismatch_total"] == 0, r
     assert ranks[0]["replica_check"]["over"] == over
+
+
+def test_zero2_compares_the_weights_the_next_forward_uses(tmp_path):
+    """ZeRO-2 rewrites every rank's module weights in the step (the all-gather from the owners'
+    partitions), so a bit that flips between two steps is gone by the next step's end. The
+    check runs at the first forward of a check step instead: a flip after the step before it
+    (rank 2, step 7) is named at step 8; a flip after step 5 (rank 1) was used by step 6's
+    forward and rewritten by step 6's gather, before any check: not seen (the limit
+    docs/parallelism.md states)."""
+    ranks = run_ranks(WORKER, tmp_path, ["--scenario", "zero2-flip"], world=3,
+                      env={"DS_ACCELERATOR": "cpu"})
+    assert _next_check(FLIP_STEP) == ZERO2_FLIP_STEP + 1
+    for r in ranks:
+        assert r["errors"] == {}, r
+        assert [(e["step"], e["ranks"], e["group"]) for e in r["events"]] == (
+            [(ZERO2_FLIP_STEP + 1, [FLIP_RANK], "embed")] if r["rank"] == FLIP_RANK else []
+        ), r
+        assert r["weights"] == ranks[0]["weights"]  # healed by the gathers that followed
