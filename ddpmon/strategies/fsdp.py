@@ -43,7 +43,7 @@ from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
 from .kinds import detect_sharded, fsdp_modules
 from .local_sampling import LocalNormSampler
-from .replicas import ReplicaScope
+from .replicas import ReplicaScope, tp_replica_scope
 from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
@@ -209,7 +209,10 @@ class FSDPSource(ShardedSource):
 
     def replica_scope(self) -> tuple[ReplicaScope | None, str]:
         """HSDP: the ranks of a replicate group hold the same local shards (same shard and TP
-        coordinates); FSDP2 alone shards every parameter over all its ranks."""
+        coordinates); FSDP2+TP: the TP ranks of one data-parallel coordinate hold the same
+        shards of what TP replicates; FSDP2 alone shards every parameter over all its ranks."""
+        if self.name == "fsdp2+tp":  # the TP-replicated shards (norms, row-wise biases)
+            return tp_replica_scope(self.index)
         if not self.name.startswith("hsdp"):
             return None, "FSDP2 shards every parameter: no two ranks hold the same shard"
         if self._replicate_group is None:

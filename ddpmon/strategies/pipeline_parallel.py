@@ -56,6 +56,7 @@ from .pp_probes import (
 )
 from .pp_setup import PipelineSetup
 from .reduction import FlaggedSum, failed_vector
+from .replicas import ReplicaScope
 from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
@@ -73,6 +74,25 @@ class PipelineSource(GradientSource):
         if self.setup.inner in ("ddp", "fsdp2"):
             return "each stage's data-parallel group (the ranks that hold the same stage)", ""
         return None, "pipeline stages without a data-parallel wrapper (DDP, FSDP2)"
+
+    def replica_scope(self) -> tuple[ReplicaScope | None, str]:
+        """Each stage's data-parallel replicas: under DDP the ranks of the stages' DDP group
+        hold the same stages, bit for bit; under FSDP2/HSDP as the inner source says."""
+        if self.inner is not None:
+            return self.inner.replica_scope()
+        ddp = torch.nn.parallel.DistributedDataParallel
+        modules = [i.module for i in self.setup.stages if isinstance(i.module, ddp)]
+        if not modules:
+            return None, "pipeline stages without a data-parallel wrapper hold no replicas"
+        groups = {id(m.process_group): m.process_group for m in modules}
+        if len(groups) != 1:
+            return None, "the stages' DDP wrappers reduce over different groups"
+        position = self.index.position
+        params = [p for m in modules for p in m.parameters() if id(p) in position]
+        return ReplicaScope(lambda: params, [position[id(p)] for p in params],
+                            next(iter(groups.values())),
+                            "each stage's data-parallel group (the ranks that hold the same "
+                            "stages)"), ""
 
     def __init__(self, env: SourceEnv, setup: PipelineSetup) -> None:
         super().__init__(env)

@@ -13,7 +13,8 @@ checksums, and nothing is read on the training thread.
 Only parameters are compared: buffers such as BatchNorm running statistics are legitimately
 per rank unless synchronised. Where replicas live, per strategy, is each source's
 ``replica_scope`` (DDP: the DDP process group; HSDP: each replicate group; DeepSpeed
-ZeRO-0/1/2: its data-parallel group; no replicas under pure FSDP2, ZeRO-3 or a plain module).
+ZeRO-0/1/2: its data-parallel group; TP and FSDP2+TP: the TP ranks, over what TP replicates,
+``tp_replica_scope``; no replicas under pure FSDP2, ZeRO-3 or a plain module).
 """
 
 from __future__ import annotations
@@ -171,3 +172,32 @@ class ReplicaCheck:
         work = gather(flat, mine, async_op=True, group=self.scope.group)
         return InFlight(step, work, flat.view(len(self._ranks), -1), self._ranks, self._me,
                         self.group_names, self.first_check)
+
+
+def tp_replica_scope(index: Any) -> tuple[ReplicaScope | None, str]:
+    """The parameters tensor parallel replicates (a ``Replicate`` placement on the TP dim: a
+    row-wise layer's bias, norms under sequence parallel), compared over the TP ranks: DTensor
+    reduces their gradients before the step, so every TP rank holds the same bits. Under
+    FSDP2+TP the same parameters are sharded on the data-parallel dim, and the TP ranks of one
+    data-parallel coordinate hold the same shard. Plain tensors are not compared: nothing makes
+    their gradients identical across the TP ranks (a norm fed a sequence shard has its own)."""
+    chosen: list[Any] = []
+    where: set[tuple[Any, int]] = set()
+    for p in index.params:
+        placements = getattr(p, "placements", None)
+        if not placements:
+            continue
+        replicated = [i for i, pl in enumerate(placements) if pl.is_replicate()]
+        if len(replicated) == 1 and all(
+                pl.is_replicate() or pl.is_shard() for pl in placements):
+            chosen.append(p)
+            where.add((p.device_mesh, replicated[0]))
+    if not chosen:
+        return None, "no parameter is replicated over the TP ranks"
+    if len(where) != 1:
+        return None, "the replicated parameters are not on one TP mesh dim"
+    ((mesh, dim),) = where
+    positions = [index.position[id(p)] for p in chosen]
+    return ReplicaScope(lambda: [p.to_local() for p in chosen], positions, mesh.get_group(dim),
+                        "the TP ranks, over the parameters TP replicates (Replicate "
+                        "placements)"), ""

@@ -23,7 +23,7 @@ import torch
 
 from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
-from .replicas import ReplicaScope
+from .replicas import ReplicaScope, tp_replica_scope
 from .sharded_source import ShardedSource
 
 
@@ -39,20 +39,7 @@ class TensorParallelSource(ShardedSource):
         self._local: NormVector | None = None
 
     def replica_scope(self) -> tuple[ReplicaScope | None, str]:
-        """The parameters TP replicates (``Replicate`` placements: a row-wise layer's bias,
-        norms under sequence parallel) are the same bits on every TP rank: DTensor reduces
-        their gradients before the step. Plain tensors are not compared: nothing makes their
-        gradients identical across the TP ranks (a norm fed a sequence shard has its own)."""
-        replicated = [p for p in self.index.params if _replicated(p)]
-        if not replicated:
-            return None, "no parameter is replicated over the TP ranks"
-        mesh = replicated[0].device_mesh
-        if mesh.ndim != 1 or any(p.device_mesh != mesh for p in replicated):
-            return None, "the replicated parameters are not on one 1-D TP mesh"
-        positions = [self.index.position[id(p)] for p in replicated]
-        return ReplicaScope(lambda: [p.to_local() for p in replicated], positions,
-                            mesh.get_group(), "the TP ranks, over the parameters TP "
-                            "replicates (Replicate placements)"), ""
+        return tp_replica_scope(self.index)
 
     def install(self) -> None:
         self._norms = ShardedNorms(self.index, self.env.span)
@@ -91,8 +78,3 @@ class TensorParallelSource(ShardedSource):
 
 
 __all__ = ["TensorParallelSource"]
-
-
-def _replicated(p: torch.Tensor) -> bool:
-    placements = getattr(p, "placements", None)
-    return bool(placements) and all(pl.is_replicate() for pl in placements)

@@ -253,6 +253,7 @@ def run_norms(args, dp: str) -> dict:
             for info in infos
             if getattr(info, "buffer", None) is not None
         )
+        run.mon.flush()  # the replica check of the first step has been compared
         entry = {
             "recv_hooks": recv_hooks,
             "recv_buffers": sum(len(s.args_recv_info) for s in stages if not s.is_first),
@@ -263,6 +264,9 @@ def run_norms(args, dp: str) -> dict:
             "names": list(run.mon.index.names),
             "errors": dict(run.mon.state.agent_errors),
             "clip_reused": getattr(run.mon.source.inner, "clip_norms_reused", None),
+            "replicas_over": (run.mon.pipeline.replicas.scope.over
+                              if run.mon.pipeline.replicas is not None else None),
+            "replica_mismatches": run.mon.state.replica_mismatch_total,
         }
         if port:
             text = scrape(run.mon.port)

@@ -18,6 +18,8 @@ step's forward uses each; that step's all-gather then rewrites the weight from i
 local shard flips at ``FLIP_STEP``. Its replicate group has two ranks: both are named.
 ``--scenario tp``: tensor parallel over 4 ranks (``head`` row-wise: its bias is replicated);
 one bit of ``FLIP_RANK``'s copy of that bias flips at ``FLIP_STEP``.
+``--scenario fsdp2-tp``: FSDP2+TP on a 2 x 2 (dp, tp) mesh; one bit of ``FLIP_RANK``'s shard
+of the replicated bias flips at ``FLIP_STEP``. Its TP group has two ranks: both are named.
 ``--scenario clean``: accumulation over two micro-batches (``no_sync``) and bf16 autocast, a
 check every step: no mismatch.
 
@@ -75,7 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--scenario", required=True, choices=(
-        "phases", "resume", "zero2", "zero2-flip", "clean", "hsdp", "tp"))
+        "phases", "resume", "zero2", "zero2-flip", "clean", "hsdp", "tp", "fsdp2-tp"))
     args = ap.parse_args()
     out = Path(args.out)
     if args.scenario.startswith("zero2"):
@@ -126,6 +128,29 @@ def main() -> None:
             opt.step()
             if step == FLIP_STEP and rank == FLIP_RANK:
                 flip_bit(net.head.bias.to_local(), 1, FLIP_BIT)
+    elif args.scenario == "fsdp2-tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                mesh_dim_names=("dp", "tp"))
+        parallelize_module(net, mesh["tp"], {"embed": ColwiseParallel(),
+                                             "head": RowwiseParallel()})
+        fully_shard(net, mesh=mesh["dp"])
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        mon = ddpmon.attach(net, opt, **options)
+        data = torch.Generator().manual_seed(100 + mesh.get_coordinate()[0])  # per TP group
+        for step in range(10):
+            opt.zero_grad()
+            net(torch.randn(4, 8, generator=data)).pow(2).mean().backward()
+            opt.step()
+            if step == FLIP_STEP and rank == FLIP_RANK:
+                flip_bit(net.head.bias.to_local(), 0, FLIP_BIT)
     elif args.scenario == "hsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -187,7 +212,8 @@ def main() -> None:
         "exposed": [line for line in exposed.splitlines()
                     if line.startswith("ddpmon_replica_mismatch_total")],
         "steps": state.steps_total,
-        "weights": [p.detach().reshape(-1).tolist() for p in net.parameters()],
+        "weights": [getattr(p, "_local_tensor", p).detach().reshape(-1).tolist()
+                    for p in net.parameters()],
     }
     mon.close()
     manifest = out / "runs" / f"{RUN_ID}-{args.scenario}" / "manifest.json"

@@ -269,3 +269,19 @@ def test_identical_batches_are_counted_within_a_stages_dp_group(pp_dp, dp):
             assert got["manifest"]["data_check"] == {
                 "every": 1, "over": "each stage's data-parallel group (the ranks that hold the "
                 "same stage)"}
+
+
+def test_each_stages_ddp_replicas_are_compared_and_agree(pp_dp):
+    """pp x DDP: the ranks of a stage's dp group hold the same stage, bit for bit, and the
+    replica checksums compare them over that group (at the first step of the process, then
+    every ``replica_check_every``); a clean run raises nothing. pp x FSDP2 shards each stage:
+    nothing to compare."""
+    seen = set()
+    for _, dp, _, entry in _cases(pp_dp):
+        seen.add(dp)
+        if dp == "ddp":
+            assert entry["replicas_over"].startswith("each stage's data-parallel group")
+            assert entry["replica_mismatches"] == 0
+        else:
+            assert entry["replicas_over"] is None and entry["replica_mismatches"] is None
+    assert seen == {"ddp", "fsdp2"}

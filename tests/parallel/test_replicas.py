@@ -125,6 +125,21 @@ def test_tp_names_the_rank_whose_replicated_bias_flipped(tmp_path):
     assert ranks[0]["replica_check"]["over"].startswith("the TP ranks")
 
 
+def test_fsdp2_tp_compares_the_tp_replicated_shards_within_each_tp_group(tmp_path):
+    """FSDP2+TP on a 2 x 2 (dp, tp) mesh: the row-wise layer's bias is replicated over TP and
+    sharded over dp, so the two TP ranks of each dp coordinate hold the same shard. A bit
+    flipped in rank 2's shard names its TP group (ranks 2 and 3: two replicas, no majority);
+    the other group (ranks 0 and 1) stays quiet."""
+    ranks = run_ranks(WORKER, tmp_path, ["--scenario", "fsdp2-tp"], world=4)
+    flip = _next_check(FLIP_STEP)
+    for r in ranks:
+        assert r["errors"] == {}, r
+        named = r["rank"] in (2, 3)
+        assert [(e["step"], e["ranks"], e["group"], e["replicas"]) for e in r["events"]] == (
+            [(flip, [2, 3], "head", 2)] if named else []), r
+    assert ranks[0]["replica_check"]["over"].startswith("the TP ranks")
+
+
 @pytest.mark.parametrize(("scenario", "world", "over"), [
     ("clean", 3, "the ranks of the DDP process group"),
     ("zero2", 2, "the engine's data-parallel group"),

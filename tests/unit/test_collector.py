@@ -204,11 +204,12 @@ def test_series_budget_with_default_group_bound():
     [
         (("all_reduce",), True),  # DDP
         (("reduce_scatter", "all_gather"), False),  # FSDP2
-        (("all_reduce", "reduce_scatter", "all_gather"), True),  # HSDP, TP (sequence parallel)
+        # HSDP, TP (sequence parallel), FSDP2+TP
+        (("all_reduce", "reduce_scatter", "all_gather"), True),
         (("all_reduce", "reduce_scatter", "all_gather", "broadcast"), False),  # ZeRO-3
         (("all_reduce", "reduce", "all_gather"), True),  # DeepSpeed ZeRO-1/2
         (("reduce_scatter", "all_gather", "send", "recv"), False),  # PP + FSDP2
-        (("all_reduce", "send", "recv"), False),  # PP + DDP
+        (("all_reduce", "send", "recv"), True),  # PP + DDP (each stage's dp replicas)
     ],
 )
 def test_series_budget_holds_for_every_strategy_op_set(ops, replicas):
