@@ -14,8 +14,10 @@ at the first step of the process compares at once.
 ``--scenario zero2-flip``: ZeRO-2 on 3 ranks; one bit of a module weight flips on rank 1 after
 ``FLIP_STEP`` and on ``FLIP_RANK`` after ``ZERO2_FLIP_STEP``, the step before a check. The next
 step's forward uses each; that step's all-gather then rewrites the weight from its owner.
-``--scenario hsdp``: HSDP on a 2 x 2 mesh (replicate x shard); one bit of ``FLIP_RANK``'s
-local shard flips at ``FLIP_STEP``. Its replicate group has two ranks: both are named.
+``--scenario hsdp``: HSDP on a 2 x 2 mesh (replicate x shard); ``SKIP_RANK``'s loop guard skips
+``optimizer.step()`` at ``HSDP_SKIP_STEP`` (FSDP2's step is local: no collective hangs), and one
+bit of ``FLIP_RANK``'s local shard flips at ``FLIP_STEP``. Each replicate group has two ranks:
+both are named.
 ``--scenario tp``: tensor parallel over 4 ranks (``head`` row-wise: its bias is replicated);
 one bit of ``FLIP_RANK``'s copy of that bias flips at ``FLIP_STEP``.
 ``--scenario fsdp2-tp``: FSDP2+TP on a 2 x 2 (dp, tp) mesh; one bit of ``FLIP_RANK``'s shard
@@ -48,6 +50,7 @@ NOISY_STEP = 21
 STEPS = 28
 RESUME_RANK = 2
 ZERO2_FLIP_STEP = 7  # the step before a check step (8)
+HSDP_SKIP_STEP = 1
 RUN_ID = "test-replicas"
 
 
@@ -164,7 +167,8 @@ def main() -> None:
         for step in range(10):
             opt.zero_grad()
             net(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
-            opt.step()
+            if not (step == HSDP_SKIP_STEP and rank == SKIP_RANK):
+                opt.step()
             if step == FLIP_STEP and rank == FLIP_RANK:
                 flip_bit(net.embed.weight._local_tensor, 1, FLIP_BIT)
     else:

@@ -16,6 +16,7 @@ from tests.parallel._replica_worker import (
     EVERY,
     FLIP_RANK,
     FLIP_STEP,
+    HSDP_SKIP_STEP,
     NOISY_STEP,
     RESUME_RANK,
     RUN_ID,
@@ -96,17 +97,20 @@ def test_another_checkpoint_on_one_rank_is_named_at_the_first_step(tmp_path):
     assert first["first_check"] and not later["first_check"]  # loaded, not computed
 
 
-def test_hsdp_names_the_flipped_shard_and_its_replicate_peer(tmp_path):
-    """2 x 2 mesh: ranks {0, 2} and {1, 3} hold the same shards. Rank 2's flipped bit leaves
-    its replicate group without a majority, so both of its ranks are named; {1, 3} agree."""
+def test_hsdp_names_the_skipped_step_and_the_flipped_shard_with_their_replicate_peers(tmp_path):
+    """2 x 2 mesh: ranks {0, 2} and {1, 3} hold the same shards. Rank 1's guard skipped a step
+    (its shard lags from then on: named at every check after it); rank 2's flipped bit. A group
+    of two has no majority, so both of its ranks are named."""
     ranks = run_ranks(WORKER, tmp_path, ["--scenario", "hsdp"], world=4)
-    flip = _next_check(FLIP_STEP)
+    skip, flip = _next_check(HSDP_SKIP_STEP), _next_check(FLIP_STEP)
+    expected = {0: [(flip, [0, 2])], 2: [(flip, [0, 2])],
+                1: [(skip, [1, 3]), (flip, [1, 3])], 3: [(skip, [1, 3]), (flip, [1, 3])]}
+    assert SKIP_RANK == 1 and FLIP_RANK == 2 and skip < flip
     for r in ranks:
         assert r["errors"] == {}, r
-        named = r["rank"] in (0, FLIP_RANK)
-        assert [e["step"] for e in r["events"]] == ([flip] if named else []), r
+        assert [(e["step"], e["ranks"]) for e in r["events"]] == expected[r["rank"]], r
         for e in r["events"]:
-            assert e["ranks"] == [0, FLIP_RANK] and e["group"] == "embed" and e["replicas"] == 2
+            assert e["group"] == "embed" and e["replicas"] == 2
     assert ranks[0]["replica_check"] == {
         "every": EVERY, "over": "the replicate group of each rank (HSDP)"}
 
