@@ -21,7 +21,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from . import zygote
 from .ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,44 +57,69 @@ def rank_env(rank: int, world: int, master_port: int, extra: dict[str, str] | No
 def run_group(
     runs: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: Path | None = None
 ) -> list[RankOutput]:
-    """Start every ``(cmd, env)`` in its own session, wait for all (``timeout`` seconds in
-    all, then ``AssertionError``); every process group is killed when this returns."""
-    procs = [
-        subprocess.Popen(
-            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        for cmd, env in runs
-    ]
+    """Start every ``(cmd, env)`` in its own session, wait for all (``timeout`` seconds each,
+    then ``AssertionError``); every process group is killed when this returns. ``python
+    SCRIPT`` commands are forked from the zygote (``zygote.py``), others started afresh."""
+    procs = [_start(cmd, env, cwd) for cmd, env in runs]
     outputs: list[RankOutput] = []
     try:
         for proc in procs:
             try:
-                stdout, stderr = proc.communicate(timeout=timeout)
+                code, stdout, stderr = proc.finish(timeout)
             except subprocess.TimeoutExpired:
                 kill_group(proc)
-                stdout, stderr = proc.communicate()
+                _, stdout, stderr = proc.finish(None)
                 raise AssertionError(
                     f"{runs[procs.index(proc)][0]} timed out after {timeout:g}s:\n"
-                    f"{(stdout + stderr).decode(errors='replace')[-4000:]}"
+                    f"{(stdout + stderr)[-4000:]}"
                 ) from None
-            outputs.append(
-                RankOutput(proc.returncode, stdout.decode(errors="replace"),
-                           stderr.decode(errors="replace"))
-            )
+            outputs.append(RankOutput(code, stdout, stderr))
     finally:
         for proc in procs:
             kill_group(proc)
     return outputs
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+class _Process:
+    """A ``Popen`` or a zygote ``Child``, finished alike."""
+
+    def __init__(self, popen: subprocess.Popen | None = None, child: Any = None) -> None:
+        self.popen, self.child = popen, child
+        self.pid = popen.pid if popen is not None else child.pid
+
+    def finish(self, timeout: float | None) -> tuple[int, str, str]:
+        if self.popen is not None:
+            out, err = self.popen.communicate(timeout=timeout)
+            return (self.popen.returncode, out.decode(errors="replace"),
+                    err.decode(errors="replace"))
+        code = self.child.wait(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired("zygote child", timeout or 0)
+        return (code, *self.child.output())
+
+    def poll(self) -> int | None:
+        if self.popen is not None:
+            return self.popen.poll()
+        return self.child.wait(0)
+
+
+def _start(cmd: list[str], env: dict[str, str], cwd: Path | None) -> _Process:
+    if zygote.enabled() and zygote.forkable(cmd):
+        return _Process(child=zygote.get().spawn(cmd, env, cwd))
+    return _Process(popen=subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True))
+
+
+def kill_group(proc: subprocess.Popen | _Process) -> None:
     """SIGKILL ``proc``'s whole session (its children too: torchrun's ranks, a daemon's jobs)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    if proc.poll() is None:
+    if isinstance(proc, _Process) and proc.child is not None:
+        proc.child.wait(None)
+    elif proc.poll() is None:
         proc.wait()
 
 
