@@ -19,8 +19,10 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the demo's CLI parses specs without torch; the ranks have it
+    import torch
 
 KINDS = (
     "nan",
@@ -124,6 +126,8 @@ class FaultPlan:
             elif fault.kind == "exit":
                 sys.exit(int(fault.options.get("code", "1")))
             elif fault.kind == "oom":
+                import torch
+
                 torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator refuses this
 
 
@@ -141,6 +145,8 @@ def flip_bit(model: torch.nn.Module, name: str, bit: int) -> None:
     params = dict(inner.named_parameters())
     if name not in params:
         raise FaultSpecError(f"no parameter {name!r}; e.g. {', '.join(list(params)[:4])}")
+    import torch
+
     with torch.no_grad():
         params[name].view(-1).view(torch.int32)[0] ^= 1 << bit
 
