@@ -218,6 +218,11 @@ def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path
     _wait_started(slurm, run, job, 2)
     assert slurm.run("scancel", job).returncode == 0
     slurm.wait_state(job, ("CANCELLED",), 60)
+    deadline = time.monotonic() + 30  # slurmstepd ends the steps (SIGTERM, then SIGKILL)
+    while left := [p.info for p in psutil.process_iter(["pid", "cmdline"])
+                   if str(tmp_path) in " ".join(p.info["cmdline"] or [])]:
+        assert time.monotonic() < deadline, left  # nothing of the job outlives scancel
+        time.sleep(0.3)
     text = timeline(run, slurm.env).stdout
     assert f"Slurm: job {job} CANCELLED" in text, text
     assert "signal SIGTERM" in text or "vanished" in text, text  # ddpmon's view of the end
