@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
 import deepspeed
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import ddpmon
 from ddpmon.errors import NonFiniteGradientError
 from tests.parallel._replica_worker import Net
+from tests.parallel._rerun_worker import write_result
 
 TRANSIENT_STEP, TRANSIENT_RANK = 2, 1
 BAD_STEP, BAD_RANK = 5, 0
@@ -68,24 +68,11 @@ def main() -> None:
             engine.step()
     except NonFiniteGradientError as exc:
         error = str(exc)
-    mon.flush()
-    state = mon.state
-    events = [json.loads(line) for line in (
-        out / "runs" / RUN_ID / f"events.rank{rank}.jsonl").read_text().splitlines()]
-    result = {
-        "rank": rank,
-        "reruns": [e for e in events if e["kind"] == "rerun"],
-        "error": error,
-        "global_steps": engine.global_steps,
-        "skipped_steps": engine.skipped_steps,
-        "steps": state.steps_total,
-        "calls": calls,
-        "errors": {k: v for k, v in state.agent_errors.items() if v},
-        "finite": all(bool(torch.isfinite(p).all()) for p in engine.module.parameters()),
-        "weights": [p.detach().reshape(-1).tolist() for p in engine.module.parameters()],
-    }
-    mon.close()
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    params = list(engine.module.parameters())
+    write_result(mon, out, RUN_ID, rank, error=error, calls=calls,
+                 global_steps=engine.global_steps, skipped_steps=engine.skipped_steps,
+                 finite=all(bool(torch.isfinite(p).all()) for p in params),
+                 weights=[p.detach().reshape(-1).tolist() for p in params])
     dist.destroy_process_group()
 
 

@@ -65,23 +65,28 @@ def main() -> None:
             opt.step(closure)
     except NonFiniteGradientError as exc:
         error = str(exc)
+    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in net.parameters())
+    write_result(mon, out, RUN_ID, rank, error=error, calls=calls, finite=finite)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def write_result(mon, out: Path, run_id: str, rank: int, **facts) -> None:
+    """``OUT/rank<R>.json``: the rank's ``rerun`` events, its steps and probe errors, and
+    ``facts`` (the error raised, the closure's calls per step...)."""
     mon.flush()
     state = mon.state
     events = [json.loads(line) for line in (
-        out / "runs" / RUN_ID / f"events.rank{rank}.jsonl").read_text().splitlines()]
+        out / "runs" / run_id / f"events.rank{rank}.jsonl").read_text().splitlines()]
     result = {
         "rank": rank,
         "reruns": [e for e in events if e["kind"] == "rerun"],
-        "error": error,
         "steps": state.steps_total,
-        "calls": calls,
         "errors": {k: v for k, v in state.agent_errors.items() if v},
-        "finite": all(bool(torch.isfinite(p.to_local()).all()) for p in net.parameters()),
+        **facts,
     }
     mon.close()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
