@@ -246,7 +246,7 @@ class Monitor:
             self.schedule_step = ScheduleStep(pp, self.pipeline, guard.error)
             self.schedule_step.install()
         if self.source.decides_steps:
-            from ..strategies.deepspeed import EngineSteps
+            from ..strategies.deepspeed_steps import EngineSteps
 
             self.engine_steps = EngineSteps(
                 model, self.source, self._on_engine_step, guard.error,
@@ -484,7 +484,7 @@ class Monitor:
             self.floor.after_step(self.pipeline.step - 1, scale)  # may raise, deliberately
 
     def _on_engine_step(self, facts: Any) -> None:
-        """DeepSpeed ended an optimizer step (``strategies.deepspeed.StepFacts``)."""
+        """DeepSpeed ended an optimizer step (``strategies.deepspeed_steps.StepFacts``)."""
         if self._closed:
             return
         if facts.engine_step and self.pipeline.step == 0:

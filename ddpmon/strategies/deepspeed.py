@@ -5,9 +5,9 @@ objects; DeepSpeed's private names used (version-fragile, each failure is counte
 are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``averaged_gradients``
 (ZeRO-3) and ``loss_scaler``/``cur_scale`` (fp16). See ``docs/parallelism.md`` (DeepSpeed ZeRO).
 
-- **Step** (``EngineSteps``): ``engine.step`` is wrapped on the instance; a call that moves
-  ``engine.global_steps`` is one optimizer step, skipped when ``engine.skipped_steps`` moved too.
-  Host counters only: no device read.
+- **Step** (``EngineSteps``, :mod:`.deepspeed_steps`): ``engine.step`` is wrapped on the
+  instance; a call that moves ``engine.global_steps`` is one optimizer step, skipped when
+  ``engine.skipped_steps`` moved too. Host counters only: no device read.
 - **Global norm** (``DeepSpeedSource.measure_reduced``): at the entry of the ``engine.step`` that
   closes an accumulation boundary (gradients reduced, not yet clipped or unscaled). One fused norm
   pass over this rank's reduced partitions (ZeRO-1/2: each parameter's slice; ZeRO-3: the grad
@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from ..errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
 from ..probes.grads import per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector
@@ -57,13 +56,12 @@ __all__ = [
     "EngineFacts",
     "BARE_MODULE_WARNING",
     "CommTimer",
-    "EngineSteps",
     "attach_error",
     "engine_facts",
     "is_engine",
 ]
 
-_attached: weakref.WeakSet[Any] = weakref.WeakSet()
+attached_engines: weakref.WeakSet[Any] = weakref.WeakSet()
 """Engines a live monitor is attached to (a second attach is refused)."""
 
 
@@ -157,7 +155,7 @@ def _warning(feature: str) -> str:
 def attach_error(model: Any, optimizer: Any) -> str | None:
     """Why ``attach(model, optimizer)`` must not start for DeepSpeed, or None."""
     if is_engine(model):
-        if model in _attached:
+        if model in attached_engines:
             return (
                 "ddpmon is already attached to this DeepSpeedEngine; close the first monitor "
                 "before attaching again"
@@ -418,7 +416,7 @@ class DeepSpeedSource(GradientSource):
         if self._comm is not None:
             self._comm.close()
             self._comm = None
-        _attached.discard(self.engine)
+        attached_engines.discard(self.engine)
 
 
 def _local_norm(grad: torch.Tensor) -> torch.Tensor:
@@ -436,98 +434,3 @@ def _device(tensors: list[torch.Tensor], index) -> torch.device:
     for p in index.params:
         return p.device
     return torch.device("cpu")
-
-
-@dataclass(slots=True)
-class StepFacts:
-    """Host facts of one DeepSpeed optimizer step, read from the engine's counters."""
-
-    skipped: bool
-    scale_after: float | None
-    """fp16: DeepSpeed's loss scale after the step; None for bf16/fp32 (no scale at all)."""
-    engine_step: int | None = None
-    """``engine.global_steps`` before the step: its index by the engine's own count (after a
-    ``load_checkpoint``, the step the checkpoint says)."""
-
-
-class EngineSteps:
-    """Wraps ``engine.step`` (instance attribute) to find optimizer steps; see the module doc.
-
-    ``on_step(facts)`` is called after each ``engine.step()`` that ended an optimizer step."""
-
-    def __init__(
-        self,
-        engine: Any,
-        source: DeepSpeedSource,
-        on_step: Callable[[StepFacts], None],
-        on_error: Callable[[str, BaseException], None],
-        on_min_scale: Callable[[BaseException, float | None], None] | None = None,
-    ) -> None:
-        self.after_step: Callable[[bool], None] | None = None
-        """Called after an ``engine.step`` that ended an optimizer step, with whether
-        DeepSpeed skipped it."""
-        self.before_step: Callable[[], None] | None = None
-        """Called at a boundary ``engine.step`` once the reduced norms are measured, before
-        DeepSpeed steps (``on_nonfinite='rerun'``: ``agent.engine_rerun``); its
-        ``NonFiniteGradientError`` reaches the loop, anything else is counted."""
-        self.engine = engine
-        self.source = source
-        self._on_step = on_step
-        self._on_error = on_error
-        self._on_min_scale = on_min_scale
-        self._original = engine.step
-        self._fp16 = source.facts.precision == "fp16"
-        engine.step = self._step  # instance attribute shadows the method
-        _attached.add(engine)
-
-    def _scale(self) -> float | None:
-        if not self._fp16:
-            return None  # bf16/fp32: no loss scale at all (not 1.0)
-        value = self.source.loss_scale()
-        return float(value) if isinstance(value, (int, float)) else None
-
-    def _step(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self.engine
-        before = skipped = None
-        boundary = False
-        try:
-            self.source.note_scale()
-            boundary = engine.is_gradient_accumulation_boundary()
-            if boundary:
-                try:
-                    self.source.measure_reduced()
-                except Exception as exc:
-                    self._on_error("grads", exc)
-            before, skipped = engine.global_steps, engine.skipped_steps
-        except Exception as exc:
-            self._on_error("step", exc)
-        if boundary and self.before_step is not None:
-            try:
-                self.before_step()
-            except NonFiniteGradientError:
-                raise  # on_nonfinite=rerun, deterministic: meant for the loop, on every rank
-            except Exception as exc:
-                self._on_error("step", exc)
-        try:
-            result = self._original(*args, **kwargs)
-        except Exception as exc:
-            if self._on_min_scale is not None and is_deepspeed_min_scale(exc):
-                self._on_min_scale(exc, self._scale())  # records; raise mode re-raises chained
-            raise
-        if before is not None:
-            try:
-                if engine.global_steps != before:
-                    if self.after_step is not None:
-                        self.after_step(engine.skipped_steps != skipped)
-                    self._on_step(StepFacts(engine.skipped_steps != skipped, self._scale(),
-                                            int(before)))
-            except LossScaleFloorError:
-                raise  # on_loss_scale_floor=raise: the one exception meant for the loop
-            except Exception as exc:
-                self._on_error("step", exc)
-        return result
-
-    def close(self) -> None:
-        if self.engine.__dict__.get("step") == self._step:
-            del self.engine.step
-        _attached.discard(self.engine)
