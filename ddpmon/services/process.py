@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -59,16 +60,33 @@ class ManagedProcess:
             )
 
     def wait_ready(self, url: str, timeout: float = 30.0) -> None:
+        """Until ``url`` answers 200 *from this process*: a port probed free can be bound by
+        another server before ours binds it, and that one answers too while ours is still on
+        its way to "address already in use"."""
         deadline = time.monotonic() + timeout
+        port = urllib.parse.urlsplit(url).port
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 code = self.proc.returncode
                 raise StackError(f"{self.name} exited with {code}: {self.log_tail()}")
             with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and self._listens_on(port):
                     return
             time.sleep(0.1)
         raise StackError(f"{self.name} not ready at {url} after {timeout:g}s: {self.log_tail()}")
+
+    def _listens_on(self, port: int | None) -> bool:
+        """This process (not another on the same port) listens on ``port``."""
+        import psutil
+
+        if self.proc is None or port is None:
+            return True
+        try:
+            sockets = psutil.Process(self.proc.pid).net_connections(kind="inet")
+        except psutil.Error:
+            return False  # gone, or not readable yet: ask again
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in sockets)
 
     def log_tail(self, lines: int = 15) -> str:
         with contextlib.suppress(OSError):

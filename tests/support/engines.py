@@ -33,6 +33,8 @@ import yaml
 
 from ddpmon.mixin import render
 from ddpmon.services import Prometheus, VictoriaMetrics, find_binary
+from ddpmon.services.process import StackError
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PREROLL_S = 15 * 60
@@ -190,13 +192,16 @@ def _backfill_prometheus(
             continue
         rules = _rules_file(workdir / f"rules-pass{i}.yml", part, step)
         out = workdir / f"rule-blocks-{i}"
-        with Prometheus(workdir / "prometheus", sd_dir=sd, port=port) as prom:
+        prom = _started(lambda p: Prometheus(workdir / "prometheus", sd_dir=sd, port=p), port)
+        try:
             _promtool(
                 "create-blocks-from", "rules", "-q", f"--start={_rfc3339(start)}",
                 f"--end={_rfc3339(end)}",
                 f"--url={prom.url}", f"--output-dir={out}", f"--eval-interval={step}s",
                 str(rules),
             )
+        finally:
+            prom.stop()
         for block in out.iterdir():
             if block.is_dir():
                 shutil.move(str(block), data / block.name)
@@ -256,10 +261,10 @@ def synthetic_hour(
     text = workdir / "metrics.prom"
     _to_ms_exposition(om, text)
     om.unlink()
-    vm = VictoriaMetrics(workdir / "victoria", port=ports[1], extra_args=["-search.disableCache"])
-    prom = Prometheus(workdir / "prometheus", sd_dir=workdir / "sd", port=ports[0])
+    vm = prom = None
     try:
-        vm.start()
+        vm = _started(lambda p: VictoriaMetrics(
+            workdir / "victoria", port=p, extra_args=["-search.disableCache"]), ports[1])
         with open(text, "rb") as body:
             req = urllib.request.Request(
                 f"{vm.url}/api/v1/import/prometheus", data=body, method="POST",
@@ -269,7 +274,8 @@ def synthetic_hour(
                 pass
         vm.flush()
         _replay_victoria(workdir, vm, rule_groups, data_start, end, step)
-        prom.start(timeout=120)
+        prom = _started(lambda p: Prometheus(workdir / "prometheus", sd_dir=workdir / "sd",
+                                             port=p), ports[0], timeout=120)
         yield Hour(
             prometheus=Engine("prometheus", prom.url, {}),
             victoria=Engine("victoriametrics", vm.url, {"nocache": "1"}),
@@ -277,8 +283,24 @@ def synthetic_hour(
             rules=rule_groups,
         )
     finally:
-        prom.stop()
-        vm.stop()
+        for server in (prom, vm):
+            if server is not None:
+                server.stop()
+
+
+def _started(make, port: int, timeout: float = 30.0, tries: int = 3):
+    """``make(port).start()``; on another free port when that one was taken before ours bound
+    it (the server then says so and exits: ``wait_ready`` never takes another's answer)."""
+    for attempt in range(tries):
+        server = make(port)
+        try:
+            return server.start(timeout=timeout)
+        except StackError as exc:
+            server.stop()
+            if "address already in use" not in str(exc).lower() or attempt == tries - 1:
+                raise
+            port = free_port()
+    raise AssertionError("unreachable")
 
 
 def close(a: float, b: float, rel: float, abs_: float = 1e-9) -> bool:
