@@ -233,7 +233,7 @@ class StepPipeline:
         if self.rerun is not None:
             from .rerun import decide_recorded
 
-            if decide_recorded(self):  # a trainer recorded the step: decided, reran or not
+            if decide_recorded(self):  # the step was in hand (run_step, a trainer): decided
                 return None
             self.rerun.no_closure()
         if self.policy.reads:

@@ -255,6 +255,40 @@ def time_limited_job(slurm, tmp_path_factory):
     return slurm.sbatch(script), runs
 
 
+@pytest.fixture(scope="module", autouse=True)
+def array_job(slurm, tmp_path_factory):
+    """``sbatch --array=0-1``, one rank a task, submitted with the module's first test (it
+    runs beside the others)."""
+    base = tmp_path_factory.mktemp("array")
+    runs, out = base / "runs", base / "out"
+    runs.mkdir()
+    out.mkdir()
+    script = job_script(
+        base / "job.sh",
+        # the tasks may share a node: one master port each
+        "export MASTER_PORT=$((MASTER_PORT + SLURM_ARRAY_TASK_ID))\n"
+        f"mkdir -p {out}/$SLURM_ARRAY_TASK_ID\n"
+        f"srun bash -c 'exec {sys.executable} {TRAIN} --out {out}/$SLURM_ARRAY_TASK_ID "
+        "--steps 3 --step-delay 0'",
+        "--array=0-1", "--ntasks=1", f"--output={base}/slurm-%A_%a.out",
+        DDPMON_RUN_DIR=runs, DDPMON_PORT=0)
+    return slurm.sbatch(script), runs, out
+
+
+def test_an_array_task_is_its_own_run_named_job_underscore_task(slurm, array_job):
+    """Each task of an array job is a run of its own, ``<array job>_<task>`` as Slurm spells
+    it, with the array ids in its manifest."""
+    job, runs, out = array_job
+    for task in (0, 1):
+        done = slurm.wait_state(f"{job}_{task}", ("COMPLETED", "FAILED"), 180)
+        assert done["JobState"] == "COMPLETED", done
+        (facts,) = ranks(out / str(task))
+        assert (facts["run_id"], facts["world_size"]) == (f"{job}_{task}", 1), facts
+        manifest = json.loads((runs / f"{job}_{task}" / "manifest.json").read_text())
+        assert manifest["slurm"]["array_job_id"] == job, manifest["slurm"]
+        assert manifest["slurm"]["array_task_id"] == str(task), manifest["slurm"]
+
+
 def test_a_time_limit_ends_the_job_with_slurms_timeout_on_the_timeline(slurm, time_limited_job):
     """Slurm checks limits every 30 s: the job ends between 60 and about 95 s after it starts,
     SIGTERM first, then SIGKILL after ``KillWait``. ``sacct`` says TIMEOUT; ddpmon's ranks saw
