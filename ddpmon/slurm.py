@@ -61,6 +61,16 @@ class SlurmJob:
         return doc
 
 
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"})
+"""Slurm job states after which nothing of the job runs."""
+
+
+def ended(state: str | None) -> bool:
+    """``state`` (``scontrol``'s, or ``sacct``'s such as "CANCELLED by 0") is an end."""
+    return bool(state) and state.split(" ")[0] in ENDED
+
+
 ALLOCATION = (
     ("nodes", "SLURM_JOB_NODELIST"),
     ("num_nodes", "SLURM_JOB_NUM_NODES"),

@@ -29,7 +29,6 @@ DeepSpeed's own overflow skip, and ddpmon says so once.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
@@ -38,23 +37,19 @@ import torch
 from ..strategies.base import GradSummaries
 from .rerun import Outcome, StepReading, StepRerun
 
-log = logging.getLogger("ddpmon")
-
 
 class EngineRerun:
     def __init__(self, pipeline: Any, source: Any, engine: Any) -> None:
         self.pipeline = pipeline
         self.source = source
         self.engine = engine
-        self._told_jump = False
         self._pending: Outcome | None = None
 
     def before_step(self) -> None:
         rerun: StepRerun = self.pipeline.rerun
-        if rerun.norm_jump > 0 and not self._told_jump:
-            self._told_jump = True
-            log.warning("ddpmon: rerun_norm_jump is not applied under DeepSpeed (its buffers "
-                        "keep both runs' gradients); non-finite steps are rerun")
+        if rerun.norm_jump > 0:
+            rerun.say_once("ddpmon: rerun_norm_jump is not applied under DeepSpeed (its buffers "
+                           "keep both runs' gradients); non-finite steps are rerun")
         first_local = self.source.local_now()
         first_s = GradSummaries(reduced=self.source.reduced_now(), local=first_local)
         first = rerun.read(first_s)

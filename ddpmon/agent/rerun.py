@@ -159,8 +159,7 @@ class StepRerun:
         self.recorded: Callable[[], Recorded | None] | None = None
         """Set by a trainer integration that records each step's micro-steps (the Transformers
         Trainer): the step as a replay, for loops that step without a closure."""
-        self._told_no_closure = False
-        self._told_no_replay = False
+        self._told: set[str] = set()
 
     @classmethod
     def for_monitor(cls, mon: Any, state: Any, emit: Callable[..., None]) -> StepRerun:
@@ -178,23 +177,23 @@ class StepRerun:
 
     def not_replayable(self) -> None:
         """Gradients accumulated outside the closure: nothing to rerun; said once."""
-        if not self._told_no_replay:
-            self._told_no_replay = True
-            log.warning(
-                "ddpmon: on_nonfinite='rerun' cannot rerun a step whose gradients began "
-                "accumulating before optimizer.step(closure) (micro-steps outside the closure): "
-                "its non-finite steps are skipped without a rerun (as under on_nonfinite='skip')."
-            )
+        self.say_once(
+            "ddpmon: on_nonfinite='rerun' cannot rerun a step whose gradients began "
+            "accumulating before optimizer.step(closure) (micro-steps outside the closure): "
+            "its non-finite steps are skipped without a rerun (as under on_nonfinite='skip').")
 
     def no_closure(self) -> None:
         """The loop stepped without a closure: nothing to rerun; said once."""
-        if not self._told_no_closure:
-            self._told_no_closure = True
-            log.warning(
-                "ddpmon: on_nonfinite='rerun' reruns a step handed over as "
-                "optimizer.step(closure); this loop steps without one, so its non-finite steps "
-                "are skipped without a rerun (as under on_nonfinite='skip')."
-            )
+        self.say_once(
+            "ddpmon: on_nonfinite='rerun' reruns a step handed over as "
+            "optimizer.step(closure); this loop steps without one, so its non-finite steps "
+            "are skipped without a rerun (as under on_nonfinite='skip').")
+
+    def say_once(self, message: str) -> None:
+        """Warn once per message (a limit of the rerun, not a per-step event)."""
+        if message not in self._told:
+            self._told.add(message)
+            log.warning(message)
 
     # ------------------------------------------------------------------ per step
     def read(self, s: GradSummaries) -> StepReading | None:

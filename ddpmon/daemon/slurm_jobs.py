@@ -23,15 +23,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..slurm import ENDED, ended
 from . import summary
 from .jobs import JobError, JobManager, JobStateConflict
 from .store import JobRecord
 
 log = logging.getLogger("ddpmon.daemon.slurm")
 
-ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"})
-"""Slurm job states after which nothing of the job runs."""
 
 
 def scontrol_job(slurm_id: str, timeout: float = 10.0) -> dict[str, str] | None:
@@ -202,7 +200,7 @@ def _final(slurm_id: str, info: dict[str, str] | None) -> tuple[str | None, str 
     from ddpmon.forensics import slurm_outcome
 
     outcome = slurm_outcome.query(slurm_id)
-    if outcome is not None and outcome["state"].split(" ")[0] in ENDED:
+    if outcome is not None and ended(outcome["state"]):
         return outcome["state"].split(" ")[0], outcome["exit_code"], outcome["reason"]
     if info is None:
         return None, None, None

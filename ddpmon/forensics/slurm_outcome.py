@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..safe_read import load_json
+from ..slurm import ended
 
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
-_LIVE = frozenset({"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "RESIZING",
-                   "SUSPENDED", "REQUEUE_HOLD", "REQUEUE_FED", "STAGE_OUT", "SIGNALING"})
 
 
 def job_id_of(run_path: Path) -> str | None:
@@ -39,7 +38,7 @@ def query(job_id: str, timeout: float = 10.0) -> dict[str, Any] | None:
     if not _JOB_ID.match(job_id):
         return None
     accounted = _sacct(job_id, timeout)
-    if accounted is not None and accounted["state"].split(" ")[0] not in _LIVE:
+    if accounted is not None and ended(accounted["state"]):
         return accounted
     # the database learns of a job's end a moment after the controller: while the controller
     # still remembers the job, its word is the newer one
@@ -68,7 +67,7 @@ def _sacct(job_id: str, timeout: float) -> dict[str, Any] | None:
     _, state, code, reason, nodes = rows[-1]
     earlier = [row[1] for row in rows[:-1]]
     # sacct's Reason is the last reason the job waited for: say it only while it waits
-    waiting = state.split(" ")[0] in _LIVE and reason not in ("", "None")
+    waiting = not ended(state) and reason not in ("", "None")
     return {"job_id": job_id, "state": state, "reason": reason if waiting else None,
             "exit_code": code,
             "nodes": nodes, "restarts": len(earlier) or None, "requeued_after": earlier,

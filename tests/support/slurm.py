@@ -23,14 +23,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddpmon.slurm import ENDED
 from tests.support.netns import Cluster, NetnsUnavailable, check_available, create
 from tests.support.ports import free_port
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "slurmdbd", "sbatch", "srun", "scontrol", "squeue",
             "sinfo", "sacct", "sacctmgr", "mariadbd", "mariadb-install-db", "mariadb")
-
-
-ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"})
 
 
 class SlurmUnavailable(RuntimeError):
