@@ -24,8 +24,9 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PYTEST_ARGS ?=
 # pytest-xdist: each test file whole on one worker (its module fixtures start once). Most of the
 # suite waits (on ranks' rendezvous, scrape intervals, `for:` durations) rather than computes,
-# so more workers than cores overlap those waits; PYTEST_XDIST= runs it in one process.
-PYTEST_XDIST ?= -n $(TEST_WORKERS) --dist loadfile
+# so more workers than cores overlap those waits; PYTEST_XDIST= runs it in one process. Files
+# run longest first (tests/durations.json, tests/conftest.py), not xdist's most-tests-first.
+PYTEST_XDIST ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 TEST_WORKERS ?= 3
 # The fast lane (`make check`): no subprocess ranks, no Debian package, no browser.
 FAST_LANE := not ranks and not services and not browser and not gpu
@@ -82,7 +83,7 @@ test: $(STAMP) $(OPS_STAMP) debs
 # subprocess rank; about a minute on 2 cores.
 check: $(STAMP) $(OPS_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "$(FAST_LANE)" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "$(FAST_LANE)" $(PYTEST_ARGS)
 
 # The docs site (MkDocs + Material) into site/; the tests build it with --strict too.
 docs: $(STAMP)

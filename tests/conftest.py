@@ -10,6 +10,11 @@
 - **No silent skips under CI.** With ``CI`` set (``.ci/run``, ``make test``) a skipped test fails,
   except the GPU tests on a machine without CUDA: a missing package or tool is an install bug
   there, not a reason to count a test that did not run.
+- **Longest files first.** ``tests/durations.json`` holds each file's summed test time from a
+  measured fresh-clone run (``scripts/test_durations.py``); files run longest first, so that
+  under ``--dist loadfile --no-loadscope-reorder`` the last file to finish is a short one rather
+  than the Slurm module alone on one worker while the others idle. A file it does not list
+  counts as ``UNMEASURED_SECONDS``.
 - **DeepSpeed's C++ ops come from this venv's own build** (``TORCH_EXTENSIONS_DIR``, the
   Makefile's path, built at install): a shared ``~/.cache/torch_extensions`` is rebuilt whenever
   another checkout's venv built it last, and a rank killed mid-build (a test timeout) leaves the
@@ -18,6 +23,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -28,6 +34,10 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+
+DURATIONS = TESTS / "durations.json"
+UNMEASURED_SECONDS = 30.0
+"""A new file's guessed time until the durations are measured again: a typical rank test."""
 
 LANE_MARKERS = ("ranks", "services", "browser", "gpu")
 
@@ -106,10 +116,33 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
+def file_durations() -> dict[str, float]:
+    """``tests/durations.json``: ``{"tests/dir/test_x.py": seconds}`` (empty when absent)."""
+    try:
+        raw = json.loads(DURATIONS.read_text())
+    except FileNotFoundError:
+        return {}
+    return {str(k): float(v) for k, v in raw.items()}
+
+
+def longest_files_first(items: list[pytest.Item], durations: dict[str, float]) -> list[pytest.Item]:
+    """``items`` with each file's tests kept together and in order, files longest first."""
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::", 1)[0], index)
+
+    def key(item: pytest.Item) -> tuple[float, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return (-durations.get(path, UNMEASURED_SECONDS), first_seen[path])
+
+    return sorted(items, key=key)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for name in lane_of(Path(str(item.path))):
             item.add_marker(getattr(pytest.mark, name))
+    items[:] = longest_files_first(items, file_durations())
 
 
 def lane_needed(args: object, env: dict | None) -> str | None:
