@@ -33,22 +33,32 @@ FAST_LANE := not ranks and not services and not browser and not gpu
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo demo-pp test check docs reference lint replica-soak bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
+.PHONY: demo demo-pp test test-deps check check-deps docs reference lint replica-soak bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
 
 # Two install levels. CORE: torch and ddpmon's own dependencies, all `make demo` needs. TEST
 # (the default stamp): CORE plus the extras, the frameworks the integration tests drive and the
 # dev tools (pytest, ruff, mkdocs, playwright...).
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+DS_STAMP := $(VENV)/.deepspeed
+OPS_PINS := $(VENV)/deepspeed-ops-pins.txt
+
 $(CORE_STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN)
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) -e .
+	$(PIP) $(TORCH_PIN) -e .
 	touch $(CORE_STAMP)
 
-# One pip run for all of it: one resolution instead of four (94 s against 121 s on a fresh venv
-# here, downloads included).
-$(STAMP): $(CORE_STAMP)
-	$(BIN)/pip install --quiet --disable-pip-version-check $(TORCH_PIN) $(INTEGRATION_PINS) \
-	  $(DEEPSPEED_PINS) $(TORCHTITAN_PINS) \
+# DeepSpeed alone first, so that its C++ ops (below) build while pip installs the rest: pip runs
+# on one core, the build on both. The rest's pip run takes the versions of everything the
+# build imports as constraints (scripts/deepspeed_ops.py), so it cannot swap a package under
+# the build.
+$(DS_STAMP): $(CORE_STAMP)
+	$(PIP) $(TORCH_PIN) $(DEEPSPEED_PINS)
+	$(BIN)/python scripts/deepspeed_ops.py pins $(OPS_PINS)
+	touch $(DS_STAMP)
+
+# One pip run for the rest: one resolution instead of three.
+$(STAMP): $(DS_STAMP)
+	$(PIP) -c $(OPS_PINS) $(TORCH_PIN) $(INTEGRATION_PINS) $(DEEPSPEED_PINS) $(TORCHTITAN_PINS) \
 	  -e '.[daemon,auth,dashboards,dev,lightning,transformers,deepspeed]'
 	touch $(STAMP)
 
@@ -56,10 +66,14 @@ $(STAMP): $(CORE_STAMP)
 # deepspeed.initialize, and its CPU Adam at the first optimizer offload (about a minute of g++
 # each, into $TORCH_EXTENSIONS_DIR): build them here, once, as DS_BUILD_OPS would, rather than
 # inside the first test that needs them (where a test timeout could kill the build).
-$(OPS_STAMP): $(STAMP)
-	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
-	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+$(OPS_STAMP): $(DS_STAMP)
+	$(BIN)/python scripts/deepspeed_ops.py build
 	touch $(OPS_STAMP)
+
+# What `make test` and `make check` need, made three at a time: the Debian packages and
+# DeepSpeed's ops build beside pip.
+test-deps: $(STAMP) $(OPS_STAMP) debs
+check-deps: $(STAMP) $(OPS_STAMP)
 
 debs:
 	@bash scripts/install-debs.sh
@@ -75,13 +89,15 @@ demo-pp: $(CORE_STAMP)
 
 # CI=true (set by CI) turns a skipped test into a failure (tests/conftest.py): everything the
 # suite needs is installed here, so a skip would be coverage that did not run.
-test: $(STAMP) $(OPS_STAMP) debs
+test:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target test-deps
 	$(BIN)/ruff check .
 	CI=$${CI:-true} $(BIN)/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # ruff and the unit tests at world size 1 (tests/conftest.py's lanes): no Debian package, no
 # subprocess rank; about a minute on 2 cores.
-check: $(STAMP) $(OPS_STAMP)
+check:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target check-deps
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "$(FAST_LANE)" $(PYTEST_ARGS)
 
