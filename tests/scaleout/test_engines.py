@@ -23,7 +23,7 @@ differences"):
   MetricsQL reads 5: a counter's single increment near a window's edge counts 1.33 on one
   and 1 on the other, and a sparse histogram's p99 moves by about 10% between the two;
 * values that read ``time()``, directly or through a record: within one evaluation interval
-  (the rulers evaluate at different offsets inside the interval: see ``PHASE``).
+  (the rulers evaluate at different offsets inside the interval: see ``Hour.phase``).
 
 A query that fails on either engine fails the test, named with its panel or rule.
 """
@@ -76,21 +76,22 @@ EMPTY_PANELS_ON_SYNTHETIC = {
 }
 """Panel queries empty on both engines, with the reason; any other empty one fails."""
 WINDOWED = re.compile(r"\b(rate|irate|increase|delta|idelta|deriv)\(")
-PHASE = INTERVAL - 0.1
-"""Queries run this long after each sample: Prometheus evaluates a rule group at a fixed offset
-within its interval (a hash of the group), vmalert at the interval's start, so a record made
-from the sample at t is stored at t + offset by one and at t by the other."""
+# Queries run ``hour.phase`` after each sample: Prometheus evaluates a rule group at an offset
+# within its interval (a hash of the group's name and file), vmalert at the interval's start, so
+# a record made from the sample at t is stored at t + offset by one and at t by the other. The
+# offset is measured, not assumed: a fixed 14.9 s failed the run whose numerics group hashed to
+# 14.906 s (every quantile record then read one sample earlier on Prometheus).
 
 
 def LAST(hour: Hour) -> float:  # noqa: N802 - reads as the constant it nearly is
     """The last time compared: promtool evaluates the interval's last group offset before
     ``end``, vmalert at ``end`` itself, so the last evaluation exists on one engine only."""
-    return hour.end - hour.step + PHASE
+    return hour.end - hour.step + hour.phase
 
 
 def phase_sensitive(expr: str, hour: Hour) -> bool:
     """Whether ``expr`` reads ``time()``, directly or through records: its value depends on when
-    the ruler evaluated it (by up to one interval, see PHASE), not only on the data."""
+    the ruler evaluated it (by up to one interval, see ``Hour.phase``), not only on the data."""
     timed = derived(hour.rules, {r["record"] for g in hour.rules for r in g["rules"]
                                  if "time()" in r["expr"]})
     return "time()" in expr or any(reads(expr, name) for name in timed)
@@ -117,7 +118,7 @@ def _range(hour: Hour, expr: str) -> dict[str, Series | str]:
     out: dict[str, Series | str] = {}
     for engine in hour.engines:
         body = engine.get(
-            "query_range", query=expr, start=str(hour.start + PHASE), end=str(LAST(hour)),
+            "query_range", query=expr, start=str(hour.start + hour.phase), end=str(LAST(hour)),
             step=f"{hour.step}s",
         )
         out[engine.name] = (
@@ -206,7 +207,7 @@ def _check(what: str, expr: str, results: dict[str, Series | str], since: float,
 
 
 def test_every_recording_rule_agrees(hour: Hour) -> None:
-    since = hour.start + PHASE
+    since = hour.start + hour.phase
     errors = []
     for rule in (r for g in hour.rules for r in g["rules"]):
         record = rule["record"]
@@ -218,7 +219,7 @@ def test_every_recording_rule_agrees(hour: Hour) -> None:
 
 
 def test_every_alert_expression_agrees(hour: Hour) -> None:
-    since = hour.start + PHASE
+    since = hour.start + hour.phase
     groups = yaml.safe_load(render.generate()[render.ALERTS_FILE])["groups"]
     errors = []
     for rule in (r for g in groups for r in g["rules"]):
@@ -228,7 +229,7 @@ def test_every_alert_expression_agrees(hour: Hour) -> None:
 
 
 def test_every_dashboard_query_agrees(hour: Hour) -> None:
-    since = hour.start + PHASE
+    since = hour.start + hour.phase
     errors: list[str] = []
     empty: list[str] = []
     for doc in dashboards.render_all().values():

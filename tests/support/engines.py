@@ -140,6 +140,9 @@ class Hour:
     ranks: int
     run: str
     rules: list[dict]
+    phase: float
+    """How long after a sample Prometheus stored the records made from it: its rule groups'
+    largest evaluation offset (see :func:`record_phase`); vmalert stores them at the sample."""
 
     @property
     def engines(self) -> tuple[Engine, Engine]:
@@ -276,16 +279,34 @@ def synthetic_hour(
         _replay_victoria(workdir, vm, rule_groups, data_start, end, step)
         prom = _started(lambda p: Prometheus(workdir / "prometheus", sd_dir=workdir / "sd",
                                              port=p), ports[0], timeout=120)
+        prometheus = Engine("prometheus", prom.url, {})
         yield Hour(
-            prometheus=Engine("prometheus", prom.url, {}),
+            prometheus=prometheus,
             victoria=Engine("victoriametrics", vm.url, {"nocache": "1"}),
             start=start, end=end, step=step, ranks=ranks, run=b.RUN,
-            rules=rule_groups,
+            rules=rule_groups, phase=record_phase(prometheus, step, at=end - step),
         )
     finally:
         for server in (prom, vm):
             if server is not None:
                 server.stop()
+
+
+def record_phase(prometheus: Engine, step: int, at: int) -> float:
+    """The largest offset, within the interval, at which Prometheus' backfill evaluated a rule
+    group: its evaluator puts each group at an offset hashed from the group's name and file
+    (here a temporary path, so it changes from run to run, anywhere in [0, step)). A record
+    made from the sample at t is stored at t + offset; queried at t + this phase, every group's
+    record from that sample is there, and no later sample is."""
+    window = f"{2 * step}s"  # the stored samples themselves, with their own timestamps
+    body = prometheus.get("query", query=f'{{__name__=~".+:.+"}}[{window}]', time=str(at))
+    if body.get("status") != "success":
+        raise RuntimeError(f"Prometheus: {body.get('error', body)}")
+    offsets = {round(float(t) % step, 3)
+               for row in body["data"]["result"] for t, _ in row["values"]}
+    if not offsets:
+        raise RuntimeError(f"Prometheus holds no backfilled record at {at}")
+    return max(offsets)
 
 
 def _started(make, port: int, timeout: float = 30.0, tries: int = 3):
