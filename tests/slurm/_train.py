@@ -3,7 +3,10 @@
 without torchrun it takes its rank from ``SLURM_PROCID`` for ``init_process_group`` (its own
 business); ddpmon reads the rest from Slurm's environment.
 
-``--nan RANK:STEP`` poisons one gradient on that rank at that step. Writes
+``--nan RANK:STEP`` poisons one gradient on that rank at that step; with ``--nan-gate PATH``
+that rank first waits at that step until PATH exists (the test creates it once Prometheus
+scrapes every rank, so that the page can name the origin; the other ranks wait in the next
+all-reduce, serving /metrics meanwhile). Writes
 ``OUT/rank<R>.attempt<A>.json``: what ddpmon settled (identity, run id, attempt)."""
 
 from __future__ import annotations
@@ -22,12 +25,21 @@ from torch import nn
 import ddpmon
 
 
+def wait_for_gate(gate: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not gate.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{gate} did not appear in {timeout:g} s")
+        time.sleep(0.1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-delay", type=float, default=0.1)
     ap.add_argument("--nan", default=None)
+    ap.add_argument("--nan-gate", default=None)
     args = ap.parse_args()
     timeout = datetime.timedelta(seconds=120)
     if "RANK" in os.environ:  # torchrun
@@ -47,6 +59,8 @@ def main() -> None:
     for step in range(args.steps):
         loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
         if step == nan_step and dist.get_rank() == nan_rank:
+            if args.nan_gate:
+                wait_for_gate(Path(args.nan_gate), timeout=180.0)
             model.module[0].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
         loss.backward()
         opt.step()

@@ -22,7 +22,7 @@ from ddpmon.mixin import shipped
 from ddpmon.mixin.config import MixinConfig
 from tests.support.ports import free_port
 from tests.support.slurm import SlurmUnavailable, start
-from tests.support.stack import WebhookReceiver, live_stack
+from tests.support.stack import WebhookReceiver, live_stack, wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -77,6 +77,7 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
     runs, out = tmp_path / "runs", tmp_path / "out"
     runs.mkdir()
     out.mkdir()
+    gate = tmp_path / "nan-gate"
     daemon = free_port()
     script = job_script(
         tmp_path / "job.sh",
@@ -90,7 +91,7 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
         "done\n"
         "srun bash -c 'export DDPMON_BIND=$(hostname -i) "
         f"DDPMON_DAEMON_URL=http://$(hostname -i):{daemon}; exec {sys.executable} {TRAIN} "
-        f"--out {out} --steps 40 --step-delay 0.2 --nan 3:5'",
+        f"--out {out} --steps 40 --step-delay 0.2 --nan 3:5 --nan-gate {gate}'",
         "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/slurm-%j.out",
         DDPMON_RUN_DIR=runs, DDPMON_PORT=free_port(), DDPMON_LINGER_SECONDS=3)
     urls = [f"http://{n.addr}:{daemon}/sd" for n in slurm.nodes]
@@ -100,6 +101,12 @@ def test_srun_without_torchrun_two_nodes_nan_pages_and_names_the_rank(slurm, tmp
             http_sd_urls=urls) as stack:
         job = slurm.sbatch(script)
         try:
+            # The NaN waits until Prometheus scrapes all four ranks: 20 non-finite steps (4 s)
+            # page without an origin (DdpmonNonFiniteGradients' persistent branch), and under
+            # load node-b's ranks were discovered after that (h10: "Origin rank(s) ...: none").
+            wait_for(lambda: len(stack.prometheus.query(f'up{{run="{job}"}} == 1')) == 4, 120,
+                     what="Prometheus scraping the job's four ranks")
+            gate.touch()
             page = hook.wait_for_alert("DdpmonNonFiniteGradients", 180,
                                        where=lambda a: a.labels.get("run") == job)
         except TimeoutError as exc:
@@ -216,6 +223,13 @@ def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path
     job = slurm.sbatch(script)
     run = runs / job
     _wait_started(slurm, run, job, 2)
+    # The job id reaches the timeline through the manifest, which rank 0 writes after its first
+    # step: a scancel 40 ms after the ranks' start events beat it (the run then has no
+    # manifest, and the timeline no Slurm line).
+    deadline = time.monotonic() + 60
+    while not (run / "manifest.json").exists():
+        assert time.monotonic() < deadline, slurm.job(job)
+        time.sleep(0.1)
     assert slurm.run("scancel", job).returncode == 0
     slurm.wait_state(job, ("CANCELLED",), 60)
     deadline = time.monotonic() + 30  # slurmstepd ends the steps (SIGTERM, then SIGKILL)
