@@ -65,6 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-check-every", type=int, default=None, metavar="N",
                    help="the ranks' replica_check_every (default 100)")
     p.add_argument("--no-amp", action="store_true", help="fp32, no GradScaler")
+    p.add_argument("--autocast", choices=("none", "float16", "bfloat16"), default="none",
+                   help="the ranks' compute dtype under torch.autocast (default none: fp32, "
+                   "with the GradScaler still scaling; fp16 and bf16 matmuls are slow on CPUs "
+                   "without units for them)")
     p.add_argument("--pg-timeout", type=float, default=60.0, help="collective timeout, seconds")
     p.add_argument("--hold", type=float, default=0.0, help="keep serving N s after training")
     p.add_argument("--linger", type=float, default=DEMO_LINGER_SECONDS, metavar="S",
@@ -152,6 +156,8 @@ def rank_command(args: argparse.Namespace, run_id: str, master_port: int) -> lis
             cmd += [flag, value]
     if args.no_amp:
         cmd.append("--no-amp")
+    if args.autocast != "none":
+        cmd += ["--autocast", args.autocast]
     return cmd
 
 

@@ -1,5 +1,10 @@
-"""The demo rank: a small transformer learning a shift task, DDP over gloo, fp16 autocast with a
-GradScaler, monitored by ddpmon. Launched by ``ddpmon demo`` under torchrun."""
+"""The demo rank: a small transformer learning a shift task, DDP over gloo, a GradScaler,
+monitored by ddpmon. Launched by ``ddpmon demo`` under torchrun.
+
+It computes in fp32 unless ``--autocast float16|bfloat16`` asks otherwise: the GradScaler's
+protocol (scale, unscale, the inf check, skip and back-off) is the same under any compute dtype,
+and a CPU without fp16/bf16 matmul units runs an autocast step about 5x slower (3.6 s against
+0.65 s for 60 steps of this model on an AVX2-only EPYC)."""
 
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from .checkpointing import (
 from .faults import FaultPlan
 
 VOCAB, SEQ = 64, 32
+AUTOCAST_DTYPES = ("none", "float16", "bfloat16")
 
 
 class TinyTransformer(nn.Module):
@@ -68,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (seconds)")
     p.add_argument("--inject", action="append", default=[], help="fault spec, repeatable")
     p.add_argument("--no-amp", action="store_true", help="fp32 without GradScaler")
+    p.add_argument("--autocast", choices=AUTOCAST_DTYPES, default="none",
+                   help="compute dtype under torch.autocast (default none: fp32 compute, the "
+                   "GradScaler still scaling)")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--run-id", default=None)
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     rerun = args.on_nonfinite == "rerun"
     amp = not args.no_amp and not rerun  # a GradScaler takes no closure: rerun trains in fp32
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, enabled=amp)
+    autocast_dtype = None if args.autocast == "none" else getattr(torch, args.autocast)
     options = {
         k: v
         for k, v in {
@@ -148,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.step_delay:
                 time.sleep(args.step_delay)
             continue
-        with torch.autocast("cpu", dtype=torch.float16, enabled=amp):
+        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(x)
             loss = loss_fn(logits.float().reshape(-1, VOCAB), y.reshape(-1))
         mon.observe_loss(loss)
