@@ -95,7 +95,8 @@ class Forensics:
 
 
 def manifest_writer(ctx: RunContext, cfg: Config, extra: Callable[[], dict], guard: Guard):
-    """A callable that builds and writes this rank's manifest (called once, by ManifestSink)."""
+    """A callable that builds and writes this rank's manifest (ManifestSink calls it at attach
+    and once more)."""
 
     def write() -> None:
         with guard("manifest"):

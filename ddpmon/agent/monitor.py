@@ -291,6 +291,7 @@ class Monitor:
         )
         atexit.register(self.close)
         registry.add(self)
+        self.manifest.at_attach()  # before the start event: rank 0's start implies the file
         self._emit("start", None, **start_fields(self))
 
     # ------------------------------------------------------------------ public API

@@ -271,14 +271,22 @@ class SummarySink:
 
 
 class ManifestSink:
-    """Writes this rank's manifest once: after the first step (batch shapes are known then), or
-    at close for a run that never completed one."""
+    """Writes this rank's manifest at attach, then once more, whole: after the first step
+    (batch shapes and a resume's recovery are known then), or at close for a run that never
+    completed one. The write at attach is what a run killed before its first step (SIGKILL,
+    scancel, a segfault in the first forward) leaves: who ran, where, launched how, which
+    Slurm job."""
 
     probe = "manifest"
 
     def __init__(self, write: Callable[[], None]) -> None:
         self._write = write
         self.written = False
+
+    def at_attach(self) -> None:
+        """The provisional manifest; the first step's write replaces it atomically."""
+        if not self.written:
+            self._write()
 
     def on_record(self, record: StepRecord) -> None:
         if not self.written:

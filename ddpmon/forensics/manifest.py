@@ -201,8 +201,9 @@ def write_run_manifest(
     """Build and write the run's manifest in one call, on rank 0 only; None on other ranks
     (nothing is built there, so they pay nothing). Arguments as :func:`build_manifest`.
 
-    Call it once, when everything it records is known (``batch_shapes`` after the first
-    forward): the file is written atomically, so a reader sees it whole or not at all."""
+    The agent calls it at attach and again after the first step, when ``batch_shapes`` and a
+    resume's ``recovery`` are known: the file is written atomically, so a reader sees one whole
+    version or the other, and the rewrite keeps ``previous_attempts``."""
     if int(_as_dict(identity).get("rank") or 0) != 0:
         return None
     manifest = build_manifest(

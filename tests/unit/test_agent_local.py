@@ -140,3 +140,29 @@ def test_nonfinite_loss_counts_and_exposition_survives(tmp_path, model_opt):
         mon.close()
     assert m[("ddpmon_loss", ())] == float("inf")
     assert m[("ddpmon_loss_nonfinite_total", ())] == 1
+
+
+def test_the_manifest_is_on_disk_from_attach_and_rewritten_whole_after_the_first_step(
+    tmp_path, model_opt
+):
+    """A run killed before its first step (SIGKILL, scancel, a segfault in the first forward)
+    runs no more Python: what it leaves is what attach wrote. The first step's rewrite adds the
+    batch shapes and keeps the attempt."""
+    import json
+
+    model, opt = model_opt
+    mon = ddpmon.attach(model, opt, port=0, bind="127.0.0.1", run_dir=str(tmp_path),
+                        run_id="early")
+    try:
+        manifest = tmp_path / "early" / "manifest.json"
+        at_attach = json.loads(manifest.read_text())
+        assert at_attach["run_id"] == "early" and at_attach["topology"]["world_size"] == 1
+        assert at_attach["extra"]["group_names"] and not at_attach["batch_shapes"]
+        train(model, opt, mon, 1)
+        mon.flush()  # records reach the sinks on the record thread; deliver step 0's now
+        after_step = json.loads(manifest.read_text())
+    finally:
+        mon.close()
+    assert after_step["batch_shapes"], after_step
+    assert after_step["attempt"] == at_attach["attempt"]
+    assert after_step["previous_attempts"] == []
