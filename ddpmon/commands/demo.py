@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .. import metrics
 from ..config import DEFAULT_PORT
+from ..demo import AUTOCAST_DTYPES
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError
 
 DEMO_LINGER_SECONDS = 6.0
@@ -65,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-check-every", type=int, default=None, metavar="N",
                    help="the ranks' replica_check_every (default 100)")
     p.add_argument("--no-amp", action="store_true", help="fp32, no GradScaler")
-    p.add_argument("--autocast", choices=("none", "float16", "bfloat16"), default="none",
+    p.add_argument("--autocast", choices=AUTOCAST_DTYPES, default="none",
                    help="the ranks' compute dtype under torch.autocast (default none: fp32, "
                    "with the GradScaler still scaling; fp16 and bf16 matmuls are slow on CPUs "
                    "without units for them)")

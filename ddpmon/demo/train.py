@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddpmon
 
+from . import AUTOCAST_DTYPES
 from .checkpointing import (
     CheckpointRefused,
     DemoCheckpoints,
@@ -30,7 +31,6 @@ from .checkpointing import (
 from .faults import FaultPlan
 
 VOCAB, SEQ = 64, 32
-AUTOCAST_DTYPES = ("none", "float16", "bfloat16")
 
 
 class TinyTransformer(nn.Module):
