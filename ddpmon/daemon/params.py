@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..demo import AUTOCAST_DTYPES
+
 TYPES = ("int", "float", "str", "flag", "choice", "path")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
 _NAME = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
@@ -82,6 +84,7 @@ DEMO_PARAMS: dict[str, Param] = {
         Param("--step-delay", "float"),
         Param("--inject", "str", repeat=True),
         Param("--no-amp", "flag"),
+        Param("--autocast", "choice", AUTOCAST_DTYPES),
         Param("--on-nonfinite", "choice", ("record", "skip", "raise")),
         Param("--pg-timeout", "float"),
         Param("--hold", "float"),

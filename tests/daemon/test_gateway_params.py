@@ -36,6 +36,7 @@ def demo_args(args: list[str]) -> list[str]:
         (["--steps", "ten"], "--steps expects an integer, got 'ten'"),
         (["--step-delay", "nan"], "expects a finite number"),
         (["--on-nonfinite", "explode"], "expects one of record, skip, raise"),
+        (["--autocast", "float64"], "--autocast expects one of none, float16, bfloat16"),
         (["--steps", "5", "--steps", "6"], "args[2]: --steps given twice"),
         (["--resume=yes"], "--resume is a flag and takes no value"),
         (["--steps"], "args[0]: --steps needs a value"),
@@ -53,11 +54,13 @@ def test_the_demo_entry_point_refuses_what_it_does_not_declare(args, needle):
 def test_declared_arguments_pass_and_paths_land_in_the_job_directory():
     out = demo_args(
         ["--steps=30", "--inject", "nan@rank1:step5", "--inject", "kill@rank0:step9",
-         "--checkpoint-dir", "ckpt", "--resume", "--resume-without", "rng", "--no-amp"]
+         "--checkpoint-dir", "ckpt", "--resume", "--resume-without", "rng", "--no-amp",
+         "--autocast", "bfloat16"]
     )
     assert out == [
         "--steps", "30", "--inject", "nan@rank1:step5", "--inject", "kill@rank0:step9",
         "--checkpoint-dir", str(JOB / "ckpt"), "--resume", "--resume-without", "rng", "--no-amp",
+        "--autocast", "bfloat16",
     ]
 
 
