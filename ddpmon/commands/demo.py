@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import metrics
 from ..config import DEFAULT_PORT
-from ..demo import AUTOCAST_DTYPES
+from ..demo import AUTOCAST_DTYPES, OPTIONAL_STATES
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError
 
 DEMO_LINGER_SECONDS = 6.0
@@ -83,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="each attempt resumes from the newest checkpoint in "
                    "RUN_DIR/RUN_ID/checkpoints (if any)")
     p.add_argument("--resume-without", action="append", default=[],
-                   choices=("optimizer", "scaler", "rng"),
+                   choices=OPTIONAL_STATES,
                    help="leave this state out when resuming, to see ddpmon name it (repeatable)")
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="torchrun restarts all ranks up to N times after a failure "

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..demo import AUTOCAST_DTYPES
+from ..demo import AUTOCAST_DTYPES, OPTIONAL_STATES
 
 TYPES = ("int", "float", "str", "flag", "choice", "path")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
@@ -93,7 +93,7 @@ DEMO_PARAMS: dict[str, Param] = {
         Param("--checkpoint-every", "int"),
         Param("--checkpoint-dir", "path"),
         Param("--resume", "flag"),
-        Param("--resume-without", "choice", ("optimizer", "scaler", "rng"), repeat=True),
+        Param("--resume-without", "choice", OPTIONAL_STATES, repeat=True),
     )
 }
 """What ``ddpmon.demo.train`` accepts through the gateway (docs/daemon.md)."""

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-OPTIONAL_STATES = ("optimizer", "scaler", "rng")
+from . import OPTIONAL_STATES
+
 _NAME = re.compile(r"^step-(\d+)\.pt$")
 
 
