@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,9 @@ import psutil
 
 from . import outcome, summary
 from .params import ParamError, inside
+from .processes import JobProcesses, process_start_time, same_process
 from .processes import free_port as _free_port
 from .processes import port_free as _port_free
-from .processes import process_start_time, same_process
 from .settings import DaemonSettings
 from .store import DuplicateJobError, JobRecord, Store
 
@@ -46,31 +44,6 @@ class JobNotFound(KeyError):
 
 class JobStateConflict(RuntimeError):
     """The request does not fit the job's state (e.g. cancel a finished job)."""
-
-
-@dataclass(slots=True)
-class _Handle:
-    job_id: str
-    popen: subprocess.Popen[bytes] | None = None
-    proc: psutil.Process | None = None  # re-adopted (not our child)
-    known_pids: dict[int, float] = field(default_factory=dict)
-    killed: bool = False
-
-    def returncode(self) -> tuple[bool, int | None]:
-        """(done, exit code if known)."""
-        if self.popen is not None:
-            code = self.popen.poll()
-            return code is not None, code
-        assert self.proc is not None
-        try:
-            done = not self.proc.is_running() or self.proc.status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            done = True
-        return done, None
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid if self.popen is not None else self.proc.pid  # type: ignore[union-attr]
 
 
 class JobManager:
@@ -92,7 +65,7 @@ class JobManager:
         self.python = python
         self.run_dir = self.state_dir / "runs"
         self._lock = threading.RLock()
-        self._active: dict[str, _Handle] = {}
+        self._active: dict[str, JobProcesses] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -122,8 +95,8 @@ class JobManager:
     def _recover_one(self, job: JobRecord) -> None:
         if same_process(job.pid, job.pid_create_time):
             assert job.pid is not None
-            handle = _Handle(job.id, proc=psutil.Process(job.pid))
-            handle.known_pids = self._descendants(job.pid)
+            handle = JobProcesses(job.id, proc=psutil.Process(job.pid))
+            handle.remember_descendants()
             with self._lock:
                 self._active[job.id] = handle
             log.info("re-adopted job %s (pid %s)", job.id, job.pid)
@@ -193,8 +166,7 @@ class JobManager:
             self.store.save_job(job)
             handle = self._active.get(job_id)
             if handle is not None:
-                handle.known_pids |= self._descendants(handle.pid)
-                self._signal_group(handle.pid, signal.SIGTERM)
+                handle.terminate()
             return job
 
     # launching -------------------------------------------------------------------------
@@ -267,7 +239,7 @@ class JobManager:
         job.started_at = time.time()
         job.state = "RUNNING"
         self.store.save_job(job)
-        self._active[job.id] = _Handle(job.id, popen=popen)
+        self._active[job.id] = JobProcesses(job.id, popen=popen)
         log.info("job %s started: pid %s, ports %s", job.id, popen.pid, job.ports)
 
     def _check_confined(self, job: JobRecord, job_dir: Path) -> None:
@@ -311,13 +283,13 @@ class JobManager:
                 log.exception("job %s: poll failed", handle.job_id)
         self._schedule()
 
-    def _poll_job(self, handle: _Handle) -> None:
+    def _poll_job(self, handle: JobProcesses) -> None:
         job = self.store.get_job(handle.job_id)
         if job is None:
             return
         done, code = handle.returncode()
         if not done:
-            handle.known_pids |= self._descendants(handle.pid)
+            handle.remember_descendants()
             bind = self.settings.job_bind
             host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
             job.summary = summary.merge(
@@ -330,61 +302,20 @@ class JobManager:
                     current.summary = job.summary
                     self.store.save_job(current)
             return
-        self._reap_leftovers(handle)
+        handle.reap_leftovers()
         with self._lock:
             self._active.pop(handle.job_id, None)
             fresh = self.store.get_job(handle.job_id)
             if fresh is not None:
                 self._finish(fresh, code)
 
-    def _escalate(self, job: JobRecord, handle: _Handle) -> None:
+    def _escalate(self, job: JobRecord, handle: JobProcesses) -> None:
         if job.cancel_requested_at is None or handle.killed:
             return
         if time.time() - job.cancel_requested_at >= self.settings.cancel_grace_seconds:
             handle.killed = True
             log.warning("job %s: grace period over, SIGKILL", job.id)
-            self._kill_all(handle)
-
-    def _kill_all(self, handle: _Handle) -> None:
-        known = {**handle.known_pids, **self._descendants(handle.pid)}
-        self._signal_group(handle.pid, signal.SIGKILL)
-        for pid, started in known.items():
-            if same_process(pid, started):
-                self._signal_group(pid, signal.SIGKILL)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-
-    def _reap_leftovers(self, handle: _Handle) -> None:
-        """torchrun's workers run in their own sessions; never leave one behind."""
-        for pid, started in handle.known_pids.items():
-            if same_process(pid, started):
-                try:
-                    psutil.Process(pid).kill()
-                except psutil.Error:
-                    pass
-
-    @staticmethod
-    def _descendants(pid: int) -> dict[int, float]:
-        """PID -> start time of every descendant (start time guards against PID reuse)."""
-        found: dict[int, float] = {}
-        try:
-            for child in psutil.Process(pid).children(recursive=True):
-                try:
-                    found[child.pid] = child.create_time()
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
-        return found
-
-    @staticmethod
-    def _signal_group(pid: int, sig: signal.Signals) -> None:
-        try:
-            os.killpg(os.getpgid(pid), sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+            handle.kill_all()
 
     def _finish(self, job: JobRecord, code: int | None, gone_while_down: bool = False) -> None:
         """Record how ``job`` ended. Never raises: a job's files are the job's, so a damaged or

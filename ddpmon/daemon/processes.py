@@ -1,10 +1,15 @@
 """Which process is which on this node: a PID is trusted only together with its start time
-(PIDs are reused), and ports are probed before they are handed to a job."""
+(PIDs are reused), a job's process tree is signalled and reaped whole, and ports are probed
+before they are handed to a job."""
 
 from __future__ import annotations
 
 import errno
+import os
+import signal
 import socket
+import subprocess
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -42,3 +47,81 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def descendants(pid: int) -> dict[int, float]:
+    """PID -> start time of every descendant (start time guards against PID reuse)."""
+    found: dict[int, float] = {}
+    try:
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                found[child.pid] = child.create_time()
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return found
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(os.getpgid(pid), sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+@dataclass(slots=True)
+class JobProcesses:
+    """A job's launcher (our child, or re-adopted after a daemon restart) and the descendants
+    seen so far: torchrun's workers run in their own sessions, so killing the launcher's group
+    alone could leave one behind."""
+
+    job_id: str
+    popen: subprocess.Popen[bytes] | None = None
+    proc: psutil.Process | None = None  # re-adopted (not our child)
+    known_pids: dict[int, float] = field(default_factory=dict)
+    killed: bool = False
+
+    def returncode(self) -> tuple[bool, int | None]:
+        """(done, exit code if known)."""
+        if self.popen is not None:
+            code = self.popen.poll()
+            return code is not None, code
+        assert self.proc is not None
+        try:
+            done = not self.proc.is_running() or self.proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            done = True
+        return done, None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid if self.popen is not None else self.proc.pid  # type: ignore[union-attr]
+
+    def remember_descendants(self) -> None:
+        self.known_pids |= descendants(self.pid)
+
+    def terminate(self) -> None:
+        """SIGTERM to the launcher's group: torchrun passes it on to its workers."""
+        self.remember_descendants()
+        signal_group(self.pid, signal.SIGTERM)
+
+    def kill_all(self) -> None:
+        known = {**self.known_pids, **descendants(self.pid)}
+        signal_group(self.pid, signal.SIGKILL)
+        for pid, started in known.items():
+            if same_process(pid, started):
+                signal_group(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def reap_leftovers(self) -> None:
+        """Kill every descendant seen while the job ran that still lives after it ended."""
+        for pid, started in self.known_pids.items():
+            if same_process(pid, started):
+                try:
+                    psutil.Process(pid).kill()
+                except psutil.Error:
+                    pass

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from test_scrape_client import agent, scrape_yml  # noqa: F401 - the module's agent fixture
 
-from ddpmon.daemon.jobs import JobManager, _Handle
+from ddpmon.daemon.jobs import JobManager
+from ddpmon.daemon.processes import JobProcesses
 from ddpmon.daemon.settings import DaemonSettings
 from ddpmon.daemon.store import JobRecord, Store
 
@@ -21,7 +22,7 @@ def poll_summary(tmp_path: Path, settings: DaemonSettings, port: int) -> dict:
     try:
         store.insert_job(JobRecord(id="j1", entrypoint="demo", nproc=1, state="RUNNING",
                                  ports=[port], pid=launcher.pid))
-        jobs._active["j1"] = _Handle("j1", popen=launcher)
+        jobs._active["j1"] = JobProcesses("j1", popen=launcher)
         jobs.poll_once()
         job = store.get_job("j1")
         assert job is not None
