@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,11 +35,19 @@ from .._torch_compat import (
     fsdp_param_groups,
     set_all_reduce_hook,
 )
-from ..probes.comm import tensor_bytes
 from ..probes.grads import per_param_norms
 from . import data_check
 from .base import GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
+from .fsdp_comms import (
+    AllReduceTimer,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    FSDPUnit,
+    ProbedReduceScatter,
+    TimedAllGather,
+    row_chunk_norms,
+)
 from .kinds import detect_sharded, fsdp_modules
 from .local_sampling import LocalNormSampler
 from .replicas import ReplicaScope, tp_replica_scope
@@ -48,115 +55,15 @@ from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
-    )
-except ImportError:  # pragma: no cover - torch without FSDP2
-    FSDPModule = None  # type: ignore[assignment,misc]
-    AllGather = ReduceScatter = object  # type: ignore[assignment,misc]
-    DefaultAllGather = DefaultReduceScatter = None  # type: ignore[assignment,misc]
-
 # Reduce dtypes FSDP2 does not pre-divide (it pre-divides fp16 to avoid overflow).
 _UNSCALED_REDUCE_DTYPES = (torch.float32, torch.bfloat16)
 _MAX_PIECES_PER_UNIT = 64
-_MAX_SLICES = 512
-
-
-@dataclass(slots=True)
-class _Unit:
-    """One FSDP2 parameter group: its parameters' positions and per-rank padded shard sizes,
-    in the order FSDP2 lays them out in the reduce-scatter input."""
-
-    positions: list[int]
-    columns: list[int]
-    reductions: int = 0
-    hsdp: bool = False
-    scattered: Any = None
-    """Timer marking the end of this unit's last reduce-scatter: where HSDP's all-reduce over
-    the replicate dim starts (FSDP2 issues it right after, in stream order on GPU)."""
-
-    @property
-    def row_numel(self) -> int:
-        return sum(self.columns)
 
 
 @dataclass(slots=True)
 class _LocalPiece:
     norms: torch.Tensor
     positions: list[int]
-
-
-class _ProbedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
-    """FSDP2's reduce-scatter, unchanged, with a look at its input first."""
-
-    def __init__(self, inner: Any, unit: _Unit, source: FSDPSource) -> None:
-        self.inner = inner
-        self.unit = unit
-        self.source = source
-
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
-        return self.inner.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        self.source.observe_reduce_input(self.unit, input_tensor, group)
-        rec = self.source.collectives
-        result = rec.call(
-            "reduce_scatter",
-            tensor_bytes(input_tensor),
-            self.inner,
-            output_tensor=output_tensor,
-            input_tensor=input_tensor,
-            group=group,
-            op=op,
-            async_op=async_op,
-        )
-        if self.unit.hsdp:
-            self.unit.scattered = rec.start(output_tensor)
-        return result
-
-
-class _TimedAllGather(AllGather):  # type: ignore[misc,valid-type]
-    """FSDP2's all-gather, unchanged, timed (``all_gather``; bytes: the gathered output)."""
-
-    def __init__(self, inner: Any, source: FSDPSource) -> None:
-        self.inner = inner
-        self.source = source
-
-    def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
-        return self.inner.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        return self.source.collectives.call(
-            "all_gather",
-            tensor_bytes(output_tensor),
-            self.inner,
-            output_tensor=output_tensor,
-            input_tensor=input_tensor,
-            group=group,
-            async_op=async_op,
-        )
-
-
-class _AllReduceTimer:
-    """HSDP: FSDP2's all-reduce hook runs right after the replicate-dim all-reduce (on its
-    stream): the time since the unit's reduce-scatter ended is that all-reduce. Calls the
-    user's own hook, if any, after."""
-
-    def __init__(self, unit: _Unit, source: FSDPSource, inner: Any) -> None:
-        self.unit = unit
-        self.source = source
-        self.inner = inner
-
-    def __call__(self, reduce_output: torch.Tensor) -> None:
-        start, self.unit.scattered = self.unit.scattered, None
-        if start is not None:
-            self.source.collectives.stop("all_reduce", start, tensor_bytes(reduce_output))
-        if self.inner is not None:
-            self.inner(reduce_output)
 
 
 def _param_groups(module: torch.nn.Module) -> list[Any]:
@@ -183,7 +90,7 @@ class FSDPSource(ShardedSource):
         self.local_is_partial = self.name.endswith("+tp")
         """The pre-reduction gradients are themselves TP shards: their norm is partial."""
         self._norms: ShardedNorms | None = None
-        self._units: list[_Unit] = []
+        self._units: list[FSDPUnit] = []
         self._restore: list[tuple[torch.nn.Module, Any]] = []
         self._restore_gather: list[tuple[torch.nn.Module, Any]] = []
         self._restore_hook: list[tuple[torch.nn.Module, Any]] = []
@@ -267,29 +174,29 @@ class FSDPSource(ShardedSource):
             columns.append(_columns(fsdp_param))
         reduce_scatter, _, _, hsdp = fsdp_group_comms(group)
         inner = reduce_scatter or DefaultReduceScatter()
-        unit = _Unit(positions=positions, columns=columns, hsdp=hsdp)
+        unit = FSDPUnit(positions=positions, columns=columns, hsdp=hsdp)
         if unit.hsdp and self._replicate_group is None:
             self._replicate_group = getattr(group.mesh_info, "replicate_process_group", None)
-        module.set_custom_reduce_scatter(_ProbedReduceScatter(inner, unit, self))
+        module.set_custom_reduce_scatter(ProbedReduceScatter(inner, unit, self))
         self._restore.append((module, inner))
         self._units.append(unit)
         self._time_gathers(module, group, unit)
         return True
 
-    def _time_gathers(self, module: torch.nn.Module, group: Any, unit: _Unit) -> None:
+    def _time_gathers(self, module: torch.nn.Module, group: Any, unit: FSDPUnit) -> None:
         """All-gathers (``set_custom_all_gather``) and, under HSDP, the replicate-dim
         all-reduce (``set_all_reduce_hook``, the user's own hook kept). Public FSDP2 APIs,
         undone at close; a failure costs only these timings."""
         try:
             gather = fsdp_group_comms(group)[1] or DefaultAllGather()
-            module.set_custom_all_gather(_TimedAllGather(gather, self))
+            module.set_custom_all_gather(TimedAllGather(gather, self))
             self._restore_gather.append((module, gather))
         except Exception as exc:
             self.env.on_error("comm", exc)
         if unit.hsdp:
             try:
                 user_hook = fsdp_group_comms(group)[2]
-                module.set_all_reduce_hook(_AllReduceTimer(unit, self, user_hook))
+                module.set_all_reduce_hook(AllReduceTimer(unit, self, user_hook))
                 self._restore_hook.append((module, user_hook))
             except Exception as exc:
                 self.env.on_error("comm", exc)
@@ -323,7 +230,7 @@ class FSDPSource(ShardedSource):
 
     # ---------------------------------------------------------------- measurement
     def observe_reduce_input(
-        self, unit: _Unit, flat: torch.Tensor, group: dist.ProcessGroup
+        self, unit: FSDPUnit, flat: torch.Tensor, group: dist.ProcessGroup
     ) -> None:
         """Per-parameter norms of this rank's pre-reduction gradients (the reduce-scatter input,
         ``world`` rows of concatenated padded per-rank chunks). Never raises."""
@@ -343,7 +250,7 @@ class FSDPSource(ShardedSource):
                 if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
                     self._local_exact = False  # pre-divided: the flag holds, the norm does not
                 if unit.positions and flat.numel() == world * unit.row_numel:
-                    norms = _row_chunk_norms(flat, world, unit.columns)
+                    norms = row_chunk_norms(flat, world, unit.columns)
                     self._pieces.append(_LocalPiece(norms, list(unit.positions)))
                 else:
                     # Some parameter of the unit had no gradient: the layout is ambiguous, so
@@ -434,31 +341,6 @@ class FSDPSource(ShardedSource):
             exact and self._all_probed and not twice and not self.local_is_partial and not skipped
         )
         return NormVector(norms, positions, self._scaled), complete
-
-
-def _row_chunk_norms(flat: torch.Tensor, world: int, columns: list[int]) -> torch.Tensor:
-    """Per-parameter norms over a reduce-scatter input of ``world`` rows, each the concatenation
-    of every parameter's padded chunk (``columns`` wide). Contiguous 1-D slices, one per (row,
-    parameter), keep ``_foreach_norm`` on its fused path (strided 2-D views are ~2.5x slower on
-    CPU and fall off the fused CUDA kernel); the rows are then combined per parameter. Beyond
-    ``_MAX_SLICES`` slices the host cost of building them wins, so one strided view per
-    parameter is used instead."""
-    row = sum(columns)
-    if world * len(columns) > _MAX_SLICES:  # large worlds: fewer, strided views (less host work)
-        rows = flat.view(world, row)
-        views, start = [], 0
-        for width in columns:
-            views.append(rows[:, start : start + width])
-            start += width
-        return per_param_norms(views).to(torch.float64)
-    views = []
-    for r in range(world):
-        start = r * row
-        for width in columns:
-            views.append(flat[start : start + width])
-            start += width
-    pieces = per_param_norms(views).to(torch.float64).view(world, len(columns))
-    return (pieces * pieces).sum(dim=0).sqrt()
 
 
 def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpmon.strategies import fsdp
+from ddpmon.strategies import fsdp_comms
 
 
 def _input(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, list[int]]:
@@ -23,14 +23,14 @@ def _input(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, list[in
 
 @pytest.mark.parametrize("max_slices", [512, 1])
 def test_row_chunk_norms_match_the_gradients(monkeypatch, max_slices):
-    monkeypatch.setattr(fsdp, "_MAX_SLICES", max_slices)
+    monkeypatch.setattr(fsdp_comms, "_MAX_SLICES", max_slices)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen), torch.randn(2, 2)]
     flat, columns = _input(grads, world=4)
-    norms = fsdp._row_chunk_norms(flat, 4, columns)
+    norms = fsdp_comms.row_chunk_norms(flat, 4, columns)
     expected = torch.stack([g.double().norm() for g in grads])
     torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
     grads[1][6] = float("nan")
     flat, columns = _input(grads, world=4)
-    norms = fsdp._row_chunk_norms(flat, 4, columns)
+    norms = fsdp_comms.row_chunk_norms(flat, 4, columns)
     assert torch.isnan(norms[1]) and torch.isfinite(norms[[0, 2]]).all()
