@@ -88,3 +88,21 @@ def origin_allowed(origin: str, local_address: str, names: frozenset[str]) -> bo
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return False
     return host_allowed(parts.hostname.lower().rstrip("."), local_address, names)
+
+
+def refusal(
+    host: str | None, origin: str | None, fetch_site: str | None, http10: bool,
+    local_address: str, names: frozenset[str],
+) -> tuple[int, str] | None:
+    """Why a request's headers are refused, as (status, message), or None to serve it: 421 for
+    a Host that is not this daemon's (HTTP/1.0 may omit Host), 403 for a browser's
+    cross-origin request (``Origin`` naming another site, ``Sec-Fetch-Site: cross-site``)."""
+    if host is not None or not http10:
+        name = split_host(host) if host is not None else None
+        if not host_allowed(name, local_address, names):
+            return 421, "this daemon does not serve that Host (see --allowed-host)"
+    if origin is not None and not origin_allowed(origin, local_address, names):
+        return 403, "cross-origin request refused"
+    if fetch_site == "cross-site":
+        return 403, "cross-origin request refused"
+    return None

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import ssl
@@ -48,6 +47,7 @@ from .asgi import (
     json_error,
     reason,
 )
+from .request_auth import RequestAuth
 
 log = logging.getLogger("ddpmon.daemon.server")
 
@@ -117,7 +117,6 @@ class DaemonServer:
     ) -> None:
         self.app = app
         self.bind, self.port = bind, port
-        self.token = token.encode()
         self.web = web_config
         self.limits = limits or Limits()
         self.names = host_names if host_names is not None else hostcheck.host_names(bind, None)
@@ -127,7 +126,7 @@ class DaemonServer:
         """The Unix socket on which ranks register (``agent_socket``); None serves none."""
         self._conns: list[_Conn] = []
         self._in_flight = 0
-        self._auth_pending = 0
+        self._auth = RequestAuth(web_config, token.encode(), self.limits.max_auth_pending)
         self._servers: list[asyncio.base_events.Server] = []
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -345,7 +344,7 @@ class DaemonServer:
         if not agent:  # a browser cannot reach a Unix socket: no rebinding there
             refused = self._check_origin(req, headers, writer)
             if refused is not None:
-                return refused
+                return json_error(*refused)
         length = content_length(headers)
         if length is not None and length > self.limits.max_body_bytes:
             return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
@@ -359,7 +358,7 @@ class DaemonServer:
                 extra={"agent_socket": str(self.agent_socket) if self.agent_socket else None},
             )
         if not agent and not registration:
-            denied = await self._authorize(path, headers)
+            denied = await self._auth.refusal(path, headers)
             if denied is not None:
                 return denied
         try:  # a connection reading a body stays evictable (conn.busy is False until here)
@@ -385,52 +384,16 @@ class DaemonServer:
 
     def _check_origin(
         self, req: h11.Request, headers: list[tuple[bytes, bytes]], writer: asyncio.StreamWriter
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        """421 for a Host that is not this daemon's (DNS rebinding), 403 for a browser's
-        cross-origin request (``hostcheck``)."""
-        local = str((writer.get_extra_info("sockname") or ("",))[0])
-        host = header(headers, b"host")
-        if host is not None or req.http_version != b"1.0":
-            name = hostcheck.split_host(host.decode("latin-1")) if host is not None else None
-            if not hostcheck.host_allowed(name, local, self.names):
-                return json_error(421, "this daemon does not serve that Host (see --allowed-host)")
-        origin = header(headers, b"origin")
-        if origin is not None and not hostcheck.origin_allowed(
-            origin.decode("latin-1"), local, self.names
-        ):
-            return json_error(403, "cross-origin request refused")
-        if header(headers, b"sec-fetch-site") == b"cross-site":
-            return json_error(403, "cross-origin request refused")
-        return None
+    ) -> tuple[int, str] | None:
+        """DNS rebinding and cross-origin requests (``hostcheck.refusal``)."""
 
-    async def _authorize(
-        self, path: str, headers: list[tuple[bytes, bytes]]
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        auth = self.web.auth if self.web is not None else None
-        if auth is None:
-            return None
-        value = header(headers, b"authorization")
-        if path.startswith("/api/v1/jobs") and value is not None:
-            scheme, _, cred = value.decode("latin-1").strip().partition(" ")
-            given = cred.strip().encode()
-            if scheme.lower() == "bearer" and hmac.compare_digest(given, self.token):
-                return None
-        parsed = auth.parse_header(value.decode("latin-1") if value is not None else None)
-        if parsed is not None:
-            if auth.cached(*parsed):
-                return None
-            if self._auth_pending >= self.limits.max_auth_pending:
-                return json_error(503, "too many authentication checks pending", retry=True)
-            self._auth_pending += 1
-            try:
-                ok = await asyncio.get_running_loop().run_in_executor(None, auth.check, *parsed)
-            finally:
-                self._auth_pending -= 1
-            if ok:
-                return None
-        status, hdrs, body = json_error(401, "basic authentication required")
-        hdrs.append((b"www-authenticate", b'Basic realm="ddpmon daemon"'))
-        return status, hdrs, body
+        def text(name: bytes) -> str | None:
+            value = header(headers, name)
+            return value.decode("latin-1") if value is not None else None
+
+        local = str((writer.get_extra_info("sockname") or ("",))[0])
+        return hostcheck.refusal(text(b"host"), text(b"origin"), text(b"sec-fetch-site"),
+                                 req.http_version == b"1.0", local, self.names)
 
     async def _body(self, h: h11.Connection, reader: asyncio.StreamReader) -> bytes:
         chunks: list[bytes] = []
