@@ -421,7 +421,7 @@ class Monitor:
         self.pipeline.background = False
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
-            self.pipeline.flush_trainer_norm()
+            self.pipeline.trainer_norms.flush()
         self.hooks.close()
         if self.schedule_step is not None:
             self.schedule_step.uninstall()

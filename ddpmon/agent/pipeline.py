@@ -27,54 +27,24 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import step_slots as slot
-from .._torch_compat import version
 from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
-from ..metrics import Metric
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
-from .policy import NonFinitePolicy, OriginTracker, as_float
+from .policy import NonFinitePolicy, OriginTracker
 from .readback import Arrived, Readback
-from .records import build_record
+from .records import StepMeta, build_record
+from .step_detection import GradSentinel, is_inert_step
 from .stepvector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
-
-
-@dataclass(slots=True)
-class StepMeta:
-    """Host-side facts about one queued step vector."""
-
-    step: int
-    wall_time: float
-    duration: float | None
-    data_wait: float | None
-    summaries: GradSummaries
-    """The step's device results, as the source collected them (their vectors' positions, the
-    collectives, the strategy's extension)."""
-    loss_host: float | None
-    trainer_norm_host: float | None
-    trainer_norm_step: int | None
-    skipped_by: str | None
-    host_skipped: bool | None = None
-    """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
-    host_scale_after: float | None = None
-    """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
-    step_metrics: dict[str, Metric] | None = None
-    """The per-step metrics queued in the step vector this step, by slot name."""
-    step_values_host: dict[Metric, float] | None = None
-    """The per-step metrics whose value was on the host already."""
-    replica_check: Any = None
-    """The replica checksums' gather issued at this step's end (``strategies.replicas``)."""
 
 
 class StepPipeline:
@@ -121,9 +91,8 @@ class StepPipeline:
         self._step_start: float | None = None
         self._last_end: float | None = None
         self._loss: Any = None
-        self._trainer: tuple[Any, int] | None = None
         self._backward_pending = False
-        self._sentinel: tuple[torch.Tensor, Any, int] | None = None
+        self._sentinel: GradSentinel | None = None
         self._collected: GradSummaries | None = None
         self._closure_step = False
         self._policy_skipped = False
@@ -132,7 +101,9 @@ class StepPipeline:
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
         self.live: Any = _NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
-        self.trainer_norms = TrainerNorms(grad_norm_tolerance, lambda: self.sinks, guard)
+        self.trainer_norms = TrainerNorms(
+            grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
+        )
 
     def keep_live(self, live: Any) -> None:
         """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
@@ -165,18 +136,7 @@ class StepPipeline:
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         """A trainer's own grad norm for ``step`` (default: the step in progress)."""
         with self.guard("loss"):
-            step = self.step if step is None else int(step)
-            if isinstance(value, torch.Tensor):
-                self._trainer = (value.detach(), step)
-                return
-            number = as_float(value)
-            if number is None:
-                return
-            if step >= self.step:
-                self._trainer = (number, step)
-                return
-            with self._records_lock:
-                self.trainer_norms.reported(step, number)
+            self.trainer_norms.observe(value, self.step if step is None else int(step), self.step)
 
     # ------------------------------------------------------------------ boundaries (hooks)
     def forward_started(self, args: tuple) -> None:
@@ -187,7 +147,8 @@ class StepPipeline:
         if (
             self._backward_pending
             and not getattr(self.source, "decides_steps", False)
-            and self._grads_dropped()
+            and self._sentinel is not None
+            and self._sentinel.dropped()
         ):
             self.complete(skipped_by="loop")
         if self._step_start is None:
@@ -207,7 +168,7 @@ class StepPipeline:
         with self.guard("grads"):
             self.source.on_backward_end()
         self._backward_pending = True
-        self._sentinel = self._take_sentinel()
+        self._sentinel = GradSentinel.take(self.index.params)
         self.live.set(self.step, AFTER_BACKWARD)
 
     def batch_started(self) -> None:
@@ -377,14 +338,7 @@ class StepPipeline:
             loss, loss_host = None, loss
         elif loss.numel() != 1:
             loss = loss.reshape(-1)[:1]
-        trainer, trainer_host, trainer_step = None, None, None
-        if self._trainer is not None:
-            value, trainer_step = self._trainer
-            self._trainer = None
-            if isinstance(value, torch.Tensor):
-                trainer = value if value.numel() == 1 else value.reshape(-1)[:1]
-            else:
-                trainer_host = value
+        trainer, trainer_host, trainer_step = self.trainer_norms.take_queued()
         reduced = s.reduced.norms if s.reduced is not None else None
         local = s.local.norms if s.local is not None else None
         values = {
@@ -424,22 +378,6 @@ class StepPipeline:
             reduced = None
         return self.background and (_host_nonfinite(reduced) or _host_nonfinite(local))
 
-    # ------------------------------------------------------------------ dropped gradients
-    def _take_sentinel(self) -> tuple[torch.Tensor, Any, int] | None:
-        for p in self.index.params:
-            g = p.grad
-            if g is not None:
-                return p, weakref.ref(g), version(g)
-        return None
-
-    def _grads_dropped(self) -> bool:
-        """The last backward's gradients are gone (zero_grad) and no step consumed them."""
-        if self._sentinel is None:
-            return False
-        param, ref, seen = self._sentinel
-        g = param.grad
-        return g is None or g is not ref() or version(g) != seen
-
     # ------------------------------------------------------------------ readback side
     def drain(self, wait: bool, collectives: bool = False) -> None:
         """Turn every step whose values are on the host into a record and hand it to the
@@ -469,26 +407,11 @@ class StepPipeline:
         self, parts: dict[str, list[float]], meta: StepMeta, reduction_failed: bool = False
     ) -> StepRecord:
         record = build_record(parts, meta, self.index, self.guard, reduction_failed)
-        self._cross_check(record, parts, meta)
-        return record
-
-    def _cross_check(self, record: StepRecord, parts: dict, meta: StepMeta) -> None:
         theirs = (
             parts[slot.TRAINER_NORM][0] if slot.TRAINER_NORM in parts else meta.trainer_norm_host
         )
         self.trainer_norms.with_record(record, theirs, meta.trainer_norm_step)
-
-    def flush_trainer_norm(self) -> None:
-        """At close: a trainer norm reported after the last step is read now (one read, once)."""
-        if self._trainer is None:
-            return
-        value, step = self._trainer
-        self._trainer = None
-        number = as_float(value.item() if isinstance(value, torch.Tensor) else value)
-        if number is not None:
-            with self._records_lock:
-                self.trainer_norms.reported(step, number)
-                self.trainer_norms.compare_pending()
+        return record
 
 
 class _NoLive:
@@ -499,24 +422,6 @@ class _NoLive:
 
 
 _NO_LIVE = _NoLive()
-
-
-def is_inert_step(optimizer: Any) -> bool:
-    """True when every parameter group of ``optimizer`` has lr 0 (a float, or a one-element CPU
-    tensor: reading it is no device sync). The caller has already seen no forward and no
-    backward since the last step. An lr on a device, or a group without one, is a real step."""
-    groups = getattr(optimizer, "param_groups", None)
-    if not groups:
-        return False
-    for group in groups:
-        lr = group.get("lr") if isinstance(group, dict) else None
-        if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1:
-                return False
-            lr = float(lr)
-        if not isinstance(lr, int | float) or lr != 0:
-            return False
-    return True
 
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:

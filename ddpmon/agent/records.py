@@ -7,25 +7,54 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from .. import step_slots as slot
+from ..metrics import Metric
 from ..probes.grads import ParamIndex, summarize_host
 from ..state import StepRecord
-from ..strategies.base import NormVector
+from ..strategies.base import GradSummaries, NormVector
 from .guard import Guard
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Host-side facts about one queued step vector."""
+
+    step: int
+    wall_time: float
+    duration: float | None
+    data_wait: float | None
+    summaries: GradSummaries
+    """The step's device results, as the source collected them (their vectors' positions, the
+    collectives, the strategy's extension)."""
+    loss_host: float | None
+    trainer_norm_host: float | None
+    trainer_norm_step: int | None
+    skipped_by: str | None
+    host_skipped: bool | None = None
+    """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
+    host_scale_after: float | None = None
+    """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
+    step_metrics: dict[str, Metric] | None = None
+    """The per-step metrics queued in the step vector this step, by slot name."""
+    step_values_host: dict[Metric, float] | None = None
+    """The per-step metrics whose value was on the host already."""
+    replica_check: Any = None
+    """The replica checksums' gather issued at this step's end (``strategies.replicas``)."""
 
 
 def build_record(
     parts: dict[str, list[float]],
-    meta: Any,
+    meta: StepMeta,
     index: ParamIndex,
     guard: Guard,
     reduction_failed: bool = False,
 ) -> StepRecord:
-    """One step's record from its read-back values (``parts``) and host facts (``meta``: a
-    ``StepMeta``); ``reduction_failed``: its host-side norm reduction failed, so it has no
-    global norm. Record thread."""
+    """One step's record from its read-back values (``parts``) and host facts (``meta``);
+    ``reduction_failed``: its host-side norm reduction failed, so it has no global norm. Record
+    thread."""
     record = StepRecord(
         step=meta.step,
         wall_time=meta.wall_time,

@@ -4,7 +4,11 @@ A trainer may report the norm of a step before, with or after that step's record
 the record thread (a logging callback runs after the optimizer step; Lightning logs every N
 steps). Both sides are kept by step, at most 64 each, until both are known; a mismatch found
 with the record is the record's (``grad_norm_mismatch``), one found later goes to the sinks'
-``on_late_cross_check``. Callers hold the step pipeline's records lock.
+``on_late_cross_check``.
+
+A norm for the step in progress (or a later one), or any tensor, is queued with the step's
+values (``take_queued``): a tensor is read with them, lazily, never on the training thread.
+Everything that compares holds the step pipeline's records lock (``lock``).
 """
 
 from __future__ import annotations
@@ -13,20 +17,64 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from ..state import StepRecord
-from .policy import norm_mismatch
+from .policy import as_float, norm_mismatch
 
 KEPT = 64
 """Steps kept on each side while the other is awaited."""
 
 
 class TrainerNorms:
-    def __init__(self, tolerance: float, sinks: Callable[[], Sequence[Any]], guard: Any) -> None:
+    def __init__(
+        self, tolerance: float, sinks: Callable[[], Sequence[Any]], guard: Any, lock: Any
+    ) -> None:
         self.tolerance = tolerance
         self._sinks = sinks
         self._guard = guard
+        self._lock = lock
         self._ours: OrderedDict[int, float] = OrderedDict()
         self._theirs: OrderedDict[int, float] = OrderedDict()
+        self._queued: tuple[Any, int] | None = None
+        """The norm to queue with the step in progress, and the step it is for."""
+
+    def observe(self, value: Any, step: int, current: int) -> None:
+        """A trainer norm for ``step`` while step ``current`` is in progress (training
+        thread): queued with the step's values, or, for an earlier step given as a number,
+        compared now."""
+        if isinstance(value, torch.Tensor):
+            self._queued = (value.detach(), step)
+            return
+        number = as_float(value)
+        if number is None:
+            return
+        if step >= current:
+            self._queued = (number, step)
+            return
+        with self._lock:
+            self.reported(step, number)
+
+    def take_queued(self) -> tuple[torch.Tensor | None, float | None, int | None]:
+        """The queued norm as (a one-element tensor, or a host number; the step it is for),
+        and forget it. Training thread, at the step's end."""
+        if self._queued is None:
+            return None, None, None
+        (value, step), self._queued = self._queued, None
+        if isinstance(value, torch.Tensor):
+            return (value if value.numel() == 1 else value.reshape(-1)[:1]), None, step
+        return None, value, step
+
+    def flush(self) -> None:
+        """At close: a norm reported after the last step is read now (one read, once)."""
+        if self._queued is None:
+            return
+        (value, step), self._queued = self._queued, None
+        number = as_float(value.item() if isinstance(value, torch.Tensor) else value)
+        if number is not None:
+            with self._lock:
+                self.reported(step, number)
+                self.compare_pending()
 
     def reported(self, step: int, theirs: float) -> None:
         """A trainer norm for a step whose record may or may not have been built yet."""

@@ -151,7 +151,7 @@ def test_a_device_norm_for_an_earlier_step_is_compared_there():
     pipe.observe_grad_norm(torch.tensor(6.0), step=0)  # rides on step 1's vector
     one_step(pipe)
     pipe.observe_grad_norm(torch.tensor(9.0), step=1)  # after the last step: read at close
-    pipe.flush_trainer_norm()
+    pipe.trainer_norms.flush()
     late = [c for c in sink.late]
     assert late == [(0, 5.0, 6.0, True), (1, 5.0, 9.0, True)]
 

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddpmon.agent.guard import Guard
-from ddpmon.agent.pipeline import StepMeta
-from ddpmon.agent.records import build_record
+from ddpmon.agent.records import StepMeta, build_record
 from ddpmon.probes.grads import NormVector
 from ddpmon.state import StepRecord
 from ddpmon.strategies.base import GradSummaries

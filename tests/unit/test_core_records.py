@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from ddpmon.agent.guard import Guard
-from ddpmon.agent.pipeline import StepMeta
 from ddpmon.agent.policy import OriginTracker
-from ddpmon.agent.records import build_record
+from ddpmon.agent.records import StepMeta, build_record
 from ddpmon.probes.grads import NormVector, ParamIndex
 from ddpmon.state import StepRecord
 from ddpmon.strategies.base import GradSummaries
