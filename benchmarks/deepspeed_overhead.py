@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
                 engines["agent"], port=args.port, bind="127.0.0.1", run_dir=run_dir,
                 run_id=f"bench-z{stage}",
             )
-            src, steps = mon.source, mon.engine_steps
+            src, steps = mon.source, mon.markers.engine_steps
             src.note_scale = timed("engine_step", src.note_scale)
             src.measure_reduced = timed("engine_step", with_timed_allreduce(src.measure_reduced))
             steps._on_step = timed("step_close", steps._on_step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +48,13 @@ class Endpoint:
         endpoint = cls(Exposition(collector, catch_up))
         endpoint._serve(identity, config, state)
         endpoint._publish(identity, run_id, config, guard)
+        if config.announce:
+            print(
+                f"ddpmon: rank {identity.rank} serves {endpoint.url or 'no endpoint'} "
+                f"(run {run_id})",
+                file=sys.stderr,
+                flush=True,
+            )
         return endpoint
 
     def _serve(self, ident: RankIdentity, cfg: Config, state: MetricState) -> None:

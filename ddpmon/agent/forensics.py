@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..config import Config
@@ -77,11 +78,23 @@ class Forensics:
 
         return emit
 
-    def watch(self, stall_seconds: float, heartbeat, on_stall, guard: Guard) -> None:
+    def watch(
+        self, stall_seconds: float, heartbeat, on_stall, guard: Guard, flight_recorder: Path
+    ) -> None:
+        """Watch for a stall: ``on_stall(idle_seconds)`` reports it, then the collectives'
+        flight recorder is asked to dump into ``flight_recorder`` (what each rank was waiting
+        on)."""
         with guard("forensics"):
-            from ..forensics.watchdog import StallWatchdog
+            from ..forensics.watchdog import StallWatchdog, request_flight_recorder_dump
 
-            self.watchdog = StallWatchdog(stall_seconds, heartbeat=heartbeat, on_stall=on_stall)
+            def stalled(idle_seconds: float) -> None:
+                try:
+                    on_stall(idle_seconds)
+                finally:
+                    with guard("watchdog"):
+                        request_flight_recorder_dump(flight_recorder)
+
+            self.watchdog = StallWatchdog(stall_seconds, heartbeat=heartbeat, on_stall=stalled)
             self.watchdog.start()
 
     def close(self) -> None:

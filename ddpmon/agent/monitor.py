@@ -1,17 +1,17 @@
 """The ``Monitor`` that ``ddpmon.attach`` returns: builds the parts, starts them, closes them.
 
 The parts (each in its own module): the run context (who and which run), the gradient source
-(per parallelism strategy), the step pipeline and its hooks, the sinks (metrics, progress,
-incidents, summary, manifest, history), checkpoints, the forensics files and the /metrics
-endpoint. ``attach`` and the ``NullMonitor`` of a disabled agent live in ``api.py``.
+(per parallelism strategy), the step pipeline and what marks its steps (``step_markers``), the
+sinks (``record_sinks``: metrics, progress, incidents, summary, manifest, history),
+checkpoints, the forensics files and the /metrics endpoint. ``attach`` and the
+``NullMonitor`` of a disabled agent live in ``api.py``.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
-import sys
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,21 +35,18 @@ from .checkpoints import (
     NullTimer,
     detect_attempt,
     tag_attempt,
-    tag_evidence,
 )
 from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
-from .floor import FloorPolicy
-from .forensics import Forensics, manifest_writer
+from .forensics import Forensics
 from .guard import Guard
-from .hooks import StepHooks
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
-from .run_facts import manifest_extra, scaler_state, start_fields
-from .sinks import IncidentSink, ManifestSink, MetricSink, ProgressSink, SummarySink
+from .record_sinks import RecordSinks
+from .run_facts import manifest_extra, start_fields, states_present
+from .step_markers import StepMarkers
 
-log = logging.getLogger("ddpmon")
 
 class Monitor:
     """One rank's agent. Create it with ``ddpmon.attach``."""
@@ -154,59 +151,19 @@ class Monitor:
             self.source.install()
 
     def _sinks(self) -> list[Any]:
-        """Where records go: metrics, incidents (events, evidence, the floor policy), progress,
-        summary, manifest, history."""
-        config, state, guard, ctx = self.config, self._state, self.guard, self.ctx
-        rank, emit = ctx.identity.rank, self._emit
-        self.floor = FloorPolicy(
-            mode=config.on_loss_scale_floor,
-            floor=config.loss_scale_floor,
-            steps=config.loss_scale_floor_steps,
-            rank=rank,
-            emit=emit,
-            origins=lambda: self.incidents.origin_steps(),
-            checkpoint=lambda: self.checkpoints.last_save,
+        """Where records go (``record_sinks``)."""
+        sinks = RecordSinks.assemble(
+            ctx=self.ctx, config=self.config, state=self._state, guard=self.guard,
+            emit=self._emit, forensics=self.forensics, attempt=self.attempt.number,
+            index=self.index, scaler=self.scaler,
+            manifest_extra=functools.partial(manifest_extra, self),
+            summary_head=lambda: {"run_id": self.run_id, "rank": self.identity.rank,
+                                  "port": self.port},
+            last_checkpoint=lambda: self.checkpoints.last_save,
             flush=lambda: self.pipeline.drain(wait=True),
-            on_error=guard.error,
         )
-        self.incidents = IncidentSink(
-            emit=emit,
-            evidence=tag_evidence(self.forensics.evidence, self.attempt.number),
-            rank=ctx.identity.rank,
-            loss_scale_floor=config.loss_scale_floor,
-            param_grad=self._param_grad,
-            scaler_state=self._scaler_state,
-            floor_policy=self.floor,
-            device=ctx.identity.device,
-        )
-        self.manifest = ManifestSink(manifest_writer(ctx, config, self._manifest_extra, guard))
-        from ..atomic import write_json_atomic
-
-        sinks: list[Any] = [MetricSink(state), self.incidents]
-        if self.forensics.progress is not None:
-            sinks.append(ProgressSink(self.forensics.progress))
-        self.summary = SummarySink(
-            path=ctx.run_dir.summary(ctx.identity.rank),
-            state=state,
-            head=lambda: {"run_id": self.run_id, "rank": self.identity.rank, "port": self.port},
-            write_json=write_json_atomic,
-        )
-        sinks += [self.summary, self.manifest]
-        if self.forensics.events is not None:  # the run dir is writable
-            with guard("history"):
-                from ..forensics.history import HistorySink
-
-                history = HistorySink.open(
-                    ctx.run_dir,
-                    ctx.identity.rank,
-                    self.index.group_names,
-                    ctx.identity.device,
-                    on_error=guard.error,
-                    health=guard.writes,
-                )
-                if history is not None:
-                    sinks.append(history)
-        return sinks
+        self.floor, self.incidents, self.manifest = sinks.floor, sinks.incidents, sinks.manifest
+        return sinks.all
 
     def _pipeline(self, sinks: list[Any], pp) -> None:
         """The step pipeline over the source and sinks, what marks its steps (hooks, the
@@ -235,29 +192,11 @@ class Monitor:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
         if self.forensics.crash is not None:
             self.pipeline.keep_live(self.forensics.crash.live)
-        self.engine_steps = None
-        self.hooks = StepHooks(
-            model, optimizer, self.pipeline, self.amp, engine_steps=self.source.decides_steps
+        self.markers = StepMarkers(
+            model, optimizer, self.pipeline, self.source, amp=self.amp, pp=pp,
+            on_error=guard.error, on_engine_step=self._on_engine_step,
+            on_min_scale=self._on_deepspeed_min_scale,
         )
-        self.schedule_step = None
-        if pp is not None:
-            from ..strategies.pp_probes import ScheduleStep
-
-            self.schedule_step = ScheduleStep(pp, self.pipeline, guard.error)
-            self.schedule_step.install()
-        if self.source.decides_steps:
-            from ..strategies.deepspeed_steps import EngineSteps
-
-            self.engine_steps = EngineSteps(
-                model, self.source, self._on_engine_step, guard.error,
-                on_min_scale=self._on_deepspeed_min_scale,
-            )
-            if self.pipeline.rerun is not None:
-                from .engine_rerun import EngineRerun
-
-                rerun = EngineRerun(self.pipeline, self.source, model)
-                self.engine_steps.before_step = rerun.before_step
-                self.engine_steps.after_step = rerun.after_step
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
 
@@ -266,7 +205,8 @@ class Monitor:
         config, state, guard, ctx, emit = (self.config, self._state, self.guard, self.ctx,
                                            self._emit)
         self.checkpoints = CheckpointObserver(
-            state, emit, guard, on_load=self._resume_at, present=self._states_present
+            state, emit, guard, on_load=self._resume_at,
+            present=functools.partial(states_present, self.optimizer, self.scaler),
         )
         self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
         with guard("checkpoint"):
@@ -276,18 +216,12 @@ class Monitor:
         )
         self.exposition = self.endpoint.exposition
         self.port = self.endpoint.port
-        if config.announce:
-            print(
-                f"ddpmon: rank {ctx.identity.rank} serves "
-                f"{self.endpoint.url or 'no endpoint'} (run {ctx.run_id})",
-                file=sys.stderr,
-                flush=True,
-            )
         self.forensics.watch(
             config.stall_seconds,
             heartbeat=lambda: state.last_step_timestamp or state.started_at,
             on_stall=self._on_stall,
             guard=guard,
+            flight_recorder=ctx.run_dir.flight_recorder(ctx.identity.rank),
         )
         atexit.register(self.close)
         registry.add(self)
@@ -422,11 +356,7 @@ class Monitor:
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
             self.pipeline.trainer_norms.flush()
-        self.hooks.close()
-        if self.schedule_step is not None:
-            self.schedule_step.uninstall()
-        if self.engine_steps is not None:
-            self.engine_steps.close()
+        self.markers.close()
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
@@ -451,9 +381,7 @@ class Monitor:
         registry.discard(self)
         for name, method in (
             ("records", "stop"),
-            ("hooks", "close"),
-            ("schedule_step", "uninstall"),
-            ("engine_steps", "close"),
+            ("markers", "close"),
             ("amp", "detach"),
             ("dcp", "uninstall"),
             ("source", "close"),
@@ -519,29 +447,3 @@ class Monitor:
             self.incidents.write_evidence(
                 "stall", step, None, idle_seconds=idle_seconds, last_step=self._state.step
             )
-        with self.guard("watchdog"):
-            from ..forensics.watchdog import request_flight_recorder_dump
-
-            request_flight_recorder_dump(self.ctx.run_dir.flight_recorder(self.identity.rank))
-
-    # ------------------------------------------------------------------ helpers for sinks
-    def _param_grad(self, name: str) -> Any:
-        if name in self.index.names:
-            return self.index.params[self.index.names.index(name)].grad
-        return None
-
-    def _states_present(self) -> frozenset[str]:
-        """What this run has to restore: no GradScaler, no scaler (the model, RNG state and the
-        data position every run has)."""
-        have = {"model", "rng", "data_loader"}
-        if self.optimizer is not None:
-            have.add("optimizer")
-        if self.scaler is not None:
-            have.add("scaler")
-        return frozenset(have)
-
-    def _scaler_state(self) -> dict | None:
-        return scaler_state(self.scaler)
-
-    def _manifest_extra(self) -> dict:
-        return manifest_extra(self)

@@ -27,6 +27,17 @@ def scaler_state(scaler: Any) -> dict | None:
         return None
 
 
+def states_present(optimizer: Any, scaler: Any) -> frozenset[str]:
+    """What a run has to restore from a checkpoint: the model, RNG state and the data position
+    every run has; the optimizer and the GradScaler where it has them."""
+    have = {"model", "rng", "data_loader"}
+    if optimizer is not None:
+        have.add("optimizer")
+    if scaler is not None:
+        have.add("scaler")
+    return frozenset(have)
+
+
 def manifest_extra(mon: Monitor) -> dict:
     """What the manifest says about the run beyond the config: precision, strategy, sizes,
     hosts, attempt and recovery."""

@@ -87,6 +87,13 @@ class ParamIndex:
     def name(self, position: int) -> str:
         return self.names[position] if 0 <= position < len(self.names) else "unknown"
 
+    def grad_of(self, name: str) -> torch.Tensor | None:
+        """The current gradient of the parameter called ``name`` (None: no such parameter, or
+        no gradient)."""
+        if name in self.names:
+            return self.params[self.names.index(name)].grad
+        return None
+
     def positions_of(self, params: Sequence[torch.Tensor]) -> list[int] | None:
         """Positions of ``params``, or None if any of them is not this model's."""
         try:

@@ -1,0 +1,76 @@
+"""What tells the step pipeline where a step is, by kind of loop: torch's module and optimizer
+hooks (``hooks.StepHooks``) always; a pipeline schedule's ``step()`` under pipeline parallel
+(``ScheduleStep``); DeepSpeed's ``engine.step()`` where the engine decides the optimizer
+steps (``EngineSteps``, with ``EngineRerun`` under the rerun policy). Installed all or nothing,
+removed together."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..probes.amp import ScalerProbe
+from ..strategies.base import GradientSource
+from .hooks import StepHooks
+from .pipeline import StepPipeline
+
+
+class StepMarkers:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        pipeline: StepPipeline,
+        source: GradientSource,
+        *,
+        amp: ScalerProbe | None,
+        pp: Any,
+        on_error: Callable[[str, BaseException], None],
+        on_engine_step: Callable[[Any], None],
+        on_min_scale: Callable[[BaseException, float | None], None],
+    ) -> None:
+        self.hooks: StepHooks | None = None
+        self.schedule_step: Any = None
+        self.engine_steps: Any = None
+        try:
+            self.hooks = StepHooks(
+                model, optimizer, pipeline, amp, engine_steps=source.decides_steps
+            )
+            if pp is not None:
+                from ..strategies.pp_probes import ScheduleStep
+
+                self.schedule_step = ScheduleStep(pp, pipeline, on_error)
+                self.schedule_step.install()
+            if source.decides_steps:
+                from ..strategies.deepspeed_steps import EngineSteps
+
+                self.engine_steps = EngineSteps(
+                    model, source, on_engine_step, on_error, on_min_scale=on_min_scale
+                )
+                if pipeline.rerun is not None:
+                    from .engine_rerun import EngineRerun
+
+                    rerun = EngineRerun(pipeline, source, model)
+                    self.engine_steps.before_step = rerun.before_step
+                    self.engine_steps.after_step = rerun.after_step
+        except BaseException:
+            self.close()  # all or nothing
+            raise
+
+    def close(self) -> None:
+        """Remove every marker; one that fails to come off does not keep the others on (the
+        first failure is raised after all were tried)."""
+        first: BaseException | None = None
+        for part, method in (
+            (self.hooks, "close"), (self.schedule_step, "uninstall"), (self.engine_steps, "close")
+        ):
+            if part is None:
+                continue
+            try:
+                getattr(part, method)()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
