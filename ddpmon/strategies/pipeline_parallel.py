@@ -20,9 +20,10 @@ this rank holds (two for interleaved and V schedules). Why each piece looks the 
   all-reduce over the pp group. Either is issued on every rank at every end of
   ``schedule.step()``, failures included (a failure flag, never a NaN). Group and local norms
   stay per stage.
-- NaN origin: a stage is the origin when its weights entering the step were finite and the
-  first non-finite thing it touched was something it *produced* (an activation it sent, its
-  output, an activation gradient it sent, a parameter gradient), not something it *received*.
+- NaN origin (decided in ``pp_origin``): a stage is the origin when its weights entering the
+  step were finite and the first non-finite thing it touched was something it *produced* (an
+  activation it sent, its output, an activation gradient it sent, a parameter gradient), not
+  something it *received*.
   Order comes from a host sequence number per probe; on the device each stage keeps only
   ``min(seq)`` of the first bad receipt and the first bad product (no host read). Probes wrap
   the stage's ``forward_one_chunk``/``backward_one_chunk`` (so the metadata pass is not seen)
@@ -33,7 +34,6 @@ this rank holds (two for interleaved and V schedules). Why each piece looks the 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -45,9 +45,8 @@ from ..probes.grads import NormVector, full_pass
 from . import data_check
 from .base import GradientSource, GradSummaries, SourceEnv
 from .dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
+from .pp_origin import StageOrigin
 from .pp_probes import (
-    NO_EVENT,
-    PARAM_GRAD_SEQ,
     PP_FLAGS,
     PP_NORM,
     P2PTiming,
@@ -106,19 +105,11 @@ class PipelineSource(GradientSource):
         self._sum = FlaggedSum(self._reduce_over_stages)
         """The pp sum of this rank's squared norm (unfolded: plain, DDP, or a sharded inner
         source whose own sum does not span the pp group)."""
-        self._stage_of = self._stage_positions()
-        self._poisoned: set[int] = set()
+        self.origin = StageOrigin(self.index)
+        """The per-stage origin, decided on the record thread (``PPStep.finish``)."""
         self.has_loss = setup.has_loss
         self._folded = False
         """The inner source's reduction also sums over the pp group (no pp all-reduce here)."""
-
-    def _stage_positions(self) -> list[int]:
-        """Stage index of each ``ParamIndex`` position (names start with ``stage<k>.``)."""
-        out = []
-        for name in self.index.names:
-            head = name.split(".", 1)[0]
-            out.append(int(head[5:]) if head.startswith("stage") and head[5:].isdigit() else -1)
-        return out
 
     # ------------------------------------------------------------------ install / close
     def install(self) -> None:
@@ -375,74 +366,6 @@ class PipelineSource(GradientSource):
         sq = (inner.to(torch.float64) ** 2).reshape(1)
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.setup.group)
         return sq.sqrt().reshape(())
-
-    # ------------------------------------------------------------------ readback (host)
-    def finish_record(self, record: Any, parts: dict, step: PPStep, local, reduced) -> None:
-        """The origin per stage (see the module doc); the global norm over every stage is
-        ``PPStep.global_norm``'s, already in ``record``. Record thread. ``local``/``reduced``:
-        (host values, positions) or None."""
-        flags = parts.get(PP_FLAGS.name, [])
-        stage_bad_local = self._bad_stages(local)
-        stage_bad_reduced = self._bad_stages(reduced)
-        origin_where = None
-        touched = False
-        poisoned = False
-        for k, index in enumerate(step.stages):
-            recv = flags[2 * k] if 2 * k < len(flags) else NO_EVENT
-            prod = flags[2 * k + 1] if 2 * k + 1 < len(flags) else NO_EVENT
-            bad_param = stage_bad_local.get(index)
-            if bad_param is not None:
-                prod = min(prod, PARAM_GRAD_SEQ)
-            if prod == NO_EVENT and recv == NO_EVENT:
-                continue
-            touched = True
-            if index in self._poisoned:
-                poisoned = True
-                continue
-            if prod < recv and origin_where is None:
-                if prod >= PARAM_GRAD_SEQ:
-                    where = {"stage": index, "microbatch": None, "site": "param_grad"}
-                else:
-                    _, mb, site = step.table[int(prod)]
-                    where = {"stage": index, "microbatch": mb, "site": site}
-                origin_where = where | {"param": bad_param}
-        if (record.grad_nonfinite or stage_bad_reduced) and record.skipped_by is None:
-            # An applied step with a non-finite global norm: every stage's weights are suspect
-            # from now on (clipping by that norm, as torchtitan does, multiplies every stage's
-            # gradients by NaN), so no later step can be an origin, as under DDP.
-            self._poisoned.update(step.stages)
-        record.pp_origin = origin_where
-        record.origin = origin_where is not None
-        record.poisoned = touched and not record.origin and poisoned
-        record.origin_decided = True
-        if touched:
-            record.local_nonfinite = True
-            if origin_where is not None:
-                record.local_nonfinite_param = origin_where["param"] or (
-                    f"stage{origin_where['stage']}.<{origin_where['site']}>"
-                )
-            elif record.local_nonfinite_param is None:
-                record.local_nonfinite_param = next(
-                    (p for p in stage_bad_local.values() if p), None
-                )
-            record.local_nonfinite_kind = record.local_nonfinite_kind or "nan"
-
-    def _bad_stages(self, host) -> dict[int, str | None]:
-        """Stage -> first non-finite parameter name, from (host values, positions)."""
-        out: dict[int, str | None] = {}
-        if host is None:
-            return out
-        values, positions = host
-        bad = sorted(p for v, p in zip(values, positions, strict=True) if not math.isfinite(v))
-        for pos in bad:
-            stage = self._stage_of[pos] if 0 <= pos < len(self._stage_of) else -1
-            if stage not in out:
-                out[stage] = self.index.name(pos)
-        return out
-
-    def reset(self) -> None:
-        self._poisoned.clear()
-
 
 _FAILED = object()
 """The inner source's measurement raised (already reported): this rank contributes a failure."""

@@ -73,7 +73,7 @@ class PPStep(StepExtension):
 
     def finish(self, record: Any, parts: dict[str, list[float]], local: tuple | None,
                reduced: tuple | None) -> None:
-        self.source.finish_record(record, parts, self, local, reduced)
+        self.source.origin.finish(record, parts, self, local, reduced)
 
 
 class StageProbes:

@@ -1,9 +1,9 @@
-"""Pipeline parallel's record finish (``PipelineSource.finish_record``) at world size 1: two real
+"""Pipeline parallel's record finish (``StageOrigin.finish``) at world size 1: two real
 ``PipelineStage``s on this one rank under ``ScheduleInterleaved1F1B``, attached with
 ``ddpmon.attach(parts, opt, schedule=)``. The global norm is checked against torch's
 ``get_total_norm`` over both stages, the per-stage origin against a NaN put into one stage; then
-``finish_record`` is called directly with hand-made read-back values for the cases a healthy run
-never produces (a failed rank, an Inf total, an activation that turned NaN first)."""
+``StageOrigin.finish`` is called directly with hand-made read-back values for the cases a healthy
+run never produces (a failed rank, an Inf total, an activation that turned NaN first)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def pp(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def fresh_attempt(pp):
     """Every test starts with no stage poisoned (as after a restart)."""
-    pp[0].source.reset()
+    pp[0].source.origin.reset()
     yield
 
 
