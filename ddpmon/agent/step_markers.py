@@ -6,6 +6,7 @@ removed together."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -56,7 +57,8 @@ class StepMarkers:
                     self.engine_steps.before_step = rerun.before_step
                     self.engine_steps.after_step = rerun.after_step
         except BaseException:
-            self.close()  # all or nothing
+            with contextlib.suppress(Exception):  # all or nothing; the first error is raised
+                self.close()
             raise
 
     def close(self) -> None:
