@@ -156,6 +156,30 @@ def test_a_device_norm_for_an_earlier_step_is_compared_there():
     assert late == [(0, 5.0, 6.0, True), (1, 5.0, 9.0, True)]
 
 
+def test_step_markers_install_all_or_nothing():
+    """A marker that cannot install (a schedule whose ``step`` cannot be wrapped) takes the
+    hooks installed before it off again, and its own error is the one raised."""
+    from types import SimpleNamespace
+
+    from ddpmon.agent.step_markers import StepMarkers
+
+    class SlottedSchedule:  # no instance dict: the schedule step cannot be wrapped
+        __slots__ = ()
+
+        def step(self):
+            pass
+
+    pipe, _, _, _ = make_pipeline([])
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError):
+        StepMarkers(model, opt, pipe, pipe.source, amp=None,
+                    pp=SimpleNamespace(schedule=SlottedSchedule()), on_error=print,
+                    on_engine_step=print, on_min_scale=print)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
 def test_attach_that_cannot_start_leaves_nothing_behind_and_training_goes_on(tmp_path, caplog):
     model = nn.Linear(2, 1)
     with caplog.at_level(logging.ERROR, logger="ddpmon"):
