@@ -130,13 +130,32 @@ def _started(alert) -> float:
 
 def test_node_b_dies(stack: Stack) -> None:
     run = "mn-kill"
-    job = launch(stack, run, 29401, ["--steps", "40", "--step-delay", "0.1", "--hold", "150"])
+    # 40 steps of 0.4 s: each rank's step histogram must be scraped while it still grows (a
+    # rank first scraped after its last step has no step rate, so no p99 series, ever). Quiet,
+    # a rank is first scraped about 3 s into its steps; with 0.1 s steps, beside a CPU hog, one
+    # was first scraped only after its last step.
+    job = launch(stack, run, 29401, ["--steps", "40", "--step-delay", "0.4", "--hold", "150"])
+    seen: dict[str, object] = {}
+
+    def through_steps() -> bool:
+        seen["reporting"] = sorted(reporting(stack, run))
+        seen["step"] = {s["metric"]["rank"]: s["value"][1]
+                        for s in stack.prometheus.query(f'ddpmon_step{{run="{run}"}}')}
+        seen["p99"] = sorted(ranks_of(stack.prometheus.query(f'{names.STEP_P99}{{run="{run}"}}')))
+        return (len(seen["reporting"]) == 4 and len(seen["step"]) == 4  # type: ignore[arg-type]
+                and all(float(v) >= 39 for v in seen["step"].values())  # type: ignore[attr-defined]
+                and len(seen["p99"]) == 4)  # type: ignore[arg-type]
+
     try:
-        job.until(lambda: len(reporting(stack, run)) == 4 and all(
-            float(s["value"][1]) >= 39
-            for s in stack.prometheus.query(f'ddpmon_step{{run="{run}"}}')) and len(
-                stack.prometheus.query(f'{names.STEP_P99}{{run="{run}"}}')) == 4, 150,
-            "4 ranks through their steps, recording rules for all 4")
+        try:
+            job.until(through_steps, 150, "4 ranks through their steps, recording rules for all 4")
+        except AssertionError as exc:
+            first = {s["metric"]["rank"]: s["value"][1] for s in stack.prometheus.query(
+                f'min_over_time(ddpmon_step{{run="{run}"}}[10m])')}
+            raise AssertionError(f"{exc}\nlast seen: {seen}; first scraped step: {first}") from None
+        first = {s["metric"]["rank"]: s["value"][1] for s in stack.prometheus.query(
+            f'min_over_time(ddpmon_step{{run="{run}"}}[10m])')}
+        print(f"[{run}] step at each rank's first scrape: {dict(sorted(first.items()))}")
         check_identity(stack, run)
         wait_for_scrapes(stack.prometheus, f'ddpmon_step{{run="{run}"}}', 2, 60)  # rate windows
         check_overview(stack, run, job.started_at, (d.EVERY_RANK, d.RUN))
