@@ -138,13 +138,12 @@ def test_node_b_dies(stack: Stack) -> None:
     seen: dict[str, object] = {}
 
     def through_steps() -> bool:
-        seen["reporting"] = sorted(reporting(stack, run))
-        seen["step"] = {s["metric"]["rank"]: s["value"][1]
-                        for s in stack.prometheus.query(f'ddpmon_step{{run="{run}"}}')}
-        seen["p99"] = sorted(ranks_of(stack.prometheus.query(f'{names.STEP_P99}{{run="{run}"}}')))
-        return (len(seen["reporting"]) == 4 and len(seen["step"]) == 4  # type: ignore[arg-type]
-                and all(float(v) >= 39 for v in seen["step"].values())  # type: ignore[attr-defined]
-                and len(seen["p99"]) == 4)  # type: ignore[arg-type]
+        up = sorted(reporting(stack, run))
+        steps = {s["metric"]["rank"]: float(s["value"][1])
+                 for s in stack.prometheus.query(f'ddpmon_step{{run="{run}"}}')}
+        p99 = sorted(ranks_of(stack.prometheus.query(f'{names.STEP_P99}{{run="{run}"}}')))
+        seen.update(reporting=up, step=steps, p99=p99)
+        return len(up) == 4 and len(steps) == 4 and min(steps.values()) >= 39 and len(p99) == 4
 
     try:
         try:
