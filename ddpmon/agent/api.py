@@ -37,6 +37,8 @@ def attach(
     ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
     ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used. Under DeepSpeed,
     the engine it prepared is monitored (``model`` may be the engine or the module inside it).
+    Lightning Fabric: ``attach(model, optimizer)`` with what ``fabric.setup`` returned; the
+    strategy's module and the real optimizer inside Fabric's wrappers are measured.
     A DeepSpeed engine: ``attach(engine)`` after ``deepspeed.initialize``; the engine's
     optimizer, loss scaler and ZeRO stage are found from it (docs/parallelism.md, DeepSpeed).
     ``schedule``: pipeline parallel; ``model`` is then this rank's stage module or the list of
@@ -67,6 +69,10 @@ def attach(
             engine = deepspeed_engine(accelerator, model)
             if engine is not None:
                 model, optimizer = engine, engine.optimizer
+        if pp is None:  # Fabric's wrappers, or DDP inside another wrapper (strategies/wrappers)
+            from ..strategies.wrappers import unwrap
+
+            model, optimizer = unwrap(model, optimizer)
         reason = _refused(model, optimizer)
         if reason is not None:
             log.error("ddpmon disabled: %s", reason)
