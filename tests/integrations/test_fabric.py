@@ -69,7 +69,7 @@ def steps_of(args: list[str]) -> int:
 @pytest.mark.parametrize(("name", "strategy"), [("ddp", "ddp"), ("fsdp2", "fsdp2")])
 def test_the_strategy_inside_fabrics_wrapper_is_reported(runs, name: str, strategy: str) -> None:
     run = runs[name]
-    assert run.manifest()["strategy"] == strategy
+    assert run.manifest()["extra"]["strategy"] == strategy
     for rank in (0, 1):
         res = run.result(rank)
         assert res["attached"], res["monitor_error"]
