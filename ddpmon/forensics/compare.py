@@ -11,7 +11,9 @@ by optimizer step (the ``step`` column of each rank's history). Series compared:
 
 Tolerance, from the runs themselves: two runs of the same model, data and global batch over a
 different number of ranks differ only by reduction order (summing in another order rounds
-differently), which shows from the very first step. For each series the noise is the largest
+differently), which shows from the very first step where the CPU's kernels round differently at
+all (with AVX-512 ones the demo's 1-rank and 2-rank runs can be bit-identical: noise 0, the
+tolerance then ``TOL_FLOOR``). For each series the noise is the largest
 relative difference ``|a - b| / max(|a|, |b|)`` over the first ``NOISE_STEPS`` common steps;
 the tolerance is ``NOISE_FACTOR`` (100) times that, never below ``TOL_FLOOR`` and never above
 ``TOL_CAP``. The factor leaves room for the drift: the difference grows as the trajectories part
