@@ -10,6 +10,8 @@ reach them: its forward calls the strategy's module, its ``step`` the real optim
 Any other wrapper type that holds a ``DistributedDataParallel`` is never taken silently for a
 plain module: when the DDP module inside holds every trainable parameter it is monitored in its
 place (one warning naming the wrapper), else one warning names the wrapper and what is missing.
+A bare module on several ranks while Fabric is loaded (attached before ``fabric.setup``) is
+warned about once too.
 FSDP1, FSDP2 and DTensor parameters are found inside any wrapper by detection itself
 (:mod:`.kinds` reads ``model.modules()`` and the parameters). Nothing here imports Lightning:
 the wrapper classes are looked up in ``sys.modules`` (a Fabric object exists only once it is).
@@ -30,8 +32,8 @@ FABRIC_MODULES = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
 standalone ``lightning_fabric``)."""
 
 MISSING_WITHOUT_DDP = (
-    "no global norm across ranks, no pre-reduction local norms, no collective timing, "
-    "no duplicate-data check and no NaN origin"
+    "its norms are read at the optimizer step (after any clipping), with no pre-reduction "
+    "local norms, no collective timing, no duplicate-data check and no NaN origin"
 )
 
 _warned_types: set[str] = set()
@@ -103,16 +105,36 @@ def unwrap_unknown(model: Any) -> Any:
         ))
         return inner
     _warn_once(model, (
-        "ddpmon: attach got a %s holding DistributedDataParallel and parameters outside it; "
-        f"measured as a plain module: {MISSING_WITHOUT_DDP}. Attach the DDP module itself."
+        "ddpmon: attach got a %s holding DistributedDataParallel and parameters outside it. "
+        f"Measured as a plain module, {MISSING_WITHOUT_DDP}. Attach the DDP module itself."
     ))
     return model
+
+
+def _before_fabric_setup(model: Any) -> bool:
+    """A bare module on several ranks of a Fabric script: most likely attached before
+    ``fabric.setup`` wrapped it (which ddpmon cannot see from the module)."""
+    if not _fabric_classes("_FabricModule") or not isinstance(model, torch.nn.Module):
+        return False
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from .detect import detect_strategy
+
+    return detect_strategy(model) == "plain"
 
 
 def unwrap(model: Any, optimizer: Any) -> tuple[Any, Any]:
     """The module and optimizer ddpmon measures for what ``attach`` was given (module doc)."""
     model, optimizer = unwrap_fabric(model, optimizer)
-    return unwrap_unknown(model), optimizer
+    model = unwrap_unknown(model)
+    if _before_fabric_setup(model):
+        _warn_once(model, (
+            "ddpmon: attach got a bare %s on several ranks while Lightning Fabric is in use; "
+            "if fabric.setup wraps it, attach what fabric.setup returned (after it). Measured "
+            f"as a plain module, {MISSING_WITHOUT_DDP}."
+        ))
+    return model, optimizer
 
 
 __all__ = ["MISSING_WITHOUT_DDP", "unwrap", "unwrap_fabric", "unwrap_unknown"]

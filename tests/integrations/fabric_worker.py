@@ -8,6 +8,7 @@ script for rank 1 (Lightning's subprocess launcher). ``fabric.setup`` / ``setup_
 each step, and ddpmon's numbers after it. At ``--nan-step`` rank ``--nan-rank`` gets a NaN in
 its input; with ``--error-if-nonfinite`` ``clip_gradients`` then raises (Fabric's default).
 ``--same-data``: every rank reads the same batches (no distributed sampler: a duplicated shard).
+``--attach-before-setup``: ddpmon attached to the bare module before ``fabric.setup`` (a mistake).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main() -> None:
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--error-if-nonfinite", action="store_true")
     p.add_argument("--same-data", action="store_true")
+    p.add_argument("--attach-before-setup", action="store_true")
     a = p.parse_args()
     out = Path(a.out)
 
@@ -44,7 +46,12 @@ def main() -> None:
     fabric.seed_everything(0)
 
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
-    if a.strategy == "fsdp2":  # sharded: the model first, the optimizer over its new parameters
+    early = None
+    if a.attach_before_setup:  # the mistake: ddpmon then sees the bare module, and says so
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        early = ddpmon.attach(model, optimizer, **agent_options(a.port, out))
+        model, optimizer = fabric.setup(model, optimizer)
+    elif a.strategy == "fsdp2":  # sharded: the model first, the optimizer over its new parameters
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5))
     else:
@@ -54,7 +61,7 @@ def main() -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
     loader = fabric.setup_dataloaders(loader, use_distributed_sampler=not a.same_data)
 
-    mon = ddpmon.attach(model, optimizer, **agent_options(a.port, out))
+    mon = early or ddpmon.attach(model, optimizer, **agent_options(a.port, out))
     clip_norms: dict[int, float] = {}
     ours: dict[str, dict[int, float | None]] = {"grad_norm": {}, "local_norm": {}}
     result = {"rank": fabric.global_rank, "attached": mon.enabled, "error": None,

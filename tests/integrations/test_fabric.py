@@ -38,6 +38,7 @@ RUNS = {
     "ddp": ["--strategy", "ddp", "--steps", "20"],
     "fsdp2": ["--strategy", "fsdp2", "--steps", "8"],
     "same-data": ["--strategy", "ddp", "--steps", "12", "--same-data"],
+    "before-setup": ["--strategy", "ddp", "--steps", "2", "--attach-before-setup"],
     # the NaN step completes (the clip scales by a NaN norm): the last step of the run
     "nan": ["--strategy", "ddp", "--steps", str(NAN_STEP + 1), "--nan-step", str(NAN_STEP)],
     "nan-raises": ["--strategy", "ddp", "--steps", "20", "--nan-step", str(NAN_STEP),
@@ -56,7 +57,7 @@ def fabric_run(name: str, out: Path) -> WorkerRun:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, WorkerRun]:
     done = {}
-    for name in ("ddp", "fsdp2", "same-data", "nan"):
+    for name in ("ddp", "fsdp2", "same-data", "nan", "before-setup"):
         done[name] = fabric_run(name, tmp_path_factory.mktemp(f"fabric-{name}"))
         assert done[name].rc == 0, done[name].output[-4000:]
     return done
@@ -136,6 +137,15 @@ def test_the_duplicate_data_check_runs(runs) -> None:
 
 def test_nan_in_rank1s_input_is_named_with_rank_step_and_tensor(runs) -> None:
     check_nan_origin(runs["nan"], NAN_RANK, NAN_STEP, NAN_PARAM)
+
+
+def test_attaching_before_fabric_setup_is_not_silent(runs) -> None:
+    """The bare module is all ddpmon can see then: each rank says so once, naming it."""
+    run = runs["before-setup"]
+    warning = "attach got a bare torch.nn.modules.container.Sequential on several ranks"
+    assert run.output.count(warning) == 2, run.output[-4000:]
+    assert "attach what fabric.setup returned" in run.output
+    assert {run.result(rank)["strategy"] for rank in (0, 1)} == {"plain"}
 
 
 def timeline(run: WorkerRun) -> dict:
