@@ -1,8 +1,9 @@
 """Discovery squatting (issue 51, finding 2): a run id that names a daemon job is the job's own.
 A local process that is not the job's (this test process) cannot register the job's ranks;
-the attempt is refused (403) and logged with what it tried. An entry it made before the job existed is no longer served under the job's labels once
-the job does, and the job's own rank (the real demo, under torchrun, registering through the
-agent socket) replaces it. Real daemon CLI, real job, real sockets."""
+the attempt is refused (403) and logged with what it tried. An entry it made before the job
+existed is no longer served under the job's labels once the job does, and the job's own rank
+(the real demo under torchrun, registering through the agent socket) replaces it. Real daemon
+CLI, real job, real sockets."""
 
 from __future__ import annotations
 
