@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +144,8 @@ class Config:
             raise ConfigError(f"run_dir={self.run_dir!r}: expected a directory path")
         if self.run_id is not None:
             _check_label_value("run_id", self.run_id)
+        if self.node is not None:
+            _check_label_value("node", self.node)
         _check_int("group_depth", self.group_depth, 0, 16)
         _check_int("max_groups", self.max_groups, 1, 256)
         _check_float("loss_scale_floor", self.loss_scale_floor, 0.0, None)
@@ -274,12 +277,28 @@ def _check_step_metrics(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+"""What a label value may not hold: C0, DEL, C1 (ESC starts every terminal escape) and the bidi
+controls, the characters ``terminal.clean`` spells out."""
+
+
+def label_problem(value: Any, limit: int = 128) -> str | None:
+    """Why ``value`` cannot be a run id or a label (printed on terminals, written into file
+    names, served in /metrics), or None when it can."""
+    if not isinstance(value, str) or not value or len(value) > limit:
+        return f"expected a non-empty string of at most {limit} characters"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # os.environ's surrogate escape of a byte that is not UTF-8
+        return "is not valid UTF-8 (an environment variable with a byte such as \\xff)"
+    if _CONTROL.search(value):
+        return "must not contain control characters (ESC and friends, bidi overrides)"
+    if any(ch in value for ch in "/\\") or value in (".", ".."):
+        return "must not contain path separators"
+    return None
+
+
 def _check_label_value(name: str, value: Any) -> None:
-    if not isinstance(value, str) or not value or len(value) > 128:
-        raise ConfigError(
-            f"{name}={value!r}: expected a non-empty string of at most 128 characters"
-        )
-    if any(ch in value for ch in "/\\\n\r\t\0") or value in (".", ".."):
-        raise ConfigError(
-            f"{name}={value!r}: must not contain path separators or control characters"
-        )
+    problem = label_problem(value)
+    if problem is not None:
+        raise ConfigError(f"{name}={value!r}: {problem}")  # repr spells control characters out

@@ -76,6 +76,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "scaleout/": ("services",),
     "scaleout/test_sharded_path.py": ("ranks", "services"),
     "security/": (),
+    "security/test_stack_escapes.py": ("services",),
     "slurm/": ("ranks", "services"),
     "unit/": (),
     "unit/test_collector.py": ("services",),

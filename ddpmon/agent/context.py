@@ -46,6 +46,7 @@ class RunContext:
 
             job = from_environ()
             candidate = job.run_id if job is not None else None
+        _check_labels(candidate, identity.node)
         clock: dict[str, Any] = {}
         hosts = None
         dist = torch.distributed
@@ -65,6 +66,18 @@ class RunContext:
         run_id = candidate or _new_run_id()
         run_dir = RunDir(Path(config.run_dir) / run_id)
         return cls(identity, run_id, run_dir.path, run_dir, clock, hosts)
+
+
+def _check_labels(run_id: str | None, node: str) -> None:
+    """A run id from torchrun's or Slurm's environment and the node name become labels,
+    file names and terminal text like ``run_id=`` does: the same rules (``config.label_problem``),
+    checked before any collective, so every rank refuses alike."""
+    from ..config import ConfigError, label_problem
+
+    for what, value in (("TORCHELASTIC_RUN_ID (the run id)", run_id), ("node name", node)):
+        problem = None if value is None else label_problem(value, 253)
+        if problem is not None:
+            raise ConfigError(f"{what} {value!r}: {problem}")
 
 
 def _new_run_id() -> str:

@@ -24,6 +24,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from ..terminal import clean_line
 from .stack import AlertPrinter
 
 RUN_ID = "scaleout-demo"
@@ -122,6 +123,27 @@ def scale_figures() -> list[str]:
     return out or ["(no dashboard scale section in benchmarks/RESULTS.md)"]
 
 
+def pages_summary(received: list[dict[str, Any]]) -> list[str]:
+    """The final alert printout: one line per firing alert (Alertmanager re-sends a group's
+    alerts with every change), each cleaned for the terminal (``AlertPrinter`` kept only dicts
+    with dict labels and annotations)."""
+    pages = {
+        json.dumps(a["labels"], sort_keys=True, default=str): a
+        for a in received if a.get("status") == "firing"
+    }.values()
+    lines = [f"alerts notified: {len(pages)}"]
+    for alert in pages:
+        labels, notes = alert["labels"], alert["annotations"]
+        lines.append("  " + clean_line(f"{labels.get('alertname')}: "
+                                       f"{notes.get('description', '')}"))
+    return lines
+
+
+def _rank_order(rank: str) -> tuple[int, str]:
+    """Ranks in numeric order; a label that is not a number (whoever served it) goes last."""
+    return (int(rank), "") if rank.isdigit() else (1 << 62, rank)
+
+
 def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script, printed as it goes
     from ddpmon.mixin.config import MixinConfig, load_config
     from ddpmon.services import ScaleOut, StackError
@@ -169,12 +191,12 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script, pri
         split: dict[int, set[str]] = {}
         while demo.poll() is None and not stop.wait(1.0):
             for shard in path.shards:
-                ranks = {t["labels"].get("rank", "?") for t in shard.targets()
+                ranks = {clean_line(t["labels"].get("rank", "?")) for t in shard.targets()
                          if t["labels"].get("run") == RUN_ID}
                 if ranks - split.get(shard.shard, set()):
                     split.setdefault(shard.shard, set()).update(ranks)
                     print(f"  shard {shard.shard} scrapes rank(s) "
-                          f"{', '.join(sorted(split[shard.shard], key=int))}", flush=True)
+                          f"{', '.join(sorted(split[shard.shard], key=_rank_order))}", flush=True)
             if path.exited():
                 print(f"ddpmon scaleout: {', '.join(path.exited())} exited", file=sys.stderr)
                 return 1
@@ -185,32 +207,28 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script, pri
         stored = path.store.query(
             f'count by (rank) (max_over_time(ddpmon_step{{run="{RUN_ID}"}}[1h]))'
         )
-        ranks = sorted((r["metric"].get("rank", "?") for r in stored), key=int)
+        ranks = sorted((clean_line(r["metric"].get("rank", "?")) for r in stored),
+                       key=_rank_order)
         print(f"\nin VictoriaMetrics: rank(s) {', '.join(ranks) or 'none'} of {args.nproc}")
         world = path.store.query(
             f'max_over_time(run:ddpmon_world_size:max{{run="{RUN_ID}"}}[1h])'
         )
         print(f"recorded by vmalert, written back: run:ddpmon_world_size:max = "
-              f"{world[0]['value'][1] if world else 'none'}")
-        errors = [f"{g['name']}/{r['name']}: {r['lastError']}"
+              f"{clean_line(world[0]['value'][1]) if world else 'none'}")
+        errors = [clean_line(f"{g['name']}/{r['name']}: {r['lastError']}")
                   for g in path.ruler.groups() for r in g["rules"] if r.get("lastError")]
         print(f"rule groups: {len(path.ruler.groups())}, rules with errors: {len(errors)}"
               + (f" ({'; '.join(errors[:3])})" if errors else ""))
-        # Alertmanager re-sends a group's alerts with every change: one line per alert.
-        pages = {
-            json.dumps(a.get("labels", {}), sort_keys=True): a
-            for a in _Receiver.received if a.get("status") == "firing"
-        }.values()
-        print(f"alerts notified: {len(pages)}")
-        for alert in pages:
-            labels, notes = alert.get("labels", {}), alert.get("annotations", {})
-            print(f"  {labels.get('alertname')}: {notes.get('description', '')}")
+        for line in pages_summary(_Receiver.received):
+            print(line)
         print("\ndashboards at scale (benchmarks/RESULTS.md; target: every panel <= 1 s):")
         for line in scale_figures():
             print(f"  {line}")
         return 0 if len(ranks) == args.nproc and not errors else 1
-    except StackError as exc:
-        print(f"ddpmon scaleout: {exc}", file=sys.stderr)
+    except StackError as exc:  # may quote a service's log: cleaned like every outside text
+        from ddpmon.terminal import clean
+
+        print(f"ddpmon scaleout: {clean(exc)}", file=sys.stderr)
         return 1
     finally:
         if demo is not None and demo.poll() is None:

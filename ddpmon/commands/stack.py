@@ -47,6 +47,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+MAX_WEBHOOK_BYTES = 4 * 1024 * 1024
+"""The largest notification the printing receiver reads (Alertmanager's are a few KiB)."""
+
+
+def alerts_of(payload: Any) -> list[dict[str, Any]]:
+    """The alerts of a webhook notification, whatever was POSTed: only dicts, with ``labels``
+    and ``annotations`` dicts (any local user can POST to the receiver or to Alertmanager)."""
+    found = payload.get("alerts") if isinstance(payload, dict) else None
+    out = []
+    for alert in found if isinstance(found, list) else ():
+        if isinstance(alert, dict):
+            labels, notes = alert.get("labels"), alert.get("annotations")
+            out.append({**alert, "labels": labels if isinstance(labels, dict) else {},
+                        "annotations": notes if isinstance(notes, dict) else {}})
+    return out
+
+
+def alert_line(alert: dict[str, Any], receiver: str = "") -> str:
+    """One alert on one terminal line: every field from outside goes through the terminal
+    cleaner (an alert's labels and annotations are whatever its sender chose: a run id with
+    ESC in ``{{ $labels.run }}``, or an alert POSTed to Alertmanager by any local user)."""
+    from ddpmon.terminal import clean_line
+
+    labels, notes = alert["labels"], alert["annotations"]
+    where = f"{clean_line(receiver)}: " if receiver else ""
+    return clean_line(
+        f"{where}{str(alert.get('status', '?')).upper()} {labels.get('alertname', '?')} "
+        f"({labels.get('severity', '?')}) {notes.get('description', '')}"
+    )
+
+
 class AlertPrinter(BaseHTTPRequestHandler):
     """Alertmanager webhook receiver that prints one line per alert (``ddpmon stack``,
     ``ddpmon scaleout``); a subclass with a ``received`` list also keeps the alerts."""
@@ -55,21 +86,17 @@ class AlertPrinter(BaseHTTPRequestHandler):
     received: list[dict[str, Any]] | None = None
 
     def do_POST(self) -> None:  # noqa: N802 - http.server API
-        length = int(self.headers.get("Content-Length", "0"))
         try:
-            payload: dict[str, Any] = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError:
+            length = min(max(int(self.headers.get("Content-Length", "0")), 0),
+                         MAX_WEBHOOK_BYTES)
+            payload: Any = json.loads(self.rfile.read(length) or b"{}")
+        except (ValueError, RecursionError):
             payload = {}
-        for alert in payload.get("alerts", []):
-            labels, notes = alert.get("labels", {}), alert.get("annotations", {})
+        for alert in alerts_of(payload):
             if self.received is not None:
                 self.received.append(alert)
-            print(
-                f"{self.prefix}[{time.strftime('%H:%M:%S')}] {self.path.strip('/')}: "
-                f"{alert.get('status', '?').upper()} {labels.get('alertname', '?')} "
-                f"({labels.get('severity', '?')}) {notes.get('description', '')}",
-                flush=True,
-            )
+            print(f"{self.prefix}[{time.strftime('%H:%M:%S')}] "
+                  f"{alert_line(alert, self.path.strip('/'))}", flush=True)
         self.send_response(200)
         self.end_headers()
 
@@ -130,8 +157,10 @@ def run(args: argparse.Namespace) -> int:
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return 0
-    except StackError as exc:
-        print(f"ddpmon stack: {exc}", file=sys.stderr)
+    except StackError as exc:  # may quote a service's log: cleaned like every outside text
+        from ddpmon.terminal import clean
+
+        print(f"ddpmon stack: {clean(exc)}", file=sys.stderr)
         return 1
     finally:
         for server in (prom, am):

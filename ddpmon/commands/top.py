@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--run", default=None, help="only this run (with --sd-dir)")
     p.add_argument("--interval", type=float, default=2.0, help="refresh period, seconds")
-    p.add_argument("--timeout", type=float, default=2.0, help="per-endpoint timeout, seconds")
+    p.add_argument("--timeout", type=float, default=2.0,
+                   help="per-endpoint deadline for the whole scrape, seconds")
     p.add_argument("--once", action="store_true", help="one table (or JSON snapshot), then exit")
     p.add_argument("--json", action="store_true", help="one JSON document per refresh")
     p.set_defaults(func=run)

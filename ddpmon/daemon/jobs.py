@@ -4,8 +4,11 @@ Each job gets a directory under the state dir with the launcher's output, torchr
 logs (``logs/.../attempt_0/<local_rank>/{stdout,stderr}.log``) and ``result.json``. The ranks
 get the agent's environment (run id = job id, run dir, a per-job port range, the daemon URL) so
 they serve /metrics on known ports, write their event logs where the daemon looks, and register
-for discovery. One watcher thread polls every job, scrapes summaries, escalates cancels and
-records outcomes. No shell is involved: every command is an argv list.
+for discovery. One watcher thread polls every job, escalates cancels, records outcomes and
+launches PENDING jobs; it never waits on a rank's endpoint: each running job's summary is
+scraped on a small pool (``ddpmon-scrape``), one scrape in flight per job, each rank's within a
+total deadline, so an endpoint that trickles its answer delays only that job's summary. No shell
+is involved: every command is an argv list.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,12 @@ class JobManager:
         self._active: dict[str, JobProcesses] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._scrapes = ThreadPoolExecutor(
+            max_workers=min(8, max(2, settings.max_running_jobs)),
+            thread_name_prefix="ddpmon-scrape",
+        )
+        self._scraping: set[str] = set()
+        """Jobs whose summary scrape is in flight (at most one each)."""
 
     # lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -81,6 +91,7 @@ class JobManager:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._scrapes.shutdown(wait=False, cancel_futures=True)
 
     def recover(self) -> None:
         """Never raises for one job: a job whose files cannot be read ends FAILED with the
@@ -290,17 +301,10 @@ class JobManager:
         done, code = handle.returncode()
         if not done:
             handle.remember_descendants()
-            bind = self.settings.job_bind
-            host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
-            job.summary = summary.merge(
-                job.summary, host, job.ports, client=self.settings.scrape_client()
-            )
             self._escalate(job, handle)
-            with self._lock:
-                current = self.store.get_job(job.id)
-                if current is not None and not current.final:
-                    current.summary = job.summary
-                    self.store.save_job(current)
+            bind = self.settings.job_bind
+            self._summarize(job.id, "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind,
+                            job.ports)
             return
         handle.reap_leftovers()
         with self._lock:
@@ -308,6 +312,48 @@ class JobManager:
             fresh = self.store.get_job(handle.job_id)
             if fresh is not None:
                 self._finish(fresh, code)
+
+    def _summarize(self, job_id: str, host: str, ports: list[int]) -> None:
+        """Scrape ``job_id``'s ranks on the pool, unless its previous scrape is still going:
+        the watcher goes on at once, whatever the endpoints do."""
+        with self._lock:
+            if job_id in self._scraping or self._stop.is_set():
+                return
+            self._scraping.add(job_id)
+        try:
+            self._scrapes.submit(self._scrape_summary, job_id, host, ports)
+        except RuntimeError:  # the pool was shut down (daemon stopping)
+            with self._lock:
+                self._scraping.discard(job_id)
+
+    def scrapes_settled(self, timeout: float) -> bool:
+        """Wait until no summary scrape is in flight (a caller that polled once and reads the
+        summary back); False if one still runs after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with self._lock:
+                if not self._scraping:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def _scrape_summary(self, job_id: str, host: str, ports: list[int]) -> None:
+        try:
+            job = self.store.get_job(job_id)
+            if job is None or job.final:
+                return
+            merged = summary.merge(job.summary, host, ports,
+                                   client=self.settings.scrape_client())
+            with self._lock:  # the watcher records a job's end under the same lock
+                current = self.store.get_job(job_id)
+                if current is not None and not current.final:
+                    current.summary = merged
+                    self.store.save_job(current)
+        except Exception:  # a scrape never stops the next one
+            log.exception("job %s: summary scrape failed", job_id)
+        finally:
+            with self._lock:
+                self._scraping.discard(job_id)
 
     def _escalate(self, job: JobRecord, handle: JobProcesses) -> None:
         if job.cancel_requested_at is None or handle.killed:

@@ -17,6 +17,11 @@ submitter can neither read nor plant files elsewhere. Declared in the daemon con
           --resume: flag
           --out: path
         positional: [float]          # optional positional values, in order
+        # positional: [{type: str, leading_dash: true}]   # opt in to values such as "-x"
+
+A positional value that starts with ``-`` is refused: the script would parse it as an option it
+never declared (``-o/some/path``). A declaration that really takes such values (a negative
+number, a file named ``-``) opts in with ``leading_dash: true`` on that positional.
 
 Types: ``int``, ``float`` (finite), ``str``, ``flag`` (no value), ``choice``, ``path``. An entry
 point that declares nothing takes no arguments. The demo module's own declaration is
@@ -53,6 +58,8 @@ class Param:
     type: str
     choices: tuple[str, ...] = ()
     repeat: bool = False
+    leading_dash: bool = False
+    """A positional value may start with ``-`` (off: such a value is refused as an option)."""
 
     def check(self, value: str, where: str, job_dir: Path | None) -> str:
         """The value as the job gets it (a path made absolute inside ``job_dir``)."""
@@ -138,6 +145,8 @@ def parse_declaration(
     )
     if any(p.type == "flag" or p.repeat for p in values):
         raise ParamError(f"{where}.positional: a positional value cannot be a flag or repeat")
+    if any(p.leading_dash for p in options.values()):
+        raise ParamError(f"{where}.params: leading_dash applies to positional values only")
     return options, values
 
 
@@ -146,7 +155,7 @@ def _param(name: str, spec: Any, where: str) -> Param:
         spec = {"type": spec}
     if not isinstance(spec, Mapping):
         raise ParamError(f"{where}: expected a type name or {{type: ...}}")
-    extra = set(spec) - {"type", "choices", "repeat"}
+    extra = set(spec) - {"type", "choices", "repeat", "leading_dash"}
     if extra:
         raise ParamError(f"{where}: unknown key(s) {sorted(extra)}")
     kind = spec.get("type")
@@ -161,7 +170,10 @@ def _param(name: str, spec: Any, where: str) -> Param:
     repeat = spec.get("repeat", False)
     if not isinstance(repeat, bool):
         raise ParamError(f"{where}: repeat: expected true or false")
-    return Param(name, kind, tuple(choices), repeat)
+    dash = spec.get("leading_dash", False)
+    if not isinstance(dash, bool):
+        raise ParamError(f"{where}: leading_dash: expected true or false")
+    return Param(name, kind, tuple(choices), repeat, dash)
 
 
 def check_args(
@@ -213,6 +225,12 @@ def check_args(
             raise ParamError(
                 f"{where}: {_shown(token)}: entrypoint {entrypoint!r} takes "
                 f"{len(positional)} positional argument(s)"
+            )
+        if token.startswith("-") and not positional[given].leading_dash:
+            raise ParamError(
+                f"{where}: {_shown(token)} starts with '-', so the script would read it as an "
+                f"option; entrypoint {entrypoint!r} does not declare it (a positional value "
+                "that may start with '-' is declared with leading_dash: true)"
             )
         out.append(positional[given].check(token, where, job_dir))
         given += 1

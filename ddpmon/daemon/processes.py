@@ -63,6 +63,33 @@ def descendants(pid: int) -> dict[int, float]:
     return found
 
 
+def descends_from(pid: int, ancestor: int, ancestor_started: float | None) -> bool:
+    """Is ``pid`` a descendant of ``ancestor``, the process that started at
+    ``ancestor_started`` (a reused PID is not the same ancestor)?"""
+    if ancestor_started is None:
+        return False
+    try:
+        for parent in psutil.Process(pid).parents():
+            if parent.pid == ancestor:
+                return abs(parent.create_time() - ancestor_started) <= 0.05
+    except psutil.Error:
+        return False
+    return False
+
+
+def in_slurm_job(pid: int, slurm_id: str) -> bool:
+    """Does ``pid`` run under the ``slurmstepd`` of Slurm job ``slurm_id`` (its process
+    title is ``slurmstepd: [<job>.<step>]``)? The ranks of a ``--backend slurm`` job are not
+    the daemon's descendants; slurmd starts them."""
+    try:
+        for parent in psutil.Process(pid).parents():
+            if parent.name() == "slurmstepd" and f"[{slurm_id}." in " ".join(parent.cmdline()):
+                return True
+    except psutil.Error:
+        return False
+    return False
+
+
 def signal_group(pid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(os.getpgid(pid), sig)

@@ -7,11 +7,19 @@ when that PID is the rank's own, its host is this node, and no other live proces
 without deregistering (SIGKILL, segfault) is dropped the next time /sd is served: each entry's
 PID must still be alive with the start time recorded at registration, so a reused PID does not
 keep a dead rank listed.
+
+A run id that names one of the daemon's jobs is the job's own (discovery squatting): only the
+job's processes register it (descendants of its launcher, or of its ``slurmstepd`` under
+``--backend slurm``), for a rank below its ``nproc``, on one of the ports the daemon allocated
+it, while it runs. Anyone else is refused (403) and the attempt is logged; an entry that another
+process made before the job existed is not served under the job's labels, and the job's own rank
+replaces it. Every refusal is logged with what the caller tried.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -19,8 +27,10 @@ from typing import Any
 import psutil
 
 from ..agent_socket import Peer
-from .processes import process_start_time, same_process
-from .store import Store
+from .processes import descends_from, in_slurm_job, process_start_time, same_process
+from .store import JobRecord, Store
+
+log = logging.getLogger("ddpmon.daemon.ranks")
 
 
 class RegistrationRefused(Exception):
@@ -86,7 +96,18 @@ class RankRegistry:
 
     def register(self, info: dict[str, Any], peer: Peer | None) -> dict[str, Any]:
         """Record ``info`` (validated by the API) for the calling process ``peer``; raises
-        RegistrationRefused with the reason otherwise."""
+        RegistrationRefused with the reason otherwise (and logs what was tried)."""
+        try:
+            return self._register(info, peer)
+        except RegistrationRefused as exc:
+            log.warning(
+                "refused rank registration (%d): pid %s claimed rank %r of run %r on %r "
+                "port %r: %s", exc.status, peer.pid if peer else "(TCP)", info.get("rank"),
+                info.get("run"), info.get("host"), info.get("port"), exc,
+            )
+            raise
+
+    def _register(self, info: dict[str, Any], peer: Peer | None) -> dict[str, Any]:
         if peer is None:
             raise RegistrationRefused(403, "ranks register through the daemon's agent socket")
         pid = int(info.get("pid") or peer.pid)
@@ -107,14 +128,50 @@ class RankRegistry:
             raise RegistrationRefused(400, f"pid {pid} does not listen on port {port}")
         run, rank = str(info["run"]), int(info["rank"])
         doc = {**info, "pid": pid, "host": host, "pid_create_time": started, "uid": peer.uid}
+        job = self._job_named(run, info.get("job_id"))
+        if job is not None:
+            self._check_job_member(job, pid, port, rank)
+            doc["job_verified"] = job.id
         with self._lock:
             held = self._live_holder(run, rank)
             if held is not None and held != pid:
-                raise RegistrationRefused(
-                    409, f"rank {rank} of run {run!r} is registered by live pid {held}"
-                )
+                prior = self.store.get_rank(run, rank) or {}
+                if job is None or prior.get("job_verified") == job.id:
+                    raise RegistrationRefused(
+                        409, f"rank {rank} of run {run!r} is registered by live pid {held}"
+                    )
+                log.warning("job %r: its rank %d (pid %d) replaces the entry of pid %d, "
+                            "which is not the job's", job.id, rank, pid, held)
             self.store.put_rank(run, rank, doc)
         return doc
+
+    def _job_named(self, run: str, job_id: Any) -> JobRecord | None:
+        """The daemon job that owns this run id (or the ``job_id`` the caller names), if any."""
+        for name in dict.fromkeys((run, job_id)):
+            if isinstance(name, str) and name:
+                job = self.store.get_job(name)
+                if job is not None:
+                    return job
+        return None
+
+    @staticmethod
+    def _check_job_member(job: JobRecord, pid: int, port: int, rank: int) -> None:
+        """Refuse (403) unless ``pid`` is one of ``job``'s own processes, serving a rank it has
+        on a port the daemon allocated to it."""
+        def refuse(why: str) -> None:
+            raise RegistrationRefused(403, f"run {job.id!r} is a job of this daemon: {why}")
+
+        if job.state != "RUNNING":
+            refuse(f"it is {job.state}, so no process of it may register")
+        if job.slurm_job_id:
+            if not in_slurm_job(pid, job.slurm_job_id):
+                refuse(f"pid {pid} does not run under Slurm job {job.slurm_job_id}")
+        elif job.pid is None or not descends_from(pid, job.pid, job.pid_create_time):
+            refuse(f"pid {pid} is not a process of the job (launcher pid {job.pid})")
+        if port not in job.ports:
+            refuse(f"port {port} is not one of the job's ports {job.ports}")
+        if not 0 <= rank < job.nproc:
+            refuse(f"rank {rank}: the job has {job.nproc} rank(s)")
 
     def deregister(self, run: str, rank: int, peer: Peer | None) -> bool:
         """Remove (run, rank) for its owner; False when it is not registered."""
@@ -152,6 +209,9 @@ class RankRegistry:
         """
         groups = []
         for doc in self.live():
+            job = self._job_named(str(doc["run"]), doc.get("job_id"))
+            if job is not None and doc.get("job_verified") != job.id:
+                continue  # made before the job existed, by a process that is not the job's
             labels = {
                 "run": str(doc["run"]),
                 "rank": str(doc["rank"]),

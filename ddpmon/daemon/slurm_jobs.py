@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..slurm import ENDED, ended
-from . import summary
 from .jobs import JobError, JobManager, JobStateConflict
 from .store import JobRecord
 
@@ -164,14 +163,13 @@ class SlurmJobManager(JobManager):
                 if handle.host is None and info.get("BatchHost"):
                     handle.host = node_address(info["BatchHost"]) or info["BatchHost"]
                 if handle.host:
-                    job.summary = summary.merge(job.summary, handle.host, job.ports,
-                                                client=self.settings.scrape_client())
+                    self._summarize(job.id, handle.host, job.ports)
             reason = f"Slurm job {handle.slurm_id}: {state}" + (
                 f" ({info['Reason']})" if info.get("Reason") not in (None, "None") else "")
             with self._lock:
                 current = self.store.get_job(job.id)
-                if current is not None and not current.final:
-                    current.summary, current.reason = job.summary, reason
+                if current is not None and not current.final and current.reason != reason:
+                    current.reason = reason
                     self.store.save_job(current)
             return
         state, exit_code, why = _final(handle.slurm_id, info)

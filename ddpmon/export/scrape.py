@@ -5,14 +5,21 @@ is readable by every tool with one client config (format: ``scrape_config.py``).
 Targets are ``host:port`` (scheme and path from the config) or ``https://host:port[/path]``.
 Failures raise ``ScrapeError`` naming the URL and what to check (401, untrusted certificate,
 handshake, plain http to an https endpoint, timeout).
+
+``timeout`` is a deadline for the whole scrape (connect, handshake, request, headers and body),
+not for each read: an endpoint that trickles one byte every 0.3 s is cut off when the deadline
+passes, so it cannot hold a caller (the daemon's job summary, ``ddpmon top``) for longer.
 """
 
 from __future__ import annotations
 
 import functools
 import http.client
+import io
 import json
+import socket
 import ssl
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,27 +65,92 @@ class Target:
         return f"{self.scheme}://{host}:{self.port}{self.path}"
 
 
+def _remaining(deadline: float) -> float:
+    """Seconds left before ``deadline`` (``time.monotonic``); TimeoutError once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("scrape deadline passed")
+    return left
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The response's reads from the socket, each bounded by what is left of the deadline:
+    ``http.client`` reads headers line by line and the body in pieces, so a per-read timeout
+    alone lets a trickling endpoint hold the scrape for as long as it keeps sending."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def,override]
+        self._sock.settimeout(_remaining(self._deadline))
+        return self._sock.recv_into(buffer)
+
+
+class _DeadlineSocket:
+    """A connected socket whose ``makefile`` (what ``HTTPResponse`` reads through) keeps the
+    scrape's deadline; everything else is the socket's own."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def makefile(self, mode: str = "rb", *args: object, **kwargs: object) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+    def sendall(self, data: bytes) -> None:
+        self._sock.settimeout(_remaining(self._deadline))
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._sock, name)
+
+
+class _HTTPConnection(http.client.HTTPConnection):
+    """A plain connection whose whole exchange ends by ``deadline``."""
+
+    def __init__(self, host: str, port: int, *, deadline: float) -> None:
+        super().__init__(host, port, timeout=max(deadline - time.monotonic(), 0.001))
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        self.timeout = _remaining(self._deadline)
+        super().connect()
+        self.sock = _DeadlineSocket(self.sock, self._deadline)  # type: ignore[assignment]
+
+
 class _HTTPSConnection(http.client.HTTPSConnection):
-    """An HTTPS connection that checks the certificate against ``server_name`` when set."""
+    """An HTTPS connection that checks the certificate against ``server_name`` when set, and
+    whose whole exchange (the handshake included) ends by ``deadline``."""
 
     def __init__(
         self,
         host: str,
         port: int,
         *,
-        timeout: float,
+        deadline: float,
         context: ssl.SSLContext,
         server_name: str | None,
     ) -> None:
-        super().__init__(host, port, timeout=timeout, context=context)
+        super().__init__(
+            host, port, timeout=max(deadline - time.monotonic(), 0.001), context=context
+        )
         self._tls_context = context
         self._server_name = server_name
+        self._deadline = deadline
 
     def connect(self) -> None:
+        self.timeout = _remaining(self._deadline)
         http.client.HTTPConnection.connect(self)
-        self.sock = self._tls_context.wrap_socket(
+        self.sock.settimeout(_remaining(self._deadline))  # the handshake is one deadline
+        tls = self._tls_context.wrap_socket(
             self.sock, server_hostname=self._server_name or self.host
         )
+        self.sock = _DeadlineSocket(tls, self._deadline)  # type: ignore[assignment]
 
 
 class ScrapeClient:
@@ -122,19 +194,21 @@ class ScrapeClient:
         return Target(scheme, parts.hostname, port, path)
 
     def fetch(self, target: str | Target, timeout: float = 1.0) -> str:
-        """The exposition text of one endpoint; ``ScrapeError`` saying what went wrong."""
+        """The exposition text of one endpoint, read whole within ``timeout`` seconds (a
+        deadline for the entire scrape); ``ScrapeError`` saying what went wrong."""
         t = target if isinstance(target, Target) else self.target(target)
+        deadline = time.monotonic() + timeout
         conn: http.client.HTTPConnection
         if t.scheme == "https":
             conn = _HTTPSConnection(
                 t.host,
                 t.port,
-                timeout=timeout,
+                deadline=deadline,
                 context=self._context,
                 server_name=self._tls.server_name,
             )
         else:
-            conn = http.client.HTTPConnection(t.host, t.port, timeout=timeout)
+            conn = _HTTPConnection(t.host, t.port, deadline=deadline)
         headers = {"Accept": "text/plain"}
         auth = self.config.basic_auth
         if auth is not None:
@@ -157,7 +231,7 @@ class ScrapeClient:
             hint = " (is it an https endpoint?)" if t.scheme == "http" else ""
             raise ScrapeError(f"{t.url}: connection closed without an HTTP answer{hint}") from exc
         except TimeoutError as exc:
-            raise ScrapeError(f"{t.url}: no answer within {timeout:g} s") from exc
+            raise ScrapeError(f"{t.url}: no complete answer within {timeout:g} s") from exc
         except OSError as exc:
             raise ScrapeError(f"{t.url}: {exc.strerror or exc}") from exc
         finally:

@@ -126,7 +126,6 @@ class Prometheus(PrometheusAPI, ManagedServer):
             f"--config.file={self.config_path}",
             f"--storage.tsdb.path={self.workdir / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}",
-            "--web.enable-lifecycle",
             "--log.level=warn",
             *self.flags,
         ]

@@ -93,6 +93,8 @@ def test_a_declaration_with_types_and_positionals():
         ({"params": {"--x": {"type": "choice"}}}, "needs a non-empty list"),
         ({"params": {"--x": {"type": "int", "shell": True}}}, "unknown key(s) ['shell']"),
         ({"positional": ["flag"]}, "cannot be a flag"),
+        ({"params": {"--x": {"type": "str", "leading_dash": True}}}, "positional values only"),
+        ({"positional": [{"type": "str", "leading_dash": "yes"}]}, "leading_dash: expected"),
     ],
 )
 def test_a_bad_declaration_is_a_settings_error_naming_the_key(spec, needle):

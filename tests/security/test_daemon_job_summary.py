@@ -24,6 +24,7 @@ def poll_summary(tmp_path: Path, settings: DaemonSettings, port: int) -> dict:
                                  ports=[port], pid=launcher.pid))
         jobs._active["j1"] = JobProcesses("j1", popen=launcher)
         jobs.poll_once()
+        assert jobs.scrapes_settled(10)  # summaries are scraped off the watcher thread
         job = store.get_job("j1")
         assert job is not None
         return job.summary
