@@ -39,6 +39,7 @@ from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
+from .observed import plain
 from .policy import NonFinitePolicy, OriginTracker
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
@@ -80,6 +81,7 @@ class StepPipeline:
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
         )
         self.readback = readback or Readback(self.layout)
+        self.readback.on_unreadable = self._unreadable
         self.background = False
         """True while a record thread drains; the hot path then only queues."""
         self._records_lock = threading.RLock()
@@ -121,7 +123,8 @@ class StepPipeline:
     # ------------------------------------------------------------------ user-facing inputs
     def observe_loss(self, loss: Any) -> None:
         with self.guard("loss"):
-            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+            self._loss = None  # one that cannot be read is dropped (counted), not the last one
+            self._loss = plain(loss) if isinstance(loss, torch.Tensor) else float(loss)
 
     @property
     def backward_pending(self) -> bool:
@@ -402,6 +405,17 @@ class StepPipeline:
             for sink in self.sinks:
                 with self.guard(sink.probe):
                     sink.on_record(record)
+
+    def _unreadable(self, name: str, exc: Exception) -> None:
+        """A step value that cannot be read back: left out alone, counted under the probe that
+        observed it (the loss and a trainer's norm: ``loss``; a per-step metric: ``step``)."""
+        if name in (slot.LOSS, slot.TRAINER_NORM):
+            probe = "loss"
+        elif any(m.slot.name == name for m in self.step_metrics):
+            probe = "step"
+        else:
+            probe = "readback"
+        self.guard.error(probe, exc)
 
     def _record(
         self, parts: dict[str, list[float]], meta: StepMeta, reduction_failed: bool = False
