@@ -6,10 +6,11 @@ The trainer is torchtitan's own, changed only by the patches marked ``CPU PATCH`
 torchtitan's or torch's, none is ddpmon's) and by a tiny tokenizer and corpus this script makes
 (no download). Per step the harness keeps an fp64 reference of the global norm from the full
 gradients (``.full_tensor()`` in float64, after backward, before the clip and the optimizer
-step) and the loss the trainer's forward returned (a DTensor under TP); on the last step rank 1
-puts a NaN into the gradient of ``layers.3``'s output.
+step) and the loss the trainer's forward returned (a DTensor under TP); on the step asked for, one
+rank puts a NaN into the gradient of one layer's output.
 
-Run as: ``python _titan_worker.py --out DIR --mode fsdp|tp`` with RANK, WORLD_SIZE,
+Run as: ``python _titan_worker.py --out DIR --mode fsdp|tp --steps N --nan-step S --nan-rank R
+--nan-layer L`` with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set (tests/support/ranks.py), 2 ranks.
 """
 
@@ -108,10 +109,6 @@ def _set_pg_timeouts(timeout, parallel_dims) -> None:
 
 titan_dist.set_pg_timeouts = _set_pg_timeouts
 
-STEPS = 6
-NAN_STEP = STEPS - 1  # the last: the trainer stops on the non-finite loss that would follow
-NAN_RANK = 1
-NAN_LAYER = "layers.3"
 SEQ_LEN = 32
 WORDS = [f"w{i}" for i in range(200)]
 
@@ -140,7 +137,7 @@ def tiny_assets(folder: Path) -> tuple[Path, Path]:
     return assets, corpus
 
 
-def config(mode: str, folder: Path) -> Trainer.Config:
+def config(mode: str, folder: Path, steps: int) -> Trainer.Config:
     """torchtitan's llama3 debug config, shortened (few steps, short sequences, no checkpoint,
     no validation), on the tiny assets."""
     assets, corpus = tiny_assets(folder)
@@ -159,7 +156,7 @@ def config(mode: str, folder: Path) -> Trainer.Config:
     cfg.hf_assets_path = str(assets)
     cfg.dump_folder = str(folder / "outputs")
     cfg.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(corpus))
-    cfg.training.steps = STEPS
+    cfg.training.steps = steps
     cfg.training.seq_len = SEQ_LEN
     cfg.training.local_batch_size = 2
     cfg.checkpoint.enable = False
@@ -194,7 +191,7 @@ class MonitoredTrainer(Trainer):
     """torchtitan's Trainer with the attach line at the end of ``__init__``; the rest is the
     harness's (references, the loss handed over, the NaN)."""
 
-    def __init__(self, config: Trainer.Config, run_dir: str) -> None:
+    def __init__(self, config: Trainer.Config, run_dir: str, nan: tuple[int, int, str]) -> None:
         super().__init__(config)
         # CPU PATCH 5 (torchtitan): it sets FSDP's gradient divide factor (its loss is already
         # divided by the global token count), which FSDP reduces with PREMUL_SUM, an op gloo
@@ -208,13 +205,15 @@ class MonitoredTrainer(Trainer):
         self.references: list[float] = []
         self.losses: list[float] = []
         self.loss_types: list[str] = []
-        self._install_nan()
+        self._install_nan(*nan)
 
-    def _install_nan(self) -> None:
-        layer = self.model_parts[0].get_submodule(NAN_LAYER)
+    def _install_nan(self, nan_step: int, nan_rank: int, nan_layer: str) -> None:
+        """On step ``nan_step`` (0-based; torchtitan counts from 1) rank ``nan_rank`` puts a
+        NaN into the gradient of ``nan_layer``'s output."""
+        layer = self.model_parts[0].get_submodule(nan_layer)
 
         def poison(module, args, output):
-            if self.step - 1 == NAN_STEP and dist.get_rank() == NAN_RANK and output.requires_grad:
+            if self.step - 1 == nan_step and dist.get_rank() == nan_rank and output.requires_grad:
                 output.register_hook(lambda g: torch.full_like(g, math.nan))
 
         layer.register_forward_hook(poison)
@@ -233,12 +232,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--mode", choices=("fsdp", "tp"), required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--nan-step", type=int, required=True)
+    parser.add_argument("--nan-rank", type=int, required=True)
+    parser.add_argument("--nan-layer", required=True)
     args = parser.parse_args()
     out = Path(args.out)
     rank = int(os.environ["RANK"])
     folder = out / f"work{rank}"
     os.environ["HF_HOME"] = str(folder / "hf")  # the corpus's cache stays in the test's folder
-    trainer = MonitoredTrainer(config(args.mode, folder), str(out / "run"))
+    trainer = MonitoredTrainer(
+        config(args.mode, folder, args.steps), str(out / "run"),
+        (args.nan_step, args.nan_rank, args.nan_layer),
+    )
     error = None
     try:
         trainer.train()
