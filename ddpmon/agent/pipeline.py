@@ -295,6 +295,7 @@ class StepPipeline:
         if self._collected is None:
             self._collected = GradSummaries()
             with self.guard("grads"):
+                self.index.order.settle()  # after the first backward: one attribute check
                 if not self._backward_pending:
                     # No end of backward seen: the loop does not call the model's forward
                     # (Lightning's training_step, model.loss(...)). Measure the gradients as

@@ -176,6 +176,7 @@ class FSDPSource(ShardedSource):
         reduce_scatter, _, _, hsdp = fsdp_group_comms(group)
         inner = reduce_scatter or DefaultReduceScatter()
         unit = FSDPUnit(positions=positions, columns=columns, hsdp=hsdp)
+        self.index.order.together(positions)  # one unit's gradients are ready at once
         unit.group = fsdp_reduce_scatter_group(group)
         unit.alone = unit.group is not None and unit.group.size() == 1
         if unit.hsdp and self._replicate_group is None:
