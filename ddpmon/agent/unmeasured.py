@@ -20,16 +20,22 @@ class UnmeasuredSteps:
         self._guard = guard
         self._params = params
         self._strategy = strategy
+        self._failures = 0
         self.told = False
 
     def check(self, s: GradSummaries, step: int) -> None:
         """Count (and the first time, say) a step whose gradients the source did not measure.
-        Costs one look at each ``.grad`` only on such a step."""
+        Costs one look at each ``.grad`` only on such a step. A step whose measurement failed
+        is not counted again: the failure was counted and said where it happened."""
+        failures, self._failures = self._failures, self._guard.failures.get("grads", 0)
         if s.reduced is not None or s.local is not None or s.extension is not None:
+            return
+        if failures != self._failures:
             return
         if not any(p.grad is not None for p in self._params):
             return  # nothing to measure (dropped gradients, or the engine holds them)
         self._guard.count("grads")
+        self._failures += 1
         if not self.told:
             self.told = True
             log.warning(
