@@ -46,6 +46,7 @@ from .records import StepMeta, build_record
 from .step_detection import GradSentinel, is_inert_step
 from .stepvector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
+from .unmeasured import UnmeasuredSteps
 
 
 class StepPipeline:
@@ -103,6 +104,7 @@ class StepPipeline:
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
         self.live: Any = _NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
+        self.unmeasured = UnmeasuredSteps(guard, index.params, getattr(source, "name", "?"))
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
         )
@@ -296,12 +298,14 @@ class StepPipeline:
         if self._collected is None:
             self._collected = GradSummaries()
             with self.guard("grads"):
+                self.index.order.settle()  # after the first backward: one attribute check
                 if not self._backward_pending:
                     # No end of backward seen: the loop does not call the model's forward
                     # (Lightning's training_step, model.loss(...)). Measure the gradients as
                     # they are now; clipping in between cannot be seen then.
                     self.source.on_backward_end()
                 self._collected = self.source.collect()
+                self.unmeasured.check(self._collected, self.step)
             recorder = getattr(self.source, "collectives", None)
             with self.guard("comm"):
                 taken = recorder.take() if recorder is not None else None
