@@ -19,7 +19,7 @@ from ddpmon.forensics.timeline import build_timeline  # noqa: E402
 from tests.support.ranks import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("_titan_worker.py")
-STEPS = 6
+STEPS = 4
 NAN_STEP = STEPS - 1
 """The last: the trainer stops on the non-finite loss that would follow."""
 NAN_RANK = 1
@@ -61,14 +61,26 @@ def test_the_global_norm_matches_an_fp64_reference_on_every_step(run):
 
 
 def test_the_nan_is_named_at_its_rank_step_and_layer(run):
-    _, out, ranks = run
+    mode, out, ranks = run
     for rank in ranks:
-        at = rank["steps"][NAN_STEP]
-        assert at["origin"] == (rank["rank"] == NAN_RANK), (rank["rank"], at)
-        assert not any(s["origin"] for s in rank["steps"][:NAN_STEP])
-    origin = ranks[NAN_RANK]["steps"][NAN_STEP]
-    assert origin["local_nonfinite_param"].startswith(NAN_LAYER + "."), origin
+        assert not any(s["origin"] for s in rank["steps"][:NAN_STEP]), rank["rank"]
+    flagged = [r["rank"] for r in ranks if r["steps"][NAN_STEP]["origin"]]
+    if mode == "fsdp":
+        # the NaN stays on rank 1 until its reduce-scatter: rank 1 alone is the origin
+        assert flagged == [NAN_RANK]
+    else:
+        # TP (with torchtitan's sequence parallel) all-gathers and reduce-scatters activation
+        # gradients inside backward, so the NaN reaches every TP rank's local gradients of
+        # layers.3 in the same backward: each rank's own gradients say "origin", and which rank
+        # the timeline names first is the order the records were written (issue 46's report)
+        assert NAN_RANK in flagged
+    for rank in ranks:
+        if rank["rank"] in flagged:
+            param = rank["steps"][NAN_STEP]["local_nonfinite_param"]
+            assert param.startswith(NAN_LAYER + "."), (rank["rank"], param)
     first = build_timeline(out / "run").first_failure
-    assert first is not None
-    assert (first["rank"], first["step"]) == (NAN_RANK, NAN_STEP), first
-    assert str(first.get("param", "")).startswith(NAN_LAYER + "."), first
+    assert first is not None and first["step"] == NAN_STEP, first
+    assert first["rank"] in flagged and first["class"] == "origin", first
+    assert first["param"].startswith(NAN_LAYER + "."), first
+    if mode == "fsdp":
+        assert first["rank"] == NAN_RANK
