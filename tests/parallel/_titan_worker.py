@@ -10,21 +10,21 @@ step) and the loss the trainer's forward returned (a DTensor under TP); on the s
 rank puts a NaN into the gradient of one layer's output.
 
 Run as: ``python _titan_worker.py --out DIR --mode fsdp|tp --steps N --nan-step S --nan-rank R
---nan-layer L`` with RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set (tests/support/ranks.py), 2 ranks.
+--nan-layer L`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (tests/support/ranks.py),
+2 ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
-from pathlib import Path
-
-import importlib.util
+import resource
 import sys
 import types
+from pathlib import Path
 
 import torch
 import torch._utils
@@ -63,20 +63,19 @@ torch._utils._get_available_device_type = lambda: "cpu"
 import torch.distributed as dist  # noqa: E402
 from torch.distributed import distributed_c10d  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
-
-
 from torchtitan.components import metrics as titan_metrics  # noqa: E402
-from torchtitan.distributed import utils as titan_dist  # noqa: E402
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss  # noqa: E402
+from torchtitan.distributed import utils as titan_dist  # noqa: E402
 from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader  # noqa: E402
-from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 from torchtitan.models import llama3  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 from torchtitan.models.llama3 import model_registry  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 import ddpmon  # noqa: E402
+from tests.parallel._worker import destroy_process_group_now  # noqa: E402
 
 
 class _CPUMemoryMonitor:
@@ -205,6 +204,7 @@ class MonitoredTrainer(Trainer):
         self.references: list[float] = []
         self.losses: list[float] = []
         self.loss_types: list[str] = []
+        self.loss_placements: list[list[str]] = []
         self._install_nan(*nan)
 
     def _install_nan(self, nan_step: int, nan_rank: int, nan_layer: str) -> None:
@@ -222,6 +222,7 @@ class MonitoredTrainer(Trainer):
         loss = super().forward_backward_step(*args, **kwargs)
         self.mon.observe_loss(loss)  # a DTensor under TP
         self.loss_types.append(type(loss).__name__)
+        self.loss_placements.append([str(p) for p in getattr(loss, "placements", ())])
         value = loss.detach()
         self.losses.append(float(value.full_tensor() if hasattr(value, "full_tensor") else value))
         self.references.append(full_norm64(self.model_parts[0].parameters()))
@@ -261,6 +262,7 @@ def main() -> None:
         "references": trainer.references,
         "losses": trainer.losses,
         "loss_types": trainer.loss_types,
+        "loss_placements": trainer.loss_placements,
         "errors": {k: v for k, v in mon.state.agent_errors.items() if v},
         "steps": [
             {
@@ -276,8 +278,11 @@ def main() -> None:
     }
     mon.close()
     trainer.close()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_seconds"] = usage.ru_utime + usage.ru_stime
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    del trainer, mon
+    destroy_process_group_now()
 
 
 if __name__ == "__main__":
