@@ -268,6 +268,7 @@ def main() -> None:
             {
                 "step": r.step,
                 "grad_norm": r.grad_norm,
+                "grad_local_norm": r.grad_local_norm,
                 "loss": r.loss,
                 "origin": r.origin,
                 "grad_nonfinite_param": r.grad_nonfinite_param,

@@ -45,8 +45,8 @@ def test_every_step_is_recorded_with_its_loss(run):
         assert [s["step"] for s in rank["steps"]] == list(range(STEPS))
         # the loss the trainer's forward_backward_step returned: a DTensor under TP
         assert set(rank["loss_types"]) == {"DTensor" if mode == "tp" else "Tensor"}
-        if mode == "tp":  # loss-parallel cross entropy: the full loss on every TP rank
-            assert {tuple(p) for p in rank["loss_placements"]} == {("Replicate()",)}
+        if mode == "tp":  # loss-parallel cross entropy: the full loss on every TP rank (str: "R")
+            assert {tuple(p) for p in rank["loss_placements"]} == {("R",)}
         assert [s["loss"] for s in rank["steps"]] == pytest.approx(rank["losses"], rel=1e-6)
 
 
