@@ -216,6 +216,18 @@ def fsdp_group_comms(group: Any) -> tuple[Any, Any, Any, bool]:
             getattr(group, "_all_reduce_hook", None), bool(getattr(group, "_is_hsdp", False)))
 
 
+def fsdp_reduce_scatter_group(group: Any) -> Any:
+    """The process group a parameter group's reduce-scatter runs over (its ``mesh_info``'s
+    dedicated reduce-scatter group, else the shard group); None where unreadable or where
+    FSDP2 shards nothing (``replicate``). FSDP2 skips the reduce-scatter when it has one rank."""
+    info = getattr(group, "mesh_info", None)
+    if info is None:
+        lost("FSDPParamGroup.mesh_info", "a one-rank FSDP2 mesh is not told apart")
+        return None
+    return (getattr(info, "reduce_scatter_process_group", None)
+            or getattr(info, "shard_process_group", None))
+
+
 # ------------------------------------------------------------------------- flight recorder
 def flight_recorder_dumps() -> tuple[Callable | None, Callable | None]:
     """c10d's flight-recorder dump functions (pickle, JSON): ``_dump_fr_trace`` (``_nccl_`` in

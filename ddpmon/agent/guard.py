@@ -24,6 +24,8 @@ class Guard:
         """Where run-dir write failures of every writer of this rank are counted and told."""
         self._logged: set[str] = set()
         self._scopes: dict[str, _Scope] = {}
+        self.failures: dict[str, int] = {}
+        """Failures counted so far, by probe (a check that must not count one twice)."""
 
     def __call__(self, probe: str) -> _Scope:
         scope = self._scopes.get(probe)
@@ -33,6 +35,7 @@ class Guard:
 
     def count(self, probe: str) -> None:
         """Count a failure that the caller has already reported in its own words."""
+        self.failures[probe] = self.failures.get(probe, 0) + 1
         self._count(probe)
 
     def error(self, probe: str, exc: BaseException) -> None:
@@ -40,6 +43,7 @@ class Guard:
         if is_write_error(exc):
             self.writes.failed(probe, exc)
             return
+        self.failures[probe] = self.failures.get(probe, 0) + 1
         self._count(probe)
         if probe not in self._logged:
             self._logged.add(probe)

@@ -149,6 +149,7 @@ class Monitor:
         )
         with guard("grads"):
             self.source.install()
+            self.index.order.watch(self.index.params, guard.error)  # the origin's order
 
     def _sinks(self) -> list[Any]:
         """Where records go (``record_sinks``)."""

@@ -39,12 +39,14 @@ from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
+from .observed import plain
 from .policy import NonFinitePolicy, OriginTracker
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
 from .step_detection import GradSentinel, is_inert_step
 from .stepvector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
+from .unmeasured import UnmeasuredSteps
 
 
 class StepPipeline:
@@ -80,6 +82,7 @@ class StepPipeline:
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
         )
         self.readback = readback or Readback(self.layout)
+        self.readback.on_unreadable = self._unreadable
         self.background = False
         """True while a record thread drains; the hot path then only queues."""
         self._records_lock = threading.RLock()
@@ -101,6 +104,7 @@ class StepPipeline:
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
         self.live: Any = _NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
+        self.unmeasured = UnmeasuredSteps(guard, index.params, getattr(source, "name", "?"))
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
         )
@@ -121,7 +125,8 @@ class StepPipeline:
     # ------------------------------------------------------------------ user-facing inputs
     def observe_loss(self, loss: Any) -> None:
         with self.guard("loss"):
-            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+            self._loss = None  # one that cannot be read is dropped (counted), not the last one
+            self._loss = plain(loss) if isinstance(loss, torch.Tensor) else float(loss)
 
     @property
     def backward_pending(self) -> bool:
@@ -293,12 +298,14 @@ class StepPipeline:
         if self._collected is None:
             self._collected = GradSummaries()
             with self.guard("grads"):
+                self.index.order.settle()  # after the first backward: one attribute check
                 if not self._backward_pending:
                     # No end of backward seen: the loop does not call the model's forward
                     # (Lightning's training_step, model.loss(...)). Measure the gradients as
                     # they are now; clipping in between cannot be seen then.
                     self.source.on_backward_end()
                 self._collected = self.source.collect()
+                self.unmeasured.check(self._collected, self.step)
             recorder = getattr(self.source, "collectives", None)
             with self.guard("comm"):
                 taken = recorder.take() if recorder is not None else None
@@ -402,6 +409,17 @@ class StepPipeline:
             for sink in self.sinks:
                 with self.guard(sink.probe):
                     sink.on_record(record)
+
+    def _unreadable(self, name: str, exc: Exception) -> None:
+        """A step value that cannot be read back: left out alone, counted under the probe that
+        observed it (the loss and a trainer's norm: ``loss``; a per-step metric: ``step``)."""
+        if name in (slot.LOSS, slot.TRAINER_NORM):
+            probe = "loss"
+        elif any(m.slot.name == name for m in self.step_metrics):
+            probe = "step"
+        else:
+            probe = "readback"
+        self.guard.error(probe, exc)
 
     def _record(
         self, parts: dict[str, list[float]], meta: StepMeta, reduction_failed: bool = False

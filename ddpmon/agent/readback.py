@@ -22,7 +22,7 @@ stays bounded and nothing is dropped.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +41,12 @@ class Arrived:
     key: Packed | None
     reduction_failed: bool = False
     """A host-side norm reduction of this step failed (reported): its reduced norms are void."""
+    on_unreadable: Callable[[str, Exception], None] | None = None
+    """Told of a slot that cannot be read (left out alone); None: that raises."""
 
     def parts(self) -> dict[str, list[float]]:
         if self.key is None:  # CPU tensors queued as they were: pack them now, off the hot path
-            flat, key = self.layout.pack(self.host)  # type: ignore[arg-type]
+            flat, key = self.layout.pack(self.host, self.on_unreadable)  # type: ignore[arg-type]
             return self.layout.unpack(flat or [], key)
         return self.layout.unpack(self.host, self.key)  # type: ignore[arg-type]
 
@@ -54,6 +56,9 @@ class Readback:
         self.layout = layout or StepVectorLayout()
         self._pending: deque[tuple[Any, Any, Packed | None, Any, Any]] = deque()
         self.max_pending = max_pending
+        self.on_unreadable: Callable[[str, Exception], None] | None = None
+        """Told of a slot whose value cannot be read back: it is left out alone, the step's
+        other values stay (``StepVectorLayout.pack``). None: that raises (the whole step)."""
         self.forced_waits = 0
         """How often the queue was full and the oldest entry was waited for (GPU far behind)."""
 
@@ -67,7 +72,11 @@ class Readback:
             return
         if deferred is not None:  # packed below: the values must be final first
             deferred.finish()
-        vector, key = self.layout.pack(values)
+        vector, key = self.layout.pack(values, self.on_unreadable)
+        if not isinstance(vector, torch.Tensor):  # the device values were left out unreadable
+            self._pending.append((torch.tensor(vector or [], dtype=torch.float64), None, key,
+                                  meta, None))
+            return
         host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
         host.copy_(vector, non_blocking=True)
         event = torch.cuda.Event()
@@ -104,7 +113,7 @@ class Readback:
             if key is not None:
                 host = host.tolist()
             failed = deferred is not None and deferred.failed
-            ready.append(Arrived(meta, self.layout, host, key, failed))
+            ready.append(Arrived(meta, self.layout, host, key, failed, self.on_unreadable))
         return ready
 
     def __len__(self) -> int:

@@ -10,7 +10,7 @@ for one strategy's own, in its source's ``extra_slots``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +50,15 @@ class StepVectorLayout:
             raise ValueError("duplicate slot names")
 
     def pack(
-        self, values: Mapping[str, torch.Tensor | None]
+        self,
+        values: Mapping[str, torch.Tensor | None],
+        on_unreadable: Callable[[str, Exception], None] | None = None,
     ) -> tuple[torch.Tensor | list[float] | None, Packed]:
-        """One float64 device vector (or, on CPU, the host values) plus its ``Packed`` key."""
+        """One float64 device vector (or, on CPU, the host values) plus its ``Packed`` key.
+
+        With ``on_unreadable``, a slot whose value cannot be read (a tensor subclass, a wrong
+        width) is left out alone and handed to it; the step's other slots stay. Without it,
+        that raises."""
         unknown = set(values) - set(self._by_name)
         if unknown:
             raise KeyError(f"unknown step-vector slot(s): {sorted(unknown)}")
@@ -63,22 +69,29 @@ class StepVectorLayout:
             t = values.get(slot.name)
             if t is None:
                 continue
-            flat = t.detach().reshape(-1)
-            if slot.width is not None and flat.numel() != slot.width:
-                raise ValueError(f"slot {slot.name}: width {flat.numel()}, expected {slot.width}")
+            try:
+                flat = _flat(slot, t)
+            except Exception as exc:
+                if on_unreadable is None:
+                    raise
+                on_unreadable(slot.name, exc)
+                continue
             names.append(slot.name)
-            widths.append(flat.numel())
-            pieces.append(flat)
+            widths.append(len(flat) if isinstance(flat, list) else flat.numel())
+            pieces.append(flat)  # type: ignore[arg-type]
         key = Packed(tuple(names), tuple(widths))
         if not pieces:
             return None, key
-        device = next((p.device for p in pieces if p.device.type != "cpu"), None)
+        device = next(
+            (p.device for p in pieces if isinstance(p, torch.Tensor) and p.device.type != "cpu"),
+            None,
+        )
         if device is None:  # host memory already: no device vector, no copy to wait for
             out: list[float] = []
             for p in pieces:
-                out.extend(p.tolist())
+                out.extend(p)  # type: ignore[arg-type]
             return out, key
-        return torch.cat([p.to(device, torch.float64, non_blocking=True) for p in pieces]), key
+        return torch.cat([_on(p, device) for p in pieces]), key
 
     @staticmethod
     def unpack(values: Sequence[float], key: Packed) -> dict[str, list[float]]:
@@ -90,3 +103,23 @@ class StepVectorLayout:
         if pos != len(values):
             raise ValueError(f"step vector has {len(values)} values, layout says {pos}")
         return out
+
+
+def _flat(slot: Slot, tensor: torch.Tensor) -> torch.Tensor | list[float]:
+    """One slot's values, flat: a host list for a CPU tensor (read now: it is host memory), a
+    plain device tensor otherwise. Raises for a value that cannot be read back (a DTensor or
+    another wrapper subclass: ``.tolist()`` is not supported for tensor subclasses)."""
+    flat = tensor.detach().reshape(-1)
+    if slot.width is not None and flat.numel() != slot.width:
+        raise ValueError(f"slot {slot.name}: width {flat.numel()}, expected {slot.width}")
+    if flat.device.type == "cpu":
+        return flat.tolist()
+    if type(flat) is not torch.Tensor:
+        raise TypeError(f"slot {slot.name}: a {type(flat).__name__} cannot be read back")
+    return flat
+
+
+def _on(piece: torch.Tensor | list[float], device: torch.device) -> torch.Tensor:
+    if isinstance(piece, list):
+        return torch.tensor(piece, dtype=torch.float64, device=device)
+    return piece.to(device, torch.float64, non_blocking=True)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..state import StepRecord
+from .observed import plain
 from .policy import as_float, norm_mismatch
 
 KEPT = 64
@@ -44,7 +45,7 @@ class TrainerNorms:
         thread): queued with the step's values, or, for an earlier step given as a number,
         compared now."""
         if isinstance(value, torch.Tensor):
-            self._queued = (value.detach(), step)
+            self._queued = (plain(value), step)
             return
         number = as_float(value)
         if number is None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._torch_compat import compiled_inner, foreach_norm
+from .backward_order import BackwardOrder
 
 
 @dataclass(slots=True)
@@ -76,6 +77,8 @@ class ParamIndex:
         self.group_names, self.group_of = _groups(self.names, group_depth, max_groups)
         self.group_array = np.asarray(self.group_of, dtype=np.int64)
         """``group_of`` as a numpy index (group sums on the host)."""
+        self.order = BackwardOrder(len(self.params))
+        """Backward order of the positions: which non-finite gradient is the origin."""
 
     def __len__(self) -> int:
         return len(self.params)
@@ -356,8 +359,8 @@ def summarize_host(
     index: ParamIndex,
     scale: float | None = None,
 ) -> GradSummary:
-    """Global norm, group norms and the first non-finite parameter (smallest position, i.e.
-    registration order) with its kind, from read-back per-parameter norms. ``scale``: the loss
+    """Global norm, group norms and the first non-finite parameter (first in backward order,
+    ``ParamIndex.order``: where a NaN began) with its kind, from read-back per-parameter norms. ``scale``: the loss
     scale the gradients carried (divided out when ``vector.scaled``). Plain Python for small
     models (numpy's per-call cost dominates there), numpy for large ones."""
     if scale is not None and vector.scaled and scale > 0 and math.isfinite(scale):
@@ -370,9 +373,10 @@ def summarize_host(
     group_sq = [0.0] * index.n_groups
     total = 0.0
     first, kind = -1, None
+    rank = index.order.rank
     for v, pos in zip(values, positions, strict=True):
         bad = v != v or v in (math.inf, -math.inf)
-        if bad and (first < 0 or pos < first):
+        if bad and (first < 0 or rank[pos] < rank[first]):
             first, kind = pos, ("nan" if v != v else "inf")
         sq = v * v
         total += sq
@@ -399,7 +403,7 @@ def _summarize_numpy(values, positions, index: ParamIndex) -> GradSummary:
     first, kind = -1, None
     if bad.any():
         bad_positions = pos[bad]
-        slot = int(np.argmin(bad_positions))
+        slot = int(np.argmin(index.order.rank_array[bad_positions]))
         first = int(bad_positions[slot])
         kind = "nan" if math.isnan(norms[bad][slot]) else "inf"
     return GradSummary(

@@ -181,6 +181,9 @@ class GradientSource(ABC):
         return (norms * norms).sum().sqrt()
 
     def close(self) -> None:
+        order = getattr(self.index, "order", None)
+        if order is not None:  # its one-shot hooks, if no step ended since attach
+            order.close()
         for handle in self._handles:
             try:
                 handle.remove()

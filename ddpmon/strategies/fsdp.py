@@ -33,6 +33,7 @@ from .._torch_compat import (
     dtensor_local,
     fsdp_group_comms,
     fsdp_param_groups,
+    fsdp_reduce_scatter_group,
     set_all_reduce_hook,
 )
 from ..probes.grads import per_param_norms
@@ -175,6 +176,9 @@ class FSDPSource(ShardedSource):
         reduce_scatter, _, _, hsdp = fsdp_group_comms(group)
         inner = reduce_scatter or DefaultReduceScatter()
         unit = FSDPUnit(positions=positions, columns=columns, hsdp=hsdp)
+        self.index.order.together(positions)  # one unit's gradients are ready at once
+        unit.group = fsdp_reduce_scatter_group(group)
+        unit.alone = unit.group is not None and unit.group.size() == 1
         if unit.hsdp and self._replicate_group is None:
             self._replicate_group = getattr(group.mesh_info, "replicate_process_group", None)
         module.set_custom_reduce_scatter(ProbedReduceScatter(inner, unit, self))
@@ -298,6 +302,8 @@ class FSDPSource(ShardedSource):
         return not math.isfinite(float(flat.sum()))
 
     def on_backward_end(self) -> None:
+        for unit in self._units:  # a one-rank unit's input never followed by its output
+            unit.pending_input = None
         reduced = self._reduced_since_end > 0 or not self._all_probed
         self._reduced_since_end = 0
         if not reduced or self._norms is None:  # a no-sync micro-step: shards unchanged

@@ -42,6 +42,14 @@ class FSDPUnit:
     scattered: Any = None
     """Timer marking the end of this unit's last reduce-scatter: where HSDP's all-reduce over
     the replicate dim starts (FSDP2 issues it right after, in stream order on GPU)."""
+    group: Any = None
+    """The reduce-scatter's process group (read at install)."""
+    alone: bool = False
+    """The reduce-scatter group has one rank (FSDP2 on a size-1 dp mesh beside TP, HSDP with a
+    size-1 shard dim): FSDP2 skips the reduce-scatter and copies its input to its output, both
+    allocated through the comm (``ProbedReduceScatter.allocate``)."""
+    pending_input: Any = None
+    """``alone``: the buffer of the first of the two allocations (the input), until the second."""
 
     @property
     def row_numel(self) -> int:
@@ -57,7 +65,28 @@ class ProbedReduceScatter(ReduceScatter):  # type: ignore[misc,valid-type]
         self.source = source
 
     def allocate(self, size: Sequence[Any], *, dtype: torch.dtype, device: torch.device):
-        return self.inner.allocate(size, dtype=dtype, device=device)
+        buffer = self.inner.allocate(size, dtype=dtype, device=device)
+        if self.unit.alone:
+            try:
+                self._skipped_reduce(buffer)
+            except Exception as exc:  # never into FSDP2's backward
+                self.source.env.on_error("grads", exc)
+        return buffer
+
+    def _skipped_reduce(self, buffer: torch.Tensor) -> None:
+        """A one-rank group: FSDP2 allocates the input, copies this rank's gradients in, then
+        allocates the output and copies the input over it, without calling the reduce-scatter.
+        At the second allocation the input holds exactly what the reduce-scatter would have
+        been given: observed as such, and under HSDP the replicate all-reduce's timer starts.
+        An input left unpaired at backward end is dropped (``FSDPSource.on_backward_end``)."""
+        unit = self.unit
+        pending, unit.pending_input = unit.pending_input, None
+        if pending is None:
+            unit.pending_input = buffer
+            return
+        self.source.observe_reduce_input(unit, pending, unit.group)
+        if unit.hsdp:
+            unit.scattered = self.source.collectives.start(buffer)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         self.source.observe_reduce_input(self.unit, input_tensor, group)

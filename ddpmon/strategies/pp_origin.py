@@ -87,7 +87,9 @@ class StageOrigin:
         if host is None:
             return out
         values, positions = host
-        bad = sorted(p for v, p in zip(values, positions, strict=True) if not math.isfinite(v))
+        rank = self.index.order.rank  # first in backward order first (probes.backward_order)
+        bad = sorted((p for v, p in zip(values, positions, strict=True) if not math.isfinite(v)),
+                     key=lambda p: rank[p] if 0 <= p < len(rank) else len(rank))
         for pos in bad:
             stage = self._stage_of[pos] if 0 <= pos < len(self._stage_of) else -1
             if stage not in out:

@@ -66,12 +66,13 @@ def test_global_group_and_local_norms_from_the_read_back_values(index):
     assert not rec.grad_nonfinite and not rec.local_nonfinite
 
 
-def test_the_first_nonfinite_parameter_is_named_in_registration_order(index):
+def test_the_first_nonfinite_parameter_is_named_in_backward_order(index):
+    """No backward seen (no measured order): reverse registration, nearest the loss first."""
     parts = {"reduced_norms": [1.0, math.inf, math.nan, 1.0],
-             "local_norms": [1.0, 1.0, math.nan, math.inf]}
+             "local_norms": [math.inf, 1.0, math.nan, 1.0]}
     rec = record_of(parts, meta(reduced=vector(), local=vector()), index)
-    assert rec.grad_nonfinite and rec.grad_nonfinite_param == "enc.bias"
-    assert rec.grad_nonfinite_kind == "inf"
+    assert rec.grad_nonfinite and rec.grad_nonfinite_param == "head.weight"
+    assert rec.grad_nonfinite_kind == "nan"
     assert rec.local_nonfinite and rec.local_nonfinite_param == "head.weight"
     assert rec.local_nonfinite_kind == "nan"
 

@@ -43,7 +43,10 @@ def test_norms_match_torch_and_groups_partition_the_total():
     assert not summary.nonfinite and summary.first_position == -1
 
 
-def test_first_nonfinite_is_in_registration_order_with_its_kind():
+def test_first_nonfinite_is_first_in_backward_order_with_its_kind():
+    """Before any backward has been seen, backward order is reverse registration order: the
+    module registered last (nearest the loss) first (tests/unit/test_backward_order.py has the
+    measured order)."""
     model = Net()
     _grads(model)
     model.head.weight.grad[0, 0] = float("inf")
@@ -51,11 +54,11 @@ def test_first_nonfinite_is_in_registration_order_with_its_kind():
     index = ParamIndex(model)
     summary = _summary(index)
     assert summary.nonfinite
-    assert index.names[summary.first_position] == "encoder.1.bias"
-    assert summary.kind == "nan"
-    model.encoder[1].bias.grad[3] = 0.0
+    assert index.names[summary.first_position] == "head.weight"
+    assert summary.kind == "inf"
+    model.head.weight.grad[0, 0] = 0.0
     summary = _summary(index)
-    assert index.names[summary.first_position] == "head.weight" and summary.kind == "inf"
+    assert index.names[summary.first_position] == "encoder.1.bias" and summary.kind == "nan"
 
 
 def test_huge_finite_gradient_is_not_called_nonfinite():
