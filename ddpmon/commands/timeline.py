@@ -99,11 +99,13 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
         # details fold where they cannot wrap: a long parameter name is what the reader came for
         details = col == "details"
         table.add_column(col, no_wrap=not details, overflow="fold" if details else "ellipsis")
-    hidden = 0
     first_event = _match(tl, ff)
-    for e in tl.events:
-        if e.get("kind") == "step" and not show_steps:
-            hidden += 1
+    rows = [e for e in tl.events if show_steps or e.get("kind") != "step"]
+    hidden = len(tl.events) - len(rows)
+    for e in _shown_rows(rows, first_event, MAX_TABLE_ROWS):
+        if e is None:
+            table.add_row("…", "", "", "", "", f"{len(rows) - MAX_TABLE_ROWS} events not shown "
+                          "(--json lists them all)")
             continue
         style = "red" if e is first_event else None
         table.add_row(f"{e['t_rel']:.3f}", shown(e.get("attempt", 0)), shown(e.get("rank")),
@@ -134,7 +136,11 @@ def _render_recovery(console, rec: dict) -> None:
     attempts = rec.get("attempts") or []
     if len(attempts) > 1 or any(a.get("resumed_from") for a in attempts):
         console.print(f"[bold]Attempts[/bold] ({len(attempts)}, one clock):")
-        for a in attempts:
+        for a in _shown_rows(attempts, None, MAX_ATTEMPT_LINES):
+            if a is None:
+                console.print(f"  … {len(attempts) - MAX_ATTEMPT_LINES} attempts not shown "
+                              "(--json lists them all)")
+                continue
             resumed = a.get("resumed_from")
             how = "fresh start"
             if resumed:
@@ -173,6 +179,22 @@ def _render_recovery(console, rec: dict) -> None:
                 "  [yellow]state not restored:[/yellow] " + shown(", ".join(resumed["missing"]))
                 + " (the resumed run can differ from an uninterrupted one)"
             )
+
+
+MAX_TABLE_ROWS = 400
+"""Events the table shows (the first and last halves, and the first failure): a terminal table
+of more is not read, and would take rich seconds; ``--json`` has every event."""
+MAX_ATTEMPT_LINES = 40
+
+
+def _shown_rows(rows: list, keep, limit: int) -> list:
+    """``rows`` when at most ``limit``, else its first and last halves with None where the rest
+    is left out (``keep``, the first failure, stays in its place)."""
+    if len(rows) <= limit:
+        return rows
+    head, tail = rows[: limit // 2], rows[len(rows) - (limit - limit // 2):]
+    middle = [keep] if keep is not None and not any(r is keep for r in head + tail) else []
+    return [*head, None, *middle, *([None] if middle else []), *tail]
 
 
 def _match(tl, ff):
