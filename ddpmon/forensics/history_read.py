@@ -7,6 +7,7 @@ every complete batch of both files and keeps the last row of each step.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,14 @@ from ..damage import ReadWarnings
 from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
 from ..rundir import history_journal_of as journal_path
 from ..safe_read import open_regular
+from .arrow_frames import (
+    MAX_HISTORY_BYTES,
+    MAX_HISTORY_DECODED_BYTES,
+    RECORD_BATCH,
+    SCHEMA,
+    Frames,
+    Torn,
+)
 from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS
 
 FORMAT = "1"
@@ -64,9 +73,13 @@ def load_history(path: Path, rank: int, damage: ReadWarnings) -> History | None:
         except OSError as exc:
             damage.add(p, f"unreadable ({exc.strerror or exc})", "skipped")
             continue
+        if r.over_cap is not None:
+            damage.add(p, r.over_cap, f"using the {r.rows} rows before it" if r.rows
+                       else "skipped")
         if r.schema is None:
-            what = "empty" if r.size == 0 else "not an Arrow IPC stream written by ddpmon"
-            damage.add(p, what, "skipped")
+            if r.over_cap is None:
+                what = "empty" if r.size == 0 else "not an Arrow IPC stream written by ddpmon"
+                damage.add(p, what, "skipped")
             continue
         version = (r.schema.metadata or {}).get(b"ddpmon.history", b"1").decode("utf-8", "replace")
         if version != FORMAT:
@@ -153,6 +166,8 @@ class StreamRead:
     size: int
     data_start: int = 0
     """Offset after the first schema message, where the rows begin."""
+    over_cap: str | None = None
+    """Why the read stopped at a cap (:mod:`.arrow_frames`); the batches before it are kept."""
 
     @property
     def rows(self) -> int:
@@ -175,46 +190,39 @@ def read_streams(path: Path):
 
 def scan_streams(path: Path) -> StreamRead:
     """:func:`read_streams` with the offsets: every batch is validated in full, so a flipped
-    byte that breaks a message ends the read there (as a torn message does)."""
+    byte that breaks a message ends the read there (as a torn message does). The file is read
+    one message at a time (:mod:`.arrow_frames`), up to its byte and decoded-size caps."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
+    batches: list = []
+    first_schema = schema = None
+    torn, over_cap, good, start, decoded = False, None, 0, 0, 0
     with open_regular(path) as fh:  # a FIFO in its place raises (damage), never hangs
-        raw = fh.read()
-    data = pa.BufferReader(pa.py_buffer(raw))
-    batches, first_schema, schema, torn = [], None, None, False
-    good = start = 0
-    while True:
+        size = os.fstat(fh.fileno()).st_size
+        frames = Frames(fh, size)
         try:
-            reader = ipc.MessageReader.open_stream(data)
-            message = reader.read_next_message()
-        except StopIteration:
-            if data.tell() >= data.size():
-                break
-            continue  # an end-of-stream marker; another stream may follow
-        except pa_errors():
-            torn = True
-            break
-        try:
-            while True:
-                if message.type == "schema":
-                    schema = ipc.read_schema(message)
+            for frame in frames:
+                if frame.header == SCHEMA:
+                    schema = ipc.read_schema(ipc.read_message(pa.py_buffer(frame.data)))
                     if first_schema is None:
-                        first_schema, start = schema, data.tell()
-                elif message.type == "record batch" and schema is not None:
+                        first_schema, start = schema, frame.end
+                elif frame.header == RECORD_BATCH and schema is not None:
+                    decoded += frame.decoded
+                    if decoded > MAX_HISTORY_DECODED_BYTES:
+                        over_cap = f"its batches decode to over {MAX_HISTORY_DECODED_BYTES} bytes"
+                        break
+                    message = ipc.read_message(pa.py_buffer(frame.data))
                     batch = ipc.read_record_batch(message, schema)
                     batch.validate(full=True)
                     batches.append(batch)
-                good = data.tell()
-                message = reader.read_next_message()
-        except StopIteration:
-            good = data.tell()
-            if data.tell() >= data.size():
-                break
-        except pa_errors():
+                good = frame.end
+        except (Torn, *pa_errors()):
             torn = True
-            break
-    return StreamRead(batches, first_schema, torn, good, len(raw), start)
+        good = max(good, frames.markers_end)
+        if frames.over_cap:
+            over_cap = f"over {MAX_HISTORY_BYTES} bytes ({size} bytes)"
+    return StreamRead(batches, first_schema, torn, good, size, start, over_cap)
 
 
 def pa_errors() -> tuple[type[BaseException], ...]:
