@@ -103,9 +103,8 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
     rows = [e for e in tl.events if show_steps or e.get("kind") != "step"]
     hidden = len(tl.events) - len(rows)
     for e in _shown_rows(rows, first_event, MAX_TABLE_ROWS):
-        if e is None:
-            table.add_row("…", "", "", "", "", f"{len(rows) - MAX_TABLE_ROWS} events not shown "
-                          "(--json lists them all)")
+        if isinstance(e, int):
+            table.add_row("…", "", "", "", "", f"{e} events not shown (--json lists them all)")
             continue
         style = "red" if e is first_event else None
         table.add_row(f"{e['t_rel']:.3f}", shown(e.get("attempt", 0)), shown(e.get("rank")),
@@ -137,9 +136,8 @@ def _render_recovery(console, rec: dict) -> None:
     if len(attempts) > 1 or any(a.get("resumed_from") for a in attempts):
         console.print(f"[bold]Attempts[/bold] ({len(attempts)}, one clock):")
         for a in _shown_rows(attempts, None, MAX_ATTEMPT_LINES):
-            if a is None:
-                console.print(f"  … {len(attempts) - MAX_ATTEMPT_LINES} attempts not shown "
-                              "(--json lists them all)")
+            if isinstance(a, int):
+                console.print(f"  … {a} attempts not shown (--json lists them all)")
                 continue
             resumed = a.get("resumed_from")
             how = "fresh start"
@@ -188,13 +186,16 @@ MAX_ATTEMPT_LINES = 40
 
 
 def _shown_rows(rows: list, keep, limit: int) -> list:
-    """``rows`` when at most ``limit``, else its first and last halves with None where the rest
-    is left out (``keep``, the first failure, stays in its place)."""
+    """``rows`` when at most ``limit``, else its first and last halves with, in place of each
+    gap, the number of rows left out there (``keep``, the first failure, stays in its place)."""
     if len(rows) <= limit:
         return rows
-    head, tail = rows[: limit // 2], rows[len(rows) - (limit - limit // 2):]
-    middle = [keep] if keep is not None and not any(r is keep for r in head + tail) else []
-    return [*head, None, *middle, *([None] if middle else []), *tail]
+    head, tail = limit // 2, len(rows) - (limit - limit // 2)
+    at = next((i for i, r in enumerate(rows) if r is keep), None) if keep is not None else None
+    if at is None or not head <= at < tail:
+        return [*rows[:head], tail - head, *rows[tail:]]
+    return [*rows[:head], *([at - head] if at > head else []), rows[at],
+            *([tail - at - 1] if tail > at + 1 else []), *rows[tail:]]
 
 
 def _match(tl, ff):
