@@ -148,3 +148,52 @@ def test_hostile_groups_metadata_is_damage(tmp_path, capsys, groups):
     assert "its group norms named by position" in err
     assert main(["compare", "--json", str(base), str(run)]) in (0, 1)
     assert "history.rank1.arrow: schema metadata groups: " in capsys.readouterr().err
+
+
+def test_a_declared_decoded_size_is_checked_before_decompressing(tmp_path):
+    """A compressed buffer whose length prefix claims 1 TB: refused from the claim, with no
+    allocation (pyarrow would allocate what the prefix says before decompressing)."""
+    path = tmp_path / "history.rank0.arrow"
+    bomb = bytearray(history_bytes(20))
+    at = bomb.find((160).to_bytes(8, "little"))  # the 20 steps' int64 buffer, decoded
+    assert at > 0
+    bomb[at:at + 8] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(history_bytes(20) + bytes(bomb))
+    damage = ReadWarnings()
+    h = history_read.load_history(path, 0, damage)
+    assert h is not None and len(h) == 20
+    assert damage.lines() == [f"{path}: its batches decode to over "
+                              f"{history_read.MAX_HISTORY_DECODED_BYTES} bytes; using the 20 "
+                              "rows before it"]
+
+
+@pytest.mark.parametrize("claim", ["metadata", "body"])
+def test_lengths_a_file_claims_are_checked_before_reading(tmp_path, claim):
+    """A message that claims 2 GB of metadata, or a body of 1 TB, in a file of a few KB: the
+    read stops there as torn (the rows before it kept), nothing of that size is allocated."""
+    good = history_bytes(20)
+    if claim == "metadata":
+        tail = b"\xff\xff\xff\xff" + (2**31 - 1).to_bytes(4, "little") + b"\0" * 64
+    else:  # a real message whose bodyLength field (an int64 in its flatbuffer) is raised
+        second = bytearray(history_bytes(20))
+        body = _body_length_offset(second)
+        second[body:body + 8] = (1 << 40).to_bytes(8, "little")
+        tail = bytes(second)
+    path = tmp_path / "history.rank0.arrow"
+    path.write_bytes(good + tail)
+    damage = ReadWarnings()
+    h = history_read.load_history(path, 0, damage)
+    assert h is not None and len(h) == 20
+    assert len(damage.items) == 1 and "truncated after 20" in damage.lines()[0]
+
+
+def _body_length_offset(stream: bytearray) -> int:
+    """Where the bodyLength of the stream's second message (its record batch) lies."""
+    from ddpmon.forensics.arrow_frames import _field, _u32
+
+    schema_len = int.from_bytes(stream[4:8], "little")
+    at = 8 + schema_len  # the record batch message: continuation, length, flatbuffer
+    meta = bytes(stream[at + 8:at + 8 + int.from_bytes(stream[at + 4:at + 8], "little")])
+    field = _field(meta, _u32(meta, 0), 3)
+    assert field is not None
+    return at + 8 + field
