@@ -124,3 +124,20 @@ def test_five_thousand_started_attempts_read_in_one_pass(tmp_path):
     assert "events not shown (--json lists them all)" in text.stdout
     assert len(lines) < 1500, len(lines)
     assert "attempt 4999:" in text.stdout and "First failure: rank 0, step 4" in text.stdout
+
+
+def test_the_daemon_builds_no_timeline_from_huge_event_logs(tmp_path, caplog):
+    """The daemon's job verdict builds the timeline on its watcher thread: event logs over
+    ``VERDICT_EVENT_BYTES`` (here a 300 MB sparse log beside a real one) are not read at all."""
+    from ddpmon.daemon.outcome import VERDICT_EVENT_BYTES, run_verdict
+
+    run = tmp_path / "job"
+    write_events(run / "events.rank0.jsonl", [
+        {"ts": 1.0, "rank": 0, "step": None, "kind": "start", "world_size": 2},
+        {"ts": 2.0, "rank": 0, "step": 3, "kind": "exit", "code": 1},
+    ])
+    assert run_verdict(run)["layer"] == "process"
+    with open(run / "events.rank1.jsonl", "wb") as fh:
+        fh.truncate(VERDICT_EVENT_BYTES + (44 << 20))
+    assert run_verdict(run) is None
+    assert "over" in caplog.text and "event logs hold" in caplog.text
