@@ -99,11 +99,12 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
         # details fold where they cannot wrap: a long parameter name is what the reader came for
         details = col == "details"
         table.add_column(col, no_wrap=not details, overflow="fold" if details else "ellipsis")
-    hidden = 0
     first_event = _match(tl, ff)
-    for e in tl.events:
-        if e.get("kind") == "step" and not show_steps:
-            hidden += 1
+    rows = [e for e in tl.events if show_steps or e.get("kind") != "step"]
+    hidden = len(tl.events) - len(rows)
+    for e in _shown_rows(rows, first_event, MAX_TABLE_ROWS):
+        if isinstance(e, int):
+            table.add_row("…", "", "", "", "", f"{e} events not shown (--json lists them all)")
             continue
         style = "red" if e is first_event else None
         table.add_row(f"{e['t_rel']:.3f}", shown(e.get("attempt", 0)), shown(e.get("rank")),
@@ -134,7 +135,10 @@ def _render_recovery(console, rec: dict) -> None:
     attempts = rec.get("attempts") or []
     if len(attempts) > 1 or any(a.get("resumed_from") for a in attempts):
         console.print(f"[bold]Attempts[/bold] ({len(attempts)}, one clock):")
-        for a in attempts:
+        for a in _shown_rows(attempts, None, MAX_ATTEMPT_LINES):
+            if isinstance(a, int):
+                console.print(f"  … {a} attempts not shown (--json lists them all)")
+                continue
             resumed = a.get("resumed_from")
             how = "fresh start"
             if resumed:
@@ -173,6 +177,25 @@ def _render_recovery(console, rec: dict) -> None:
                 "  [yellow]state not restored:[/yellow] " + shown(", ".join(resumed["missing"]))
                 + " (the resumed run can differ from an uninterrupted one)"
             )
+
+
+MAX_TABLE_ROWS = 400
+"""Events the table shows (the first and last halves, and the first failure): a terminal table
+of more is not read, and would take rich seconds; ``--json`` has every event."""
+MAX_ATTEMPT_LINES = 40
+
+
+def _shown_rows(rows: list, keep, limit: int) -> list:
+    """``rows`` when at most ``limit``, else its first and last halves with, in place of each
+    gap, the number of rows left out there (``keep``, the first failure, stays in its place)."""
+    if len(rows) <= limit:
+        return rows
+    head, tail = limit // 2, len(rows) - (limit - limit // 2)
+    at = next((i for i, r in enumerate(rows) if r is keep), None) if keep is not None else None
+    if at is None or not head <= at < tail:
+        return [*rows[:head], tail - head, *rows[tail:]]
+    return [*rows[:head], *([at - head] if at > head else []), rows[at],
+            *([tail - at - 1] if tail > at + 1 else []), *rows[tail:]]
 
 
 def _match(tl, ff):

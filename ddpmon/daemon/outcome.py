@@ -137,16 +137,37 @@ def _signal_name(num: int) -> str:
         return str(num)
 
 
+VERDICT_EVENT_BYTES = 256 << 20
+"""Event logs (all ranks together) beyond which the daemon does not build a job's timeline: the
+timeline holds every event, and a job's files must not exhaust the daemon (``ddpmon timeline``
+still reads them)."""
+
+
 def run_verdict(run_path: Path) -> dict[str, str] | None:
     """The verdict ``ddpmon timeline`` ends with (``forensics.verdict``), from the job's run
-    dir; None when it has none or cannot be read (logged, never raised)."""
+    dir; None when it has none, cannot be read or its event logs are over
+    :data:`VERDICT_EVENT_BYTES` (logged, never raised)."""
     from ..forensics.timeline import build_timeline
 
     try:
-        return build_timeline(run_path).verdict if run_path.is_dir() else None
+        if not run_path.is_dir():
+            return None
+        size = sum(_size(f) for f in RunDir(run_path).ranked(EVENTS_RE).values())
+        if size > VERDICT_EVENT_BYTES:
+            log.warning("no verdict for %s: its event logs hold %d bytes, over %d",
+                        run_path, size, VERDICT_EVENT_BYTES)
+            return None
+        return build_timeline(run_path).verdict
     except Exception:
         log.exception("the verdict of %s could not be read", run_path)
         return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:

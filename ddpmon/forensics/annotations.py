@@ -8,13 +8,13 @@ step, from what the agent can observe; these facts come from the user at any tim
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..atomic import write_json_atomic
 from ..damage import ReadWarnings, read_json
 from ..rundir import ANNOTATIONS  # noqa: E402
+from ..safe_read import load_json
 
 KNOWN = ("global_batch", "micro_batch", "accumulation", "seed")
 """Fields ``ddpmon compare`` reads; any other JSON-able field is kept as well."""
@@ -46,7 +46,7 @@ def write_annotations(run_path: Path | str, fields: dict[str, Any]) -> Path:
 def read_annotations(run_path: Path | str) -> dict[str, Any]:
     """The run's annotations; {} when there are none or the file is unreadable."""
     try:
-        data = json.loads(annotations_path(run_path).read_text())
+        data = load_json(annotations_path(run_path))  # hostile: size, FIFO, nesting
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

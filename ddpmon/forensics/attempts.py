@@ -21,8 +21,13 @@ SAVE, LOAD = "checkpoint_save", "checkpoint_load"
 
 
 def tag_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Give every event of one rank (in file order) an ``attempt``; return its start events."""
+    """Give every event of one rank (in file order) an ``attempt``; return its start events.
+
+    An attempt exists when a start event began it: an event that claims an attempt no start
+    event before it began is counted in the attempt running (see :func:`unbegun_claims`), so
+    the attempts are bounded by the starts the log holds, never by what one line claims."""
     starts: list[dict[str, Any]] = []
+    begun: set[int] = set()
     current = 0
     for e in events:
         if e.get("kind") == "start":
@@ -30,10 +35,23 @@ def tag_attempts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             current = given if isinstance(given, int) and given >= 0 else (
                 current + 1 if starts else 0)
             e["attempt"] = current
+            begun.add(current)
             starts.append(e)
         elif not isinstance(e.get("attempt"), int):
             e["attempt"] = current
+        elif e["attempt"] not in begun:
+            e[UNBEGUN] = e["attempt"]
+            e["attempt"] = current
     return starts
+
+
+UNBEGUN = "attempt_claimed"
+"""Set on an event whose own ``attempt`` no start event began (the value it claimed)."""
+
+
+def unbegun_claims(events: list[dict[str, Any]]) -> int:
+    """How many of one rank's tagged events claimed an attempt that no start event began."""
+    return sum(1 for e in events if UNBEGUN in e)
 
 
 def attempt_at(starts: list[dict[str, Any]], ts: float) -> int:
@@ -123,20 +141,18 @@ def last_good_checkpoint(
     if not saves:
         return None
     by_attempt: dict[int, set[int]] = {}
+    by_step: dict[int, dict[int, list[dict[str, Any]]]] = {}  # one pass: linear in the saves
     for e in saves:
         by_attempt.setdefault(e["attempt"], set()).add(e.get("rank"))
-    best: dict[str, Any] | None = None
-    for step in sorted({e["step"] for e in saves}, reverse=True):
-        mine = [e for e in saves if e["step"] == step]
-        for a in sorted({e["attempt"] for e in mine}, reverse=True):
-            ranks = {e.get("rank") for e in mine if e["attempt"] == a}
+        by_step.setdefault(e["step"], {}).setdefault(e["attempt"], []).append(e)
+    for step in sorted(by_step, reverse=True):
+        for a in sorted(by_step[step], reverse=True):
+            mine = by_step[step][a]
+            ranks = {e.get("rank") for e in mine}
             if ranks >= by_attempt[a]:
-                last = max((e for e in mine if e["attempt"] == a), key=lambda e: e["t"])
-                best = {"step": step, "path": last.get("path"), "attempt": a,
+                last = max(mine, key=lambda e: e["t"])
+                return {"step": step, "path": last.get("path"), "attempt": a,
                         "ranks": sorted(ranks), "t_rel": last["t_rel"]}
-                break
-        if best:
-            return best
     return None
 
 

@@ -177,8 +177,10 @@ class ProgressFile:
 
 
 def read_progress(path: Path | str) -> dict[str, Any] | None:
+    from ..safe_read import load_json
+
     try:
-        data = json.loads(Path(path).read_text())
+        data = load_json(path, max_bytes=1 << 16)  # 64 bytes when ddpmon wrote it
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and isinstance(data.get("step"), int) else None

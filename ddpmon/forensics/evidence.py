@@ -25,7 +25,6 @@ the event log. ``write`` never raises into training.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -283,12 +282,16 @@ class EvidenceWriter:
 
 def read_bundle(path: Path | str) -> dict[str, Any]:
     """``info.json`` of a bundle plus ``records``/``extra``/``rng`` when present."""
+    from ..safe_read import load_json
+
     path = Path(path)
-    out = json.loads((path / "info.json").read_text())
+    out = load_json(path / "info.json")  # in a run dir: hostile (size, FIFO, nesting)
+    if not isinstance(out, dict):
+        raise ValueError(f"{path / 'info.json'}: not a JSON object")
     for name in ("records", "extra", "rng"):
         f = path / f"{name}.json"
         if f.exists():
-            out[name] = json.loads(f.read_text())
+            out[name] = load_json(f)
     return out
 
 

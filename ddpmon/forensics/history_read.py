@@ -7,17 +7,28 @@ every complete batch of both files and keeps the last row of each step.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..damage import ReadWarnings
+from ..damage import ReadWarnings, type_name
 from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
 from ..rundir import history_journal_of as journal_path
-from ..safe_read import open_regular
+from ..safe_read import open_regular, parse_json
+from .arrow_frames import (
+    MAX_HISTORY_BYTES,
+    MAX_HISTORY_DECODED_BYTES,
+    RECORD_BATCH,
+    SCHEMA,
+    Frames,
+    Torn,
+)
 from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS
 
 FORMAT = "1"
+MAX_GROUP_COLUMNS = 1024
+"""Group norms per row a reader takes (the agent writes at most ``max_groups``, 256)."""
 """The ``ddpmon.history`` schema metadata this reader knows."""
 
 
@@ -64,9 +75,13 @@ def load_history(path: Path, rank: int, damage: ReadWarnings) -> History | None:
         except OSError as exc:
             damage.add(p, f"unreadable ({exc.strerror or exc})", "skipped")
             continue
+        if r.over_cap is not None:
+            damage.add(p, r.over_cap, f"using the {r.rows} rows before it" if r.rows
+                       else "skipped")
         if r.schema is None:
-            what = "empty" if r.size == 0 else "not an Arrow IPC stream written by ddpmon"
-            damage.add(p, what, "skipped")
+            if r.over_cap is None:
+                what = "empty" if r.size == 0 else "not an Arrow IPC stream written by ddpmon"
+                damage.add(p, what, "skipped")
             continue
         version = (r.schema.metadata or {}).get(b"ddpmon.history", b"1").decode("utf-8", "replace")
         if version != FORMAT:
@@ -83,7 +98,7 @@ def load_history(path: Path, rank: int, damage: ReadWarnings) -> History | None:
     if not reads:
         return None
     try:
-        h = _assemble(path, reads, rank)
+        h = _assemble(path, reads, rank, damage)
     except (KeyError, *pa_errors()) as exc:
         why = str(exc).replace(f"{path}: ", "")[:120]
         damage.add(path, f"unreadable ({type(exc).__name__}: {why})", "skipped")
@@ -94,9 +109,8 @@ def load_history(path: Path, rank: int, damage: ReadWarnings) -> History | None:
     return h
 
 
-def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
-    import json
-
+def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
+              damage: ReadWarnings | None = None) -> History:
     import numpy as np
     import pyarrow as pa
 
@@ -112,8 +126,14 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
     if missing:
         raise ValueError(f"{path}: no column(s) {', '.join(missing)} (another ddpmon version?)")
     batches = [b for b in batches if b.schema.equals(schema)]
-    meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-    groups = json.loads(meta.get("groups", "[]"))
+    meta = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
+            for k, v in (schema.metadata or {}).items()}
+    width = schema.field(GROUPS_COLUMN).type
+    width = width.list_size if pa.types.is_fixed_size_list(width) else None
+    groups, problem = group_names(meta.get("groups", "[]"), width)
+    if problem is not None and damage is not None:
+        damage.add(path, f"schema metadata groups: {problem}",
+                   "its group norms named by position" if groups else "group norms not used")
     table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
     cols: dict[str, Any] = {}
     for name, _ in SCALAR_COLUMNS:
@@ -125,10 +145,12 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
         else:
             filled = arr.fill_null(-1 if name == "memory_bytes" else 0)
             cols[name] = filled.to_numpy(zero_copy_only=False)
-    flat = table.column(GROUPS_COLUMN).combine_chunks().flatten()
-    cols[GROUPS_COLUMN] = flat.to_numpy(zero_copy_only=False).astype("float64").reshape(
-        len(table), len(groups)
-    )
+    if groups:
+        flat = table.column(GROUPS_COLUMN).combine_chunks().flatten()
+        cols[GROUPS_COLUMN] = flat.to_numpy(zero_copy_only=False).astype("float64").reshape(
+            len(table), len(groups))
+    else:
+        cols[GROUPS_COLUMN] = np.full((len(table), 0), np.nan)
     # last row of each step wins (journal rows re-read after a seal), sorted by step
     steps = cols["step"]
     order = np.lexsort((np.arange(len(steps)), steps))
@@ -137,8 +159,41 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None) -> History:
         last[:-1] = steps[order][1:] != steps[order][:-1]
     keep = order[last]
     cols = {k: v[keep] for k, v in cols.items()}
-    r = rank if rank is not None else int(meta.get("rank", "-1"))
+    r = rank if rank is not None else _int(meta.get("rank"), -1)
     return History(r, groups, cols, meta.get("memory_kind"), torn)
+
+
+def group_names(text: str, width: int | None) -> tuple[list[str], str | None]:
+    """The group names of the ``groups`` schema metadata, read as hostile JSON, and what is
+    wrong with them: they must be a list of ``width`` strings (the ``group_norms`` list size).
+    A damaged list gives ``#0``, ``#1``... when the column's width is known, else none."""
+    try:
+        names = parse_json(text)
+    except ValueError as exc:
+        names, problem = None, f"not JSON ({str(exc)[:80]})"
+    else:
+        problem = None
+    if problem is None:
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            problem = f"a JSON {type_name(names)}, not a list of names"
+            if isinstance(names, list):
+                problem = "a JSON array holding other things than names"
+        elif width is None or width > MAX_GROUP_COLUMNS:
+            problem = (f"group_norms holds {width} per row, over {MAX_GROUP_COLUMNS}" if width
+                       else "no fixed-size group_norms column")
+            width = None
+        elif len(names) != width:
+            problem = f"{len(names)} names for {width} group norms"
+        else:
+            return names, None
+    return ([f"#{i}" for i in range(width)] if width else []), problem
+
+
+def _int(v: Any, default: int) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return default
 
 
 @dataclass(slots=True)
@@ -153,6 +208,8 @@ class StreamRead:
     size: int
     data_start: int = 0
     """Offset after the first schema message, where the rows begin."""
+    over_cap: str | None = None
+    """Why the read stopped at a cap (:mod:`.arrow_frames`); the batches before it are kept."""
 
     @property
     def rows(self) -> int:
@@ -175,46 +232,39 @@ def read_streams(path: Path):
 
 def scan_streams(path: Path) -> StreamRead:
     """:func:`read_streams` with the offsets: every batch is validated in full, so a flipped
-    byte that breaks a message ends the read there (as a torn message does)."""
+    byte that breaks a message ends the read there (as a torn message does). The file is read
+    one message at a time (:mod:`.arrow_frames`), up to its byte and decoded-size caps."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
+    batches: list = []
+    first_schema = schema = None
+    torn, over_cap, good, start, decoded = False, None, 0, 0, 0
     with open_regular(path) as fh:  # a FIFO in its place raises (damage), never hangs
-        raw = fh.read()
-    data = pa.BufferReader(pa.py_buffer(raw))
-    batches, first_schema, schema, torn = [], None, None, False
-    good = start = 0
-    while True:
+        size = os.fstat(fh.fileno()).st_size
+        frames = Frames(fh, size)
         try:
-            reader = ipc.MessageReader.open_stream(data)
-            message = reader.read_next_message()
-        except StopIteration:
-            if data.tell() >= data.size():
-                break
-            continue  # an end-of-stream marker; another stream may follow
-        except pa_errors():
-            torn = True
-            break
-        try:
-            while True:
-                if message.type == "schema":
-                    schema = ipc.read_schema(message)
+            for frame in frames:
+                if frame.header == SCHEMA:
+                    schema = ipc.read_schema(ipc.read_message(pa.py_buffer(frame.data)))
                     if first_schema is None:
-                        first_schema, start = schema, data.tell()
-                elif message.type == "record batch" and schema is not None:
+                        first_schema, start = schema, frame.end
+                elif frame.header == RECORD_BATCH and schema is not None:
+                    decoded += frame.decoded
+                    if decoded > MAX_HISTORY_DECODED_BYTES:
+                        over_cap = f"its batches decode to over {MAX_HISTORY_DECODED_BYTES} bytes"
+                        break
+                    message = ipc.read_message(pa.py_buffer(frame.data))
                     batch = ipc.read_record_batch(message, schema)
                     batch.validate(full=True)
                     batches.append(batch)
-                good = data.tell()
-                message = reader.read_next_message()
-        except StopIteration:
-            good = data.tell()
-            if data.tell() >= data.size():
-                break
-        except pa_errors():
+                good = frame.end
+        except (Torn, *pa_errors()):
             torn = True
-            break
-    return StreamRead(batches, first_schema, torn, good, len(raw), start)
+        good = max(good, frames.markers_end)
+        if frames.over_cap:
+            over_cap = f"over {MAX_HISTORY_BYTES} bytes ({size} bytes)"
+    return StreamRead(batches, first_schema, torn, good, size, start, over_cap)
 
 
 def pa_errors() -> tuple[type[BaseException], ...]:

@@ -249,10 +249,14 @@ def recovery_gaps(manifest: Mapping[str, Any]) -> list[str]:
 def check_manifest(run_path: Path | str) -> list[str]:
     """Checklist items missing from rank 0's manifest (``["manifest.json"]`` when absent)."""
     from ..damage import parse_json_object
+    from ..safe_read import MAX_DOCUMENT_BYTES, open_regular
 
     path = manifest_path(run_path, 0)
     try:
-        data, problem = parse_json_object(path.read_bytes())
+        with open_regular(path) as fh:  # a FIFO or a huge file in its place: not a hang
+            raw = fh.read(MAX_DOCUMENT_BYTES + 1)
+        data, problem = (None, f"over {MAX_DOCUMENT_BYTES} bytes") if len(
+            raw) > MAX_DOCUMENT_BYTES else parse_json_object(raw)
     except FileNotFoundError:
         return ["manifest.json"]
     except OSError as exc:

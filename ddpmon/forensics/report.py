@@ -311,8 +311,8 @@ def _plots(view: RunView, other: RunView | None) -> str:
     with np.errstate(all="ignore"), rp.quiet_nan_warnings():
         p50 = np.nanpercentile(means.values, 50, axis=0)
         p99 = np.nanpercentile(maxima.values, 99, axis=0)
-    ax.plot(means.x, p50, color=rp.COLORS[0], lw=1.2, label="p50")
-    ax.plot(maxima.x, p99, color=rp.COLORS[3], lw=1.2, label="p99")
+    ax.plot(means.x, p50, color=rp.COLORS[0], lw=1.2, label=rp.plain("p50"))
+    ax.plot(maxima.x, p99, color=rp.COLORS[3], lw=1.2, label=rp.plain("p99"))
     _safe_log(ax)
     out.append(_fig("collectives", fig))
     return "".join(out)

@@ -73,6 +73,7 @@ def rank_lines(
     series was not sampled, e.g. local norms every N steps) are bridged, sampled points marked."""
     if not g.values.size:
         return
+    label = plain(label)
     if len(g.ranks) <= TOPK:
         for i, r in enumerate(g.ranks):
             ok = np.isfinite(g.values[i])
@@ -127,13 +128,20 @@ def heatmap(ax, fig, x: np.ndarray, groups: Sequence[str], norms: np.ndarray) ->
     im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, extent=extent)
     im.set_rasterized(True)
     ax.set_yticks(range(len(groups)))
-    ax.set_yticklabels([g[:28] for g in groups], fontsize=7)
+    ax.set_yticklabels([plain(g[:28]) for g in groups], fontsize=7)
     fig.colorbar(im, ax=ax, label="log10 norm", pad=0.01)
 
 
 def mark_steps(ax, steps: Sequence[int], color: str, label: str) -> None:
     for i, s in enumerate(steps[:50]):
-        ax.axvline(s, color=color, lw=0.8, ls=":", label=label if i == 0 else None)
+        ax.axvline(s, color=color, lw=0.8, ls=":", label=plain(label) if i == 0 else None)
+
+
+def plain(text: object) -> str:
+    """``text`` as matplotlib must draw it: every ``$`` escaped, so a name from a run (a module
+    group ``a${$``, a ``--compare`` directory ``b$^^$``) is printed as written, never parsed as
+    mathtext (which raises on bad math). Every label, title and tick label goes through here."""
+    return str(text).replace("$", r"\$")
 
 
 def figure(title: str, ylabel: str, height: float = 2.6):
@@ -143,9 +151,9 @@ def figure(title: str, ylabel: str, height: float = 2.6):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, height), layout="constrained")
-    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_title(plain(title), fontsize=10, loc="left")
     ax.set_xlabel("optimizer step", fontsize=8)
-    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_ylabel(plain(ylabel), fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(True, alpha=0.25)
     return fig, ax

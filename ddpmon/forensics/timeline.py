@@ -41,7 +41,8 @@ from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse
 from . import attempts as att
 from .crash_files import crash_event, sigterm_event
 from .failure import ending, first_failure
-from .verdict import verdict
+from .run_bounds import MAX_WORLD_SIZE, grouped, missing_ranks
+from .verdict import format_ids, verdict
 
 
 class RunDirError(Exception):
@@ -69,6 +70,8 @@ class Timeline:
     """Damaged files met (their lines are in ``warnings`` too)."""
     verdict: dict[str, str] | None = None
     """The layer the first failure points at, and the evidence (:mod:`.verdict`)."""
+    missing_count: int = 0
+    """Ranks of the world size without any file (``missing_ranks`` lists the lowest of them)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,7 +82,8 @@ class Timeline:
             **self.recovery,
             "ranks": {str(r): v for r, v in sorted(self.ranks.items())},
             "missing_ranks": self.missing_ranks,
-            "partial": bool(self.missing_ranks),
+            "missing_count": self.missing_count,
+            "partial": bool(self.missing_count),
             "warnings": self.warnings,
             "damaged": self.damage.to_json(),
             "events": self.events,
@@ -107,14 +111,21 @@ def resolve_run_path(path: Path | str) -> Path:
 
 def build_timeline(path: Path | str) -> Timeline:
     """The merged timeline of a run; damaged files are read as far as they go and named in the
-    result's ``damage`` (and ``warnings``); one rank's damage never drops another rank."""
+    result's ``damage`` (and ``warnings``); one rank's damage never drops another rank.
+
+    Work is linear in what the run dir holds: events are grouped by rank and attempt once, and
+    a world size claimed beyond :data:`MAX_WORLD_SIZE` is damage, never a loop bound."""
     run_path = resolve_run_path(path)
     run = RunDir(run_path)
     damage = ReadWarnings(run_path)
     warnings: list[str] = []
     per_rank = _rank_events(run, damage)
     rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
-    ranks, merged, world_size = _aligned(per_rank, warnings)
+    for rank, events in per_rank.items():
+        if n := att.unbegun_claims(events):
+            damage.add(run.events(rank), f"{n} event(s) claim an attempt that no start event "
+                       "began", "counted in the attempt running")
+    ranks, merged, world_size = _aligned(per_rank, warnings, run, damage)
 
     # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
     progress: dict[int, dict[str, Any]] = {}
@@ -133,13 +144,13 @@ def build_timeline(path: Path | str) -> Timeline:
         e["t_rel"] = round(e["t"] - t0, 6)
 
     fr_status = _flight_recorder(run, damage)
-    _summarize_ranks(run, ranks, merged, progress, fr_status, steps)
+    by_rank = grouped(merged, "rank")
+    _summarize_ranks(run, ranks, by_rank, progress, fr_status, steps)
 
-    missing: list[int] = []
-    if world_size:
-        missing = [r for r in range(world_size) if r not in ranks]
-        if missing:
-            warnings.append(f"partial run: no files from rank(s) {missing} of {world_size}")
+    missing, missing_count = missing_ranks(world_size, ranks)
+    if missing_count:
+        warnings.append(f"partial run: no files from rank(s) {format_ids(missing, missing_count)}"
+                        f" of {world_size}")
     if not merged:
         if damage.items:
             raise RunDirError(f"{run_path}: no readable events: " + "; ".join(damage.lines()),
@@ -148,14 +159,14 @@ def build_timeline(path: Path | str) -> Timeline:
 
     first = first_failure(merged, fr_status)
     last_steps = {
-        (rank, a): steps.last(rank, [e for e in merged if e.get("rank") == rank], a)
+        (rank, a): steps.last(rank, mine, a)
         for rank in ranks
-        for a in sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
+        for a, mine in sorted(grouped(by_rank.get(rank, []), "attempt").items())
     }
     recovery = att.summarize(merged, first, last_steps)
     warnings = damage.lines() + warnings
     return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery,
-                    damage, verdict(first, merged))
+                    damage, verdict(first, merged), missing_count)
 
 
 def _rank_events(run: RunDir, damage: ReadWarnings) -> dict[int, list[dict[str, Any]]]:
@@ -170,10 +181,12 @@ def _rank_events(run: RunDir, damage: ReadWarnings) -> dict[int, list[dict[str, 
     return per_rank
 
 
-def _aligned(per_rank: dict[int, list[dict[str, Any]]], warnings: list[str]
+def _aligned(per_rank: dict[int, list[dict[str, Any]]], warnings: list[str], run: RunDir,
+             damage: ReadWarnings
              ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]], int | None]:
     """Every event on rank 0's clock (``t``: its ``ts`` plus the offset its attempt's start
-    event measured), each rank's clock facts, and the world size the starts name."""
+    event measured), each rank's clock facts, and the world size the starts name (a claim
+    over :data:`MAX_WORLD_SIZE` is damage of that rank's log, and not used)."""
     ranks: dict[int, dict[str, Any]] = {}
     merged: list[dict[str, Any]] = []
     world_size: int | None = None
@@ -189,7 +202,10 @@ def _aligned(per_rank: dict[int, list[dict[str, Any]]], warnings: list[str]
                 offset = _num(e.get("clock_offset_seconds"), 0.0)
                 rtt = e.get("clock_rtt_seconds", rtt)
                 ws = e.get("world_size")
-                if isinstance(ws, int) and ws > 0:
+                if _is_int(ws) and ws > MAX_WORLD_SIZE:
+                    damage.add(run.events(rank), f"a start event claims world_size {ws}, over "
+                               f"the {MAX_WORLD_SIZE} a reader takes", "claim not used")
+                elif _is_int(ws) and ws > 0:
                     world_size = max(world_size or 0, ws)
             e["rank"] = e.get("rank", rank)
             e["t"] = _num(e.get("ts"), 0.0) + offset
@@ -252,10 +268,9 @@ def _vanished_ranks(ranks: dict[int, dict[str, Any]], merged: list[dict[str, Any
     """Ranks (per attempt) that ended without an exit event or a signal: killed from outside,
     or still running."""
     found = []
+    by_rank = grouped(merged, "rank")
     for rank in ranks:
-        attempts_seen = sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
-        for attempt in attempts_seen:
-            mine = [e for e in merged if e.get("rank") == rank and e.get("attempt", 0) == attempt]
+        for attempt, mine in sorted(grouped(by_rank.get(rank, []), "attempt").items()):
             vanished = _vanished(rank, attempt, mine, steps.by_attempt.get(rank, {}).get(
                 attempt, {}), ranks[rank]["clock_offset_seconds"])
             if vanished is not None:
@@ -265,7 +280,7 @@ def _vanished_ranks(ranks: dict[int, dict[str, Any]], merged: list[dict[str, Any
 
 
 def _summarize_ranks(run: RunDir, ranks: dict[int, dict[str, Any]],
-                     merged: list[dict[str, Any]], progress: dict[int, dict[str, Any]],
+                     by_rank: dict[int, list[dict[str, Any]]], progress: dict[int, dict[str, Any]],
                      fr_status: dict, steps: _LastSteps) -> None:
     """Each rank's last event and step, how it ended, its attempts, evidence and dumps."""
     evidence: dict[int, list[str]] = {}
@@ -274,7 +289,7 @@ def _summarize_ranks(run: RunDir, ranks: dict[int, dict[str, Any]],
         if parsed:
             evidence.setdefault(parsed[0], []).append(str(b.relative_to(run.path)))
     for rank, info in ranks.items():
-        mine = [e for e in merged if e.get("rank") == rank]
+        mine = by_rank.get(rank, [])
         meaningful = [e for e in mine if e.get("kind") != "vanished"]
         last = meaningful[-1] if meaningful else None
         info["last_event"] = _brief(last) if last else None

@@ -150,8 +150,10 @@ def request_flight_recorder_dump(path: Path | str) -> bool:
 def read_flight_recorder_status(path: Path | str) -> dict[str, Any] | None:
     """``pg_status`` of a JSON dump (per process group: last enqueued/started/completed
     collective sequence ids), or None when missing or unreadable."""
+    from ..safe_read import load_json
+
     try:
-        data = json.loads(Path(path).read_text())
+        data = load_json(path)  # a dump in a run dir: hostile (size, FIFO, nesting)
     except (OSError, ValueError):
         return None
     status = data.get("pg_status") if isinstance(data, dict) else None
