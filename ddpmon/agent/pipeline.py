@@ -99,6 +99,8 @@ class StepPipeline:
         self._inert = False
         self.inert_steps = 0
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
+        self.phase = DATA
+        """The phase of the step in progress (``live_step``'s codes)."""
         self.live: Any = _NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
         self.trainer_norms = TrainerNorms(
@@ -108,14 +110,38 @@ class StepPipeline:
     def keep_live(self, live: Any) -> None:
         """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
         self.live = live
-        live.set(self.step, DATA)
+        live.set(self.step, self.phase)
+
+    def _at(self, phase: int) -> None:
+        """The step in progress entered ``phase`` (hot path: a host store, one mapped write)."""
+        self.phase = phase
+        self.live.set(self.step, phase)
+
+    @property
+    def started(self) -> bool:
+        """A first step has started (a forward, a backward or a completed step was seen)."""
+        return bool(self.step or self._forward_seen or self._backward_pending
+                    or self._step_start is not None)
+
+    def in_flight(self) -> tuple[GradSummaries | None, Any]:
+        """Exit path only: what the source has seen of the step in progress and its observed
+        loss (device tensors, not read here)."""
+        if self._collected is not None:
+            return self._collected, self._loss
+        inflight = getattr(self.source, "inflight", None)
+        return (inflight() if inflight is not None else None), self._loss
+
+    def classify(self, record: StepRecord) -> None:
+        """The origin rule for a record built outside ``drain`` (the step in flight)."""
+        with self._records_lock:
+            self.tracker.classify(record)
 
     def resume_at(self, step: int) -> bool:
         """Count steps from ``step`` (a resume from a checkpoint) if none has started yet."""
         if self.step != 0 or self._backward_pending:
             return False
         self.step = step
-        self.live.set(step, DATA)
+        self._at(DATA)
         return True
 
     # ------------------------------------------------------------------ user-facing inputs
@@ -157,7 +183,7 @@ class StepPipeline:
             self._forward_seen = True
             if self.replicas is not None and self.replicas.scope.at_forward:
                 self._replica_inflight = self._launch_replicas()
-        self.live.set(self.step, FORWARD)
+        self._at(FORWARD)
         if self.batch_shapes is None:
             with self.guard("data"):
                 self.batch_shapes = [
@@ -169,7 +195,7 @@ class StepPipeline:
             self.source.on_backward_end()
         self._backward_pending = True
         self._sentinel = GradSentinel.take(self.index.params)
-        self.live.set(self.step, AFTER_BACKWARD)
+        self._at(AFTER_BACKWARD)
 
     def batch_started(self) -> None:
         """A trainer says a training batch began (Lightning, the HF Trainer): the step is
@@ -186,7 +212,7 @@ class StepPipeline:
                 self._inert = is_inert_step(args[0] if args else None)
             if self._inert:
                 return
-        self.live.set(self.step, OPTIMIZER)
+        self._at(OPTIMIZER)
         if closure is not None or (len(args) > 1 and any(callable(a) for a in args[1:])):
             self._closure_step = True  # its backward has not run yet: collect after the step
             return self._wrap_closure(args, kwargs) if self.rerun is not None else None
@@ -285,7 +311,7 @@ class StepPipeline:
             self._forward_seen = False
             if self.rerun is not None:
                 self.rerun.end_step()
-            self.live.set(self.step, DATA)
+            self._at(DATA)
         if not self.background or urgent or self.readback.full:
             self.drain(wait=False)
 

@@ -40,7 +40,7 @@ from ..damage import ReadWarnings, read_json, read_json_lines
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
 from .crash_files import crash_event, sigterm_event
-from .failure import ending, first_failure
+from .failure import ending, first_failure, read_exits
 from .verdict import verdict
 
 
@@ -115,6 +115,7 @@ def build_timeline(path: Path | str) -> Timeline:
     per_rank = _rank_events(run, damage)
     rank_starts = {rank: att.tag_attempts(events) for rank, events in per_rank.items()}
     ranks, merged, world_size = _aligned(per_rank, warnings)
+    read_exits(merged)
 
     # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
     progress: dict[int, dict[str, Any]] = {}
@@ -211,13 +212,15 @@ class _LastSteps:
         if attempt is None:
             attempt = max((e["attempt"] for e in events if "attempt" in e), default=0)
         # a signal's step is the one that was running, not a completed one; a step that was
-        # running (a dump's live line) says the one before it completed, which the progress
+        # running (a dump's live line, the step in flight an exit or its non-finite event
+        # names) says the one before it completed, which the progress
         # file, written every 50 ms, may not have reached when the process died
         ours = [e for e in events if e.get("attempt", 0) == attempt]
-        mine = [e for e in ours if e.get("kind") not in (att.SAVE, att.LOAD, "signal")]
+        mine = [e for e in ours if e.get("kind") not in (att.SAVE, att.LOAD, "signal")
+                and e.get("running") is not True]
         kept = self.by_attempt.get(rank, {}).get(attempt, {}).get("step")
         before = [e["step"] - 1 for e in ours
-                  if e.get("kind") == "signal" and e.get("running") and isinstance(e["step"], int)]
+                  if e.get("running") is True and isinstance(e.get("step"), int)]
         steps = [s for s in (_last_step(mine), kept, *before) if isinstance(s, int) and s >= 0]
         return max(steps) if steps else None
 
