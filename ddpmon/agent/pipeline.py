@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import step_slots as slot
-from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
+from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
@@ -101,7 +101,7 @@ class StepPipeline:
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
         self.phase = DATA
         """The phase of the step in progress (``live_step``'s codes)."""
-        self.live: Any = _NO_LIVE
+        self.live: Any = NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
@@ -112,16 +112,14 @@ class StepPipeline:
         self.live = live
         live.set(self.step, self.phase)
 
-    def _at(self, phase: int) -> None:
-        """The step in progress entered ``phase`` (hot path: a host store, one mapped write)."""
+    def _at(self, phase: int) -> None:  # hot path: a host store, one mapped write
         self.phase = phase
         self.live.set(self.step, phase)
 
     @property
     def started(self) -> bool:
         """A first step has started (a forward, a backward or a completed step was seen)."""
-        return bool(self.step or self._forward_seen or self._backward_pending
-                    or self._step_start is not None)
+        return bool(self.step or self._forward_seen or self._backward_pending)
 
     def in_flight(self) -> tuple[GradSummaries | None, Any]:
         """Exit path only: what the source has seen of the step in progress and its observed
@@ -438,16 +436,6 @@ class StepPipeline:
         )
         self.trainer_norms.with_record(record, theirs, meta.trainer_norm_step)
         return record
-
-
-class _NoLive:
-    """No crash capture (an unwritable run dir): nothing to keep current."""
-
-    def set(self, step: int, phase: int) -> None:
-        pass
-
-
-_NO_LIVE = _NoLive()
 
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:

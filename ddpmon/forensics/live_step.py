@@ -114,6 +114,17 @@ class LiveStep:
         return out
 
 
+class _NoLive:
+    """No crash capture (an unwritable run dir): nothing to keep current."""
+
+    def set(self, step: int, phase: int) -> None:
+        pass
+
+
+NO_LIVE = _NoLive()
+"""Where a step pipeline without crash capture keeps its step in progress: nowhere."""
+
+
 def _fields(match: re.Match[str]) -> dict[str, Any]:
     return {"step": int(match.group(1)), "phase": PHASES.get(match.group(2), match.group(2)),
             "pid": int(match.group(3))}
@@ -133,3 +144,16 @@ def dumps(text: str) -> list[tuple[dict[str, Any] | None, str, float | None]]:
         live, pos = _fields(match), match.end()
     out.append((live, text[pos:], None))
     return [(fields, body, at) for fields, body, at in out if body.strip()]
+
+
+def running(text: str) -> dict[str, Any] | None:
+    """The live line that ends a crash file with nothing after it: the newest attempt's step in
+    progress when its process died without a dump (SIGKILL, the OOM killer, ``os._exit``: the
+    kernel wrote the mapped page back). None when the file ends with a dump, or the line holds
+    no step."""
+    lines = list(LINE_RE.finditer(text))
+    last = lines[-1] if lines else None
+    if last is None or text[last.end():].strip():
+        return None
+    fields = _fields(last)
+    return fields if fields["step"] >= 0 else None

@@ -39,7 +39,7 @@ from typing import Any
 from ..damage import ReadWarnings, read_json, read_json_lines
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
-from .crash_files import crash_event, sigterm_event
+from .crash_files import crash_event, running_step, sigterm_event
 from .failure import ending, first_failure, read_exits
 from .verdict import verdict
 
@@ -127,7 +127,7 @@ def build_timeline(path: Path | str) -> Timeline:
                         for rank in set(per_rank) | set(progress)})
 
     merged.extend(_dump_events(run, damage, ranks, rank_starts, per_rank, steps))
-    merged.extend(_vanished_ranks(ranks, merged, steps))
+    merged.extend(_vanished_ranks(ranks, merged, steps, run))
     merged.sort(key=lambda e: (e["t"], e.get("rank", 0)))
     t0 = merged[0]["t"] if merged else 0.0
     for e in merged:
@@ -251,19 +251,26 @@ def _dump_events(run: RunDir, damage: ReadWarnings, ranks: dict[int, dict[str, A
 
 
 def _vanished_ranks(ranks: dict[int, dict[str, Any]], merged: list[dict[str, Any]],
-                    steps: _LastSteps) -> list[dict[str, Any]]:
+                    steps: _LastSteps, run: RunDir) -> list[dict[str, Any]]:
     """Ranks (per attempt) that ended without an exit event or a signal: killed from outside,
-    or still running."""
+    or still running; the newest attempt's at the step its crash file's live line says was in
+    progress (else its last completed step)."""
     found = []
+    crash_files = run.ranked(CRASH_RE)
     for rank in ranks:
         attempts_seen = sorted({e.get("attempt", 0) for e in merged if e.get("rank") == rank})
         for attempt in attempts_seen:
             mine = [e for e in merged if e.get("rank") == rank and e.get("attempt", 0) == attempt]
             vanished = _vanished(rank, attempt, mine, steps.by_attempt.get(rank, {}).get(
                 attempt, {}), ranks[rank]["clock_offset_seconds"])
-            if vanished is not None:
-                vanished["step"] = steps.last(rank, mine, attempt)
-                found.append(vanished)
+            if vanished is None:
+                continue
+            vanished["step"] = steps.last(rank, mine, attempt)
+            live = (running_step(crash_files[rank])
+                    if rank in crash_files and attempt == attempts_seen[-1] else None)
+            if live is not None and live["step"] >= (vanished["step"] or 0):
+                vanished.update(step=live["step"], phase=live["phase"], running=True)
+            found.append(vanished)
     return found
 
 

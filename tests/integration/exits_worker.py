@@ -9,6 +9,7 @@ DataLoader, ``clip_grad_norm_``, a loss guard), with one fault on rank 1 at step
   the step;
 - ``oom``: the model's forward raises ``torch.OutOfMemoryError`` on rank 1;
 - ``sigterm``: rank 1 is stopped by SIGTERM in its forward (a preemption);
+- ``sigkill``: rank 1 is killed by SIGKILL in its forward (the OOM killer, a launcher's kill);
 - ``skip``: a NaN in rank 1's input; the loop skips the step itself (guard and skip) and goes on.
 
 The script's own numbers go to ``OUT/rank<R>.json`` as they happen (the step it started, the
@@ -64,6 +65,8 @@ class Net(nn.Module):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         if self.fault == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        if self.fault == "sigkill":  # what the OOM killer, or a launcher's last resort, does
+            os.kill(os.getpid(), signal.SIGKILL)
         return self.head(torch.relu(self.embed(x)))
 
 
@@ -101,7 +104,7 @@ def main() -> None:
 
     for step, (x, y) in enumerate(loader):
         note(started=step)
-        if faulty and step == args.at and args.fault in ("oom", "sigterm"):
+        if faulty and step == args.at and args.fault in ("oom", "sigterm", "sigkill"):
             net.fault = args.fault
         opt.zero_grad(set_to_none=True)
         loss = F.mse_loss(model(x), y)
