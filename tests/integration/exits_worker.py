@@ -21,6 +21,7 @@ import json
 import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -76,6 +77,9 @@ def main() -> None:
     p.add_argument("--fault", required=True)
     p.add_argument("--at", type=int, default=10)
     p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--late", type=float, default=0.0,
+                   help="rank 1 is this many seconds slower after the fault step's backward, so "
+                   "rank 0's exception is written first")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -112,6 +116,8 @@ def main() -> None:
             note(loss_nan_at=step)
             raise RuntimeError(f"Loss is {loss.item()} at step {step}, stopping training")
         loss.backward()
+        if faulty and step == args.at and args.late:
+            time.sleep(args.late)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0,
                                               error_if_nonfinite=args.fault == "clip")
         if args.fault == "skip" and not math.isfinite(norm.item()):
