@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--fault", required=True)
     p.add_argument("--at", type=int, default=10)
     p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
     p.add_argument("--late", type=float, default=0.0,
                    help="rank 1 is this many seconds slower after the fault step's backward, so "
                    "rank 0's exception is written first")
@@ -92,12 +93,21 @@ def main() -> None:
     loader = DataLoader(data, batch_size=BATCH, shuffle=False)
     torch.manual_seed(0)
     net = Net()
-    model = DDP(net)
+    if args.fsdp:  # FSDP2, as the torchtitan-style scripts shard: each block, then the root
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(net.embed, mesh=mesh)
+        model = fully_shard(net, mesh=mesh)
+    else:
+        model = DDP(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     import ddpmon
 
     mon = ddpmon.attach(model, opt, port=0, bind="127.0.0.1",
-                        run_dir=str(Path(args.out) / "runs"), run_id=args.fault)
+                        run_dir=str(Path(args.out) / "runs"),
+                        run_id=args.fault + ("-fsdp" if args.fsdp else ""))
     mine = {"started": None, "completed": 0, "skipped": [], "loss_nan_at": None,
             "params": [n for n, _ in net.named_parameters()]}
     out = Path(args.out) / f"rank{rank}.json"

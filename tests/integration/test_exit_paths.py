@@ -24,8 +24,9 @@ def run(tmp_path: Path, fault: str, *extra: str) -> tuple[list, list[dict], dict
            "--at", str(AT), *extra]
     outputs = start_ranks(cmd, 2, 180, None)
     notes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    run_id = fault + ("-fsdp" if "--fsdp" in extra else "")
     res = subprocess.run(
-        [sys.executable, "-m", "ddpmon.cli", "timeline", str(tmp_path / "runs" / fault),
+        [sys.executable, "-m", "ddpmon.cli", "timeline", str(tmp_path / "runs" / run_id),
          "--json"], capture_output=True, text=True, timeout=60, cwd=str(REPO),
     )
     assert res.stdout, res.stderr
@@ -68,6 +69,18 @@ def test_clip_error_names_the_rank_whose_gradients_went_nan_not_the_first_to_rai
     assert r0 and all(e["origin"] is False and e["step"] == AT for e in r0), r0
     assert (tmp_path / "runs" / "clip" / "evidence" / f"rank1-step{AT}-nonfinite").is_dir()
     assert tl["ranks"]["1"]["last_step"] == AT - 1
+
+
+def test_clip_error_under_fsdp2_names_the_reduce_scatter_inputs_origin(tmp_path):
+    codes, notes, tl = run(tmp_path, "clip", "--fsdp", "--late", "0.5")
+    assert codes == [1, 1], codes
+    ff = tl["first_failure"]
+    assert (ff["rank"], ff["step"], ff["kind"], ff["origin"]) == (1, AT, "nonfinite", True), ff
+    assert ff["param"] in notes[1]["params"] and ff["running"] is True
+    exits = {e["rank"]: e for e in tl["events"]
+             if e["kind"] == "exit" and e.get("reason") == "exception"}
+    assert exits[0]["t"] < exits[1]["t"] and exits[0]["cause"] == "numerics", exits
+    assert tl["verdict"]["layer"] == "numerics"
 
 
 def test_loss_guard_is_numerics_on_rank_1(tmp_path):
