@@ -206,6 +206,7 @@ class Monitor:
         self.checkpoints = CheckpointObserver(
             state, emit, guard, on_load=self._resume_at,
             present=functools.partial(states_present, self.optimizer, self.scaler),
+            phase=self.pipeline.in_checkpoint,
         )
         self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
         with guard("checkpoint"):

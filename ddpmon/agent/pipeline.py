@@ -43,11 +43,12 @@ from .policy import NonFinitePolicy, OriginTracker
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
 from .step_detection import GradSentinel, is_inert_step
+from .step_phase import StepPhase
 from .stepvector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
 
 
-class StepPipeline:
+class StepPipeline(StepPhase):
     def __init__(
         self,
         *,
@@ -99,40 +100,13 @@ class StepPipeline:
         self._inert = False
         self.inert_steps = 0
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
-        self.phase = DATA
+        self.phase = self._outside_checkpoint = DATA
         """The phase of the step in progress (``live_step``'s codes)."""
         self.live: Any = NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
         )
-
-    def keep_live(self, live: Any) -> None:
-        """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
-        self.live = live
-        live.set(self.step, self.phase)
-
-    def _at(self, phase: int) -> None:  # hot path: a host store, one mapped write
-        self.phase = phase
-        self.live.set(self.step, phase)
-
-    @property
-    def started(self) -> bool:
-        """A first step has started (a forward, a backward or a completed step was seen)."""
-        return bool(self.step or self._forward_seen or self._backward_pending)
-
-    def in_flight(self) -> tuple[GradSummaries | None, Any]:
-        """Exit path only: what the source has seen of the step in progress and its observed
-        loss (device tensors, not read here)."""
-        if self._collected is not None:
-            return self._collected, self._loss
-        inflight = getattr(self.source, "inflight", None)
-        return (inflight() if inflight is not None else None), self._loss
-
-    def classify(self, record: StepRecord) -> None:
-        """The origin rule for a record built outside ``drain`` (the step in flight)."""
-        with self._records_lock:
-            self.tracker.classify(record)
 
     def resume_at(self, step: int) -> bool:
         """Count steps from ``step`` (a resume from a checkpoint) if none has started yet."""

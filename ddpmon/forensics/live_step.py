@@ -15,7 +15,8 @@ the previous attempt's dump, which the file's own mtime no longer tells once a l
 has written to it.
 
 ``phase``: ``D`` before the step's first forward (data loading, ``zero_grad``, logging), ``F``
-forward or backward, ``B`` after backward (clipping, the scaler), ``O`` inside the optimizer step.
+forward or backward, ``B`` after backward (clipping, the scaler), ``O`` inside the optimizer step,
+``C`` inside a checkpoint save or load timed on the training thread (``observe_checkpoint``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ LINE_RE = re.compile(
 """One attempt's line, as read back (:func:`dumps`)."""
 
 PHASES = {"D": "before its forward", "F": "in forward or backward", "B": "after backward",
-          "O": "in the optimizer step"}
-DATA, FORWARD, AFTER_BACKWARD, OPTIMIZER = (ord(c) for c in "DFBO")
+          "O": "in the optimizer step", "C": "in a checkpoint save or load"}
+DATA, FORWARD, AFTER_BACKWARD, OPTIMIZER, CHECKPOINT = (ord(c) for c in "DFBOC")
 
 
 class _Slot:
