@@ -396,9 +396,9 @@ def describe(e: dict[str, Any]) -> str:
     if kind == "signal":
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
     for key in ("param", "tensor", "nonfinite", "origin", "stage", "microbatch", "site", "where",
-                "action", "exc_type", "cause", "message", "code", "reason", "idle_seconds", "loss_scale",
-                "floor", "phase", "frame", "detail", "seconds", "not_restored", "not_stated",
-                "error", "path"):
+                "action", "exc_type", "cause", "message", "code", "reason", "idle_seconds",
+                "loss_scale", "floor", "phase", "frame", "detail", "seconds", "not_restored",
+                "not_stated", "error", "path"):
         v = e.get(key)
         if v is None or v == "":
             continue
