@@ -15,11 +15,14 @@ The first failure is chosen by evidence, then time:
 0. *origin* failures: a local ``nonfinite`` (``origin`` not false), a ``rerun`` on its origin
    rank (unless it applied the step), a ``replica_mismatch``, a fatal signal, ``oom``, an
    ``exit`` by exception that is not a communication error, an ``exit`` with a non-zero code;
+   an exception read as non-finite (:mod:`.exceptions`) after the hooks' evidence, and as a
+   consequence on a rank whose own gradients of that step were finite;
 1. ``vanished`` ranks (died without a word: SIGKILL, OOM killer, ``os._exit``);
 2. ``stall`` events, the rank whose flight recorder shows the fewest enqueued collectives first
    (the rank that stopped issuing them is the hung one; the others wait for it);
 3. consequences: reduced-gradient ``nonfinite``, ``overflow``, ``scale_floor``, SIGTERM/SIGINT
-   (the launcher tearing down survivors), communication-error exits, ``thread_exception``.
+   (the launcher tearing down survivors), communication-error exits (after signals: a lost
+   peer follows the signal that stopped it), ``thread_exception``.
 A ``loss_scale_floor`` event that stopped the run (``action=raise``, or ``source=deepspeed``) is
 an origin failure; the overflows its scaler absorbed before it are then consequences.
 Within a class the earliest aligned time wins.

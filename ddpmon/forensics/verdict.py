@@ -15,7 +15,11 @@ picked (``failure.first_failure``) and the events around it:
   rerun has told a transient fault from a deterministic one, so hardware is not excluded.
 - ``oom``: memory. ``stall``: data supply when the rank waited for its batch, else
   communication. ``vanished`` and communication errors: communication.
-- a signal or an exception not explained above: the process, with what it was.
+- an exception, read for its cause (:mod:`.exceptions`): numerics (a clip error, a loss guard,
+  anomaly detection), memory (out of memory), data (raised in the data pipeline, with the user's
+  frame); a communication error on a peer: communication.
+- a signal (SIGTERM: the process was stopped, by a preemption or the launcher) or an exception
+  not explained above: the process, with what it was.
 
 Pure function of the timeline's events (no file access): the timeline, ``report`` and the
 daemon's job outcome can all carry it.

@@ -151,3 +151,12 @@ def test_a_sigterm_comes_before_the_peer_error_it_caused():
     read_exits(events)
     ff = first_failure(events, {})
     assert (ff["rank"], ff["kind"]) == (1, "signal"), ff
+
+
+def test_a_cause_claimed_by_the_file_is_replaced_by_what_the_exception_says():
+    events = [event(1, 1.0, kind="exit", reason="exception", step=10, exc_type="RuntimeError",
+                    message="Connection closed by peer", cause="numerics",
+                    frame="__getitem__ (/etc/passwd:1)")]
+    read_exits(events)
+    assert events[0]["cause"] == "communication" and "frame" not in events[0]
+    assert first_failure(events, {})["class"] == "consequence"
