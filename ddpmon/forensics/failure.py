@@ -14,7 +14,7 @@ SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
 def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str, Any] | None:
     ranked = []
     floor = any(_floor_stopped(e) for e in events)
-    downstream = _saw_only_reduced(events)
+    downstream = saw_only_reduced(events)
     for e in events:
         tier = failure_tier(e, floor_stopped=floor)
         if tier is None:
@@ -23,14 +23,8 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
         if e.get("kind") == "stall":
             enq = fr.get(e.get("rank"), {}).get("last_enqueued_collective")
             sub = float(enq) if enq is not None else float("inf")
-        elif e.get("kind") == "exit" and e.get("cause") == "numerics":
-            # a reaction to a non-finite value: the hooks' evidence (a local non-finite
-            # gradient) comes first; a rank whose own gradients were finite reacted to a peer's
-            if _key(e) in downstream:
-                tier = 3
-            sub = 1.0
-        elif tier == 3 and e.get("kind") == "exit":
-            sub = 1.0  # a lost peer or a timeout: after a signal that stopped that peer
+        else:
+            tier, sub = exit_order(e, tier, downstream)
         ranked.append(((tier, sub, e["t"]), e))
     if not ranked:
         return None
@@ -64,11 +58,25 @@ def read_exits(events: list[dict[str, Any]]) -> None:
             e.update(read_exception(e.get("exc_type"), e.get("message"), e.get("traceback")))
 
 
+def exit_order(e: dict[str, Any], tier: int, downstream: set[tuple]) -> tuple[int, float]:
+    """``(tier, order within the tier)`` of an exception ``exit`` among failures of its class:
+    a non-finite exception is a reaction to a value the hooks may have seen, so the hooks'
+    evidence (a local non-finite gradient) comes first, and on a rank whose own gradients were
+    finite (``downstream``: :func:`saw_only_reduced`) it is a consequence of a peer's; a lost
+    peer or a timeout comes after the signal that stopped that peer. Other events: unchanged."""
+    if e.get("kind") != "exit" or e.get("reason", "exception") != "exception":
+        return tier, 0.0
+    cause = e.get("cause") or read_exception(e.get("exc_type"), e.get("message"))["cause"]
+    if cause == "numerics":
+        return (3 if _key(e) in downstream else tier), 1.0
+    return tier, (1.0 if tier == 3 else 0.0)
+
+
 def _key(e: dict[str, Any]) -> tuple:
     return e.get("rank"), e.get("attempt", 0), e.get("step")
 
 
-def _saw_only_reduced(events: list[dict[str, Any]]) -> set[tuple]:
+def saw_only_reduced(events: list[dict[str, Any]]) -> set[tuple]:
     """(rank, attempt, step) where the rank's own gradients were finite but the reduced ones
     were not (its ``nonfinite`` event names no origin): what it raised reacted to a peer."""
     origin = {_key(e) for e in events if e.get("kind") == "nonfinite" and e.get("origin") is True}

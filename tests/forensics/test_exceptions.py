@@ -160,3 +160,27 @@ def test_a_cause_claimed_by_the_file_is_replaced_by_what_the_exception_says():
     read_exits(events)
     assert events[0]["cause"] == "communication" and "frame" not in events[0]
     assert first_failure(events, {})["class"] == "consequence"
+
+
+def test_the_daemons_job_outcome_orders_by_the_same_evidence(tmp_path):
+    """The node daemon's job record names the same first failure as the timeline."""
+    import json as _json
+
+    from ddpmon.daemon import outcome
+
+    clip = "The total norm of order 2.0 for gradients from `parameters` is non-finite"
+    logs = {
+        0: [{"ts": 1.0, "rank": 0, "step": 10, "kind": "nonfinite", "param": "w",
+             "origin": False, "where": "reduced", "running": True},
+            {"ts": 1.1, "rank": 0, "step": 10, "kind": "exit", "reason": "exception", "code": 1,
+             "exc_type": "RuntimeError", "message": clip, "running": True}],
+        1: [{"ts": 1.5, "rank": 1, "step": 10, "kind": "nonfinite", "param": "w",
+             "origin": True, "running": True},
+            {"ts": 1.6, "rank": 1, "step": 10, "kind": "exit", "reason": "exception", "code": 1,
+             "exc_type": "RuntimeError", "message": clip, "running": True}],
+    }
+    for rank, events in logs.items():
+        (tmp_path / f"events.rank{rank}.jsonl").write_text(
+            "".join(_json.dumps(e) + "\n" for e in events))
+    ff = outcome.first_failure(outcome.event_failures(tmp_path))
+    assert (ff["rank"], ff["kind"], ff["step"]) == (1, "nonfinite", 10), ff
