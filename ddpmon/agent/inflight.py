@@ -15,6 +15,9 @@ event) this module:
    step);
 3. returns the step, its phase and the loss if one was observed, for the ``exit`` event.
 
+A device value is read only once the work queued before it has finished (``READ_WAIT_SECONDS``):
+the exit is never held up by a collective a failed peer will not complete.
+
 A signal (SIGTERM, a fatal one) runs no Python: its dump's live line (:mod:`ddpmon.forensics.
 live_step`) names the step and phase instead. Never raises: a failure here leaves the exit event
 as it was.
@@ -107,7 +110,28 @@ class InFlight:
                       running=True, phase=phase)
 
 
+READ_WAIT_SECONDS = 2.0
+"""How long the exit path waits for a device's queued work before it reads a value: a step that
+failed on one rank may leave a collective that never completes queued before the norms (the
+exit event is then written without them, never held up)."""
+
+
+def _settled(t: torch.Tensor) -> None:
+    """Raise ``TimeoutError`` unless the work queued before ``t`` on its device's current stream
+    finishes within ``READ_WAIT_SECONDS`` (a CPU tensor is always settled)."""
+    if not t.is_cuda:
+        return
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    deadline = time.monotonic() + READ_WAIT_SECONDS
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the device's queued work did not finish; values not read")
+        time.sleep(0.005)
+
+
 def _host(norms: torch.Tensor) -> list[float]:
+    _settled(norms)
     return norms.detach().to("cpu", torch.float64).tolist()
 
 
@@ -115,6 +139,7 @@ def _loss(value: Any) -> float | None:
     """The observed loss as a host number (a device read: exit path only)."""
     try:
         if isinstance(value, torch.Tensor):
+            _settled(value)
             return float(value.detach().reshape(-1)[0].to("cpu", torch.float64))
         return float(value) if value is not None else None
     except Exception:
