@@ -105,6 +105,9 @@ class CheckpointObserver:
     """The last successful load: resume step, path, restored and missing states."""
     last_save: dict[str, Any] | None = None
     """The last successful save: ``{"step", "path"}`` (named by ``LossScaleFloorError``)."""
+    phase: Callable[[bool], None] = lambda inside: None
+    """Told when a timed save or load starts (True) and ends on the main thread: the step in
+    progress is then in its checkpoint phase (``StepPipeline.in_checkpoint``)."""
     _local: threading.local = field(default_factory=threading.local)
 
     def timer(self, step: int, path: Any, kind: str, restored: dict[str, bool | None],
@@ -118,9 +121,16 @@ class CheckpointObserver:
     # -- explicit timers on this thread (DCP records inside them are not counted twice) ------
     def enter(self) -> None:
         self._local.depth = getattr(self._local, "depth", 0) + 1
+        if self._local.depth == 1 and threading.current_thread() is threading.main_thread():
+            self.phase(True)
 
-    def leave(self) -> None:
+    def leave(self, failed: bool = False) -> None:
+        """``failed``: an exception leaves the save or load; the phase stays the checkpoint's
+        for the exit event (the next phase of training replaces it if the loop goes on)."""
         self._local.depth = max(0, getattr(self._local, "depth", 0) - 1)
+        main = threading.current_thread() is threading.main_thread()
+        if self._local.depth == 0 and main and not failed:
+            self.phase(False)
 
     def inside_timer(self) -> bool:
         return getattr(self._local, "depth", 0) > 0
@@ -250,7 +260,7 @@ class CheckpointTimer:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if self._entered:
             self._entered = False
-            self._observer.leave()
+            self._observer.leave(failed=exc is not None)
         self.done(error=exc)
         return False
 

@@ -191,8 +191,7 @@ class Monitor:
             self.pipeline.replicas = ReplicaCheck.of(scope, self.index, config.replica_check_every)
             if self.pipeline.replicas is not None:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
-        if self.forensics.crash is not None:
-            self.pipeline.keep_live(self.forensics.crash.live)
+        self.forensics.follow(self.pipeline, self.incidents, emit, guard)
         self.markers = StepMarkers(
             model, optimizer, self.pipeline, self.source, amp=self.amp, pp=pp,
             on_error=guard.error, on_engine_step=self._on_engine_step,
@@ -208,6 +207,7 @@ class Monitor:
         self.checkpoints = CheckpointObserver(
             state, emit, guard, on_load=self._resume_at,
             present=functools.partial(states_present, self.optimizer, self.scaler),
+            phase=self.pipeline.in_checkpoint,
         )
         self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
         with guard("checkpoint"):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import step_slots as slot
-from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, OPTIMIZER
+from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
@@ -44,12 +44,13 @@ from .policy import NonFinitePolicy, OriginTracker
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
 from .step_detection import GradSentinel, is_inert_step
+from .step_phase import StepPhase
 from .stepvector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
 from .unmeasured import UnmeasuredSteps
 
 
-class StepPipeline:
+class StepPipeline(StepPhase):
     def __init__(
         self,
         *,
@@ -102,24 +103,21 @@ class StepPipeline:
         self._inert = False
         self.inert_steps = 0
         """Optimizer steps not counted as training steps (:func:`is_inert_step`)."""
-        self.live: Any = _NO_LIVE
+        self.phase = self._outside_checkpoint = DATA
+        """The phase of the step in progress (``live_step``'s codes)."""
+        self.live: Any = NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
         self.unmeasured = UnmeasuredSteps(guard, index.params, getattr(source, "name", "?"))
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
         )
 
-    def keep_live(self, live: Any) -> None:
-        """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
-        self.live = live
-        live.set(self.step, DATA)
-
     def resume_at(self, step: int) -> bool:
         """Count steps from ``step`` (a resume from a checkpoint) if none has started yet."""
         if self.step != 0 or self._backward_pending:
             return False
         self.step = step
-        self.live.set(step, DATA)
+        self._at(DATA)
         return True
 
     # ------------------------------------------------------------------ user-facing inputs
@@ -162,7 +160,7 @@ class StepPipeline:
             self._forward_seen = True
             if self.replicas is not None and self.replicas.scope.at_forward:
                 self._replica_inflight = self._launch_replicas()
-        self.live.set(self.step, FORWARD)
+        self._at(FORWARD)
         if self.batch_shapes is None:
             with self.guard("data"):
                 self.batch_shapes = [
@@ -174,7 +172,7 @@ class StepPipeline:
             self.source.on_backward_end()
         self._backward_pending = True
         self._sentinel = GradSentinel.take(self.index.params)
-        self.live.set(self.step, AFTER_BACKWARD)
+        self._at(AFTER_BACKWARD)
 
     def batch_started(self) -> None:
         """A trainer says a training batch began (Lightning, the HF Trainer): the step is
@@ -191,7 +189,7 @@ class StepPipeline:
                 self._inert = is_inert_step(args[0] if args else None)
             if self._inert:
                 return
-        self.live.set(self.step, OPTIMIZER)
+        self._at(OPTIMIZER)
         if closure is not None or (len(args) > 1 and any(callable(a) for a in args[1:])):
             self._closure_step = True  # its backward has not run yet: collect after the step
             return self._wrap_closure(args, kwargs) if self.rerun is not None else None
@@ -290,7 +288,7 @@ class StepPipeline:
             self._forward_seen = False
             if self.rerun is not None:
                 self.rerun.end_step()
-            self.live.set(self.step, DATA)
+            self._at(DATA)
         if not self.background or urgent or self.readback.full:
             self.drain(wait=False)
 
@@ -430,16 +428,6 @@ class StepPipeline:
         )
         self.trainer_norms.with_record(record, theirs, meta.trainer_norm_step)
         return record
-
-
-class _NoLive:
-    """No crash capture (an unwritable run dir): nothing to keep current."""
-
-    def set(self, step: int, phase: int) -> None:
-        pass
-
-
-_NO_LIVE = _NoLive()
 
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:

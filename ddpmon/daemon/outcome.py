@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ..forensics.failure import failure_tier
+from ..forensics.failure import exit_order, failure_tier, saw_only_reduced
 from ..rundir import EVENTS_RE, RunDir
 from ..safe_read import json_lines, load_json
 
@@ -178,12 +178,16 @@ def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
 
     floor = any(f.get("kind") == "loss_scale_floor" for f in candidates)
     explained = _explained_exits(candidates, floor)
+    logged = [f for f in candidates if f.get("source") == "event_log"]
+    downstream = saw_only_reduced(logged)
 
-    def key(f: dict[str, Any]) -> tuple[float, float, int]:
-        tier = _tier(f, floor)
+    def key(f: dict[str, Any]) -> tuple[float, float, float, int]:
+        tier, sub = _tier(f, floor), 0.0
         if f.get("source") != "event_log" and f.get("signal") is None:
             tier = explained.get(f.get("rank"), tier)
-        return (tier, float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
+        elif f.get("source") == "event_log":  # the timeline's order within a class
+            tier, sub = exit_order(f, int(tier), downstream)
+        return (tier, sub, float(f["ts"]), 0 if f.get("source") == "event_log" else 1)
 
     return dict(min(candidates, key=key))
 

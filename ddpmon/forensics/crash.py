@@ -9,7 +9,9 @@
   previous disposition act, so the process still dies at once even if it is blocked in C++ (a
   Python-level handler would wait for the collective to time out).
 - Uncaught exception in the main thread: an ``exit`` event (``reason="exception"``, type,
-  message, traceback) and, under torchelastic, the error file named by
+  message, traceback; the step in flight, its phase and ``running: true`` from the agent's
+  ``in_flight``, which first emits what that step's hooks saw: ``ddpmon.agent.inflight``)
+  and, under torchelastic, the error file named by
   ``TORCHELASTIC_ERROR_FILE`` in torchelastic's own format (as ``@record`` writes it; an
   existing file is left alone, the first writer wins). Uncaught exceptions in other threads
   become ``thread_exception`` events (the process goes on, so they are not an exit).
@@ -78,6 +80,10 @@ class CrashCapture:
         self._prev_sys_exit: Any = None
         self.live = LiveStep()
         """The step in progress, for the training thread to keep current (``live.set``)."""
+        self.in_flight: Any = None
+        """``() -> dict``: the step in flight's fields for an exception's ``exit`` event (its
+        ``step``, ``phase``), set by the agent (``agent.inflight.InFlight.report``), which emits
+        what the step's hooks saw before it."""
 
     def install(self) -> CrashCapture:
         if self.installed:
@@ -171,6 +177,7 @@ class CrashCapture:
             if not issubclass(exc_type, SystemExit | KeyboardInterrupt):
                 text = "".join(traceback.format_exception(exc_type, exc, tb))
                 self._emit_exit(
+                    **self._step_in_flight(),
                     reason="exception",
                     code=1,
                     exc_type=exc_type.__name__,
@@ -183,6 +190,15 @@ class CrashCapture:
         except Exception:
             pass
         (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+
+    def _step_in_flight(self) -> dict[str, Any]:
+        if self.in_flight is None or self._exit_emitted:
+            return {}
+        try:
+            fields = self.in_flight()
+            return fields if isinstance(fields, dict) else {}
+        except Exception:
+            return {}
 
     def _threading_hook(self, args: Any) -> None:
         try:
@@ -216,7 +232,8 @@ class CrashCapture:
             return
         self._exit_emitted = True
         try:
-            self.eventlog.emit("exit", None, **fields)
+            step = fields.pop("step", None)
+            self.eventlog.emit("exit", step, **fields)
         except Exception:
             pass
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..damage import ReadWarnings
 from ..safe_read import open_regular
-from .live_step import dumps
+from .live_step import dumps, running
 
 SIGNALS = {
     "Segmentation fault": ("SIGSEGV", 11),
@@ -52,6 +52,14 @@ def crash_event(path: Path, rank: int, damage: ReadWarnings | None = None
             "signum": num, "synthetic": True, "source": path.name,
             "detail": f"Fatal Python error: {what}",
             "frame": top_frame(body[body.rfind("Fatal Python error"):]), **_live(live)}
+
+
+def running_step(path: Path) -> dict[str, Any] | None:
+    """``{"step", "phase", "pid"}`` of the step in progress when the newest attempt behind a
+    crash file died without a dump (:func:`.live_step.running`); None if it dumped, ended
+    normally (the line is cut then), or the file is unreadable (``crash_event`` says so)."""
+    got = _read(path, ReadWarnings())
+    return running(got[0]) if got is not None else None
 
 
 def _live(live: dict[str, Any] | None) -> dict[str, Any]:

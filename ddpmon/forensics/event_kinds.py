@@ -72,6 +72,12 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "microbatch": "pipeline parallel: the micro-batch where it started (null: a "
             "parameter gradient, summed over micro-batches)",
             "site": "pipeline parallel: `activation`, `output`, `activation_grad` or `param_grad`",
+            "where": "`reduced` when only the reduced gradients of the step in flight were seen "
+            "non-finite",
+            "running": "true for the step in flight when an exception left the loop (it never "
+            "completed; `step` is the step that was running)",
+            "phase": "the step in flight's phase (`before its forward`, `in forward or "
+            "backward`, `after backward`, `in the optimizer step`)",
         },
         failure=True,
     ),
@@ -218,6 +224,10 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "exc_type": "exception class, for `reason=exception`",
             "message": "exception message (2,000 characters at most)",
             "traceback": "formatted traceback (last 20,000 characters)",
+            "running": "true when an exception left a step in flight: `step` is that step (not "
+            "a completed one)",
+            "phase": "that step's phase (as for `nonfinite`)",
+            "loss": "that step's loss, when one was observed (`observe_loss`, an integration)",
         },
         failure=True,
     ),

@@ -4,20 +4,17 @@ ended. Pure functions over merged, clock-aligned events."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
+from .exceptions import REACTIONS, read_exception
+
 SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
-COMM_ERROR = re.compile(
-    r"gloo|nccl|connection|timed out|timeout|peer|socket|processgroup|distbackenderror|"
-    r"distnetworkerror|broken pipe",
-    re.IGNORECASE,
-)
 
 
 def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str, Any] | None:
     ranked = []
     floor = any(_floor_stopped(e) for e in events)
+    downstream = saw_only_reduced(events)
     for e in events:
         tier = failure_tier(e, floor_stopped=floor)
         if tier is None:
@@ -26,6 +23,8 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
         if e.get("kind") == "stall":
             enq = fr.get(e.get("rank"), {}).get("last_enqueued_collective")
             sub = float(enq) if enq is not None else float("inf")
+        else:
+            tier, sub = exit_order(e, tier, downstream)
         ranked.append(((tier, sub, e["t"]), e))
     if not ranked:
         return None
@@ -42,10 +41,47 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
                 "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
                 "microbatch", "site", "ranks", "group", "replicas", "device",
                 "first_check", "trigger", "fault", "gpu_uuid", "sample_ids", "sample_count",
-                "batch"):
+                "batch", "cause", "running"):
         if key in e:
             out[key] = e[key]
     return out
+
+
+def read_exits(events: list[dict[str, Any]]) -> None:
+    """Add ``cause`` (and ``frame``, ``tensor`` where told) to each exception ``exit`` event,
+    read from its type, message and traceback (:mod:`.exceptions`); fields a damaged or
+    hostile event claims for these are replaced."""
+    for e in events:
+        if e.get("kind") == "exit" and e.get("reason") == "exception":
+            for key in ("cause", "frame", "tensor"):
+                e.pop(key, None)
+            e.update(read_exception(e.get("exc_type"), e.get("message"), e.get("traceback")))
+
+
+def exit_order(e: dict[str, Any], tier: int, downstream: set[tuple]) -> tuple[int, float]:
+    """``(tier, order within the tier)`` of an exception ``exit`` among failures of its class:
+    a non-finite exception is a reaction to a value the hooks may have seen, so the hooks'
+    evidence (a local non-finite gradient) comes first, and on a rank whose own gradients were
+    finite (``downstream``: :func:`saw_only_reduced`) it is a consequence of a peer's; a lost
+    peer or a timeout comes after the signal that stopped that peer. Other events: unchanged."""
+    if e.get("kind") != "exit" or e.get("reason", "exception") != "exception":
+        return tier, 0.0
+    cause = e.get("cause") or read_exception(e.get("exc_type"), e.get("message"))["cause"]
+    if cause == "numerics":
+        return (3 if _key(e) in downstream else tier), 1.0
+    return tier, (1.0 if tier == 3 else 0.0)
+
+
+def _key(e: dict[str, Any]) -> tuple:
+    return e.get("rank"), e.get("attempt", 0), e.get("step")
+
+
+def saw_only_reduced(events: list[dict[str, Any]]) -> set[tuple]:
+    """(rank, attempt, step) where the rank's own gradients were finite but the reduced ones
+    were not (its ``nonfinite`` event names no origin): what it raised reacted to a peer."""
+    origin = {_key(e) for e in events if e.get("kind") == "nonfinite" and e.get("origin") is True}
+    return {_key(e) for e in events if e.get("kind") == "nonfinite"
+            and e.get("origin") is False and not e.get("poisoned")} - origin
 
 
 TIER_NAMES = {0: "origin", 1: "vanished", 2: "stall", 3: "consequence"}
@@ -87,11 +123,13 @@ def failure_tier(e: dict[str, Any], *, floor_stopped: bool = False) -> int | Non
         reason = e.get("reason")
         if reason == "exception":
             text = f"{e.get('exc_type', '')} {e.get('message', '')}"
-            if e.get("exc_type") in ("NonFiniteGradientError", "LossScaleFloorError"):
+            if e.get("exc_type") in REACTIONS:
                 return 3  # on_nonfinite / on_loss_scale_floor = raise: a reaction
             if floor_stopped and "loss scale already at minimum" in text:
                 return 3  # DeepSpeed's own, recorded as loss_scale_floor first
-            return 3 if COMM_ERROR.search(text) else 0
+            cause = e.get("cause") or read_exception(
+                e.get("exc_type"), e.get("message"), e.get("traceback"))["cause"]
+            return 3 if cause == "communication" else 0
         code = e.get("code")
         if reason == "keyboard_interrupt":
             return 3

@@ -15,7 +15,8 @@ the previous attempt's dump, which the file's own mtime no longer tells once a l
 has written to it.
 
 ``phase``: ``D`` before the step's first forward (data loading, ``zero_grad``, logging), ``F``
-forward or backward, ``B`` after backward (clipping, the scaler), ``O`` inside the optimizer step.
+forward or backward, ``B`` after backward (clipping, the scaler), ``O`` inside the optimizer step,
+``C`` inside a checkpoint save or load timed on the training thread (``observe_checkpoint``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ LINE_RE = re.compile(
 """One attempt's line, as read back (:func:`dumps`)."""
 
 PHASES = {"D": "before its forward", "F": "in forward or backward", "B": "after backward",
-          "O": "in the optimizer step"}
-DATA, FORWARD, AFTER_BACKWARD, OPTIMIZER = (ord(c) for c in "DFBO")
+          "O": "in the optimizer step", "C": "in a checkpoint save or load"}
+DATA, FORWARD, AFTER_BACKWARD, OPTIMIZER, CHECKPOINT = (ord(c) for c in "DFBOC")
 
 
 class _Slot:
@@ -114,6 +115,17 @@ class LiveStep:
         return out
 
 
+class _NoLive:
+    """No crash capture (an unwritable run dir): nothing to keep current."""
+
+    def set(self, step: int, phase: int) -> None:
+        pass
+
+
+NO_LIVE = _NoLive()
+"""Where a step pipeline without crash capture keeps its step in progress: nowhere."""
+
+
 def _fields(match: re.Match[str]) -> dict[str, Any]:
     return {"step": int(match.group(1)), "phase": PHASES.get(match.group(2), match.group(2)),
             "pid": int(match.group(3))}
@@ -133,3 +145,16 @@ def dumps(text: str) -> list[tuple[dict[str, Any] | None, str, float | None]]:
         live, pos = _fields(match), match.end()
     out.append((live, text[pos:], None))
     return [(fields, body, at) for fields, body, at in out if body.strip()]
+
+
+def running(text: str) -> dict[str, Any] | None:
+    """The live line that ends a crash file with nothing after it: the newest attempt's step in
+    progress when its process died without a dump (SIGKILL, the OOM killer, ``os._exit``: the
+    kernel wrote the mapped page back). None when the file ends with a dump, or the line holds
+    no step."""
+    lines = list(LINE_RE.finditer(text))
+    last = lines[-1] if lines else None
+    if last is None or text[last.end():].strip():
+        return None
+    fields = _fields(last)
+    return fields if fields["step"] >= 0 else None

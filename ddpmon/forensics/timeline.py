@@ -15,11 +15,14 @@ The first failure is chosen by evidence, then time:
 0. *origin* failures: a local ``nonfinite`` (``origin`` not false), a ``rerun`` on its origin
    rank (unless it applied the step), a ``replica_mismatch``, a fatal signal, ``oom``, an
    ``exit`` by exception that is not a communication error, an ``exit`` with a non-zero code;
+   an exception read as non-finite (:mod:`.exceptions`) after the hooks' evidence, and as a
+   consequence on a rank whose own gradients of that step were finite;
 1. ``vanished`` ranks (died without a word: SIGKILL, OOM killer, ``os._exit``);
 2. ``stall`` events, the rank whose flight recorder shows the fewest enqueued collectives first
    (the rank that stopped issuing them is the hung one; the others wait for it);
 3. consequences: reduced-gradient ``nonfinite``, ``overflow``, ``scale_floor``, SIGTERM/SIGINT
-   (the launcher tearing down survivors), communication-error exits, ``thread_exception``.
+   (the launcher tearing down survivors), communication-error exits (after signals: a lost
+   peer follows the signal that stopped it), ``thread_exception``.
 A ``loss_scale_floor`` event that stopped the run (``action=raise``, or ``source=deepspeed``) is
 an origin failure; the overflows its scaler absorbed before it are then consequences.
 Within a class the earliest aligned time wins.
@@ -39,8 +42,8 @@ from typing import Any
 from ..damage import ReadWarnings, read_json, read_json_lines
 from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
-from .crash_files import crash_event, sigterm_event
-from .failure import ending, first_failure
+from .crash_files import crash_event, running_step, sigterm_event
+from .failure import ending, first_failure, read_exits
 from .run_bounds import MAX_WORLD_SIZE, grouped, missing_ranks
 from .verdict import format_ids, verdict
 
@@ -126,6 +129,7 @@ def build_timeline(path: Path | str) -> Timeline:
             damage.add(run.events(rank), f"{n} event(s) claim an attempt that no start event "
                        "began", "counted in the attempt running")
     ranks, merged, world_size = _aligned(per_rank, warnings, run, damage)
+    read_exits(merged)
 
     # Last completed step per rank: the progress file knows it even for a rank killed mid-run.
     progress: dict[int, dict[str, Any]] = {}
@@ -137,7 +141,7 @@ def build_timeline(path: Path | str) -> Timeline:
                         for rank in set(per_rank) | set(progress)})
 
     merged.extend(_dump_events(run, damage, ranks, rank_starts, per_rank, steps))
-    merged.extend(_vanished_ranks(ranks, merged, steps))
+    merged.extend(_vanished_ranks(ranks, merged, steps, run))
     merged.sort(key=lambda e: (e["t"], e.get("rank", 0)))
     t0 = merged[0]["t"] if merged else 0.0
     for e in merged:
@@ -227,13 +231,15 @@ class _LastSteps:
         if attempt is None:
             attempt = max((e["attempt"] for e in events if "attempt" in e), default=0)
         # a signal's step is the one that was running, not a completed one; a step that was
-        # running (a dump's live line) says the one before it completed, which the progress
+        # running (a dump's live line, the step in flight an exit or its non-finite event
+        # names) says the one before it completed, which the progress
         # file, written every 50 ms, may not have reached when the process died
         ours = [e for e in events if e.get("attempt", 0) == attempt]
-        mine = [e for e in ours if e.get("kind") not in (att.SAVE, att.LOAD, "signal")]
+        mine = [e for e in ours if e.get("kind") not in (att.SAVE, att.LOAD, "signal")
+                and e.get("running") is not True]
         kept = self.by_attempt.get(rank, {}).get(attempt, {}).get("step")
         before = [e["step"] - 1 for e in ours
-                  if e.get("kind") == "signal" and e.get("running") and isinstance(e["step"], int)]
+                  if e.get("running") is True and isinstance(e.get("step"), int)]
         steps = [s for s in (_last_step(mine), kept, *before) if isinstance(s, int) and s >= 0]
         return max(steps) if steps else None
 
@@ -264,18 +270,27 @@ def _dump_events(run: RunDir, damage: ReadWarnings, ranks: dict[int, dict[str, A
 
 
 def _vanished_ranks(ranks: dict[int, dict[str, Any]], merged: list[dict[str, Any]],
-                    steps: _LastSteps) -> list[dict[str, Any]]:
+                    steps: _LastSteps, run: RunDir) -> list[dict[str, Any]]:
     """Ranks (per attempt) that ended without an exit event or a signal: killed from outside,
-    or still running."""
+    or still running; the newest attempt's at the step its crash file's live line says was in
+    progress (else its last completed step)."""
     found = []
     by_rank = grouped(merged, "rank")
+    crash_files = run.ranked(CRASH_RE)
     for rank in ranks:
-        for attempt, mine in sorted(grouped(by_rank.get(rank, []), "attempt").items()):
+        by_attempt = grouped(by_rank.get(rank, []), "attempt")
+        newest = max(by_attempt, default=None)
+        for attempt, mine in sorted(by_attempt.items()):
             vanished = _vanished(rank, attempt, mine, steps.by_attempt.get(rank, {}).get(
                 attempt, {}), ranks[rank]["clock_offset_seconds"])
-            if vanished is not None:
-                vanished["step"] = steps.last(rank, mine, attempt)
-                found.append(vanished)
+            if vanished is None:
+                continue
+            vanished["step"] = steps.last(rank, mine, attempt)
+            live = (running_step(crash_files[rank])
+                    if rank in crash_files and attempt == newest else None)
+            if live is not None and live["step"] >= (vanished["step"] or 0):
+                vanished.update(step=live["step"], phase=live["phase"], running=True)
+            found.append(vanished)
     return found
 
 
@@ -401,9 +416,9 @@ def describe(e: dict[str, Any]) -> str:
     if kind == "signal":
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
     for key in ("param", "tensor", "nonfinite", "origin", "stage", "microbatch", "site", "where",
-                "action", "exc_type", "message", "code", "reason", "idle_seconds", "loss_scale",
-                "floor", "phase", "frame", "detail", "seconds", "not_restored", "not_stated",
-                "error", "path"):
+                "action", "exc_type", "cause", "message", "code", "reason", "idle_seconds",
+                "loss_scale", "floor", "phase", "frame", "detail", "seconds", "not_restored",
+                "not_stated", "error", "path"):
         v = e.get(key)
         if v is None or v == "":
             continue

@@ -15,7 +15,11 @@ picked (``failure.first_failure``) and the events around it:
   rerun has told a transient fault from a deterministic one, so hardware is not excluded.
 - ``oom``: memory. ``stall``: data supply when the rank waited for its batch, else
   communication. ``vanished`` and communication errors: communication.
-- a signal or an exception not explained above: the process, with what it was.
+- an exception, read for its cause (:mod:`.exceptions`): numerics (a clip error, a loss guard,
+  anomaly detection), memory (out of memory), data (raised in the data pipeline, with the user's
+  frame); a communication error on a peer: communication.
+- a signal (SIGTERM: the process was stopped, by a preemption or the launcher) or an exception
+  not explained above: the process, with what it was.
 
 Pure function of the timeline's events (no file access): the timeline, ``report`` and the
 daemon's job outcome can all carry it.
@@ -59,7 +63,11 @@ def verdict(first: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[
         layer, evidence = "communication", f"rank {rank} vanished at step {step}"
     elif kind == "signal":
         frame = f" in {first['frame']}" if first.get("frame") else ""
-        layer, evidence = "process", f"{first.get('signal')} on {at}{frame}"
+        stopped = (": the process was stopped (preemption, or the launcher)"
+                   if first.get("signal") == "SIGTERM" else "")
+        layer, evidence = "process", f"{first.get('signal')} on {at}{frame}{stopped}"
+    elif kind == "exit" and first.get("cause") in _EXCEPTION_LAYERS:
+        layer, evidence = _exception(first, at)
     elif kind == "exit" and first.get("class") == "consequence":
         layer, evidence = "communication", f"{at}: {first.get('message') or first.get('exc_type')}"
     elif kind == "exit":
@@ -68,6 +76,25 @@ def verdict(first: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[
     else:
         layer, evidence = "process", f"{kind} on {at}"
     return {"layer": layer, "evidence": evidence, "line": f"{layer} ({evidence})"}
+
+
+_EXCEPTION_LAYERS = ("numerics", "memory", "data")
+"""The causes an exception is read for (:mod:`.exceptions`) that name a layer of their own."""
+
+
+def _exception(first: dict[str, Any], at: str) -> tuple[str, str]:
+    """An exception read for its cause: what it was, where, and the user's frame."""
+    cause, what = first["cause"], first.get("exc_type") or "an exception"
+    phase = f" ({first['phase']})" if first.get("phase") else ""
+    message = str(first.get("message") or "").splitlines()
+    said = f": {message[0][:160]}" if message else ""
+    if cause == "memory":
+        return "memory", f"out of memory on {at}{phase}, {what}"
+    if cause == "data":
+        frame = f", in {first['frame']}" if first.get("frame") else ""
+        return "data", f"{what} in the data pipeline on {at}{frame}{said}"
+    tensor = f", in {first['tensor']}" if first.get("tensor") else ""
+    return "numerics", f"non-finite on {at}{phase}{tensor}: {what}{said}"
 
 
 def _rerun(first: dict[str, Any]) -> tuple[str, str]:

@@ -170,6 +170,12 @@ class GradientSource(ABC):
     def collect(self) -> GradSummaries:
         """Norms of the step that is ending now (device tensors; never read here)."""
 
+    def inflight(self) -> GradSummaries | None:
+        """Exit path only (the step failed, so reading devices is allowed after): what the hooks
+        have seen of the step in progress that ``collect`` never closed, as device vectors
+        (partial local and reduced norms). None: nothing, or the strategy does not say."""
+        return None
+
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         """Global L2 norm of the current gradients of ``params`` as a device tensor, correct for
         this strategy (what ``clip_grad_norm_`` must clip by). Default: the gradients are full

@@ -241,6 +241,19 @@ class DDPSource(GradientSource):
         out.identical_ranks = data_check.identical_ranks(parts.fingerprint, self.env.on_error)
         return out
 
+    def inflight(self) -> GradSummaries | None:
+        """Exit path: the buckets the hook has seen of the step in progress, left in place (the
+        step never reached ``collect``). None when it has seen none."""
+        parts = self.probe.current() if self.probe is not None else None
+        if parts is None or not parts.buckets:
+            return None
+        out = GradSummaries(local_complete=False)
+        if parts.reduced_norms:
+            out.reduced = NormVector(torch.cat(parts.reduced_norms), parts.reduced_positions)
+        if parts.local_norms:
+            out.local = NormVector(torch.cat(parts.local_norms), parts.local_positions)
+        return out
+
     def clip_norm(self, params) -> torch.Tensor:
         """Reuse the reduced per-bucket norms the hook measured (no pass over the gradients)
         when it saw exactly ``params`` this step; else one pass."""

@@ -394,6 +394,12 @@ class DeepSpeedSource(GradientSource):
         norms = torch.stack([t for _, t in present]).sqrt() / self._scale_used
         return NormVector(norms, [i for i, _ in present], scaled=False)
 
+    def inflight(self) -> GradSummaries | None:
+        """Exit path: this rank's local norms of the micro-batches seen so far (its tensor
+        hooks), left in place."""
+        local = self.local_now()
+        return GradSummaries(local=local, local_complete=False) if local is not None else None
+
     def swap_local(self, squares: list | None = None) -> list:
         """Hand over the local squares so far and continue from ``squares`` (empty: None)."""
         taken = list(self._sq)

@@ -330,6 +330,18 @@ class FSDPSource(ShardedSource):
                 self.env.on_error("grads", exc)
         return out
 
+    def inflight(self) -> GradSummaries | None:
+        """Exit path: the local norms of the reduce-scatter inputs seen so far this step (left
+        in place; the reduced norms would need a collective, which a failed step may never
+        complete)."""
+        pieces = list(self._pieces)
+        if not pieces:
+            return None
+        device = pieces[0].norms.device
+        norms = torch.cat([p.norms.to(device) for p in pieces])
+        return GradSummaries(local=NormVector(norms, [i for p in pieces for i in p.positions],
+                                              self._scaled), local_complete=False)
+
     def _local_vector(self) -> tuple[NormVector | None, bool]:
         pieces, self._pieces = self._pieces, []
         exact, self._local_exact = self._local_exact, True

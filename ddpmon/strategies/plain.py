@@ -57,6 +57,15 @@ class PlainSource(GradientSource):
         reduced = clipped or full_pass(self.index, scaled=self.env.grads_scaled_now())
         return GradSummaries(reduced=reduced, local=captured)
 
+    def inflight(self) -> GradSummaries | None:
+        """Exit path: the gradients as the last backward left them (one process: they are
+        the reduced ones too)."""
+        if self._captured is None:
+            return None
+        if not self.multi_process:
+            return GradSummaries(reduced=self._captured, local_is_reduced=True)
+        return GradSummaries(local=self._captured, local_complete=True)
+
     def clip_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
         positions = self.index.positions_of(params)
         if positions is None or not self.multi_process:
