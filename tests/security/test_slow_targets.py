@@ -73,7 +73,7 @@ class Api:
         seen: dict[str, tuple] = {}
         exited = None
         end = time.monotonic() + timeout
-        while len(seen) < len(goals) and time.monotonic() < end:
+        while (len(seen) < len(goals) or exited is None) and time.monotonic() < end:
             if exited is None and not alive(launcher):
                 exited = time.time()
             for job_id, states in goals.items():
