@@ -34,6 +34,7 @@ from .._torch_compat import (
     fsdp_group_comms,
     fsdp_param_groups,
     fsdp_reduce_scatter_group,
+    fsdp_unsharded_param,
     set_all_reduce_hook,
 )
 from ..probes.grads import per_param_norms
@@ -107,6 +108,9 @@ class FSDPSource(ShardedSource):
         self._fingerprint: data_check.Fingerprint | None = None
         self._replicate_group: Any = None
         """HSDP: the replicate dim's group, the duplicate-data check's second group."""
+        self._ordered: list[tuple[Any, int]] = []
+        """(FSDPParam, position) of every unit, until the first forward hooks them."""
+        self._order_hook: Any = None
 
     def data_check_scope(self) -> tuple[str | None, str]:
         if self.name.startswith("hsdp"):
@@ -151,6 +155,25 @@ class FSDPSource(ShardedSource):
                 )
         with_params = sum(1 for m in modules if self._has_params(m))
         self._all_probed = probed == with_params and probed > 0
+        self._order_hook = self.env.model.register_forward_hook(self._order_by_compute)
+        self._handles.append(self._order_hook)
+
+    def _order_by_compute(self, *_: Any) -> None:
+        """End of the first forward: every unit's unsharded parameter exists; hook them, so the
+        origin's backward order is the order autograd computes the gradients in
+        (``probes.backward_order``). One shot."""
+        self._order_hook.remove()
+        ordered, self._ordered = self._ordered, []
+        order = self.index.order
+        try:
+            for fsdp_param, pos in ordered:
+                unsharded = fsdp_unsharded_param(fsdp_param)
+                if unsharded is None:
+                    raise LookupError("no unsharded parameter after the first forward")
+                order.watch_one(unsharded, pos)
+        except Exception:  # by unit then: each unit's parameters are ready at once
+            for unit in self._units:
+                order.together(unit.positions)
 
     @staticmethod
     def _has_params(module: torch.nn.Module) -> bool:
@@ -173,10 +196,10 @@ class FSDPSource(ShardedSource):
                 continue
             positions.append(pos)
             columns.append(_columns(fsdp_param))
+            self._ordered.append((fsdp_param, pos))
         reduce_scatter, _, _, hsdp = fsdp_group_comms(group)
         inner = reduce_scatter or DefaultReduceScatter()
         unit = FSDPUnit(positions=positions, columns=columns, hsdp=hsdp)
-        self.index.order.together(positions)  # one unit's gradients are ready at once
         unit.group = fsdp_reduce_scatter_group(group)
         unit.alone = unit.group is not None and unit.group.size() == 1
         if unit.hsdp and self._replicate_group is None:
