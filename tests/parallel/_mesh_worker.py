@@ -219,7 +219,8 @@ def run(shape: str, nan: str, out: Path, rank: int) -> dict:
     } for r in mon.recent_steps()]
     result = {"kind": mon.strategy, "refs": refs, "clips": clips, "ours": records,
               "errors": dict(mon.state.agent_errors), "names": [n for n, _ in named],
-              "backward_order": mon.index.order.names(mon.index.names)}
+              "backward_order": mon.index.order.names(mon.index.names),
+              "precision": mon.state.precision}
     mon.close()
     manifest = out / "runs" / f"mesh-{shape}" / "manifest.json"
     result["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None

@@ -28,10 +28,11 @@ SHAPES = {
     "hsdp-s1": ("hsdp", {"all_reduce"}),  # the shard dim has one rank: no gather, no scatter
     "tp": ("tp", set()),
     "fsdp2": ("fsdp2", {"all_gather", "reduce_scatter"}),
+    "fsdp2-bf16": ("fsdp2", {"all_gather", "reduce_scatter"}),  # MixedPrecisionPolicy
     "ddp": ("ddp", {"all_reduce"}),
     "plain": ("plain", set()),
 }
-PARAM_RUN = ("dp1+tp", "hsdp-r1", "hsdp-s1")
+PARAM_RUN = ("dp1+tp", "hsdp-r1", "hsdp-s1", "fsdp2-bf16")
 ACTIVATION_RUN = ("plain", "ddp", "fsdp2", "dp1+tp", "hsdp-s1", "tp")
 TP_SHAPES = ("dp1+tp", "tp")  # a NaN in an activation's gradient crosses TP ranks in backward
 
@@ -139,3 +140,21 @@ def test_the_measured_backward_order_runs_from_the_loss_to_the_input(runs):
         assert layers == sorted(layers, reverse=True), order
         assert order.index("output.weight") < order.index("layers.3.w_out.weight")
         assert order.index("layers.0.norm.weight") < order.index("embed.weight")
+
+
+def test_the_manifest_gives_the_precision_as_it_is(runs):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 parameters in
+    the manifest and on ``ddpmon_rank_info{precision}``; fp32 where nothing casts."""
+    for rank in runs("param"):
+        shapes = rank["shapes"]
+        mixed = shapes["fsdp2-bf16"]
+        assert mixed["precision"] == "bf16"
+        if mixed["manifest"] is not None:  # rank 0 writes the run's manifest
+            assert mixed["manifest"]["precision"] == "bf16"
+            detail = mixed["manifest"]["precision_detail"]
+            assert detail["params"] == "bf16" and detail["storage"] == "fp32"
+            assert detail["reduce"] == "fp32" and detail["autocast"] is None
+            assert detail["params_from"] == "fsdp2 MixedPrecisionPolicy"
+        for shape in ("dp1+tp", "hsdp-r1", "hsdp-s1"):
+            assert shapes[shape]["precision"] == "fp32", shape
+    assert any(r["shapes"]["fsdp2-bf16"]["manifest"] is not None for r in runs("param"))
