@@ -61,6 +61,10 @@ class BackwardOrder:
         if len(block) > 1:
             self._together.append(block)
 
+    def apart(self) -> None:
+        """Forget the ``together`` blocks: their parameters are measured one by one after all."""
+        self._together = []
+
     def watch(self, params: Sequence[torch.Tensor],
               on_error: Callable[[str, BaseException], None] | None = None) -> None:
         """One-shot hooks noting the order in which ``params``' gradients become ready."""

@@ -155,25 +155,26 @@ class FSDPSource(ShardedSource):
                 )
         with_params = sum(1 for m in modules if self._has_params(m))
         self._all_probed = probed == with_params and probed > 0
+        for unit in self._units:  # until the unsharded parameters are hooked (below)
+            self.index.order.together(unit.positions)
         self._order_hook = self.env.model.register_forward_hook(self._order_by_compute)
         self._handles.append(self._order_hook)
 
     def _order_by_compute(self, *_: Any) -> None:
         """End of the first forward: every unit's unsharded parameter exists; hook them, so the
         origin's backward order is the order autograd computes the gradients in
-        (``probes.backward_order``). One shot."""
-        self._order_hook.remove()
-        ordered, self._ordered = self._ordered, []
-        order = self.index.order
+        (``probes.backward_order``). One shot; never raises into the forward."""
         try:
-            for fsdp_param, pos in ordered:
-                unsharded = fsdp_unsharded_param(fsdp_param)
-                if unsharded is None:
-                    raise LookupError("no unsharded parameter after the first forward")
-                order.watch_one(unsharded, pos)
-        except Exception:  # by unit then: each unit's parameters are ready at once
-            for unit in self._units:
-                order.together(unit.positions)
+            self._order_hook.remove()
+            ordered, self._ordered = self._ordered, []
+            unsharded = [(fsdp_unsharded_param(fp), pos) for fp, pos in ordered]
+            if not unsharded or any(t is None for t, _ in unsharded):
+                return  # by unit then: each unit's parameters ready at once (``together``)
+            for tensor, pos in unsharded:
+                self.index.order.watch_one(tensor, pos)
+            self.index.order.apart()  # measured per parameter: no block to reorder
+        except Exception as exc:
+            self.env.on_error("grads", exc)
 
     @staticmethod
     def _has_params(module: torch.nn.Module) -> bool:
