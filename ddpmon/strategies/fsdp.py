@@ -11,7 +11,9 @@ Where each number comes from (why: see the Parallelism section of the docs):
   On CPU, as for DDP, that pass runs every ``local_norm_every`` steps; on the other steps one
   ``sum`` of the buffer (a NaN or Inf anywhere makes it non-finite; ~15x cheaper than the norm
   pass) is read on the host, free on CPU, and only a non-finite sum runs the norm pass, right
-  there: the origin stays exact on every step.
+  there: the origin stays exact on every step. A one-rank reduce-scatter group (a size-1 dp
+  mesh beside TP, HSDP with a size-1 shard dim) has no reduce-scatter call: its input is seen
+  at the allocation of its output (``fsdp_comms.ProbedReduceScatter.allocate``).
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
   one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
   async all-reduce of the per-parameter partial squares over the shard dim(s)
