@@ -228,6 +228,34 @@ def fsdp_reduce_scatter_group(group: Any) -> Any:
             or getattr(info, "shard_process_group", None))
 
 
+def fsdp_mp_policy(model: torch.nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` of ``model``'s FSDP2 root (its first parameter group's
+    ``mp_policy``), None without FSDP2 or where unreadable (precision is then the parameters'
+    dtype)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in fsdp_param_groups(module):
+                policy = getattr(group, "mp_policy", None)
+                if policy is not None:
+                    return policy
+    return None
+
+
+def fsdp_unsharded_param(fsdp_param: Any) -> torch.Tensor | None:
+    """An ``FSDPParam``'s unsharded parameter (``_unsharded_param``: the leaf autograd
+    accumulates into in backward), None before its first all-gather or where unreadable (the
+    origin's backward order then comes from the units' reduction order)."""
+    found = getattr(fsdp_param, "_unsharded_param", None)
+    if found is None and not hasattr(type(fsdp_param), "unsharded_param"):
+        lost("FSDPParam._unsharded_param",
+             "the origin's backward order under FSDP2 is by unit, not by parameter")
+    return found if isinstance(found, torch.Tensor) else None
+
+
 # ------------------------------------------------------------------------- flight recorder
 def flight_recorder_dumps() -> tuple[Callable | None, Callable | None]:
     """c10d's flight-recorder dump functions (pickle, JSON): ``_dump_fr_trace`` (``_nccl_`` in

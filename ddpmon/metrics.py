@@ -33,9 +33,13 @@ L = Layer
 RANK_INFO = Metric(
     "ddpmon_rank_info",
     G,
-    "Identity of this rank; join with DCGM series on gpu_uuid.",
+    "Identity of this rank; join with DCGM series on gpu_uuid. precision: what the model "
+    "trains in, fp32, bf16, fp16, fp64 or other (FSDP2's param_dtype, else the parameters' "
+    "dtype), amp-<dtype> under autocast (from the first forward on), a +gradscaler suffix with "
+    "an enabled GradScaler, or deepspeed-<fp32|bf16|fp16>.",
     L.IDENTITY,
-    labels=("local_rank", "world_size", "node", "backend", "device", "gpu_uuid", "pid", "strategy"),
+    labels=("local_rank", "world_size", "node", "backend", "device", "gpu_uuid", "pid", "strategy",
+            "precision"),
 )
 BUILD_INFO = Metric(
     "ddpmon_build_info",

@@ -213,6 +213,8 @@ class MetricState:
     """The agent's ``stall_seconds``, exported so alerts compare against it; None: not set."""
     strategy: str = "plain"
     """Parallelism of the model: plain, ddp, fsdp2, hsdp, tp or fsdp2+tp (``rank_info`` label)."""
+    precision: str = "fp32"
+    """What the model trains in (``agent.precision.LABELS``; ``rank_info`` label)."""
     attempt: int = 0
     """Restart attempt of this process (0: first launch); see ``ddpmon.agent.checkpoints``."""
     checkpoint_last_step: int | None = None

@@ -43,6 +43,7 @@ from .forensics import Forensics
 from .guard import Guard
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
+from .precision import read_precision
 from .record_sinks import RecordSinks
 from .run_facts import manifest_extra, start_fields, states_present
 from .step_markers import StepMarkers
@@ -143,6 +144,8 @@ class Monitor:
         self.engine_facts = getattr(self.source, "facts", None)
         if self.engine_facts is not None:
             state.amp_enabled = self.engine_facts.precision == "fp16"
+        self.precision = read_precision(model, self.index.params, self.scaler, self.engine_facts,
+                                        state, self.identity.device)
         deepspeed = self.engine_facts is not None
         state.steps_skipped_total = dict.fromkeys(
             possible_skippers(deepspeed, state.amp_enabled, config.on_nonfinite), 0
@@ -180,7 +183,7 @@ class Monitor:
             sinks=sinks,
             grad_norm_tolerance=config.grad_norm_tolerance,
             optimizer=optimizer,
-            step_metrics=chosen(config.step_metrics),
+            step_metrics=chosen(config.step_metrics), precision=self.precision,
         )
         if config.on_nonfinite == "rerun":
             from .rerun import StepRerun
@@ -381,13 +384,8 @@ class Monitor:
         self._closed = True
         registry.discard(self)
         for name, method in (
-            ("records", "stop"),
-            ("markers", "close"),
-            ("amp", "detach"),
-            ("dcp", "uninstall"),
-            ("source", "close"),
-            ("forensics", "close"),
-            ("endpoint", "close"),
+            ("records", "stop"), ("markers", "close"), ("amp", "detach"), ("dcp", "uninstall"),
+            ("source", "close"), ("forensics", "close"), ("endpoint", "close"),
         ):
             close = getattr(getattr(self, name, None), method, None)
             if close is not None:

@@ -41,6 +41,7 @@ from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
 from .observed import plain
 from .policy import NonFinitePolicy, OriginTracker
+from .precision import Precision, saw_forward
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
 from .step_detection import GradSentinel, is_inert_step
@@ -64,6 +65,7 @@ class StepPipeline(StepPhase):
         readback: Readback | None = None,
         optimizer: Any = None,
         step_metrics: Sequence[StepMetric] = (),
+        precision: Precision | None = None,
     ) -> None:
         self.source = source
         self.index = index
@@ -107,6 +109,8 @@ class StepPipeline(StepPhase):
         """The phase of the step in progress (``live_step``'s codes)."""
         self.live: Any = NO_LIVE
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
+        self.precision = precision
+        """Noted at the first forward (the autocast it runs under)."""
         self.unmeasured = UnmeasuredSteps(guard, index.params, getattr(source, "name", "?"))
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
@@ -162,6 +166,9 @@ class StepPipeline(StepPhase):
                 self._replica_inflight = self._launch_replicas()
         self._at(FORWARD)
         if self.batch_shapes is None:
+            if self.precision is not None:
+                with self.guard("step"):
+                    saw_forward(self.precision)
             with self.guard("data"):
                 self.batch_shapes = [
                     list(a.shape) for a in args if isinstance(a, torch.Tensor)

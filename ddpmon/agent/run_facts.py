@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._torch_compat import scaler_enabled
-
 if TYPE_CHECKING:
     from .monitor import Monitor
 
@@ -41,13 +39,8 @@ def states_present(optimizer: Any, scaler: Any) -> frozenset[str]:
 def manifest_extra(mon: Monitor) -> dict:
     """What the manifest says about the run beyond the config: precision, strategy, sizes,
     hosts, attempt and recovery."""
-    scaler = mon.scaler
-    precision = "fp32"
-    if scaler is not None and scaler_enabled(scaler):
-        precision = "amp+gradscaler"
     extra = {}
     if mon.engine_facts is not None:
-        precision = f"deepspeed-{mon.engine_facts.precision}"
         extra["deepspeed"] = mon.engine_facts.manifest()
     from ..slurm import from_environ
 
@@ -57,7 +50,8 @@ def manifest_extra(mon: Monitor) -> dict:
     return extra | {
         "run_id": mon.run_id,
         "batch_shapes": mon.pipeline.batch_shapes,
-        "precision": precision,
+        "precision": mon.precision.label(),
+        "precision_detail": mon.precision.manifest(),
         "strategy": mon.strategy,
         "data_version": mon.config.data_version,
         "param_count": sum(getattr(p, "ds_numel", p.numel()) for p in mon.index.params),

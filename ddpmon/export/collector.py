@@ -157,6 +157,7 @@ class DdpmonCollector(Collector):
                         ident.gpu_uuid,
                         str(ident.pid),
                         s.strategy,
+                        s.precision,
                     ),
                     1,
                 )

@@ -156,6 +156,7 @@ def build_manifest(
         "seeds": seeds,
         "batch_shapes": extra.pop("batch_shapes", None),
         "precision": extra.pop("precision", None),
+        "precision_detail": extra.pop("precision_detail", None),
         "data_version": extra.pop("data_version", None) or cfg.get("data_version"),
         "config": {
             k: _URL_USERINFO.sub(rf"\g<scheme>\g<user>:{REDACTED}@", v) if isinstance(v, str) else v

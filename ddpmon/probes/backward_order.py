@@ -7,10 +7,12 @@ backward. The first in module (registration) order would name the far end (the e
 
 The order is measured once: at attach, each trainable parameter gets a one-shot
 ``register_post_accumulate_grad_hook`` that notes its position when its gradient is ready
-(autograd's ``AccumulateGrad`` for plain, DDP, TP and DeepSpeed parameters; FSDP2 runs the
-sharded parameter's hooks itself after each unit's reduction, in backward order of the units,
-and the FSDP2 source declares each unit's parameters ``together``: ready at once, ranked among
-themselves in reverse registration order).
+(autograd's ``AccumulateGrad`` for plain, DDP, TP and DeepSpeed parameters). Under FSDP2 the
+leaf autograd accumulates into is the unsharded parameter, which exists from the first forward
+on: the FSDP2 source hooks it then (``watch_one``), at the end of the first forward. Without it
+only the sharded parameters' hooks remain, which FSDP2 runs after each unit's reduction (the
+root unit's last of all); the source then declares each unit's parameters ``together``: ready
+at once, ranked among themselves in reverse registration order.
 The first step that ends settles the order and removes the hooks: nothing runs per step after
 that, and no device value is ever read. Parameters not seen (no gradient in that backward, or
 an engine that assigns gradients another way) follow the seen ones in reverse registration
@@ -59,6 +61,10 @@ class BackwardOrder:
         if len(block) > 1:
             self._together.append(block)
 
+    def apart(self) -> None:
+        """Forget the ``together`` blocks: their parameters are measured one by one after all."""
+        self._together = []
+
     def watch(self, params: Sequence[torch.Tensor],
               on_error: Callable[[str, BaseException], None] | None = None) -> None:
         """One-shot hooks noting the order in which ``params``' gradients become ready."""
@@ -70,6 +76,15 @@ class BackwardOrder:
                 if on_error is not None:
                     on_error("grads", exc)
                 break
+
+    def watch_one(self, tensor: torch.Tensor, position: int) -> None:
+        """One more one-shot hook: ``tensor``'s gradient is ``position``'s (FSDP2's unsharded
+        parameter, the leaf autograd accumulates into while its unit computes). Not after the
+        order has settled."""
+        with self._lock:
+            if not self.measured:
+                self._handles.append(
+                    tensor.register_post_accumulate_grad_hook(self._noter(position)))
 
     def _noter(self, position: int) -> Callable[[torch.Tensor], None]:
         def note(_param: torch.Tensor) -> None:

@@ -360,9 +360,9 @@ def summarize_host(
     scale: float | None = None,
 ) -> GradSummary:
     """Global norm, group norms and the first non-finite parameter (first in backward order,
-    ``ParamIndex.order``: where a NaN began) with its kind, from read-back per-parameter norms. ``scale``: the loss
-    scale the gradients carried (divided out when ``vector.scaled``). Plain Python for small
-    models (numpy's per-call cost dominates there), numpy for large ones."""
+    ``ParamIndex.order``: where a NaN began) with its kind, from read-back per-parameter norms.
+    ``scale``: the loss scale the gradients carried (divided out when ``vector.scaled``). Plain
+    Python for small models (numpy's per-call cost dominates there), numpy for large ones."""
     if scale is not None and vector.scaled and scale > 0 and math.isfinite(scale):
         inv = 1.0 / scale
         values = [v * inv for v in values]

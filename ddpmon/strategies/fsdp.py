@@ -11,7 +11,9 @@ Where each number comes from (why: see the Parallelism section of the docs):
   On CPU, as for DDP, that pass runs every ``local_norm_every`` steps; on the other steps one
   ``sum`` of the buffer (a NaN or Inf anywhere makes it non-finite; ~15x cheaper than the norm
   pass) is read on the host, free on CPU, and only a non-finite sum runs the norm pass, right
-  there: the origin stays exact on every step.
+  there: the origin stays exact on every step. A one-rank reduce-scatter group (a size-1 dp
+  mesh beside TP, HSDP with a size-1 shard dim) has no reduce-scatter call: its input is seen
+  at the allocation of its output (``fsdp_comms.ProbedReduceScatter.allocate``).
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
   one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
   async all-reduce of the per-parameter partial squares over the shard dim(s)
@@ -34,6 +36,7 @@ from .._torch_compat import (
     fsdp_group_comms,
     fsdp_param_groups,
     fsdp_reduce_scatter_group,
+    fsdp_unsharded_param,
     set_all_reduce_hook,
 )
 from ..probes.grads import per_param_norms
@@ -107,6 +110,9 @@ class FSDPSource(ShardedSource):
         self._fingerprint: data_check.Fingerprint | None = None
         self._replicate_group: Any = None
         """HSDP: the replicate dim's group, the duplicate-data check's second group."""
+        self._ordered: list[tuple[Any, int]] = []
+        """(FSDPParam, position) of every unit, until the first forward hooks them."""
+        self._order_hook: Any = None
 
     def data_check_scope(self) -> tuple[str | None, str]:
         if self.name.startswith("hsdp"):
@@ -151,6 +157,26 @@ class FSDPSource(ShardedSource):
                 )
         with_params = sum(1 for m in modules if self._has_params(m))
         self._all_probed = probed == with_params and probed > 0
+        for unit in self._units:  # until the unsharded parameters are hooked (below)
+            self.index.order.together(unit.positions)
+        self._order_hook = self.env.model.register_forward_hook(self._order_by_compute)
+        self._handles.append(self._order_hook)
+
+    def _order_by_compute(self, *_: Any) -> None:
+        """End of the first forward: every unit's unsharded parameter exists; hook them, so the
+        origin's backward order is the order autograd computes the gradients in
+        (``probes.backward_order``). One shot; never raises into the forward."""
+        try:
+            self._order_hook.remove()
+            ordered, self._ordered = self._ordered, []
+            unsharded = [(fsdp_unsharded_param(fp), pos) for fp, pos in ordered]
+            if not unsharded or any(t is None for t, _ in unsharded):
+                return  # by unit then: each unit's parameters ready at once (``together``)
+            for tensor, pos in unsharded:
+                self.index.order.watch_one(tensor, pos)
+            self.index.order.apart()  # measured per parameter: no block to reorder
+        except Exception as exc:
+            self.env.on_error("grads", exc)
 
     @staticmethod
     def _has_params(module: torch.nn.Module) -> bool:
@@ -173,10 +199,10 @@ class FSDPSource(ShardedSource):
                 continue
             positions.append(pos)
             columns.append(_columns(fsdp_param))
+            self._ordered.append((fsdp_param, pos))
         reduce_scatter, _, _, hsdp = fsdp_group_comms(group)
         inner = reduce_scatter or DefaultReduceScatter()
         unit = FSDPUnit(positions=positions, columns=columns, hsdp=hsdp)
-        self.index.order.together(positions)  # one unit's gradients are ready at once
         unit.group = fsdp_reduce_scatter_group(group)
         unit.alone = unit.group is not None and unit.group.size() == 1
         if unit.hsdp and self._replicate_group is None:

@@ -76,6 +76,8 @@ def build(shape: str, rank: int) -> tuple[nn.Module, int]:
     torch.manual_seed(0)
     model = Net()
     world = dist.get_world_size()
+    if shape == "plain":  # no wrapper: each rank trains on its own
+        return model, rank
     if shape == "ddp":
         return nn.parallel.DistributedDataParallel(model), rank
     if shape == "fsdp2":
@@ -216,7 +218,9 @@ def run(shape: str, nan: str, out: Path, rank: int) -> dict:
         "collective_bytes": dict(r.collective_bytes),
     } for r in mon.recent_steps()]
     result = {"kind": mon.strategy, "refs": refs, "clips": clips, "ours": records,
-              "errors": dict(mon.state.agent_errors), "names": [n for n, _ in named]}
+              "errors": dict(mon.state.agent_errors), "names": [n for n, _ in named],
+              "backward_order": mon.index.order.names(mon.index.names),
+              "precision": mon.state.precision}
     mon.close()
     manifest = out / "runs" / f"mesh-{shape}" / "manifest.json"
     result["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
