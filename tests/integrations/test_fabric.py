@@ -3,9 +3,11 @@ returned (``fabric_worker.py``, launched by ``fabric.launch()``): measured as th
 
 Runs: DDP (20 optimizer steps of 2 micro-batches under ``fabric.no_backward_sync``), FSDP2
 (``ModelParallelStrategy`` with ``fully_shard``; Lightning's ``FSDPStrategy`` is FSDP1 and
-GPU-only), DDP with every rank reading the same batches, and DDP with a NaN in rank 1's input at
-step 10, once with ``clip_gradients(error_if_nonfinite=False)`` (the step completes) and once
-with ``error_if_nonfinite=True`` (``clip_gradients`` raises on both ranks).
+GPU-only), DDP with every rank reading the same batches, DDP attached before ``fabric.setup``
+(a mistake ddpmon must name), and DDP with a NaN in rank 1's input at step 10, once with
+``clip_gradients(error_if_nonfinite=False)`` (the step completes) and once with
+``error_if_nonfinite=True`` (``clip_gradients`` raises on both ranks: its test needs the
+in-flight step record of branch i45-inflight too).
 """
 
 from __future__ import annotations
