@@ -20,7 +20,21 @@ import torch
 
 SYNC_AUDIT_ENV = "DDPMON_SYNC_AUDIT"
 
-_AUDIT = os.environ.get(SYNC_AUDIT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _from_env() -> bool:
+    return os.environ.get(SYNC_AUDIT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_AUDIT = _from_env()
+
+
+def reread_env() -> bool:
+    """Read ``DDPMON_SYNC_AUDIT`` again (a process forked after ddpmon was imported, as the
+    test suite's zygote forks its ranks, gets its environment only then); returns the value."""
+    global _AUDIT
+    _AUDIT = _from_env()
+    return _AUDIT
 
 
 def sync_audit() -> bool:
@@ -38,4 +52,4 @@ def host_read_free_all(tensors) -> bool:
     return not _AUDIT and all(t is None or t.is_cpu for t in tensors)
 
 
-__all__ = ["SYNC_AUDIT_ENV", "host_read_free", "host_read_free_all", "sync_audit"]
+__all__ = ["SYNC_AUDIT_ENV", "host_read_free", "host_read_free_all", "reread_env", "sync_audit"]

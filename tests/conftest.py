@@ -77,6 +77,8 @@ LANES: dict[str, tuple[str, ...]] = {
     "scaleout/test_sharded_path.py": ("ranks", "services"),
     "security/": (),
     "slurm/": ("ranks", "services"),
+    "sync/": ("ranks",),
+    "sync/test_recorder.py": (),
     "unit/": (),
     "unit/test_collector.py": ("services",),
 }

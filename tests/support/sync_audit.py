@@ -111,11 +111,13 @@ def _copy_kind(name: str, args: tuple, kwargs: dict) -> str | None:
 
 
 def _where() -> str:
-    """The innermost ddpmon frame of the current stack (else the innermost outside torch)."""
+    """The ddpmon frames of the current stack, innermost first (at most three), else the
+    innermost frame outside torch and this module."""
     frames = traceback.extract_stack()[:-3]
-    for frame in reversed(frames):
-        if frame.filename.startswith(PACKAGE):
-            return f"ddpmon/{frame.filename[len(PACKAGE) + 1:]}:{frame.lineno} {frame.name}"
+    ours = [f"ddpmon/{f.filename[len(PACKAGE) + 1:]}:{f.lineno} {f.name}"
+            for f in reversed(frames) if f.filename.startswith(PACKAGE)]
+    if ours:
+        return " < ".join(ours[:3])
     for frame in reversed(frames):
         if "/torch/" not in frame.filename and "sync_audit" not in frame.filename:
             return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"

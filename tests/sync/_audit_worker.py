@@ -26,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import ddpmon  # noqa: E402
+from ddpmon import host_reads  # noqa: E402
 from tests.support.sync_audit import SyncAudit  # noqa: E402
 
 STEPS = 5
@@ -68,6 +69,7 @@ class Loop:
     def build(strategy: str) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -76,7 +78,9 @@ class Loop:
 
         model = mlp()
         world = dist.get_world_size()
-        tp_plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        # every linear layer parallel (one optimizer over DTensors only, as a TP script has)
+        tp_plan = {"0": ColwiseParallel(), "2": RowwiseParallel(),
+                   "4": ColwiseParallel(output_layouts=Replicate())}
         if strategy == "plain":
             return model
         if strategy == "ddp":
@@ -260,7 +264,8 @@ def main() -> None:
     parser.add_argument("--runs", required=True)
     parser.add_argument("--inject-item", default=None)
     args = parser.parse_args()
-    assert os.environ.get("DDPMON_SYNC_AUDIT") == "1", "run with DDPMON_SYNC_AUDIT=1"
+    # the zygote imported ddpmon before this rank's environment existed: read it now
+    assert host_reads.reread_env(), "run with DDPMON_SYNC_AUDIT=1"
     dist.init_process_group("gloo")
     if args.inject_item:
         inject_item(args.inject_item)
