@@ -371,7 +371,8 @@ class ShardedNorms:
             unscale = None
         pending.wait()
         pending.context.reused = True
-        if host_read_free(pending.vector.device) and bool(pending.failed):  # every rank falls back alike
+        # every rank falls back alike
+        if host_read_free(pending.vector.device) and bool(pending.failed):
             return None
         total = pending.values.sum().sqrt()
         if unscale is not None:
@@ -383,7 +384,9 @@ class ShardedNorms:
         pending.wait()
         pending.context.reused = True
         vec = pending.vector
-        return None if host_read_free(vec.device) else torch.zeros((), dtype=vec.dtype, device=vec.device)
+        if host_read_free(vec.device):
+            return None
+        return torch.zeros((), dtype=vec.dtype, device=vec.device)
 
 
 @dataclass(slots=True)

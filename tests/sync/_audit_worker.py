@@ -4,8 +4,10 @@ counts of host-syncing ops (tests/support/sync_audit.py) to ``OUT/rank<R>.json``
 
 Run as ``python _audit_worker.py --out DIR --runs ddp,ddp+scaler,...`` with the rank env of
 tests/support/ranks.py and ``DDPMON_SYNC_AUDIT=1`` (ddpmon then takes its accelerator branches
-on the CPU). ``--inject-item MODULE:FUNCTION`` wraps one ddpmon function so that it calls
-``.item()`` on its first tensor argument: the audit must report it (tests/sync).
+on the CPU). ``--device cuda`` runs the loops on the GPU (one rank: ``make gpu-check``), where
+torch's own CUDA sync debug mode (``warn``) is on during every step and its warnings are counted
+too, as ``cuda-sync-debug``. ``--inject-item MODULE:FUNCTION`` wraps one ddpmon function so
+that it calls ``.item()`` on its first tensor argument: the audit must report it (tests/sync).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import importlib
 import json
 import os
+import sys
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,6 +45,9 @@ FEATURES = {
     "announce": False,
 }
 """Every per-step feature, at its most frequent: each runs on every audited step."""
+DEVICE = torch.device("cpu")
+"""Where the loops run (``--device``)."""
+SYNC_DEBUG = "cuda-sync-debug"
 
 
 def mlp() -> nn.Module:
@@ -51,7 +58,8 @@ def mlp() -> nn.Module:
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, D, generator=gen), torch.randint(4, (8,), generator=gen)
+    x, y = torch.randn(8, D, generator=gen), torch.randint(4, (8,), generator=gen)
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 class Loop:
@@ -62,7 +70,7 @@ class Loop:
         self.model = self.build(strategy)
         self.params = [p for p in self.model.parameters()]
         self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=True)
-        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaler else None
+        self.scaler = torch.amp.GradScaler(DEVICE.type, init_scale=2.0**8) if scaler else None
         self.mon = None
 
     @staticmethod
@@ -76,28 +84,29 @@ class Loop:
             parallelize_module,
         )
 
-        model = mlp()
-        world = dist.get_world_size()
+        model = mlp().to(DEVICE)
+        world, kind = dist.get_world_size(), DEVICE.type
         # every linear layer parallel (one optimizer over DTensors only, as a TP script has)
         tp_plan = {"0": ColwiseParallel(), "2": RowwiseParallel(),
                    "4": ColwiseParallel(output_layouts=Replicate())}
         if strategy == "plain":
             return model
         if strategy == "ddp":
-            return nn.parallel.DistributedDataParallel(model)
+            ids = [DEVICE.index or 0] if kind == "cuda" else None
+            return nn.parallel.DistributedDataParallel(model, device_ids=ids)
         if strategy == "fsdp2":
-            mesh = init_device_mesh("cpu", (world,))
+            mesh = init_device_mesh(kind, (world,))
             fully_shard(model[2], mesh=mesh)
             return fully_shard(model, mesh=mesh)
         if strategy == "hsdp":
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(kind, (2, world // 2), mesh_dim_names=("replicate", "shard"))
             fully_shard(model[2], mesh=mesh)
             return fully_shard(model, mesh=mesh)
         if strategy == "tp":
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+            mesh = init_device_mesh(kind, (world,), mesh_dim_names=("tp",))
             return parallelize_module(model, mesh, tp_plan)
         if strategy == "fsdp2+tp":
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh(kind, (2, world // 2), mesh_dim_names=("dp", "tp"))
             parallelize_module(model, mesh["tp"], tp_plan)
             return fully_shard(model, mesh=mesh["dp"])
         raise SystemExit(f"unknown strategy {strategy}")
@@ -135,9 +144,9 @@ class PipelineLoop(Loop):
 
         self.strategy = strategy
         rank = dist.get_rank()
-        whole = mlp()
+        whole = mlp().to(DEVICE)
         self.model = whole[:3] if rank == 0 else whole[3:]
-        self.stage = PipelineStage(self.model, rank, 2, torch.device("cpu"))
+        self.stage = PipelineStage(self.model, rank, 2, DEVICE)
         self.schedule = ScheduleGPipe(self.stage, 2, loss_fn=F.cross_entropy)
         self.params = list(self.model.parameters())
         self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=True)
@@ -217,7 +226,10 @@ def audited(run: str, monitored: bool) -> dict:
         loop.attach()
     with SyncAudit() as audit:
         for step in range(STEPS):
-            loop.step(step)
+            with cuda_sync_debug() as caught:
+                loop.step(step)
+            if audit.recording and caught:
+                audit.training[SYNC_DEBUG] += len(caught)
             audit.recording = step < STEPS - 1  # on after the first step, off after the last
     if loop.mon is not None:
         errors = dict(loop.mon.state.agent_errors)
@@ -229,6 +241,28 @@ def audited(run: str, monitored: bool) -> dict:
     out.update(agent_errors=errors, steps=steps)
     dist.barrier()
     return out
+
+
+class cuda_sync_debug:
+    """torch's CUDA sync debug mode at ``warn`` for one step, its warnings collected (CUDA only;
+    elsewhere an empty list)."""
+
+    def __enter__(self) -> list:
+        self.caught: list = []
+        if DEVICE.type != "cuda":
+            return self.caught
+        self._catch = warnings.catch_warnings(record=True)
+        self.caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self.caught
+
+    def __exit__(self, *exc: object) -> None:
+        if DEVICE.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            kept = [w for w in self.caught if "synchroniz" in str(w.message)]
+            self._catch.__exit__(*exc)
+            self.caught[:] = kept
 
 
 def inject_item(target: str) -> None:
@@ -263,10 +297,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--runs", required=True)
     parser.add_argument("--inject-item", default=None)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     # the zygote imported ddpmon before this rank's environment existed: read it now
-    assert host_reads.reread_env(), "run with DDPMON_SYNC_AUDIT=1"
-    dist.init_process_group("gloo")
+    if not host_reads.reread_env() and args.device == "cpu":
+        sys.exit("run with DDPMON_SYNC_AUDIT=1: on the CPU the audit must see the GPU's branches")
+    global DEVICE
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if args.inject_item:
         inject_item(args.inject_item)
     results = {}
