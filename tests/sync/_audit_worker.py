@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -311,7 +312,9 @@ def main() -> None:
         inject_item(args.inject_item)
     results = {}
     for run in args.runs.split(","):
+        t0 = time.monotonic()
         results[run] = {"unmonitored": audited(run, False), "monitored": audited(run, True)}
+        print(f"audit: {run} {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     rank = dist.get_rank()
     (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "runs": results}))
     dist.destroy_process_group()

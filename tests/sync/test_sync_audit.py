@@ -18,6 +18,10 @@ from tests.support.ranks import run_ranks
 from tests.support.sync_audit import added_ops
 from tests.sync._audit_worker import STEPS
 
+# A launch runs in the first test that needs it: DeepSpeed's (imports, three engines, two runs
+# each) took 20-130 s alone on 2 cores and up to 300 s beside other suites' ranks.
+pytestmark = pytest.mark.timeout(600)
+
 WORKER = Path(__file__).with_name("_audit_worker.py")
 ENV = {"DDPMON_SYNC_AUDIT": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
 
