@@ -111,17 +111,15 @@ def _copy_kind(name: str, args: tuple, kwargs: dict) -> str | None:
 
 
 def _where() -> str:
-    """The ddpmon frames of the current stack, innermost first (at most three), else the
-    innermost frame outside torch and this module."""
-    frames = traceback.extract_stack()[:-3]
+    """Where the op came from: the innermost frame outside torch, then the ddpmon frames of
+    the stack, innermost first (at most three)."""
+    frames = [f for f in traceback.extract_stack()[:-3] if "sync_audit" not in f.filename]
     ours = [f"ddpmon/{f.filename[len(PACKAGE) + 1:]}:{f.lineno} {f.name}"
-            for f in reversed(frames) if f.filename.startswith(PACKAGE)]
-    if ours:
-        return " < ".join(ours[:3])
-    for frame in reversed(frames):
-        if "/torch/" not in frame.filename and "sync_audit" not in frame.filename:
-            return f"{Path(frame.filename).name}:{frame.lineno} {frame.name}"
-    return "?"
+            for f in reversed(frames) if f.filename.startswith(PACKAGE)][:3]
+    inner = next((f for f in reversed(frames) if "/torch/" not in f.filename), None)
+    if inner is not None and not inner.filename.startswith(PACKAGE):
+        ours.insert(0, f"{Path(inner.filename).name}:{inner.lineno} {inner.name}")
+    return " < ".join(ours) or "?"
 
 
 class _Mode(TorchDispatchMode):
@@ -158,7 +156,7 @@ class SyncAudit:
         with self._lock:
             side = self.ddpmon_threads if thread.startswith("ddpmon") else self.training
             side[kind] += 1
-            if place.startswith("ddpmon/") and not thread.startswith("ddpmon"):
+            if "ddpmon/" in place and not thread.startswith("ddpmon"):
                 self.where.setdefault(kind, Counter())[place] += 1
 
     def _mode_here(self) -> bool:

@@ -77,4 +77,5 @@ def test_an_injected_item_on_the_hot_path_is_reported(tmp_path):
             added = added_ops(result["monitored"]["training"], result["unmonitored"]["training"])
             assert added.get("aten._local_scalar_dense", 0) >= STEPS - 1, (run, added)
             where = result["monitored"]["where"]["aten._local_scalar_dense"]
-            assert any("per_param_norms" in place or "with_item" in place for place in where), where
+            assert all(place.startswith("_audit_worker.py") and "with_item < ddpmon/" in place
+                       for place in where), where
