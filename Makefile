@@ -33,7 +33,7 @@ FAST_LANE := not ranks and not services and not browser and not gpu
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo demo-pp test test-deps check check-deps docs reference lint replica-soak bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
+.PHONY: demo demo-pp gpu-check test test-deps check check-deps docs reference lint replica-soak bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 stack rules dashboards debs clean multinode scaleout
 
 # Two install levels. CORE: torch and ddpmon's own dependencies, all `make demo` needs. TEST
 # (the default stamp): CORE plus the extras, the frameworks the integration tests drive and the
@@ -128,6 +128,13 @@ bench: $(STAMP) $(OPS_STAMP)
 	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/replica_check.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/rerun_cost.py --write benchmarks/RESULTS.md
+
+# Everything that needs a GPU, in one call (scripts/gpu_check.py): tests/gpu, the sync audit under
+# CUDA's sync debug mode, NVML readings and the overhead benchmark on the largest model that fits
+# one GPU, into gpu-check.json, within 8 minutes. Without CUDA it skips those steps, one line each.
+GPU_CHECK_ARGS ?=
+gpu-check: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py --out gpu-check.json $(GPU_CHECK_ARGS)
 
 stack: $(STAMP) debs
 	$(BIN)/ddpmon stack

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import metrics
+from .host_reads import host_read_free
 from .metrics import Metric, MetricType
 from .step_slots import Slot
 
@@ -76,7 +77,7 @@ def learning_rate(inputs: StepInputs) -> Value:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1:
             return None
-        return float(lr) if lr.device.type == "cpu" else lr.detach().reshape(1)
+        return float(lr) if host_read_free(lr.device) else lr.detach().reshape(1)
     return float(lr) if isinstance(lr, int | float) else None
 
 

@@ -78,6 +78,8 @@ LANES: dict[str, tuple[str, ...]] = {
     "security/": (),
     "security/test_stack_escapes.py": ("services",),
     "slurm/": ("ranks", "services"),
+    "sync/": ("ranks",),
+    "sync/test_recorder.py": (),
     "unit/": (),
     "unit/test_collector.py": ("services",),
 }

@@ -34,6 +34,7 @@ import torch
 
 from .. import step_slots as slot
 from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
+from ..host_reads import host_read_free
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
 from ..step_metrics import StepInputs, StepMetric, evaluate
@@ -446,4 +447,4 @@ def _global_norm(s: GradSummaries) -> torch.Tensor | None:
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:
     """Non-finite per-parameter norms that are already in host memory (no device read)."""
-    return norms is not None and norms.is_cpu and not host_finite(norms)
+    return norms is not None and host_read_free(norms.device) and not host_finite(norms)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..host_reads import host_read_free_all
 from .stepvector import Packed, StepVectorLayout
 
 
@@ -67,7 +68,7 @@ class Readback:
     ) -> None:
         """Queue one step's slot tensors (``None``: absent). Training thread: no device read.
         ``deferred``: a ``DeferredReduction`` that fills some of those tensors later."""
-        if all(t is None or t.is_cpu for t in values.values()):
+        if host_read_free_all(values.values()):
             self._pending.append((values, None, None, meta, deferred))
             return
         if deferred is not None:  # packed below: the values must be final first
@@ -77,10 +78,7 @@ class Readback:
             self._pending.append((torch.tensor(vector or [], dtype=torch.float64), None, key,
                                   meta, None))
             return
-        host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
-        host.copy_(vector, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        host, event = _copy_to_host(vector)
         self._pending.append((host, event, key, meta, None))
         if len(self._pending) > self.max_pending:
             oldest = self._pending[0][1]
@@ -118,3 +116,18 @@ class Readback:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+def _copy_to_host(vector: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start the copy of ``vector`` into host memory without waiting for it: pinned memory and
+    a CUDA event on CUDA. A CPU vector reaches here only under ``DDPMON_SYNC_AUDIT`` (the
+    accelerator's branch, taken on the CPU): the same non-blocking copy, no event to wait on."""
+    if not vector.is_cuda:
+        host = torch.empty_like(vector)
+        host.copy_(vector, non_blocking=True)
+        return host, None
+    host = torch.empty(vector.shape, dtype=vector.dtype, pin_memory=True)
+    host.copy_(vector, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event

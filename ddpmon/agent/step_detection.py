@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .._torch_compat import version
+from ..host_reads import host_read_free
 
 
 class GradSentinel:
@@ -53,7 +54,7 @@ def is_inert_step(optimizer: Any) -> bool:
     for group in groups:
         lr = group.get("lr") if isinstance(group, dict) else None
         if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1:
+            if not host_read_free(lr.device) or lr.numel() != 1:
                 return False
             lr = float(lr)
         if not isinstance(lr, int | float) or lr != 0:

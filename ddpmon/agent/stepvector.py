@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import step_slots as names
+from ..host_reads import host_read_free
 from ..step_slots import Slot
 
 __all__ = ["STEP_SLOTS", "Packed", "Slot", "StepVectorLayout"]
@@ -82,10 +83,8 @@ class StepVectorLayout:
         key = Packed(tuple(names), tuple(widths))
         if not pieces:
             return None, key
-        device = next(
-            (p.device for p in pieces if isinstance(p, torch.Tensor) and p.device.type != "cpu"),
-            None,
-        )
+        device = next((p.device for p in pieces
+                       if isinstance(p, torch.Tensor) and not host_read_free(p.device)), None)
         if device is None:  # host memory already: no device vector, no copy to wait for
             out: list[float] = []
             for p in pieces:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._torch_compat import compiled_inner, foreach_norm
+from ..host_reads import host_read_free
 from .backward_order import BackwardOrder
 
 
@@ -126,7 +127,7 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     overflowed entries re-checked)."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    if not tensors[0].is_cpu:
+    if not host_read_free(tensors[0].device):
         return torch.stack(_foreach_norm_grouped(tensors, torch.float64))
     kinds: dict[str, list[int]] = {"exact": [], "rows": [], "whole": []}
     for i, t in enumerate(tensors):
@@ -422,7 +423,7 @@ def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
         if not grads:
             return None
         plan = index.stack_plan
-        if plan is not None and _uniform_cpu(grads):
+        if plan is not None and _uniform_cpu(grads) and host_read_free(grads[0].device):
             return NormVector(plan.norms(grads), plan.order, scaled)
         return NormVector(per_param_norms(grads), index.all_positions, scaled)
     positions: list[int] = []

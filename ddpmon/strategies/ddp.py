@@ -156,7 +156,8 @@ class CommProbe:
                     reduced = per_param_norms(views)
                     parts.reduced_norms.append(reduced)
                     parts.reduced_positions.extend(positions)
-                    if not local_done and not torch.isfinite(reduced).all():  # CPU: free read
+                    # not local_done: only where a host read is free (LocalNormSampler.due)
+                    if not local_done and not torch.isfinite(reduced).all():
                         self._local_rare_path(parts, params, positions)
                 else:
                     parts.reduced_complete = False

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..host_reads import host_read_free
 from ..probes.grads import per_param_norms
 from . import data_check
 from .base import GradientSource, GradSummaries, NormVector
@@ -429,7 +430,7 @@ def _local_norm(grad: torch.Tensor) -> torch.Tensor:
     """A float64 0-d norm of one micro-batch's gradient: on CPU in float32 rows added in
     float64, as ``per_param_norms`` does (overflows re-measured; reading a CPU scalar is not a
     device sync); on a GPU in float64."""
-    if not grad.is_cpu:
+    if not host_read_free(grad.device):
         return torch.linalg.vector_norm(grad, dtype=torch.float64)
     return per_param_norms([grad])[0]
 

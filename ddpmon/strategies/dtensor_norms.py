@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import dtensor_local, dtensor_placements, version
+from ..host_reads import host_read_free
 from ..probes.grads import ParamIndex, per_param_norms
 from .base import NormVector
 from .reduction import DeferredReduction, FlaggedSum, Issued
@@ -322,7 +323,7 @@ class ShardedNorms:
         pending = self._sum.pending
         if pending is None:
             return None
-        if pending.work is None or not pending.vector.is_cpu:
+        if pending.work is None or not host_read_free(pending.vector.device):
             return self.take(), None  # type: ignore[return-value]
         out = torch.zeros(len(self.index), dtype=torch.float64)
         taken = self._sum.take_later(lambda issued: out.copy_(self._final(issued)), on_error)
@@ -370,7 +371,8 @@ class ShardedNorms:
             unscale = None
         pending.wait()
         pending.context.reused = True
-        if pending.vector.is_cpu and bool(pending.failed):  # every rank falls back alike
+        # every rank falls back alike
+        if host_read_free(pending.vector.device) and bool(pending.failed):
             return None
         total = pending.values.sum().sqrt()
         if unscale is not None:
@@ -382,7 +384,9 @@ class ShardedNorms:
         pending.wait()
         pending.context.reused = True
         vec = pending.vector
-        return None if vec.is_cpu else torch.zeros((), dtype=vec.dtype, device=vec.device)
+        if host_read_free(vec.device):
+            return None
+        return torch.zeros((), dtype=vec.dtype, device=vec.device)
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """Which steps take the local (pre-reduction) norm pass, shared by the DDP and FSDP2 sources.
 
-On an accelerator the pass costs microseconds and deciding to skip it would have to read a
-device value, so it runs every step. On CPU, where a pass over the gradients costs
+Where a host read is not free (an accelerator, or ``DDPMON_SYNC_AUDIT``: ``host_reads``) it
+runs every step: the pass costs microseconds there, and deciding to skip it would have to read
+a device value. On CPU, where a pass over the gradients costs
 milliseconds, it runs every ``local_norm_every`` steps; on the others a source examines its
 local gradients only when the reduced ones (or a cheap host check) say something is
 non-finite, so the NaN origin stays exact either way.
@@ -10,6 +11,8 @@ non-finite, so the NaN origin stays exact either way.
 from __future__ import annotations
 
 import torch
+
+from ..host_reads import host_read_free
 
 
 class LocalNormSampler:
@@ -22,7 +25,7 @@ class LocalNormSampler:
 
     def due(self, device: torch.device) -> bool:
         """Take the local pass on ``device`` for the step in progress?"""
-        return device.type != "cpu" or self.steps % self.every == 0
+        return not host_read_free(device) or self.steps % self.every == 0
 
     def step_done(self) -> None:
         self.steps += 1

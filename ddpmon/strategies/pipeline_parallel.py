@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..host_reads import host_read_free
 from ..probes.grads import NormVector, full_pass
 from . import data_check
 from .base import GradientSource, GradSummaries, SourceEnv
@@ -287,7 +288,7 @@ class PipelineSource(GradientSource):
         and is filled when the record thread finishes the collective. None where nothing is in
         flight on the host (the waiting ``collect`` then runs)."""
         issued = self._inner_norms().in_flight if self._folded else self._sum.pending  # type: ignore[union-attr]
-        if issued is None or issued.work is None or not issued.vector.is_cpu:
+        if issued is None or issued.work is None or not host_read_free(issued.vector.device):
             return None
         norm = failed_vector(1, torch.device("cpu"))
         fill = lambda: norm.copy_(issued.total())  # noqa: E731

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from ..host_reads import host_read_free
+
 OnError = Callable[[str, BaseException], None]
 Measured = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """What a measurement gives: the values, or (values, a 0-d failure mark of its own), the mark
@@ -170,7 +172,7 @@ class FlaggedSum:
         pending = self.pending
         if pending is None:
             return None
-        if pending.work is None or not pending.vector.is_cpu:
+        if pending.work is None or not host_read_free(pending.vector.device):
             self.take()
             fill(pending)
             return pending, None
