@@ -105,13 +105,14 @@ class StepVectorLayout:
 
 
 def _flat(slot: Slot, tensor: torch.Tensor) -> torch.Tensor | list[float]:
-    """One slot's values, flat: a host list for a CPU tensor (read now: it is host memory), a
-    plain device tensor otherwise. Raises for a value that cannot be read back (a DTensor or
-    another wrapper subclass: ``.tolist()`` is not supported for tensor subclasses)."""
+    """One slot's values, flat: a host list where a host read is free (read now: it is host
+    memory; ``host_reads``), a plain device tensor otherwise. Raises for a value that cannot be
+    read back (a DTensor or another wrapper subclass: ``.tolist()`` is not supported for tensor
+    subclasses)."""
     flat = tensor.detach().reshape(-1)
     if slot.width is not None and flat.numel() != slot.width:
         raise ValueError(f"slot {slot.name}: width {flat.numel()}, expected {slot.width}")
-    if flat.device.type == "cpu":
+    if host_read_free(flat.device):
         return flat.tolist()
     if type(flat) is not torch.Tensor:
         raise TypeError(f"slot {slot.name}: a {type(flat).__name__} cannot be read back")
