@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from accelerate import Accelerator
 from torch import nn
 
 import ddpmon
-from tests.support.integrations import agent_options
+from tests.support.integrations import agent_options, json_number
 
 NAN_PARAM = "0.weight"
 
@@ -115,20 +114,14 @@ def main() -> None:
         "distributed_type": str(accelerator.distributed_type),
         "strategy": mon.state.strategy if mon.enabled else None,
         "engine_global_steps": engine.global_steps if engine is not None else None,
-        "true_norms": {k: _f(v) for k, v in reported.items()},
-        "ddpmon_norms": {k: _f(v) for k, v in ours.items()},
+        "true_norms": {k: json_number(v) for k, v in reported.items()},
+        "ddpmon_norms": {k: json_number(v) for k, v in ours.items()},
         "exposition": exposition,
         "world": int(os.environ.get("WORLD_SIZE", "1")),
     }
     (out / f"result.rank{rank}.json").write_text(json.dumps(result))
     accelerator.end_training()
 
-
-def _f(value) -> float | str | None:
-    if value is None:
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else str(number)
 
 
 if __name__ == "__main__":

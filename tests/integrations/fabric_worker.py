@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import ddpmon
-from tests.support.integrations import agent_options
+from tests.support.integrations import agent_options, json_number
 
 
 def main() -> None:
@@ -80,7 +79,7 @@ def main() -> None:
                     fabric.backward(loss)
             norm = fabric.clip_gradients(model, optimizer, max_norm=1.0,
                                          error_if_nonfinite=a.error_if_nonfinite)
-            clip_norms[step] = _f(norm)
+            clip_norms[step] = json_number(norm)
             optimizer.step()
             optimizer.zero_grad()
             _sample(mon, ours)
@@ -121,15 +120,9 @@ def _sample(mon, ours: dict) -> None:
         return
     state = mon.state
     if state.step >= 0:
-        ours["grad_norm"][state.step] = _f(state.grad_norm)
-        ours["local_norm"][state.step] = _f(state.grad_local_norm)
+        ours["grad_norm"][state.step] = json_number(state.grad_norm)
+        ours["local_norm"][state.step] = json_number(state.grad_local_norm)
 
-
-def _f(value) -> float | None | str:
-    if value is None:
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else str(number)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tests.support.integrations import agent_options
+from tests.support.integrations import agent_options, json_number
 from tests.support.scrape import scrape_text
 
 NAN_PARAM = "net.0.weight"
@@ -119,8 +118,8 @@ def main() -> None:
                 "monitor_steps": mon.step if mon is not None else None,
                 "observe_grad_norm": hasattr(mon, "observe_grad_norm"),
                 "scaler": type(getattr(trainer.precision_plugin, "scaler", None)).__name__,
-                "true_norms": {k: _f(v) for k, v in module.true_norms.items()},
-                "trainer_losses": {k: _f(v) for k, v in module.losses.items()},
+                "true_norms": {k: json_number(v) for k, v in module.true_norms.items()},
+                "trainer_losses": {k: json_number(v) for k, v in module.losses.items()},
                 "ddpmon_norms": self.norms,
                 "ddpmon_losses": self.losses,
                 "http_ok": self.http_ok,
@@ -173,12 +172,6 @@ def _scrape(mon) -> bool | str:
     except OSError as exc:
         return f"port {mon.port}: {exc}"
 
-
-def _f(value) -> float | None:
-    if value is None:
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else str(number)
 
 
 if __name__ == "__main__":

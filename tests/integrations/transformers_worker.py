@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from ddpmon.integrations.transformers import DdpmonCallback
 from tests.support.hf_hooks import ScaleReportedGradNorm
-from tests.support.integrations import agent_options
+from tests.support.integrations import agent_options, json_number
 from tests.support.scrape import scrape_text
 
 NAN_PARAM = "transformer.h.0.mlp.c_fc.weight"
@@ -92,10 +91,10 @@ class Recorder(TrainerCallback):
             "observe_grad_norm": hasattr(mon, "observe_grad_norm"),
             "scaler": type(getattr(mon, "scaler", None)).__name__,
             "strategy": mon.state.strategy if mon is not None and mon.enabled else None,
-            "true_norms": {k: _f(v) for k, v in logged.items()},
-            "ddpmon_norms": {k: _f(v) for k, v in self.norms.items()},
-            "trainer_losses": {k: _f(v) for k, v in logged_losses.items()},
-            "ddpmon_losses": {k: _f(v) for k, v in self.losses.items()},
+            "true_norms": {k: json_number(v) for k, v in logged.items()},
+            "ddpmon_norms": {k: json_number(v) for k, v in self.norms.items()},
+            "trainer_losses": {k: json_number(v) for k, v in logged_losses.items()},
+            "ddpmon_losses": {k: json_number(v) for k, v in self.losses.items()},
             "http_ok": self.http_ok,
             "exposition": mon.exposition.render().decode() if mon is not None else "",
         }
@@ -190,12 +189,6 @@ def _scrape(mon) -> bool | str:
     except OSError as exc:
         return f"port {mon.port}: {exc}"
 
-
-def _f(value) -> float | str | None:
-    if value is None:
-        return None
-    number = float(value)
-    return number if math.isfinite(number) else str(number)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,15 @@ def close(a: float, b: float, rel: float) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
+def json_number(value) -> float | str | None:
+    """A worker's number for its JSON result: a float, its name when not finite ("nan", "inf";
+    JSON has no such numbers), or None."""
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else str(number)
+
+
 def by_step(mapping: dict) -> dict[int, float]:
     """JSON object keys back to ints; 'nan'/'inf' strings back to floats."""
     return {int(k): float(v) for k, v in mapping.items() if v is not None}

@@ -8,25 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ddpmon import step_slots as slot
 from ddpmon.agent.observed import plain
 from ddpmon.agent.readback import Readback
 from ddpmon.agent.stepvector import StepVectorLayout
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialized in this worker")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("placement", [Replicate(), Partial(), Shard(0)], ids=str)
