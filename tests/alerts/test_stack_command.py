@@ -3,8 +3,6 @@ labels, an alert reaches the built-in printing receiver, and SIGTERM stops every
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +15,7 @@ import pytest
 from ddpmon.export.discovery import FileSDPublisher
 from tests.support.contract import CONTRACT_ALERTS
 from tests.support.ports import free_port
-from tests.support.stack import PrometheusAPI, wait_for
+from tests.support.stack import PrometheusAPI, stop_stack, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,14 +75,9 @@ def test_stack_serves_shipped_config_and_stops_on_sigterm(tmp_path: Path) -> Non
             60, what="alert printed by the stack",
         )
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
         try:
-            code = proc.wait(timeout=30)
+            code = stop_stack(proc, reader)
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            reader.join(timeout=5)
             rank.shutdown()
     assert code == 0, lines
     assert "stack stopped" in lines[-1]

@@ -8,8 +8,6 @@ receiver and final printout clean the same alerts (real HTTP into its receiver).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +19,7 @@ import pytest
 
 from ddpmon.commands.scaleout import _Receiver, pages_summary
 from tests.support.ports import free_port
-from tests.support.stack import wait_for
+from tests.support.stack import stop_stack, wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -64,14 +62,7 @@ def test_stack_prints_alerts_cleaned_and_refuses_quit(tmp_path):
         assert post(f"http://127.0.0.1:{prom_port}/-/reload", {}) == 403
         assert proc.poll() is None
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=30)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            reader.join(timeout=5)
+        code = stop_stack(proc, reader)
     out = b"".join(raw)
     assert b"\x1b" not in out and b"\x07" not in out, out
     assert "\u202e".encode() not in out

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +66,19 @@ def wait_for(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what} not reached within {timeout:g}s (last error: {last_exc!r})")
         time.sleep(interval)
+
+
+def stop_stack(proc: subprocess.Popen, reader: threading.Thread) -> int:
+    """Stop a ``ddpmon stack`` started in its own session: SIGTERM (its clean stop), SIGKILL of
+    its whole group if it is still there after 30 s, then the thread reading its output."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        reader.join(timeout=5)
 
 
 def wait_for_scrapes(
