@@ -127,6 +127,26 @@ class Config:
     parameter group's lr at each step). Each adds one series per rank, so none is on by default:
     a rank issuing four collective ops is at its 150-series budget without them. As a variable:
     ``DDPMON_STEP_METRICS=learning_rate`` (comma-separated)."""
+    update_every: int = 10
+    """Every this many steps (and the step after a spike, where no collective is needed), the
+    per-group weight norm, update norm ``||dw||``, update/weight ratio and Adam moment norms are
+    measured on the device (docs/loss-spikes.md); 0 turns them off. A sampled step copies this
+    rank's local weights once."""
+    update_series: bool = False
+    """Also export ``ddpmon_update_ratio{group}`` (up to ``max_groups`` series per rank; off by
+    default: the figures are in the history, ``compare`` and ``report``)."""
+    spike_window: int = 64
+    """Values in each spike baseline (loss, grad norm, each group's norms): median and MAD."""
+    spike_threshold: float = 6.0
+    """A spike exceeds the baseline median by this many robust standard deviations
+    (1.4826 x MAD) ..."""
+    spike_min_ratio: float = 1.5
+    """... and by at least this factor of the median."""
+    spike_recover_steps: int = 50
+    """A spike still above its limit after this many steps pages (``DdpmonLossSpike``)."""
+    logit_modules: tuple[str, ...] = ()
+    """Names of modules (``model.named_modules()``) whose largest output is read on the device
+    in the same forward (``ddpmon_logit_max{module}``); at most 16."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Unrecognised options are not allowed; kept only for forward-compatible callers."""
 
@@ -184,6 +204,19 @@ class Config:
         _check_int("evidence_max_per_kind", self.evidence_max_per_kind, 0, 1000)
         _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)
         self.step_metrics = _check_step_metrics(self.step_metrics)
+        _check_int("update_every", self.update_every, 0, 10**6)
+        _check_int("spike_window", self.spike_window, 8, 4096)
+        _check_float("spike_threshold", self.spike_threshold, 0.0, None)
+        _check_float("spike_min_ratio", self.spike_min_ratio, 1.0, None)
+        _check_int("spike_recover_steps", self.spike_recover_steps, 1, 10**6)
+        if isinstance(self.logit_modules, str) or not isinstance(
+            self.logit_modules, (list, tuple)
+        ) or not all(isinstance(v, str) and v for v in self.logit_modules) or len(
+            self.logit_modules
+        ) > 16:
+            raise ConfigError(f"logit_modules={self.logit_modules!r}: expected a list of at "
+                              "most 16 module names, such as ['lm_head']")
+        self.logit_modules = tuple(dict.fromkeys(self.logit_modules))
         if self.web_config is not None and not isinstance(self.web_config, str):
             raise ConfigError(f"web_config={self.web_config!r}: expected a file path")
         if self.extra:

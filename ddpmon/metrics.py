@@ -114,6 +114,30 @@ GRAD_GROUP_NORM = Metric(
     labels=("group",),
     when="after the first step",
 )
+UPDATE_RATIO = Metric(
+    "ddpmon_update_ratio",
+    G,
+    "Update/weight norm ratio ||dw||/||w|| per module group at the last sampled step.",
+    L.NUMERICS,
+    labels=("group",),
+    when="opt-in (update_series=True), after the first sampled step",
+)
+LOGIT_MAX = Metric(
+    "ddpmon_logit_max",
+    G,
+    "Largest output value of a logit module at the last step.",
+    L.NUMERICS,
+    labels=("module",),
+    when="opt-in (logit_modules=[...]), after the first step",
+)
+LOSS_SPIKE_UNRECOVERED = Metric(
+    "ddpmon_loss_spike_unrecovered_step",
+    G,
+    "Step of a loss or grad-norm spike on this rank that has not recovered within "
+    "spike_recover_steps.",
+    L.NUMERICS,
+    when="while such a spike lasts",
+)
 GRAD_NONFINITE_STEPS = Metric(
     "ddpmon_grad_nonfinite_steps_total",
     C,

@@ -152,6 +152,11 @@ class StepRecord:
     replica_divergence: dict | None = None
     """A replica check at this step found replicas that differ from their group's majority
     (``strategies.replicas.Divergence`` as a dict: ``ranks``, ``this_rank``, ``group``...)."""
+    update_stats: dict[str, dict[str, float]] | None = None
+    """A sampled step's per-group weight norm, update norm, update/weight ratio and moment
+    norms (``probes.updates``; ``agent.update_records.FIELDS``)."""
+    logit_max: dict[str, float] = field(default_factory=dict)
+    """The largest output of each ``logit_modules`` module at this step (``probes.logits``)."""
 
     def as_dict(self) -> dict:
         out = {}
@@ -232,6 +237,14 @@ class MetricState:
     step_reruns_total: dict[str, int] | None = None
     """Reruns by fault (``transient``, ``deterministic``) under ``on_nonfinite='rerun'``;
     None otherwise (not exported)."""
+    update_ratios: dict[str, float] | None = None
+    """The last sampled per-group update/weight ratios, exported only with ``update_series``
+    (None: not exported; up to ``max_groups`` series)."""
+    logit_max: dict[str, float] = field(default_factory=dict)
+    """The last step's max logit per ``logit_modules`` module (opt-in)."""
+    loss_spike_unrecovered_step: int | None = None
+    """The step of a loss spike that has not recovered (``agent.spikes``); None: none, and
+    no series."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Writers run on several threads (records, checkpoints, probe errors): one at a time."""
 
@@ -309,6 +322,11 @@ class MetricState:
         divergence = record.replica_divergence
         if divergence is not None and divergence.get("this_rank"):
             self.replica_mismatch_total = (self.replica_mismatch_total or 0) + 1
+        if record.update_stats and self.update_ratios is not None:
+            self.update_ratios = {g: f["update_ratio"] for g, f in record.update_stats.items()
+                                  if "update_ratio" in f}
+        if record.logit_max:
+            self.logit_max = dict(record.logit_max)
         for metric, value in record.step_values.items():
             if metric.type is MetricType.COUNTER:
                 value += self.step_values.get(metric, 0.0)
@@ -321,6 +339,12 @@ class MetricState:
                 hist.observe(seconds)
             self.collective_bytes_total.setdefault(op, 0)
         self.version += 1
+
+    def set_spike_unrecovered(self, step: int | None) -> None:
+        """A loss spike that did not recover (its step), or None once it has (any thread)."""
+        with self._lock:
+            self.loss_spike_unrecovered_step = step
+            self.version += 1
 
     def collective_count(self) -> int:
         """Collectives timed so far, every op together."""

@@ -47,6 +47,7 @@ from .precision import read_precision
 from .record_sinks import RecordSinks
 from .run_facts import manifest_extra, start_fields, states_present
 from .step_markers import StepMarkers
+from .update_wiring import SpikeParts
 
 
 class Monitor:
@@ -195,6 +196,7 @@ class Monitor:
             if self.pipeline.replicas is not None:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
         self.forensics.follow(self.pipeline, self.incidents, emit, guard)
+        self.spikes = SpikeParts.install(self, sinks, pp)  # before the markers' optimizer hooks
         self.markers = StepMarkers(
             model, optimizer, self.pipeline, self.source, amp=self.amp, pp=pp,
             on_error=guard.error, on_engine_step=self._on_engine_step,
@@ -269,6 +271,7 @@ class Monitor:
         evidence (never the samples themselves)."""
         if not self._closed:
             self.pipeline.observe_samples(ids)
+            self.spikes.note_samples(self.pipeline.step, ids)
 
     def run_step(self, closure: Callable[[], Any]) -> Any:
         """Run the step's forward and backward (``closure``, returning the loss) and keep it in
@@ -361,6 +364,7 @@ class Monitor:
             self.pipeline.drain(wait=True)
             self.pipeline.trainer_norms.flush()
         self.markers.close()
+        self.spikes.close()
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
@@ -384,7 +388,7 @@ class Monitor:
         self._closed = True
         registry.discard(self)
         for name, method in (
-            ("records", "stop"), ("markers", "close"), ("amp", "detach"), ("dcp", "uninstall"),
+            ("records", "stop"), ("markers", "close"), ("spikes", "close"), ("amp", "detach"), ("dcp", "uninstall"),
             ("source", "close"), ("forensics", "close"), ("endpoint", "close"),
         ):
             close = getattr(getattr(self, name, None), method, None)

@@ -82,6 +82,10 @@ class StepPipeline(StepPhase):
         self._forward_seen = False
         self.rerun: Any = None
         """``agent.rerun.StepRerun`` under ``on_nonfinite='rerun'``."""
+        self.updates: Any = None
+        """``probes.updates.UpdateProbe``: a sampled step's weight/update/moment squares."""
+        self.logits: Any = None
+        """``probes.logits.LogitProbe`` where ``logit_modules`` are named."""
         self.layout = layout or StepVectorLayout(
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
         )
@@ -363,6 +367,8 @@ class StepPipeline(StepPhase):
             slot.FOUND_INF: found,
             slot.IDENTICAL_RANKS: s.identical_ranks,
             slot.TRAINER_NORM: trainer,
+            slot.UPDATE_SQUARES: self.updates.take() if self.updates is not None else None,
+            slot.LOGIT_MAX: self.logits.take() if self.logits is not None else None,
         }
         if s.extension is not None:
             values.update(s.extension.values())
@@ -385,6 +391,7 @@ class StepPipeline(StepPhase):
             step_metrics=queued,
             step_values_host=on_host,
             replica_check=replica_check,
+            logit_modules=self.logits.names if self.logits is not None else None,
         )
         self.readback.push(values, meta, s.deferred)
         if s.deferred is not None:  # not reduced yet: only the local norms can say now

@@ -31,6 +31,9 @@ STEP_SLOTS: tuple[Slot, ...] = (
     Slot(names.FOUND_INF, 1, "the GradScaler found Inf/NaN and skipped the step"),
     Slot(names.IDENTICAL_RANKS, 1, "other ranks whose local gradients were bit-identical"),
     Slot(names.TRAINER_NORM, 1, "the grad norm a trainer reported, to cross-check"),
+    Slot(names.UPDATE_SQUARES, None, "per-parameter squared weight/update/moment norms "
+         "(sampled steps, probes.updates)"),
+    Slot(names.LOGIT_MAX, None, "the named modules' largest outputs (probes.logits)"),
 )
 """The slots every strategy fills; a source adds its own (``GradientSource.extra_slots``)."""
 

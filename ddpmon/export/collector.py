@@ -194,6 +194,12 @@ class DdpmonCollector(Collector):
             out[m.GRAD_LOCAL_NORM] = _one(s.grad_local_norm)
         if s.group_norms and exports_group_norms(self.series_profile, ident.rank, s.strategy):
             out[m.GRAD_GROUP_NORM] = [((g, ), v) for g, v in list(s.group_norms.items())]
+        if s.update_ratios:
+            out[m.UPDATE_RATIO] = [((g,), v) for g, v in list(s.update_ratios.items())]
+        if s.logit_max:
+            out[m.LOGIT_MAX] = [((name,), v) for name, v in list(s.logit_max.items())]
+        if s.loss_spike_unrecovered_step is not None:
+            out[m.LOSS_SPIKE_UNRECOVERED] = _one(s.loss_spike_unrecovered_step)
         if s.collective_duration or s.collective_bytes_total:
             out[m.COLLECTIVE_DURATION] = [
                 ((op,), hist) for op, hist in _by_op(s.collective_duration)

@@ -56,6 +56,8 @@ from .history_schema import (  # noqa: F401  (re-exported: the history's public 
     SCALAR_COLUMNS,
     SKIPPED_CODES,
     SKIPPED_NAMES,
+    UPDATE_COLUMNS,
+    update_values,
 )
 
 log = logging.getLogger("ddpmon")
@@ -96,6 +98,7 @@ def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> t
         "collective_max_seconds": max(ar) if ar else None,
         "memory_bytes": memory,
         GROUPS_COLUMN: tuple(record.group_norms.get(g) for g in groups),
+        **update_values(record.update_stats, groups),
     }
     return tuple(values[name] for name in ROW_FIELDS)
 
@@ -143,6 +146,7 @@ def schema_for(groups: tuple[str, ...], meta: dict[str, str] | None = None):
 
     fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCALAR_COLUMNS]
     fields.append(pa.field(GROUPS_COLUMN, pa.list_(pa.float32(), len(groups))))
+    fields += [pa.field(name, pa.list_(pa.float32(), len(groups))) for name in UPDATE_COLUMNS]
     metadata = {
         "ddpmon.history": "1",
         "groups": json.dumps(list(groups)),
@@ -160,9 +164,11 @@ def batch_of(rows: list[tuple], schema) -> Any:
     for (_name, kind), values in zip(SCALAR_COLUMNS, columns[:len(SCALAR_COLUMNS)], strict=True):
         arrays.append(pa.array(values, type=getattr(pa, kind)(), from_pandas=False))
     width = schema.field(GROUPS_COLUMN).type.list_size
-    flat = [v for norms in columns[-1] for v in norms]
+    flat = [v for norms in columns[len(SCALAR_COLUMNS)] for v in norms]
     child = pa.array(flat, type=pa.float32()) if flat else pa.array([], pa.float32())
     arrays.append(pa.FixedSizeListArray.from_arrays(child, width))
+    for name, values in zip(UPDATE_COLUMNS, columns[len(SCALAR_COLUMNS) + 1:], strict=True):
+        arrays.append(pa.array(values, type=schema.field(name).type))
     return pa.record_batch(arrays, schema=schema)
 
 

@@ -24,7 +24,7 @@ from .arrow_frames import (
     Frames,
     Torn,
 )
-from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS
+from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS, UPDATE_COLUMNS
 
 FORMAT = "1"
 MAX_GROUP_COLUMNS = 1024
@@ -151,6 +151,8 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
             len(table), len(groups))
     else:
         cols[GROUPS_COLUMN] = np.full((len(table), 0), np.nan)
+    for name in UPDATE_COLUMNS:  # absent from files written before them: all NaN
+        cols[name] = _group_list(table, name, len(groups))
     # last row of each step wins (journal rows re-read after a seal), sorted by step
     steps = cols["step"]
     order = np.lexsort((np.arange(len(steps)), steps))
@@ -161,6 +163,19 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
     cols = {k: v[keep] for k, v in cols.items()}
     r = rank if rank is not None else _int(meta.get("rank"), -1)
     return History(r, groups, cols, meta.get("memory_kind"), torn)
+
+
+def _group_list(table: Any, name: str, width: int) -> Any:
+    """A nullable fixed-size list column as a (rows, width) float array, NaN where null."""
+    import numpy as np
+
+    out = np.full((len(table), width), np.nan)
+    if name not in table.schema.names or not width:
+        return out
+    for i, value in enumerate(table.column(name).to_pylist()):
+        if value is not None and len(value) == width:
+            out[i] = [np.nan if v is None else v for v in value]
+    return out
 
 
 def group_names(text: str, width: int | None) -> tuple[list[str], str | None]:

@@ -36,7 +36,17 @@ OLD_NAMES = {
 }
 """Columns renamed since files were first written (new -> old); readers accept either."""
 GROUPS_COLUMN = "group_norms"
-ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN,)
+UPDATE_COLUMNS = {
+    "weight_norms": "weight_norm",
+    "update_norms": "update_norm",
+    "update_ratios": "update_ratio",
+    "exp_avg_norms": "exp_avg_norm",
+    "exp_avg_sq_norms": "exp_avg_sq_norm",
+}
+"""Per-group figures of a sampled step (``probes.updates``): column -> the field of
+``StepRecord.update_stats``; a fixed-size list like ``group_norms``, null on other steps. Files
+written before these columns existed read without them."""
+ROW_FIELDS = tuple(name for name, _ in SCALAR_COLUMNS) + (GROUPS_COLUMN, *UPDATE_COLUMNS)
 COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 """Position of each field in a row tuple (rows are tuples so the training thread builds them
 cheaply; everyone else indexes them by name through this table)."""
@@ -65,5 +75,25 @@ COLUMN_DOCS = {
     "schema metadata)",
     GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "
     "metadata",
+    "weight_norms": "per-group weight norm after the step, on sampled steps (`update_every`; "
+    "null otherwise), in `groups` order",
+    "update_norms": "per-group norm of the update the step applied, ||w_after - w_before||",
+    "update_ratios": "per-group update/weight ratio ||dw|| / ||w||",
+    "exp_avg_norms": "per-group norm of the optimizer's first moment (Adam family; null "
+    "without one)",
+    "exp_avg_sq_norms": "per-group norm of the optimizer's second moment",
 }
 """What each column holds: the reference page ``docs/reference/files.md`` is generated from it."""
+
+
+def update_values(stats: dict | None, groups: tuple[str, ...]) -> dict[str, tuple | None]:
+    """The update columns of one row from ``StepRecord.update_stats`` (None: not sampled; a
+    moment column is None for an optimizer without moments)."""
+    out: dict[str, tuple | None] = dict.fromkeys(UPDATE_COLUMNS)
+    if not stats:
+        return out
+    for column, key in UPDATE_COLUMNS.items():
+        values = tuple(stats.get(g, {}).get(key) for g in groups)
+        if any(v is not None for v in values):
+            out[column] = values
+    return out

@@ -1,0 +1,211 @@
+"""Loss and gradient-norm spikes, named: the step, the module group that jumped first, the batch.
+
+A record sink (record thread, host values only). Each signal keeps a robust rolling baseline:
+the median and the median absolute deviation (MAD) of its last ``window`` values, so one outlier
+moves neither. A value is a spike when it exceeds the median by both ``threshold`` robust
+standard deviations (``1.4826 * MAD``) and ``min_ratio - 1`` times the median's size::
+
+    limit = median + max(threshold * 1.4826 * MAD, (min_ratio - 1) * |median|)
+
+Signals: the loss and the global gradient norm open a spike; every group's gradient norm (each
+step) and update/weight ratio (sampled steps, ``probes.updates``) are watched the same way, and
+their jumps of the last ``lookback`` steps name the group that led: the earliest jump, the
+largest one among equals. The spike's step is the earliest of that jump and the detection: a
+learning-rate error at step s shows in that group's update ratio at s and in the loss at s + 1.
+
+A spike that falls back under its limit within ``recover_steps`` is a ``loss_spike`` event and
+nothing more; one that does not is a ``loss_spike_unrecovered`` event and sets
+``ddpmon_loss_spike_unrecovered_step`` (the ``DdpmonLossSpike`` alert) until it recovers.
+Spike values are kept out of the baselines. Memory is bounded: a window per signal and per group
+(at most ``max_groups``), and the last ``lookback`` jumps and sample ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..state import StepRecord
+
+MAD_SIGMA = 1.4826
+"""MAD to standard deviation for normal noise."""
+MAX_SAMPLE_IDS = 64
+"""Sample ids kept in one event (the batch's first ones)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeSettings:
+    window: int = 64
+    threshold: float = 6.0
+    min_ratio: float = 1.5
+    recover_steps: int = 50
+    lookback: int = 16
+    warmup: int = 16
+    """Values a baseline needs before it can call a spike (sampled update ratios: a quarter)."""
+
+
+class Baseline:
+    """The last ``size`` values of one signal and the spike limit they set."""
+
+    __slots__ = ("values", "warmup")
+
+    def __init__(self, size: int, warmup: int) -> None:
+        self.values: deque[float] = deque(maxlen=size)
+        self.warmup = warmup
+
+    def limit(self, settings: SpikeSettings) -> tuple[float, float] | None:
+        """(median, limit), or None while warming up."""
+        if len(self.values) < self.warmup:
+            return None
+        ordered = sorted(self.values)
+        median = _median(ordered)
+        mad = _median(sorted(abs(v - median) for v in ordered))
+        margin = max(settings.threshold * MAD_SIGMA * mad, (settings.min_ratio - 1) * abs(median))
+        return median, median + margin
+
+
+@dataclass(slots=True)
+class _Open:
+    signal: str
+    onset: int
+    detected: int
+    limit: float
+    paged: bool = False
+
+
+class SpikeDetector:
+    """``on_record`` per step record; emits ``loss_spike`` events (see the module doc)."""
+
+    probe = "spikes"
+
+    def __init__(
+        self,
+        settings: SpikeSettings,
+        emit: Callable[..., None],
+        on_page: Callable[[int | None], None],
+        on_spike: Callable[[], None] | None = None,
+    ) -> None:
+        self.s = settings
+        self._emit = emit
+        self._on_page = on_page
+        self._on_spike = on_spike
+        self._signals = {name: Baseline(settings.window, settings.warmup)
+                         for name in ("loss", "grad_norm")}
+        self._groups: dict[tuple[str, str], Baseline] = {}
+        self._jumps: deque[tuple[int, str, str, float]] = deque(maxlen=4 * settings.lookback)
+        self._samples: deque[tuple[int, Any]] = deque(maxlen=settings.lookback + 4)
+        self._open: _Open | None = None
+        self.events = 0
+
+    def note_samples(self, step: int, ids: Any) -> None:
+        """The batch's sample ids of ``step`` (kept by reference, read only for a spike)."""
+        self._samples.append((step, ids))
+
+    def on_record(self, record: StepRecord) -> None:
+        self._watch_groups(record.step, "grad_norm", record.group_norms, self.s.warmup)
+        if record.update_stats:
+            ratios = {g: f["update_ratio"] for g, f in record.update_stats.items()
+                      if "update_ratio" in f}
+            self._watch_groups(record.step, "update_ratio", ratios,
+                               max(4, self.s.warmup // 4))
+        values = {"loss": record.loss, "grad_norm": record.grad_norm}
+        if self._open is not None:
+            self._follow(record.step, values.get(self._open.signal))
+            return
+        for signal, value in values.items():
+            if value is None or not math.isfinite(value):
+                continue
+            baseline = self._signals[signal]
+            bounds = baseline.limit(self.s)
+            if bounds is not None and value > bounds[1]:
+                self._start(record.step, signal, value, bounds)
+                return
+        for signal, value in values.items():
+            if value is not None and math.isfinite(value):
+                self._signals[signal].values.append(value)
+
+    def _watch_groups(self, step: int, signal: str, values: dict, warmup: int) -> None:
+        for group, value in values.items():
+            if value is None or not math.isfinite(value):
+                continue
+            baseline = self._groups.get((signal, group))
+            if baseline is None:
+                size = self.s.window if signal == "grad_norm" else max(8, self.s.window // 4)
+                baseline = self._groups[(signal, group)] = Baseline(size, warmup)
+            bounds = baseline.limit(self.s)
+            if bounds is not None and value > bounds[1]:
+                factor = value / bounds[0] if bounds[0] > 0 else math.inf
+                self._jumps.append((step, signal, group, factor))
+            else:
+                baseline.values.append(value)
+
+    def _leader(self, step: int) -> tuple[int, str, str, float] | None:
+        recent = [j for j in self._jumps if step - self.s.lookback <= j[0] <= step]
+        if not recent:
+            return None
+        return min(recent, key=lambda j: (j[0], -j[3]))
+
+    def _start(self, step: int, signal: str, value: float, bounds: tuple[float, float]) -> None:
+        leader = self._leader(step)
+        onset = min(step, leader[0]) if leader is not None else step
+        self._open = _Open(signal, onset, step, bounds[1])
+        self.events += 1
+        fields: dict[str, Any] = {
+            "signal": signal, "value": value, "baseline": bounds[0], "limit": bounds[1],
+            "detected_step": step,
+        }
+        if leader is not None:
+            fields.update(group=leader[2], group_signal=leader[1], group_step=leader[0],
+                          group_factor=leader[3] if math.isfinite(leader[3]) else None)
+        ids = self._ids(step)
+        if ids is not None:
+            fields["sample_ids"] = ids
+        self._emit("loss_spike", onset, **fields)
+        if self._on_spike is not None:
+            self._on_spike()
+
+    def _follow(self, step: int, value: float | None) -> None:
+        spike = self._open
+        if value is not None and math.isfinite(value) and value <= spike.limit:
+            self._open = None
+            self._emit("loss_spike_recovered", spike.onset, signal=spike.signal,
+                       recovered_step=step, steps=step - spike.detected)
+            if spike.paged:
+                self._on_page(None)
+            return
+        if not spike.paged and step - spike.detected >= self.s.recover_steps:
+            spike.paged = True
+            self._emit("loss_spike_unrecovered", spike.onset, signal=spike.signal,
+                       steps=step - spike.detected, limit=spike.limit)
+            self._on_page(spike.onset)
+
+    def _ids(self, step: int) -> list | None:
+        for seen, ids in reversed(self._samples):
+            if seen == step:
+                return _id_list(ids)
+        return None
+
+
+def _median(ordered: list[float]) -> float:
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _id_list(ids: Any) -> list | None:
+    """Up to ``MAX_SAMPLE_IDS`` ids as plain values (a tensor is read here, on the record
+    thread, never on the training thread)."""
+    try:
+        if hasattr(ids, "tolist"):
+            ids = ids.reshape(-1)[:MAX_SAMPLE_IDS].tolist() if hasattr(ids, "reshape") \
+                else ids.tolist()
+        values = list(ids)[:MAX_SAMPLE_IDS]
+    except Exception:
+        return None
+    return [v if isinstance(v, int | float) else str(v)[:200] for v in values]
+
+
+__all__ = ["Baseline", "SpikeDetector", "SpikeSettings"]

@@ -1,0 +1,66 @@
+"""Attach-time wiring of the loss-spike parts (docs/loss-spikes.md): the update probe on the
+optimizer, the max-logit probe on the named modules, and the spike detector among the record
+sinks. Kept apart from ``monitor.py`` so the monitor only calls ``install`` and ``close``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from .spikes import SpikeDetector, SpikeSettings
+
+
+@dataclass(slots=True)
+class SpikeParts:
+    updates: Any = None
+    logits: Any = None
+    detector: SpikeDetector | None = None
+
+    @classmethod
+    def install(cls, monitor: Any, sinks: list[Any], pp: Any) -> SpikeParts:
+        """Build the parts for ``monitor`` (its pipeline exists, its step markers not yet: the
+        update probe's optimizer hooks must run before the pipeline's, which close the step).
+        A part that cannot be built is counted under its probe; training goes on."""
+        config: Config = monitor.config
+        guard, pipeline, state = monitor.guard, monitor.pipeline, monitor._state
+        parts = cls()
+        engine = getattr(monitor.source, "decides_steps", False)
+        optimizer = monitor.optimizer
+        if config.update_every > 0 and pp is None and not engine and optimizer is not None:
+            with guard("updates"):
+                from ..probes.updates import UpdateProbe
+
+                parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
+                                            lambda: pipeline.step, guard.error)
+                pipeline.updates = parts.updates
+                if config.update_series:
+                    state.update_ratios = {}
+        if config.logit_modules:
+            with guard("logits"):
+                from ..probes.logits import LogitProbe
+
+                parts.logits = LogitProbe(monitor.model, config.logit_modules, guard.error)
+                pipeline.logits = parts.logits
+        settings = SpikeSettings(
+            window=config.spike_window, threshold=config.spike_threshold,
+            min_ratio=config.spike_min_ratio, recover_steps=config.spike_recover_steps,
+            warmup=min(16, config.spike_window),
+        )
+        parts.detector = SpikeDetector(settings, monitor._emit, state.set_spike_unrecovered,
+                                       on_spike=parts._sample_next)
+        sinks.append(parts.detector)
+        return parts
+
+    def _sample_next(self) -> None:
+        if self.updates is not None:
+            self.updates.sample_next = True
+
+    def note_samples(self, step: int, ids: Any) -> None:
+        if self.detector is not None:
+            self.detector.note_samples(step, ids)
+
+    def close(self) -> None:
+        for part in (self.updates, self.logits):
+            if part is not None:
+                part.close()

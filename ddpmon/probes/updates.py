@@ -1,0 +1,181 @@
+"""Per-group weight norms, update norms and optimizer moments, measured on the device at sampled
+steps, exact under sharding.
+
+Why: a diverging run's loss spike is usually led by one module group whose update grew relative
+to its weights (Adam's first moment swinging), long before a NaN. The global gradient norm does
+not say which; ``||dw|| / ||w||`` and the moments' norms per group do.
+
+How (one sampled step, every ``every`` steps, default 10):
+
+- the optimizer's step pre-hook copies this rank's pieces of the trainable parameters (a
+  DTensor's local shard, a plain tensor as it is): one copy of the local weights, at sampled
+  steps only, freed at the post-hook;
+- the post-hook measures per parameter, in one fused norm pass each: the weights after the step,
+  the update (after - before), and where the optimizer keeps them (Adam, AdamW, ...) the first
+  and second moments ``exp_avg`` and ``exp_avg_sq`` of this rank's pieces;
+- the squares go into one float64 vector, masked so a replicated piece counts once, and are
+  SUMmed over the mesh dims on which parameters are sharded (``dtensor_norms.build_plan``: FSDP2,
+  HSDP's shard dim, TP, FSDP2+TP): squared norms add over disjoint shards, nothing is gathered.
+  DDP and one process have full replicated parameters: no collective at all;
+- the vector joins the step's other device values (``UPDATE_SQUARES`` slot) and is read back
+  lazily with them; the record thread folds it per group (``update_stats.group_stats``).
+
+The sampling decision uses the pipeline's step counter, identical on every rank, so the
+collective of a sharded model is issued by every rank at the same step. No value is read on the
+host: the wait on the small all-reduce is a stream wait under NCCL; on CPU (gloo) it is a
+rendezvous with the peers, at sampled steps only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .._torch_compat import dtensor_local
+from ..strategies.dtensor_norms import ReductionPlan, build_plan, is_dtensor, reduce_async
+from .grads import ParamIndex, per_param_norms
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""Optimizer state entries measured where present (the Adam family's first and second moment)."""
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return dtensor_local(tensor) if is_dtensor(tensor) else tensor
+
+
+class UpdateProbe:
+    """Hooks one optimizer; ``take()`` hands the pipeline the sampled step's device vector.
+
+    The vector holds, for the ``n`` indexed parameters in index order, the global squared norms
+    of: the weights after the step, the update, then (only when the optimizer keeps them) the
+    first and second moments: ``2n`` or ``4n`` values."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        index: ParamIndex,
+        every: int,
+        step_of: Callable[[], int],
+        on_error: Callable[[str, BaseException], None],
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"update sampling interval {every}: expected >= 1")
+        self.optimizer = optimizer
+        self.index = index
+        self.every = every
+        self._step_of = step_of
+        self._on_error = on_error
+        params = list(index.params)
+        self.plan: ReductionPlan | None = (
+            build_plan(params) if any(is_dtensor(p) for p in params) else None
+        )
+        self.sample_next = False
+        """Set on the host (a spike was seen): sample the next step too. Honoured only where
+        no collective is needed (one process, DDP), since ranks do not agree on when they
+        read their records."""
+        self._before: list[torch.Tensor] | None = None
+        self._result: torch.Tensor | None = None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._pre),
+            optimizer.register_step_post_hook(self._post),
+        ]
+        self.closed = False
+
+    @property
+    def collective(self) -> bool:
+        """Sampled steps issue a collective (a sharded model)."""
+        return self.plan is not None and bool(self.plan.groups)
+
+    def due(self, step: int) -> bool:
+        if step % self.every == 0:
+            return True
+        return self.sample_next and not self.collective
+
+    def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if self.closed:
+            return
+        self._result = None
+        self._before = None
+        try:
+            if not self.due(self._step_of()):
+                return
+            self.sample_next = False
+            with torch.no_grad():
+                self._before = [_local(p).detach().clone() for p in self.index.params]
+        except Exception as exc:
+            self._before = None
+            self._on_error("updates", exc)
+
+    def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        before, self._before = self._before, None
+        if self.closed or before is None:
+            return
+        try:
+            with torch.no_grad():
+                self._result = self._measure(before)
+        except Exception as exc:
+            self._result = None
+            self._on_error("updates", exc)
+
+    def _measure(self, before: Sequence[torch.Tensor]) -> torch.Tensor:
+        params = self.index.params
+        after = [_local(p).detach() for p in params]
+        weights = per_param_norms(after)
+        updates = per_param_norms(torch._foreach_sub(after, list(before)))
+        device = weights.device
+        parts = [weights, updates]
+        moments = self._moments(params, device)
+        if moments is not None:
+            parts.extend(moments)
+        vector = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts])
+        vector = vector * vector
+        if self.plan is None:
+            return vector
+        vector = vector.to(self.plan.device) * self.plan.mask.repeat(len(parts))
+        work = reduce_async(vector, self.plan)
+        if work is not None:
+            work.wait()  # a stream wait under NCCL; gloo: the peers' share, sampled steps only
+        return vector
+
+    def _moments(self, params: Sequence[torch.Tensor], device: torch.device) -> list | None:
+        """Norms of each moment per parameter (zeros where a parameter has no state yet), or
+        None when the optimizer keeps no moment for any parameter (SGD)."""
+        state = self.optimizer.state
+        found = False
+        out = []
+        for name in MOMENTS:
+            where, tensors = [], []
+            for i, p in enumerate(params):
+                entry = state.get(p)
+                value = entry.get(name) if isinstance(entry, dict) else None
+                if isinstance(value, torch.Tensor) and value.numel() > 0:
+                    where.append(i)
+                    tensors.append(_local(value).detach())
+            found = found or bool(where)
+            norms = torch.zeros(len(params), dtype=torch.float64, device=device)
+            if where:
+                measured = per_param_norms(tensors).to(device=device, dtype=torch.float64)
+                norms.index_copy_(0, torch.tensor(where, dtype=torch.long, device=device),
+                                  measured)
+            out.append(norms)
+        return out if found else None
+
+    def take(self) -> torch.Tensor | None:
+        """The sampled step's device vector (None: not sampled), cleared for the next step."""
+        result, self._result = self._result, None
+        return result
+
+    def close(self) -> None:
+        self.closed = True
+        self._before = self._result = None
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+
+
+__all__ = ["MOMENTS", "UpdateProbe"]
