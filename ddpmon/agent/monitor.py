@@ -196,7 +196,7 @@ class Monitor:
             if self.pipeline.replicas is not None:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
         self.forensics.follow(self.pipeline, self.incidents, emit, guard)
-        self.spikes = SpikeParts.install(self, sinks, pp)  # before the markers' optimizer hooks
+        self.spikes = SpikeParts.install(self, sinks, pp, self._state, emit)  # before markers
         self.markers = StepMarkers(
             model, optimizer, self.pipeline, self.source, amp=self.amp, pp=pp,
             on_error=guard.error, on_engine_step=self._on_engine_step,
@@ -266,9 +266,8 @@ class Monitor:
             self.pipeline.observe_loss(loss)
 
     def observe_samples(self, ids: Any) -> None:
-        """The ids of this step's samples (a list, or a tensor on any device): kept by
-        reference, read only when ``on_nonfinite='rerun'`` reruns the step, for its event and
-        evidence (never the samples themselves)."""
+        """This step's sample ids (a list, or a tensor on any device), kept by reference: read
+        only for a rerun's event and evidence or a ``loss_spike`` event, never the samples."""
         if not self._closed:
             self.pipeline.observe_samples(ids)
             self.spikes.note_samples(self.pipeline.step, ids)
@@ -363,8 +362,7 @@ class Monitor:
         with self.guard("readback"):
             self.pipeline.drain(wait=True)
             self.pipeline.trainer_norms.flush()
-        self.markers.close()
-        self.spikes.close()
+        self.markers.close()  # the spike probes close with their sink (the spike detector)
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
@@ -388,8 +386,8 @@ class Monitor:
         self._closed = True
         registry.discard(self)
         for name, method in (
-            ("records", "stop"), ("markers", "close"), ("spikes", "close"), ("amp", "detach"), ("dcp", "uninstall"),
-            ("source", "close"), ("forensics", "close"), ("endpoint", "close"),
+            ("records", "stop"), ("markers", "close"), ("spikes", "close"), ("amp", "detach"),
+            ("dcp", "uninstall"), ("source", "close"), ("forensics", "close"), ("endpoint", "close")
         ):
             close = getattr(getattr(self, name, None), method, None)
             if close is not None:

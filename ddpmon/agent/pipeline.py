@@ -82,10 +82,7 @@ class StepPipeline(StepPhase):
         self._forward_seen = False
         self.rerun: Any = None
         """``agent.rerun.StepRerun`` under ``on_nonfinite='rerun'``."""
-        self.updates: Any = None
-        """``probes.updates.UpdateProbe``: a sampled step's weight/update/moment squares."""
-        self.logits: Any = None
-        """``probes.logits.LogitProbe`` where ``logit_modules`` are named."""
+        self.probes: Any = None  # agent.update_wiring.SpikeParts: update squares, max logits
         self.layout = layout or StepVectorLayout(
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
         )
@@ -367,8 +364,7 @@ class StepPipeline(StepPhase):
             slot.FOUND_INF: found,
             slot.IDENTICAL_RANKS: s.identical_ranks,
             slot.TRAINER_NORM: trainer,
-            slot.UPDATE_SQUARES: self.updates.take() if self.updates is not None else None,
-            slot.LOGIT_MAX: self.logits.take() if self.logits is not None else None,
+            **(self.probes.take() if self.probes is not None else {}),
         }
         if s.extension is not None:
             values.update(s.extension.values())
@@ -385,13 +381,11 @@ class StepPipeline(StepPhase):
             loss_host=loss_host,
             trainer_norm_host=trainer_host,
             trainer_norm_step=trainer_step,
-            skipped_by=skipped_by,
-            host_skipped=host[0],
-            host_scale_after=host[1],
+            skipped_by=skipped_by, host_skipped=host[0], host_scale_after=host[1],
             step_metrics=queued,
             step_values_host=on_host,
             replica_check=replica_check,
-            logit_modules=self.logits.names if self.logits is not None else None,
+            extras=self.probes,
         )
         self.readback.push(values, meta, s.deferred)
         if s.deferred is not None:  # not reduced yet: only the local norms can say now
@@ -447,8 +441,7 @@ class StepPipeline(StepPhase):
 
 def _global_norm(s: GradSummaries) -> torch.Tensor | None:
     """The strategy's own whole-step norm where the reduced norms are not it (pipeline parallel:
-    summed over stages, identical on every stage), so a skip/raise decision is the same on every
-    rank."""
+    summed over stages, identical on every stage): a skip/raise decision the same on every rank."""
     return s.extension.decision_norm() if s.extension is not None else None
 
 

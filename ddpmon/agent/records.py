@@ -16,7 +16,6 @@ from ..probes.grads import ParamIndex, summarize_host
 from ..state import StepRecord
 from ..strategies.base import GradSummaries, NormVector
 from .guard import Guard
-from .update_records import group_stats
 
 
 @dataclass(slots=True)
@@ -44,8 +43,8 @@ class StepMeta:
     """The per-step metrics whose value was on the host already."""
     replica_check: Any = None
     """The replica checksums' gather issued at this step's end (``strategies.replicas``)."""
-    logit_modules: tuple[str, ...] | None = None
-    """The modules of the ``LOGIT_MAX`` slot, in order (``probes.logits``)."""
+    extras: Any = None
+    """``agent.update_wiring.SpikeParts``: finishes the record from its own slots."""
 
 
 def build_record(
@@ -123,11 +122,8 @@ def build_record(
     for name, metric in (meta.step_metrics or {}).items():
         if name in parts:
             record.step_values[metric] = parts[name][0]
-    if slot.UPDATE_SQUARES in parts:
-        with guard("updates"):
-            record.update_stats = group_stats(parts[slot.UPDATE_SQUARES], index)
-    if slot.LOGIT_MAX in parts and meta.logit_modules:
-        record.logit_max = dict(zip(meta.logit_modules, parts[slot.LOGIT_MAX], strict=True))
+    if meta.extras is not None:
+        meta.extras.finish(record, parts, index, guard)
     if meta.replica_check is not None:
         with guard("comm"):
             divergence = meta.replica_check.compare()

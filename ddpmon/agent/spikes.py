@@ -87,11 +87,13 @@ class SpikeDetector:
         emit: Callable[..., None],
         on_page: Callable[[int | None], None],
         on_spike: Callable[[], None] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.s = settings
         self._emit = emit
         self._on_page = on_page
         self._on_spike = on_spike
+        self._on_close = on_close
         self._signals = {name: Baseline(settings.window, settings.warmup)
                          for name in ("loss", "grad_norm")}
         self._groups: dict[tuple[str, str], Baseline] = {}
@@ -181,6 +183,11 @@ class SpikeDetector:
             self._emit("loss_spike_unrecovered", spike.onset, signal=spike.signal,
                        steps=step - spike.detected, limit=spike.limit)
             self._on_page(spike.onset)
+
+    def close(self) -> None:
+        """The agent closes (the detector is its last record sink): close the probes too."""
+        if self._on_close is not None:
+            self._on_close()
 
     def _ids(self, step: int) -> list | None:
         for seen, ids in reversed(self._samples):

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .. import step_slots as slot
 from ..config import Config
 from .spikes import SpikeDetector, SpikeSettings
+from .update_records import group_stats
 
 
 @dataclass(slots=True)
@@ -18,12 +20,14 @@ class SpikeParts:
     detector: SpikeDetector | None = None
 
     @classmethod
-    def install(cls, monitor: Any, sinks: list[Any], pp: Any) -> SpikeParts:
+    def install(
+        cls, monitor: Any, sinks: list[Any], pp: Any, state: Any, emit: Any
+    ) -> SpikeParts:
         """Build the parts for ``monitor`` (its pipeline exists, its step markers not yet: the
         update probe's optimizer hooks must run before the pipeline's, which close the step).
         A part that cannot be built is counted under its probe; training goes on."""
         config: Config = monitor.config
-        guard, pipeline, state = monitor.guard, monitor.pipeline, monitor._state
+        guard, pipeline = monitor.guard, monitor.pipeline
         parts = cls()
         engine = getattr(monitor.source, "decides_steps", False)
         optimizer = monitor.optimizer
@@ -33,7 +37,6 @@ class SpikeParts:
 
                 parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
                                             lambda: pipeline.step, guard.error)
-                pipeline.updates = parts.updates
                 if config.update_series:
                     state.update_ratios = {}
         if config.logit_modules:
@@ -41,16 +44,34 @@ class SpikeParts:
                 from ..probes.logits import LogitProbe
 
                 parts.logits = LogitProbe(monitor.model, config.logit_modules, guard.error)
-                pipeline.logits = parts.logits
         settings = SpikeSettings(
             window=config.spike_window, threshold=config.spike_threshold,
             min_ratio=config.spike_min_ratio, recover_steps=config.spike_recover_steps,
             warmup=min(16, config.spike_window),
         )
-        parts.detector = SpikeDetector(settings, monitor._emit, state.set_spike_unrecovered,
-                                       on_spike=parts._sample_next)
+        parts.detector = SpikeDetector(settings, emit, state.set_spike_unrecovered,
+                                       on_spike=parts._sample_next, on_close=parts.close)
         sinks.append(parts.detector)
+        if parts.updates is not None or parts.logits is not None:
+            pipeline.probes = parts
         return parts
+
+    def take(self) -> dict[str, Any]:
+        """The step's device values by slot (training thread, at the step's end)."""
+        return {
+            slot.UPDATE_SQUARES: self.updates.take() if self.updates is not None else None,
+            slot.LOGIT_MAX: self.logits.take() if self.logits is not None else None,
+        }
+
+    def finish(self, record: Any, parts: dict[str, list[float]], index: Any, guard: Any) -> None:
+        """Fill ``record`` from the read-back slots (record thread)."""
+        if slot.UPDATE_SQUARES in parts:
+            with guard("updates"):
+                record.update_stats = group_stats(parts[slot.UPDATE_SQUARES], index)
+        if slot.LOGIT_MAX in parts and self.logits is not None:
+            with guard("logits"):
+                record.logit_max = dict(zip(self.logits.names, parts[slot.LOGIT_MAX],
+                                            strict=True))
 
     def _sample_next(self) -> None:
         if self.updates is not None:

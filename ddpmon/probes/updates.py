@@ -123,7 +123,9 @@ class UpdateProbe:
         params = self.index.params
         after = [_local(p).detach() for p in params]
         weights = per_param_norms(after)
-        updates = per_param_norms(torch._foreach_sub(after, list(before)))
+        for mine, now in zip(before, after, strict=True):  # our copies: the update in place
+            mine.sub_(now)  # w_before - w_after: the update's norm, its sign aside
+        updates = per_param_norms(list(before))
         device = weights.device
         parts = [weights, updates]
         moments = self._moments(params, device)
