@@ -110,6 +110,39 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         {"loss_scale": "the scale at that step", "absorbed": "always true"},
     ),
     EventKind(
+        "loss_spike",
+        "The loss or the global gradient norm jumped above its robust rolling baseline "
+        "(docs/loss-spikes.md). `step` is the onset: the earlier of the detection and the jump "
+        "of the group that led.",
+        {
+            "signal": "`loss` or `grad_norm`: what spiked",
+            "value": "its value at the detection",
+            "baseline": "the baseline's median",
+            "limit": "the limit it exceeded (median + max(threshold x 1.4826 x MAD, "
+            "(min_ratio - 1) x median))",
+            "detected_step": "the step whose value exceeded the limit",
+            "group": "the module group whose update/weight ratio or gradient norm jumped first "
+            "(absent: none jumped in the lookback)",
+            "group_signal": "`update_ratio` or `grad_norm`: which of the group's figures jumped",
+            "group_step": "the step of that jump",
+            "group_factor": "the jump as a multiple of the group's baseline median",
+            "sample_ids": "the detected step's sample ids (`observe_samples`), up to 64",
+        },
+    ),
+    EventKind(
+        "loss_spike_unrecovered",
+        "A loss spike stayed above its limit for `spike_recover_steps` steps: "
+        "`ddpmon_loss_spike_unrecovered_step` is set and DdpmonLossSpike pages.",
+        {"signal": "what spiked", "steps": "steps since the detection",
+         "limit": "the limit it stays above"},
+    ),
+    EventKind(
+        "loss_spike_recovered",
+        "A loss spike fell back under its limit.",
+        {"signal": "what spiked", "recovered_step": "the first step back under the limit",
+         "steps": "steps from the detection to the recovery"},
+    ),
+    EventKind(
         "scale_floor",
         "The loss scale reached `loss_scale_floor`.",
         {"loss_scale": "the scale", "floor": "the configured floor"},

@@ -415,10 +415,13 @@ def describe(e: dict[str, Any]) -> str:
     parts: list[str] = []
     if kind == "signal":
         parts.append(f"{e.get('signal')}" + (f" ({e.get('signum')})" if e.get("signum") else ""))
+    elif str(kind).startswith("loss_spike"):  # agent.spikes: what spiked, then the group
+        parts.append(f"signal={e.get('signal')}")
     for key in ("param", "tensor", "nonfinite", "origin", "stage", "microbatch", "site", "where",
                 "action", "exc_type", "cause", "message", "code", "reason", "idle_seconds",
                 "loss_scale", "floor", "phase", "frame", "detail", "seconds", "not_restored",
-                "not_stated", "error", "path"):
+                "not_stated", "error", "path", "value", "baseline", "detected_step", "group",
+                "group_signal", "group_step", "group_factor", "sample_ids", "recovered_step"):
         v = e.get(key)
         if v is None or v == "":
             continue

@@ -63,6 +63,9 @@ class MixinConfig:
     window."""
     grad_norm_spike_baseline: str = "30m"
     grad_norm_spike_for: str = "2m"
+    loss_spike_for: str = "0m"
+    """DdpmonLossSpike: the agent already waited ``spike_recover_steps`` steps for the spike to
+    recover before it set ``ddpmon_loss_spike_unrecovered_step``; no second wait."""
     grad_desync_relative: float = 1e-3
     """Relative spread of post-reduce norms across ranks of a run that means replicas diverged."""
     grad_desync_for: str = "5m"

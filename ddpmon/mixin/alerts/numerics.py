@@ -109,6 +109,16 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"Largest local (pre-all-reduce) norms on rank(s) {rank_list(largest_local, c)}.",
         ),
         Alert(
+            "DdpmonLossSpike", L, "critical",
+            f"{sel(c, m.LOSS_SPIKE_UNRECOVERED.name)} >= 0",
+            c.loss_spike_for,
+            "A loss or gradient-norm spike did not recover.",
+            f"{RANK}: the spike that began at step {{{{ $value }}}} is still above its robust "
+            "baseline after the agent's spike_recover_steps steps. The loss_spike event in "
+            "`ddpmon timeline` names the module group whose update ratio or gradient norm "
+            "jumped first, and the batch's sample ids (docs/loss-spikes.md).",
+        ),
+        Alert(
             "DdpmonGradDesync", L, "critical",
             f"{n.GRAD_NORM_RUN_SPREAD} > {c.grad_desync_relative:g}",
             c.grad_desync_for,
