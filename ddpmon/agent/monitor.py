@@ -196,7 +196,7 @@ class Monitor:
             if self.pipeline.replicas is not None:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
         self.forensics.follow(self.pipeline, self.incidents, emit, guard)
-        self.spikes = SpikeParts.install(self, sinks, pp, self._state, emit)  # before markers
+        self.spikes = SpikeParts.install(self, pp, self._state, emit)  # before markers
         self.markers = StepMarkers(
             model, optimizer, self.pipeline, self.source, amp=self.amp, pp=pp,
             on_error=guard.error, on_engine_step=self._on_engine_step,

@@ -12,6 +12,10 @@ step) and update/weight ratio (sampled steps, ``probes.updates``) are watched th
 their jumps of the last ``lookback`` steps name the group that led: the earliest jump, the
 largest one among equals. The spike's step is the earliest of that jump and the detection: a
 learning-rate error at step s shows in that group's update ratio at s and in the loss at s + 1.
+A group's update ratio that jumps by ``update_factor`` times its median or more opens a spike
+by itself (``signal="update_ratio"``): a one-step learning-rate error that the loss absorbs is
+still an event, at its step, naming its group. A linear warm-up from zero never grows the ratio
+that fast against a window's median; an exponential one may.
 
 A spike that falls back under its limit within ``recover_steps`` is a ``loss_spike`` event and
 nothing more; one that does not is a ``loss_spike_unrecovered`` event and sets
@@ -45,6 +49,8 @@ class SpikeSettings:
     lookback: int = 16
     warmup: int = 16
     """Values a baseline needs before it can call a spike (sampled update ratios: a quarter)."""
+    update_factor: float = 4.0
+    """A group's update ratio this many times its median opens a spike by itself."""
 
 
 class Baseline:
@@ -74,6 +80,10 @@ class _Open:
     detected: int
     limit: float
     paged: bool = False
+    group: str | None = None
+    """The group of an ``update_ratio`` spike (its ratio decides the recovery)."""
+    told: bool = True
+    """A ``loss_spike`` event was written for it (False: the same onset, seen again)."""
 
 
 class SpikeDetector:
@@ -100,6 +110,8 @@ class SpikeDetector:
         self._jumps: deque[tuple[int, str, str, float]] = deque(maxlen=4 * settings.lookback)
         self._samples: deque[tuple[int, Any]] = deque(maxlen=settings.lookback + 4)
         self._open: _Open | None = None
+        self._ratio_bounds: dict[str, tuple[float, tuple[float, float]]] = {}
+        self._last_onset: int | None = None
         self.events = 0
 
     def note_samples(self, step: int, ids: Any) -> None:
@@ -107,6 +119,7 @@ class SpikeDetector:
         self._samples.append((step, ids))
 
     def on_record(self, record: StepRecord) -> None:
+        self._ratio_bounds = {}
         self._watch_groups(record.step, "grad_norm", record.group_norms, self.s.warmup)
         if record.update_stats:
             ratios = {g: f["update_ratio"] for g, f in record.update_stats.items()
@@ -115,7 +128,7 @@ class SpikeDetector:
                                max(4, self.s.warmup // 4))
         values = {"loss": record.loss, "grad_norm": record.grad_norm}
         if self._open is not None:
-            self._follow(record.step, values.get(self._open.signal))
+            self._follow(record.step, self._value_of(self._open, values, record))
             return
         for signal, value in values.items():
             if value is None or not math.isfinite(value):
@@ -125,6 +138,10 @@ class SpikeDetector:
             if bounds is not None and value > bounds[1]:
                 self._start(record.step, signal, value, bounds)
                 return
+        ratio = self._ratio_jump(record.step)
+        if ratio is not None:
+            group, value, bounds = ratio
+            self._start(record.step, "update_ratio", value, bounds, group)
         for signal, value in values.items():
             if value is not None and math.isfinite(value):
                 self._signals[signal].values.append(value)
@@ -141,8 +158,29 @@ class SpikeDetector:
             if bounds is not None and value > bounds[1]:
                 factor = value / bounds[0] if bounds[0] > 0 else math.inf
                 self._jumps.append((step, signal, group, factor))
+                if signal == "update_ratio":
+                    self._ratio_bounds[group] = (value, bounds)
             else:
                 baseline.values.append(value)
+
+    def _ratio_jump(self, step: int) -> tuple[str, float, tuple[float, float]] | None:
+        """The largest update-ratio jump of ``step`` by ``update_factor`` or more, if any."""
+        best = None
+        for s, signal, group, factor in self._jumps:
+            if s == step and signal == "update_ratio" and factor >= self.s.update_factor and (
+                best is None or factor > best[1]
+            ):
+                best = (group, factor)
+        if best is None or best[0] not in self._ratio_bounds:
+            return None
+        value, limits = self._ratio_bounds[best[0]]
+        return best[0], value, limits
+
+    def _value_of(self, spike: _Open, values: dict, record: StepRecord) -> float | None:
+        if spike.group is None:
+            return values.get(spike.signal)
+        figures = (record.update_stats or {}).get(spike.group) or {}
+        return figures.get("update_ratio")
 
     def _leader(self, step: int) -> tuple[int, str, str, float] | None:
         recent = [j for j in self._jumps if step - self.s.lookback <= j[0] <= step]
@@ -150,10 +188,15 @@ class SpikeDetector:
             return None
         return min(recent, key=lambda j: (j[0], -j[3]))
 
-    def _start(self, step: int, signal: str, value: float, bounds: tuple[float, float]) -> None:
+    def _start(self, step: int, signal: str, value: float, bounds: tuple[float, float],
+               group: str | None = None) -> None:
         leader = self._leader(step)
         onset = min(step, leader[0]) if leader is not None else step
-        self._open = _Open(signal, onset, step, bounds[1])
+        self._open = _Open(signal, onset, step, bounds[1], group=group)
+        if onset == self._last_onset:  # the same spike, seen again in another signal
+            self._open.told = False
+            return
+        self._last_onset = onset
         self.events += 1
         fields: dict[str, Any] = {
             "signal": signal, "value": value, "baseline": bounds[0], "limit": bounds[1],
@@ -173,6 +216,8 @@ class SpikeDetector:
         spike = self._open
         if value is not None and math.isfinite(value) and value <= spike.limit:
             self._open = None
+            if not spike.told and not spike.paged:
+                return  # a spike seen again in another signal: its first recovery was told
             self._emit("loss_spike_recovered", spike.onset, signal=spike.signal,
                        recovered_step=step, steps=step - spike.detected)
             if spike.paged:

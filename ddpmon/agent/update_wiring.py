@@ -20,9 +20,7 @@ class SpikeParts:
     detector: SpikeDetector | None = None
 
     @classmethod
-    def install(
-        cls, monitor: Any, sinks: list[Any], pp: Any, state: Any, emit: Any
-    ) -> SpikeParts:
+    def install(cls, monitor: Any, pp: Any, state: Any, emit: Any) -> SpikeParts:
         """Build the parts for ``monitor`` (its pipeline exists, its step markers not yet: the
         update probe's optimizer hooks must run before the pipeline's, which close the step).
         A part that cannot be built is counted under its probe; training goes on."""
@@ -51,7 +49,7 @@ class SpikeParts:
         )
         parts.detector = SpikeDetector(settings, emit, state.set_spike_unrecovered,
                                        on_spike=parts._sample_next, on_close=parts.close)
-        sinks.append(parts.detector)
+        pipeline.sinks.append(parts.detector)
         if parts.updates is not None or parts.logits is not None:
             pipeline.probes = parts
         return parts
