@@ -77,6 +77,7 @@ class UpdateProbe:
         read their records."""
         self._before: list[torch.Tensor] | None = None
         self._result: torch.Tensor | None = None
+        self._index_cache: dict[tuple, torch.Tensor] = {}
         self._handles = [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
@@ -156,13 +157,27 @@ class UpdateProbe:
                     where.append(i)
                     tensors.append(_local(value).detach())
             found = found or bool(where)
+            if len(where) == len(params):  # the usual step: every parameter has its state
+                out.append(per_param_norms(tensors).to(device=device, dtype=torch.float64))
+                continue
             norms = torch.zeros(len(params), dtype=torch.float64, device=device)
             if where:
                 measured = per_param_norms(tensors).to(device=device, dtype=torch.float64)
-                norms.index_copy_(0, torch.tensor(where, dtype=torch.long, device=device),
-                                  measured)
+                norms.index_copy_(0, self._positions(where, device), measured)
             out.append(norms)
         return out if found else None
+
+    def _positions(self, where: list[int], device: torch.device) -> torch.Tensor:
+        """``where`` as a device index, copied to the device once per distinct set (a host to
+        device copy each step would be one more transfer on the hot path)."""
+        key = (tuple(where), str(device))
+        index = self._index_cache.get(key)
+        if index is None:
+            if len(self._index_cache) >= 8:  # bounded: states appear once, then stay
+                self._index_cache.clear()
+            index = self._index_cache[key] = torch.tensor(where, dtype=torch.long,
+                                                          device=device)
+        return index
 
     def take(self) -> torch.Tensor | None:
         """The sampled step's device vector (None: not sampled), cleared for the next step."""

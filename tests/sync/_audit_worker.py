@@ -43,6 +43,7 @@ FEATURES = {
     "replica_check_every": 1,
     "local_norm_every": 1,
     "step_metrics": ("learning_rate",),
+    "update_every": 1,
     "announce": False,
 }
 """Every per-step feature, at its most frequent: each runs on every audited step."""
@@ -113,9 +114,10 @@ class Loop:
         raise SystemExit(f"unknown strategy {strategy}")
 
     def attach(self) -> None:
+        head = "module.4" if self.strategy == "ddp" else "4"  # its max logit, read in forward
         self.mon = ddpmon.attach(self.model, self.opt, self.scaler, run_dir=RUN_DIR,
                                  run_id=f"audit-{self.strategy}-{self.scaler is not None}",
-                                 **FEATURES)
+                                 logit_modules=(head,), **FEATURES)
         assert self.mon.enabled, self.mon.error
 
     def step(self, step: int) -> None:
