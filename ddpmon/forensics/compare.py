@@ -39,6 +39,7 @@ from ..rundir import HISTORY_RE, RunDir
 from .annotations import load_annotations
 from .history_read import History, iter_histories
 from .run_facts import Resume, load_manifest, ranks_present, resumes
+from .update_views import both_sampled, ratio_series
 
 NOISE_STEPS = 8
 NOISE_FACTOR = 100.0
@@ -237,6 +238,7 @@ def _series(
     }
     for g in first.groups:
         series[f"group:{g}"] = first.group(g)
+    series.update(ratio_series(first))  # update/weight ratios, sampled steps (update_views)
     return c["step"], series, first.groups, ranks, complete
 
 
@@ -328,7 +330,8 @@ def compare_runs(path_a: Path | str, path_b: Path | str) -> Comparison:
             "history ends early (killed before its last flush), so the mean over ranks differs"
         )
     for name in names:
-        keep = both if name == "loss" else slice(None)
+        keep = both if name == "loss" else both_sampled(name, a.series[name][ia],
+                                                         b.series[name][ib])
         x, y = a.series[name][ia][keep], b.series[name][ib][keep]
         results.append(_compare_series(name, steps[keep], x, y))
     hits = [r for r in results if r.first_step is not None]

@@ -28,6 +28,7 @@ from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present
 from .timeline import RunDirError, build_timeline, describe
+from .update_views import update_figures
 
 MAX_EVENTS = 300
 
@@ -282,6 +283,7 @@ def _plots(view: RunView, other: RunView | None) -> str:
                             0.9 + 0.22 * len(first.groups))
         rp.heatmap(ax, fig, single(first, "grad_norm").x, first.groups, norms)
         out.append(_fig("groups", fig, legend=False))
+    out += update_figures(first, _fig)  # per-group update ratios and moments (update_views)
 
     fig, ax = rp.figure("Loss scale (GradScaler) and skipped steps", "loss scale (log2)")
     rp.rank_lines(ax, single(first, "loss_scale"), "scale")

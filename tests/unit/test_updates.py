@@ -106,3 +106,27 @@ def test_a_bad_logit_module_name_disables_nothing_but_is_counted(run):
     steps = mon.state.steps_total
     mon.close()
     assert errors.get("logits") == 1 and steps == 2
+
+
+def test_compare_and_report_show_the_update_figures(tmp_path):
+    from ddpmon.forensics.compare import compare_runs
+    from ddpmon.forensics.report import build_report
+
+    runs = []
+    for name, lr in (("a", 1e-2), ("b", 1e-2), ("c", 5e-2)):
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        mon = ddpmon.attach(model, opt, port=0, bind="127.0.0.1", run_dir=str(tmp_path / name),
+                            run_id=name, update_every=2)
+        train(mon, model, opt, 6)
+        mon.close()
+        runs.append(tmp_path / name)
+    same = compare_runs(runs[0], runs[1])
+    ratios = [s.name for s in same.series if s.name.startswith("ratio:")]
+    assert sorted(ratios) == ["ratio:block", "ratio:emb", "ratio:head"] and not same.diverged
+    other = compare_runs(runs[0], runs[2])  # 5x the lr: the ratios part at the first step
+    parted = {s.name: s.first_step for s in other.series if s.name.startswith("ratio:")}
+    assert parted == dict.fromkeys(ratios, 0)
+    html = build_report(runs[0]).html
+    assert "Update/weight ratio" in html and "first moment norm" in html
