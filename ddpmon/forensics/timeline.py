@@ -430,7 +430,8 @@ def describe(e: dict[str, Any]) -> str:
         if isinstance(v, list):
             if not v:
                 continue
-            v = ",".join(map(str, v))
+            more = f",...(+{len(v) - 8})" if key == "sample_ids" and len(v) > 8 else ""
+            v = ",".join(map(str, v[:8] if more else v)) + more
         if isinstance(v, float):
             v = f"{v:.3g}"
         parts.append(f"{key}={v}")
