@@ -34,7 +34,8 @@ class SpikeParts:
                 from ..probes.updates import UpdateProbe
 
                 parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
-                                            lambda: pipeline.step, guard.error)
+                                            lambda: pipeline.step, guard.error,
+                                            sharded_reduction(monitor.index.params))
                 if config.update_series:
                     state.update_ratios = {}
         if config.logit_modules:
@@ -83,3 +84,34 @@ class SpikeParts:
         for part in (self.updates, self.logits):
             if part is not None:
                 part.close()
+
+
+@dataclass(slots=True)
+class _PlanReduction:
+    """The strategies' reduction plan (``dtensor_norms``) in the shape the probe asks for."""
+
+    plan: Any
+
+    @property
+    def mask(self) -> Any:
+        return self.plan.mask
+
+    @property
+    def device(self) -> Any:
+        return self.plan.device
+
+    def start(self, vector: Any) -> Any:
+        from ..strategies.dtensor_norms import reduce_async
+
+        return reduce_async(vector, self.plan)
+
+
+def sharded_reduction(params: list[Any]) -> _PlanReduction | None:
+    """The sum of the update probe's squares for DTensor parameters (the same plan as the
+    gradient norms: shard dims summed, replicas counted once), or None: nothing to reduce."""
+    from ..strategies.dtensor_norms import build_plan, is_dtensor
+
+    if not any(is_dtensor(p) for p in params):
+        return None
+    plan = build_plan(params)
+    return _PlanReduction(plan) if plan.groups else None

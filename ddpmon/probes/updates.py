@@ -29,12 +29,11 @@ rendezvous with the peers, at sampled steps only.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._torch_compat import dtensor_local
-from ..strategies.dtensor_norms import ReductionPlan, build_plan, is_dtensor, reduce_async
 from .grads import ParamIndex, per_param_norms
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -42,7 +41,18 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return dtensor_local(tensor) if is_dtensor(tensor) else tensor
+    """A DTensor's own piece (its ``device_mesh`` says it is one), a plain tensor as it is."""
+    return dtensor_local(tensor) if hasattr(tensor, "device_mesh") else tensor
+
+
+class Reduction(Protocol):
+    """What the probe needs of the strategies' reduction plan (``dtensor_norms``)."""
+
+    mask: torch.Tensor
+    device: torch.device
+
+    def start(self, vector: torch.Tensor) -> Any:
+        """Start the in-place SUM of ``vector`` over the sharded dims; the work, or None."""
 
 
 class UpdateProbe:
@@ -59,7 +69,10 @@ class UpdateProbe:
         every: int,
         step_of: Callable[[], int],
         on_error: Callable[[str, BaseException], None],
+        reduction: Reduction | None = None,
     ) -> None:
+        """``reduction``: the sum over the mesh dims of a sharded model (None: the parameters
+        are full and replicated, nothing is communicated)."""
         if every < 1:
             raise ValueError(f"update sampling interval {every}: expected >= 1")
         self.optimizer = optimizer
@@ -67,10 +80,7 @@ class UpdateProbe:
         self.every = every
         self._step_of = step_of
         self._on_error = on_error
-        params = list(index.params)
-        self.plan: ReductionPlan | None = (
-            build_plan(params) if any(is_dtensor(p) for p in params) else None
-        )
+        self.plan = reduction
         self.sample_next = False
         """Set on the host (a spike was seen): sample the next step too. Honoured only where
         no collective is needed (one process, DDP), since ranks do not agree on when they
@@ -87,7 +97,7 @@ class UpdateProbe:
     @property
     def collective(self) -> bool:
         """Sampled steps issue a collective (a sharded model)."""
-        return self.plan is not None and bool(self.plan.groups)
+        return self.plan is not None
 
     def due(self, step: int) -> bool:
         if step % self.every == 0:
@@ -137,7 +147,7 @@ class UpdateProbe:
         if self.plan is None:
             return vector
         vector = vector.to(self.plan.device) * self.plan.mask.repeat(len(parts))
-        work = reduce_async(vector, self.plan)
+        work = self.plan.start(vector)
         if work is not None:
             work.wait()  # a stream wait under NCCL; gloo: the peers' share, sampled steps only
         return vector
