@@ -1,5 +1,6 @@
 """Per-group weight norm, update norm, update/weight ratio and Adam moment norms under DDP,
-FSDP2 and tensor parallel on 2 gloo ranks (tests/parallel/_updates_worker.py): equal, within
+FSDP2 and tensor parallel on 2 gloo ranks, HSDP and FSDP2+TP on a 2 x 2 mesh of 4
+(tests/parallel/_updates_worker.py): equal, within
 1e-6 relative, to a reference computed from the full tensors before and after each sampled
 step; sampled every ``update_every`` steps only, the same on every rank."""
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel._updates_worker import EVERY, STEPS, STRATEGIES
+from tests.parallel._updates_worker import EVERY, MESH_STRATEGIES, STEPS, STRATEGIES
 from tests.support.ranks import run_ranks
 from tests.support.updates import relative_errors
 
@@ -17,12 +18,22 @@ WORKER = Path(__file__).with_name("_updates_worker.py")
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_ranks(WORKER, tmp_path_factory.mktemp("updates"))
+def launched(tmp_path_factory):
+    done: dict[bool, list[dict]] = {}
+
+    def get(mesh: bool) -> list[dict]:
+        if mesh not in done:
+            out = tmp_path_factory.mktemp("updates")
+            done[mesh] = (run_ranks(WORKER, out, ["--mesh"], world=4) if mesh
+                          else run_ranks(WORKER, out))
+        return done[mesh]
+
+    return get
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_figures_equal_the_full_tensor_reference(ranks, strategy):
+@pytest.mark.parametrize("strategy", STRATEGIES + MESH_STRATEGIES)
+def test_figures_equal_the_full_tensor_reference(launched, strategy):
+    ranks = launched(strategy in MESH_STRATEGIES)
     for rank in ranks:
         result = rank[strategy]
         assert result["strategy"] == strategy
@@ -37,8 +48,9 @@ def test_figures_equal_the_full_tensor_reference(ranks, strategy):
             for figures in stats.values():  # AdamW keeps both moments
                 assert figures["exp_avg_norm"] > 0 and figures["exp_avg_sq_norm"] > 0
     # the figures are of the whole model: every rank reports the same
-    first, second = (r[strategy]["measured"] for r in ranks)
-    for step in first:
-        for group in first[step]:
-            for key, value in first[step][group].items():
-                assert second[step][group][key] == pytest.approx(value, rel=1e-9)
+    first = ranks[0][strategy]["measured"]
+    for other in (r[strategy]["measured"] for r in ranks[1:]):
+        for step in first:
+            for group in first[step]:
+                for key, value in first[step][group].items():
+                    assert other[step][group][key] == pytest.approx(value, rel=1e-9)

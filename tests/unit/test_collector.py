@@ -318,3 +318,20 @@ def test_docs_state_the_default_series_per_rank():
     ranks = 16_384
     row = f"| 16,384 | {ranks * (full + 1):,} | {(ranks - 1) * (large + 1) + full + 1:,} |"
     assert row in doc, row
+
+
+def test_the_loss_spike_series_stay_out_of_the_default_budget():
+    """The per-group update ratios are opt-in (``update_series``: one series per group, bounded
+    by ``max_groups``); the unrecovered-spike gauge exists only while such a spike lasts."""
+    from ddpmon.config import Config
+
+    state = make_state(groups=Config().max_groups, opt_in=False)
+    base = len(_series(make_exposition(state).render().decode()))
+    state.update_ratios = {f"layer{i}": 0.01 for i in range(Config().max_groups)}
+    state.set_spike_unrecovered(120)
+    text = make_exposition(state).render().decode()
+    assert len(_series(text)) == base + Config().max_groups + 1
+    assert "ddpmon_loss_spike_unrecovered_step" in text and 'group="layer31"' in text
+    state.update_ratios, state.logit_max = None, {}
+    state.set_spike_unrecovered(None)
+    assert len(_series(make_exposition(state).render().decode())) == base
