@@ -11,6 +11,7 @@ CONTRACT_ALERTS = {
     "DdpmonNonFiniteGradients": "critical",
     "DdpmonNonFiniteLoss": "critical",
     "DdpmonGradNormSpike": "warning",
+    "DdpmonLossSpike": "critical",
     "DdpmonGradDesync": "critical",
     # Added with the agent's identical-batch check.
     "DdpmonDuplicateDataShards": "warning",

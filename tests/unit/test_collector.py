@@ -93,8 +93,8 @@ def allocator_stats(device):
 
 def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     """A rank's state with every series; ``opt_in=False`` leaves out the opt-in per-step metrics
-    (``step_metrics``) and the reruns' counter (``on_nonfinite='rerun'``), as an agent with
-    defaults does; ``replicas=False`` the replica check's
+    (``step_metrics``), the reruns' counter (``on_nonfinite='rerun'``), the update ratios and
+    max logits, and the unrecovered-spike gauge, as an agent with defaults does; ``replicas=False`` the replica check's
     counter, as a strategy without replicas does."""
     s = MetricState(loss_scale_floor=1.0, started_at=1700000000.0)
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
@@ -119,6 +119,10 @@ def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     s.attempt = 1
     s.replica_mismatch_total = 0 if replicas else None
     s.step_reruns_total = {"deterministic": 0, "transient": 1} if opt_in else None
+    if opt_in:  # update_series=True, logit_modules=[...], a spike that did not recover
+        s.update_ratios = {"layer0": 0.002, "layer1": 0.0125}
+        s.logit_max = {"head": 31.5}
+        s.loss_spike_unrecovered_step = 120
     s.apply_checkpoint("load", 30, 2.5, 1700000001.0, None)
     s.apply_checkpoint("save", 40, 12.0, 1700000040.0, 5 << 20)
     return s
