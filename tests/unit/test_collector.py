@@ -94,8 +94,8 @@ def allocator_stats(device):
 def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     """A rank's state with every series; ``opt_in=False`` leaves out the opt-in per-step metrics
     (``step_metrics``), the reruns' counter (``on_nonfinite='rerun'``), the update ratios and
-    max logits, and the unrecovered-spike gauge, as an agent with defaults does; ``replicas=False`` the replica check's
-    counter, as a strategy without replicas does."""
+    max logits, and the unrecovered-spike gauge, as an agent with defaults does;
+    ``replicas=False`` the replica check's counter, as a strategy without replicas does."""
     s = MetricState(loss_scale_floor=1.0, started_at=1700000000.0)
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
     s.loss, s.grad_norm, s.grad_local_norm = 2.5, float("nan"), float("inf")
