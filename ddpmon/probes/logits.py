@@ -6,6 +6,8 @@ large-scale training) precede loss spikes; the maximum is the number to watch. T
 one ``amax`` on the device per named module and forward and keeps the running maximum of the
 step's forwards (gradient-accumulation micro-steps included); ``take()`` hands the step's values
 (NaN for a module that ran no forward) to the step vector, read back lazily with the rest.
+A DTensor output (tensor parallel) is read as this rank's piece, without a collective: its max
+is the full output's where the output is replicated, this rank's shard's where it is sharded.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from .._torch_compat import dtensor_local
 
 MAX_LOGIT_MODULES = 16
 """Each module is one series per rank (``ddpmon_logit_max{module}``)."""
@@ -60,6 +64,8 @@ class LogitProbe:
                 tensor = _first_tensor(output)
                 if tensor is None or tensor.numel() == 0:
                     return
+                if hasattr(tensor, "device_mesh"):  # a DTensor: this rank's piece, no collective
+                    tensor = dtensor_local(tensor)
                 with torch.no_grad():
                     value = tensor.detach().amax().to(torch.float64).reshape(1)
                     previous = self._max[i]
