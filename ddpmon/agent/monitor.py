@@ -28,6 +28,7 @@ from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
 from ..strategies.replicas import ReplicaCheck
 from . import registry
+from .activity import LoopPhases
 from .checkpoints import (
     CheckpointObserver,
     CheckpointTimer,
@@ -49,7 +50,7 @@ from .run_facts import manifest_extra, start_fields, states_present
 from .step_markers import StepMarkers
 
 
-class Monitor:
+class Monitor(LoopPhases):
     """One rank's agent. Create it with ``ddpmon.attach``."""
 
     enabled = True
@@ -219,6 +220,7 @@ class Monitor:
             state, ctx.identity, ctx.run_id, config, guard, catch_up=self.flush
         )
         self.exposition = self.endpoint.exposition
+        self._serve_activity()
         self.port = self.endpoint.port
         self.forensics.watch(
             config.stall_seconds,
