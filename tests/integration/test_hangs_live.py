@@ -90,8 +90,11 @@ def test_stopped_rank_is_named_live(case, stack, tmp_path):
         assert hang["waiting"] == [0, 1, 2]
         assert hang["collective"]["op"] == "all_reduce" and hang["collective"]["group"] == "0"
         assert holder["seq"] == hang["collective"]["seq"] - 1
-        (alert,) = wait_for(lambda: _holder_alerts(live, case), timeout=NAMED_WITHIN,
-                            what=f"{case}: DdpmonHangHolder")
+        # Annotations are rendered at each evaluation: wait until every waiting rank is stuck.
+        (alert,) = wait_for(
+            lambda: [a for a in _holder_alerts(live, case)
+                     if "Ranks waiting: 0, 1, 2." in a["annotations"]["description"]],
+            timeout=NAMED_WITHIN, what=f"{case}: DdpmonHangHolder")
         labels = alert["labels"]
         assert labels["rank"] == "3" and labels["phase"] == PHASES[case]
         assert labels["frame"] == holder["frame"] and labels["group"] == "0"
