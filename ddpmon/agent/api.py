@@ -7,7 +7,6 @@ logged precisely and gives a ``NullMonitor`` whose ``error`` says why.
 from __future__ import annotations
 
 import contextlib
-
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any

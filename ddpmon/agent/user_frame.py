@@ -59,7 +59,7 @@ def describe(frame: FrameType) -> str:
 def innermost_user_frame(thread_id: int) -> str | None:
     """Where ``thread_id`` stands in user code now (its innermost frame if none is the user's);
     None when the thread is gone."""
-    frame = sys._current_frames().get(thread_id)
+    frame = sys._current_frames().get(thread_id)  # noqa: SLF001 - documented CPython API
     innermost = frame
     while frame is not None:
         if is_user_file(frame.f_code.co_filename):

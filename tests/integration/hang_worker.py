@@ -98,10 +98,9 @@ def main() -> None:
             with mon.phase("eval"):
                 total = evaluate(model, args.hold if rank == 3 else 0.0)
                 dist.all_reduce(total)
-        if args.case == "checkpoint" and step == args.at:
-            if rank == 0:
-                with mon.observe_checkpoint(step, os.path.join(args.out, "ckpt.pt")):
-                    save_checkpoint(model, os.path.join(args.out, "ckpt.pt"), args.hold)
+        if args.case == "checkpoint" and step == args.at and rank == 0:
+            with mon.observe_checkpoint(step, os.path.join(args.out, "ckpt.pt")):
+                save_checkpoint(model, os.path.join(args.out, "ckpt.pt"), args.hold)
         time.sleep(0.05)
     with open(os.path.join(args.out, f"done{rank}"), "w") as fh:
         fh.write("trained\n")
