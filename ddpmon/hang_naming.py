@@ -47,6 +47,11 @@ class RankActivity:
                 "stuck_seconds": self.stuck_seconds, "frame": self.frame, "quiet": self.quiet}
 
 
+ACTIVITY = frozenset(x.name for x in (m.PHASE_SINCE, m.COLLECTIVE_SEQUENCE, m.STUCK,
+                                      m.COLLECTIVE_INFLIGHT_SINCE, m.COLLECTIVE_INFLIGHT_SEQUENCE))
+"""The activity families (``agent.activity``); any of them carries the rank."""
+
+
 def parse_activity(text: str) -> RankActivity:
     """The activity series of one rank's exposition text (other series are ignored)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -55,11 +60,10 @@ def parse_activity(text: str) -> RankActivity:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels, value = s.labels, s.value
-            if "rank" in labels and act.rank is None and s.name == m.RANK_INFO.name:
-                act.rank = _int(labels["rank"])
+            if s.name in ACTIVITY and act.rank is None:
+                act.rank = _int(labels.get("rank"))
             if s.name == m.PHASE_SINCE.name:
                 act.phase, act.phase_since = clean_line(labels.get("phase", "")), value
-                act.rank = _int(labels.get("rank"))
             elif s.name == m.COLLECTIVE_SEQUENCE.name:
                 act.sequences[clean_line(labels.get("group", ""))] = int(value)
             elif s.name in (m.COLLECTIVE_INFLIGHT_SEQUENCE.name, m.COLLECTIVE_INFLIGHT_SINCE.name):
@@ -71,6 +75,7 @@ def parse_activity(text: str) -> RankActivity:
                 act.stuck_seconds = value
                 act.frame = clean_line(labels.get("frame", ""))
                 act.quiet = labels.get("quiet") == "1"
+                act.phase = act.phase or clean_line(labels.get("phase", ""))
     return act
 
 

@@ -110,9 +110,8 @@ def test_a_checkpoint_a_marked_phase_and_the_first_step_are_quiet():
 
 def test_mon_phase_names_are_checked_and_bounded():
     pipeline = Pipeline()
-    with pytest.raises(ValueError, match="mon.phase"):
-        with pipeline.marked("Eval pass"):
-            pass
+    with pytest.raises(ValueError, match="mon.phase"), pipeline.marked("Eval pass"):
+        pass
     for i in range(MAX_LOOP_PHASES + 3):
         with pipeline.marked(f"p{i}"):
             name = pipeline.loop_phase.current[0]
@@ -198,3 +197,52 @@ def test_the_pipeline_keeps_phase_and_since_in_host_stores():
     since = pipeline.phase_since
     pipeline._at(FORWARD)  # the same phase again: not a change
     assert pipeline.phase_since == since
+
+
+def test_the_daemons_job_summary_names_the_hang_among_its_ranks():
+    """The node daemon's job record (daemon.summary.merge) over real HTTP: two ranks, one
+    waiting in all-reduce #9, one that last issued #8 and is stuck in its data loader."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from ddpmon.daemon import summary
+
+    pages = {
+        0: 'ddpmon_collective_sequence{run="r",rank="0",group="0"} 9\n'
+           'ddpmon_collective_inflight_sequence{run="r",rank="0",group="0",op="all_reduce"} 9\n'
+           'ddpmon_stuck_seconds{run="r",rank="0",phase="forward_backward",frame="t.py:3 in '
+           'main",quiet="0"} 40\n',
+        1: 'ddpmon_collective_sequence{run="r",rank="1",group="0"} 8\n'
+           'ddpmon_stuck_seconds{run="r",rank="1",phase="data",frame="d.py:7 in load",'
+           'quiet="0"} 41\n',
+    }
+    class Page(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            body = self.server.body
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+    for r in (0, 1):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+        server.body = pages[r].encode()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    try:
+        merged = summary.merge({}, "127.0.0.1", [s.server_address[1] for s in servers])
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert merged["ranks"]["1"]["activity"]["frame"] == "d.py:7 in load"
+    hang = merged["hang"]
+    assert hang["waiting"] == [0] and hang["collective"]["seq"] == 9 and hang["pages"]
+    assert [(h["rank"], h["phase"], h["frame"]) for h in hang["holders"]] == [
+        (1, "data", "d.py:7 in load")]
