@@ -177,6 +177,19 @@ class Activity:
                 self.on_error("activity", exc)
             return Collectives(dict(self._last.sequences))
 
+    def stall_fields(self) -> dict[str, Any]:
+        """What the stall event records (the watchdog's thread): phase, frame, the collective
+        in flight and each group's sequence number, so ``ddpmon timeline`` names them."""
+        s = self.snapshot()
+        frame = s.frame or innermost_user_frame(self.thread_id)
+        out: dict[str, Any] = {"phase": s.phase, "sequences": s.sequences}
+        if frame:
+            out["frame"] = frame
+        if s.inflight:
+            f = s.inflight[0]
+            out["collective"] = {"op": f.op, "group": f.group, "seq": f.seq}
+        return out
+
     def samples(self) -> dict[m.Metric, list[tuple[tuple[str, ...], float]]]:
         """The families of ``ddpmon.metrics`` this snapshot fills."""
         s = self.snapshot()

@@ -442,7 +442,7 @@ class Monitor(LoopPhases):
             "stall",
             step,
             idle_seconds=round(idle_seconds, 3),
-            stall_seconds=self.config.stall_seconds,
+            stall_seconds=self.config.stall_seconds, **self.activity.stall_fields(),
         )
         with self.guard("evidence"):
             self.incidents.write_evidence(

@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--hold", type=float, default=0.0)
     p.add_argument("--hang-seconds", type=float, default=3.0)
+    p.add_argument("--stall-seconds", type=float, default=300.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -75,7 +76,8 @@ def main() -> None:
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = ddpmon.attach(model, opt, port=args.port, bind="127.0.0.1", run_id=args.run_id,
-                        run_dir=args.out, sd_dir=args.sd_dir, hang_seconds=args.hang_seconds)
+                        run_dir=args.out, sd_dir=args.sd_dir, hang_seconds=args.hang_seconds,
+                        stall_seconds=args.stall_seconds)
     loader = DataLoader(Batches(), batch_size=4)
     stuck = rank == 3 and args.case in ("loader", "skip", "user")
     for step, (x, y) in enumerate(loader):

@@ -34,6 +34,9 @@ WORKER = Path(__file__).with_name("hang_worker.py")
 WORLD = 4
 HANG_SECONDS = 3.0
 HOLD_SECONDS = 12.0
+STALL_SECONDS = 6.0
+"""The stopped cases' stall threshold: the stall event (and so ``ddpmon timeline``) comes
+after the live naming, while the ranks are still alive."""
 NAMED_WITHIN = 60.0
 FRAMES = {"loader": "in __getitem__", "skip": "in main", "user": "in wait_for_lock"}
 PHASES = {"loader": "data", "skip": "data", "user": "forward_backward"}
@@ -49,12 +52,23 @@ def _top(ports: list[int]) -> dict:
     return json.loads(out.stdout)
 
 
+def _timeline(run_path: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "ddpmon.cli", "timeline", str(run_path), "--json"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    return json.loads(out.stdout)
+
+
 def _launch(tmp: Path, case: str, sd_dir: Path) -> tuple[list, list[int]]:
     base = free_ports(WORLD)
     master = free_port()
     cmd = [sys.executable, str(WORKER), "--out", str(tmp), "--run-id", case, "--sd-dir",
            str(sd_dir), "--case", case, "--port", str(base), "--hold", str(HOLD_SECONDS),
            "--hang-seconds", str(HANG_SECONDS)]
+    if case in FRAMES:
+        cmd += ["--stall-seconds", str(STALL_SECONDS)]
     procs = [_start(cmd, rank_env(r, WORLD, master, None), None) for r in range(WORLD)]
     return procs, [base + r for r in range(WORLD)]
 
@@ -102,6 +116,17 @@ def test_stopped_rank_is_named_live(case, stack, tmp_path):
         assert f"wait in all_reduce #{hang['collective']['seq']} on process group 0" in description
         assert "Ranks waiting: 0, 1, 2." in description
         print(f"{case}: top named rank 3 after {named_after:.1f}s; alert: {description}")
+        # The stall events (every rank, past stall_seconds) carry the same facts: the
+        # timeline's first failure is the rank behind, with its phase and frame.
+        first = wait_for(lambda: _timeline(tmp_path / case)["first_failure"], timeout=30,
+                         what=f"{case}: timeline")
+        wait_for(lambda: len([e for e in _timeline(tmp_path / case)["events"]
+                              if e.get("kind") == "stall"]) == WORLD, timeout=30,
+                 what=f"{case}: every rank's stall event")
+        first = _timeline(tmp_path / case)["first_failure"]
+        assert (first["kind"], first["rank"], first["phase"]) == ("stall", 3, PHASES[case])
+        assert first["frame"] == holder["frame"]
+        print(f"{case}: timeline first failure: {first}")
     finally:
         for proc in procs:
             kill_group(proc)
