@@ -4,8 +4,8 @@ Each rank exports its phase, each process group's last issued collective sequenc
 collective it has not completed, and, once it made no progress for ``hang_seconds``, where it
 is stuck (``agent.activity``). From those of every rank of a run:
 
-- the *waiting* ranks are the stuck ranks with a collective in flight; the group most of them
-  wait on is the hung group, the highest sequence number they wait in is the collective;
+- the *waiting* ranks are the ranks with a collective in flight (a rank exports it after a
+  second without progress); the group most of them wait on is the hung group, the highest sequence number they wait in is the collective;
 - the ranks the others wait for (the *holders*) are the ranks whose last issued sequence number
   on that group is below it: they never entered that collective (stuck in a data loader, in
   user code, in another group's collective after skipping this one);
@@ -88,9 +88,8 @@ def _int(value: Any) -> int | None:
 
 def name_hang(ranks: list[RankActivity]) -> dict[str, Any] | None:
     """The hung collective, the ranks waiting in it and the ranks they wait for; None while no
-    stuck rank waits in a collective."""
-    waiting = [(a, g, f) for a in ranks if a.stuck_seconds is not None
-               for g, f in a.inflight.items() if "seq" in f]
+    rank waits in a collective. It pages once a holder is stuck outside a quiet phase."""
+    waiting = [(a, g, f) for a in ranks for g, f in a.inflight.items() if "seq" in f]
     if not waiting:
         return None
     per_group = Counter(g for _, g, _ in waiting)
