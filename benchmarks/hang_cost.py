@@ -36,10 +36,10 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
+    from host_cost import build
 
     import ddpmon
     from ddpmon.agent.step_phase import StepPhase
-    from host_cost import build
 
     torch.set_num_threads(1)
     model, opt = build()

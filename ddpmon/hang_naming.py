@@ -5,12 +5,13 @@ collective it has not completed, and, once it made no progress for ``hang_second
 is stuck (``agent.activity``). From those of every rank of a run:
 
 - the *waiting* ranks are the ranks with a collective in flight (a rank exports it after a
-  second without progress); the group most of them wait on is the hung group, the highest sequence number they wait in is the collective;
+  second without progress); the group most of them wait on is the hung group, the highest
+  sequence number they wait in is the collective;
 - the ranks the others wait for (the *holders*) are the ranks whose last issued sequence number
   on that group is below it: they never entered that collective (stuck in a data loader, in
   user code, in another group's collective after skipping this one);
-- it pages unless a holder is in a ``quiet`` phase (a checkpoint, an evaluation marked with
-  ``mon.phase``, before the first step) or not stuck yet.
+- it pages once a holder is stuck past ``hang_seconds`` outside a ``quiet`` phase (a
+  checkpoint, an evaluation marked with ``mon.phase``, before the first step).
 
 The same rule is the alert ``DdpmonHangHolder`` (``mixin/alerts/hangs.py``); ``ddpmon top``
 reads it from the ranks' endpoints. Ranks that all entered the same sequence number name no
