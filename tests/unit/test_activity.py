@@ -247,3 +247,17 @@ def test_the_daemons_job_summary_names_the_hang_among_its_ranks():
     assert hang["waiting"] == [0] and hang["collective"]["seq"] == 9 and hang["pages"]
     assert [(h["rank"], h["phase"], h["frame"]) for h in hang["holders"]] == [
         (1, "data", "d.py:7 in load")]
+
+
+def test_top_shows_what_each_rank_does_and_the_hang_line():
+    from ddpmon.commands.top import _hang_line, _now
+
+    wait = {"0": {"op": "all_reduce", "seq": 36, "since": 5.0}}
+    waiting = rank(0, {"0": 36}, wait)
+    holder = rank(3, {"0": 35}, phase="data")
+    assert _now(waiting) == "forward_backward all_reduce#36@0 stuck 40s at f0"
+    assert _now(rank(1, {"0": 3}, stuck=False)) == "forward_backward"
+    line = _hang_line(name_hang([waiting, holder]))
+    assert line == "hang: ranks [0] wait in all_reduce #36 on group 0 for: rank 3 (data, at f3)"
+    quiet = name_hang([waiting, rank(3, {"0": 35}, phase="eval", quiet=True)])
+    assert _hang_line(quiet).endswith("for: rank 3 (eval, quiet, at f3) (no page)")
