@@ -230,6 +230,13 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
         "ddpmon_collector_success": 1,
         "ddpmon_rank_info": 1,
         "ddpmon_build_info": 1,
+        # Live hang naming: from the NaN on, every rank waits in collective #1000+i, stuck 40 s;
+        # the origin rank last issued one less: DdpmonHangHolder names it.
+        "ddpmon_phase_since_timestamp_seconds": 1.7e9 + seconds,
+        "ddpmon_collective_sequence": 1000 + i - (1 if broken and m.origin else 0),
+        "ddpmon_collective_inflight_since_timestamp_seconds": 1.7e9 + seconds - 40,
+        "ddpmon_collective_inflight_sequence": 1000 + i,
+        "ddpmon_stuck_seconds": 40.0,
     }
     if name not in table:
         raise KeyError(f"no synthetic value for {name}: add it to the benchmark's table")

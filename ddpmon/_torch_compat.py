@@ -270,6 +270,19 @@ def flight_recorder_dumps() -> tuple[Callable | None, Callable | None]:
     return dump_pickle, dump_json
 
 
+def flight_recorder_state() -> dict | None:
+    """This process's flight recorder as JSON (every group's sequence status and its recent
+    collectives, ``_dump_fr_trace_json(include_collectives, only_active)``); None where this
+    build has no recorder. Safe from a thread while the training thread waits in a collective."""
+    import json
+
+    _, dump_json = flight_recorder_dumps()
+    if dump_json is None:
+        return None
+    data = json.loads(bytes(dump_json(True, True)))
+    return data if isinstance(data, dict) else None
+
+
 # ------------------------------------------------------------------------- DCP
 def dcp_logger() -> logging.Logger | None:
     """DCP's own logger (``torch.distributed.checkpoint.logger._dcp_logger``), once DCP is

@@ -251,6 +251,54 @@ COLLECTIVE_BYTES = Metric(
     when=_OPS,
 )
 
+# -- what a rank is doing now (read at scrape time; docs/slow-and-stuck/hangs.md) -----------
+PHASE_SINCE = Metric(
+    "ddpmon_phase_since_timestamp_seconds",
+    G,
+    "Wall time the rank's current phase began. phase: data, forward_backward, after_backward, "
+    "optimizer, checkpoint, or a name the loop gave mon.phase(); one series at a time.",
+    L.COMMUNICATION,
+    unit="seconds",
+    labels=("phase",),
+)
+COLLECTIVE_SEQUENCE = Metric(
+    "ddpmon_collective_sequence",
+    G,
+    "Sequence number of the last collective this rank issued on the process group (torch's "
+    "flight recorder).",
+    L.COMMUNICATION,
+    labels=("group",),
+    when="with torch's flight recorder, for each group this rank has used",
+)
+COLLECTIVE_INFLIGHT_SINCE = Metric(
+    "ddpmon_collective_inflight_since_timestamp_seconds",
+    G,
+    "Wall time the oldest collective this rank has not completed on the group was issued.",
+    L.COMMUNICATION,
+    unit="seconds",
+    labels=("group", "op"),
+    when="while a collective is in flight at the scrape",
+)
+COLLECTIVE_INFLIGHT_SEQUENCE = Metric(
+    "ddpmon_collective_inflight_sequence",
+    G,
+    "Sequence number of the oldest collective this rank has not completed on the group.",
+    L.COMMUNICATION,
+    labels=("group", "op"),
+    when="while a collective is in flight at the scrape",
+)
+STUCK = Metric(
+    "ddpmon_stuck_seconds",
+    G,
+    "Seconds since the rank last made progress (a step, a phase, a collective), past "
+    "hang_seconds; frame: its innermost frame in user code; quiet: 1 in a phase that may last "
+    "(checkpoint, before the first step, a mon.phase()), where no hang is paged.",
+    L.COMMUNICATION,
+    unit="seconds",
+    labels=("phase", "frame", "quiet"),
+    when="after hang_seconds without progress",
+)
+
 # -- memory (live sources, read at scrape time) --------------------------------------------
 _ALLOC = "with the CUDA allocator"
 CUDA_MEMORY_ALLOCATED = Metric(

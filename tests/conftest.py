@@ -64,6 +64,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "integration/": ("ranks",),
     "integration/test_agent_ddp.py": ("ranks", "services"),
     "integration/test_alerts_live.py": ("ranks", "services"),
+    "integration/test_hangs_live.py": ("ranks", "services"),
     "integration/test_hardware_or_numerics.py": ("ranks", "services"),
     "integration/test_dashboards_live.py": ("ranks", "services"),
     "integration/test_linger_live.py": ("ranks", "services"),

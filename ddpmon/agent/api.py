@@ -6,6 +6,7 @@ logged precisely and gives a ``NullMonitor`` whose ``error`` says why.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -152,6 +153,9 @@ class NullMonitor:
 
     def observe_checkpoint(self, step: int, path: Any, kind: str = "save", **_: Any) -> NullTimer:
         return NullTimer()
+
+    def phase(self, name: str, quiet: bool = True) -> Any:
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         pass

@@ -28,6 +28,7 @@ from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
 from ..strategies.replicas import ReplicaCheck
 from . import registry
+from .activity import LoopPhases
 from .checkpoints import (
     CheckpointObserver,
     CheckpointTimer,
@@ -50,7 +51,7 @@ from .step_markers import StepMarkers
 from .update_wiring import SpikeParts
 
 
-class Monitor:
+class Monitor(LoopPhases):
     """One rank's agent. Create it with ``ddpmon.attach``."""
 
     enabled = True
@@ -221,6 +222,7 @@ class Monitor:
             state, ctx.identity, ctx.run_id, config, guard, catch_up=self.flush
         )
         self.exposition = self.endpoint.exposition
+        self._serve_activity()
         self.port = self.endpoint.port
         self.forensics.watch(
             config.stall_seconds,
@@ -442,7 +444,7 @@ class Monitor:
             "stall",
             step,
             idle_seconds=round(idle_seconds, 3),
-            stall_seconds=self.config.stall_seconds,
+            stall_seconds=self.config.stall_seconds, **self.activity.stall_fields(),
         )
         with self.guard("evidence"):
             self.incidents.write_evidence(

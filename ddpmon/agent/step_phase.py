@@ -4,11 +4,44 @@ event (:mod:`.inflight`). A part of ``StepPipeline``; its state is the pipeline'
 
 from __future__ import annotations
 
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..forensics.live_step import CHECKPOINT
 from ..state import StepRecord
 from ..strategies.base import GradSummaries
+
+PHASE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
+"""A ``mon.phase`` name: a label value, short and plain."""
+MAX_LOOP_PHASES = 16
+"""Distinct names ``mon.phase`` exports; later ones are exported as ``other`` (bounded series)."""
+
+
+class LoopPhase:
+    """The phases the loop marked with ``mon.phase(name)``, innermost last."""
+
+    __slots__ = ("stack", "names")
+
+    def __init__(self) -> None:
+        self.stack: list[tuple[str, bool]] = []
+        self.names: set[str] = set()
+
+    def bounded(self, name: str) -> str:
+        if not isinstance(name, str) or not PHASE_NAME.fullmatch(name):
+            raise ValueError(f"mon.phase({name!r}): expected a name like 'eval' "
+                             "([a-z][a-z0-9_]*, at most 32 characters)")
+        if name not in self.names and len(self.names) >= MAX_LOOP_PHASES:
+            return "other"
+        self.names.add(name)
+        return name
+
+    @property
+    def current(self) -> tuple[str, bool] | None:
+        """``(name, quiet)`` of the innermost marked phase, None outside any."""
+        return self.stack[-1] if self.stack else None
 
 
 class StepPhase:
@@ -26,15 +59,38 @@ class StepPhase:
     _collected: GradSummaries | None
     _loss: Any
     _records_lock: Any
+    phase_since: float = 0.0
+    """Wall time the phase last changed (0: not since attach); read by ``activity``."""
+    loop_phase: LoopPhase | None = None
+    """What ``mon.phase`` marked (made at its first use)."""
 
     def keep_live(self, live: Any) -> None:
         """Keep the step in progress in ``live`` (the crash capture's ``LiveStep``) from now."""
         self.live = live
         live.set(self.step, self.phase)
 
-    def _at(self, phase: int) -> None:  # hot path: a host store, one mapped write
+    def _at(self, phase: int) -> None:  # hot path: host stores, one mapped write
+        if phase != self.phase:
+            self.phase_since = time.time()
         self.phase = phase
         self.live.set(self.step, phase)
+
+    @contextmanager
+    def marked(self, name: str, quiet: bool = True) -> Iterator[None]:
+        """``mon.phase(name)``: the loop says what it does (``eval``, ``save``), so a long
+        ``quiet`` phase pages no hang, and a stuck rank is named with it."""
+        if self.loop_phase is None:
+            self.loop_phase = LoopPhase()
+        loop = self.loop_phase
+        entry = (loop.bounded(name), bool(quiet))
+        loop.stack.append(entry)
+        self.phase_since = time.time()
+        try:
+            yield
+        finally:
+            if entry in loop.stack:  # the innermost copy: phases nest
+                del loop.stack[len(loop.stack) - 1 - loop.stack[::-1].index(entry)]
+            self.phase_since = time.time()
 
     def in_checkpoint(self, inside: bool) -> None:
         """A checkpoint save or load began (``inside``) or ended on the training thread."""

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .. import metrics
 from ..damage import ReadWarnings
-from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, read_sd_dir
+from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, flatten, read_sd_dir
+from ..hang_naming import RankActivity, name_hang, parse_activity
 from ..terminal import clean_line, shown
 
 
@@ -100,6 +101,7 @@ LAYERED = (
         _value(metrics.CUDA_MEMORY_ALLOCATED, lambda v: _bytes(v)),
     ),
     Column("collectives", metrics.COLLECTIVE_DURATION, lambda m, p, dt: _per_op_ms(m)),
+    Column("now", metrics.PHASE_SINCE, lambda m, p, dt: shown(m.get("now", "-"))),
     Column("errors", metrics.AGENT_ERRORS, _value(metrics.AGENT_ERRORS, lambda v: _int(v))),
 )
 LAYER_ORDER = list(metrics.Layer)
@@ -186,21 +188,43 @@ def _json_samples(m: dict | None) -> dict | None:
 Results = dict[str, dict | None]
 
 
-def _collect(client: ScrapeClient, targets: list[str], timeout: float) -> tuple[Results, dict]:
-    """Every target's flattened samples (None when down) and each failure's message."""
+def _collect(client: ScrapeClient, targets: list[str], timeout: float
+             ) -> tuple[Results, dict, dict[str, RankActivity]]:
+    """Every target's flattened samples (None when down), each failure's message, and each
+    target's activity (phase, collectives, where it is stuck: ``hang_naming``)."""
     errors: dict[str, str] = {}
+    activity: dict[str, RankActivity] = {}
 
     def one(target: str) -> dict | None:
         try:
-            return client.samples(target, timeout)
+            text = client.fetch(target, timeout)
+            activity[target] = parse_activity(text)
+            return flatten(text)
         except (ScrapeError, ScrapeConfigError, ValueError) as exc:
             errors[target] = str(exc)
             return None
 
     if not targets:
-        return {}, errors
+        return {}, errors, activity
     with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
-        return dict(zip(targets, pool.map(one, targets), strict=True)), errors
+        return dict(zip(targets, pool.map(one, targets), strict=True)), errors, activity
+
+
+def _now(act: RankActivity) -> str:
+    """The ``now`` cell: the phase, the collective in flight, ``stuck`` past hang_seconds."""
+    parts = [act.phase or "-"]
+    parts += [f"{f.get('op')}#{f.get('seq')}@{g}" for g, f in sorted(act.inflight.items())]
+    if act.stuck_seconds is not None:
+        parts.append(f"stuck {act.stuck_seconds:.0f}s at {act.frame}")
+    return " ".join(parts)
+
+
+def _hang_line(hang: dict) -> str:
+    c = hang["collective"]
+    held = "; ".join(f"rank {h['rank']} ({h['phase']}{', quiet' if h['quiet'] else ''}"
+                     f"{', at ' + h['frame'] if h['frame'] else ''})" for h in hang["holders"])
+    return (f"hang: ranks {hang['waiting']} wait in {c['op']} #{c['seq']} on group {c['group']} "
+            f"for: {held or 'no rank behind it'}" + ("" if hang["pages"] else " (no page)"))
 
 
 def _table(results: Results, previous: dict, dt: float):
@@ -241,13 +265,18 @@ def run(args: argparse.Namespace) -> int:
     while True:
         damage = ReadWarnings(Path(args.sd_dir) if args.sd_dir else None)
         targets = _targets(args, damage)
-        results, errors = _collect(client, targets, args.timeout)
+        results, errors, activity = _collect(client, targets, args.timeout)
+        hang = name_hang(list(activity.values()))
+        for target, act in activity.items():
+            if results.get(target) is not None:
+                results[target]["now"] = _now(act)  # type: ignore[index]
         now = time.monotonic()
         for line in damage.lines():
             print(f"ddpmon top: warning: {clean_line(f'{args.sd_dir}/{line}')}", file=sys.stderr)
         if args.json:
             doc = {"ts": time.time(), "ranks": {t: _json_samples(m) for t, m in results.items()},
-                   "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json()}
+                   "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json(),
+                   "activity": {t: a.to_json() for t, a in activity.items()}, "hang": hang}
             print(json.dumps(doc, default=str), flush=True)
         elif not targets:
             console.print("no rank endpoints found" + (f" in {args.sd_dir}" if args.sd_dir else ""))
@@ -255,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.once:
                 console.clear()
             console.print(_table(results, previous, now - last))
+            if hang is not None:
+                console.print(f"[red]{shown(_hang_line(hang))}", soft_wrap=True)
             for _target, message in sorted(errors.items()):
                 console.print(f"[red]{shown(message)}", soft_wrap=True)
         previous = {t: m for t, m in results.items() if m is not None}

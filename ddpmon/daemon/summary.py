@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .. import metrics
 from ..export.scrape import ScrapeClient, ScrapeError, Target
+from ..hang_naming import RankActivity, name_hang, parse_activity
 from ..safe_read import load_json
 
 HEADLINE = {
@@ -48,13 +49,15 @@ def parse_headline(text: str) -> dict[str, float]:
 
 def scrape(
     host: str, port: int, timeout: float = 0.5, client: ScrapeClient | None = None
-) -> dict[str, float]:
-    """Headline values from one rank; ``ScrapeError`` when it does not answer (yet, or any
-    more) or refuses the client (the message says why)."""
+) -> dict[str, Any]:
+    """Headline values from one rank and its ``activity`` (phase, collectives, where it is
+    stuck: ``hang_naming``); ``ScrapeError`` when it does not answer (yet, or any more) or
+    refuses the client (the message says why)."""
     client = client or _PLAIN
     target = Target(client.config.scheme, host, port, client.config.metrics_path)
     try:
-        return parse_headline(client.fetch(target, timeout))
+        text = client.fetch(target, timeout)
+        return {**parse_headline(text), "activity": parse_activity(text).to_json()}
     except ValueError as exc:  # not an exposition
         raise ScrapeError(f"{target.url}: unreadable answer: {exc}") from exc
 
@@ -74,6 +77,7 @@ def merge(
             errors[str(local_rank)] = str(exc)
             if str(local_rank) in ranks:
                 ranks[str(local_rank)]["up"] = False
+                ranks[str(local_rank)].pop("activity", None)  # not what it does now
             continue
         up += 1
         ranks[str(local_rank)] = {**values, "port": port, "up": True, "scraped_at": now}
@@ -82,6 +86,10 @@ def merge(
     if steps:
         summary["min_step"], summary["max_step"] = min(steps), max(steps)
     summary["scrapes_ok"] = int(previous.get("scrapes_ok", 0)) + up
+    hang = name_hang([RankActivity(**r["activity"]) for r in ranks.values()
+                      if r.get("up") and isinstance(r.get("activity"), dict)])
+    if hang is not None:
+        summary["hang"] = hang  # among this node's ranks (docs/slow-and-stuck/hangs.md)
     if errors:
         summary["scrape_errors"] = errors
     return summary

@@ -129,12 +129,16 @@ class DdpmonCollector(Collector):
         self.versions = versions
         self.live = live
         self.series_profile = series_profile
+        self.at_scrape: Callable[[], dict[m.Metric, Samples]] | None = None
+        """Families read fresh at every scrape (the rank's activity, ``agent.activity``)."""
 
     def collect(self) -> Iterator[Metric]:
         live = self.live.refresh_if_stale() if self.live is not None else None
         values = self._state_values()
         if live is not None:
             values.update(_live_values(live))
+        if self.at_scrape is not None:
+            values.update(self.at_scrape())
         base = [self.run_id, str(self.identity.rank)]
         for metric in m.CATALOGUE:
             samples = values.pop(metric, None)
@@ -326,13 +330,18 @@ class Exposition:
         self._payload = b""
         self.renders = 0
 
+    def serve_at_scrape(self, families: Callable[[], dict[m.Metric, Samples]]) -> None:
+        """Add families read fresh at each scrape (rendered at most once a second)."""
+        self._collector.at_scrape = families
+
     def render(self) -> bytes:
         if self._catch_up is not None:
             self._catch_up()
         with self._lock:
             live = self._collector.live
             live_version = live.refresh_if_stale().version if live is not None else 0
-            key = (self._collector.state.version, live_version)
+            key = (self._collector.state.version, live_version,
+                   time.monotonic() // 1 if self._collector.at_scrape is not None else 0)
             if key != self._key:
                 self._payload = generate_latest(self.registry)
                 self._key = key

@@ -197,7 +197,11 @@ EVENT_KINDS: tuple[EventKind, ...] = (
     EventKind(
         "stall",
         "No step completed for `stall_seconds` (once per stall episode).",
-        {"idle_seconds": "seconds since the last step", "stall_seconds": "the threshold"},
+        {"idle_seconds": "seconds since the last step", "stall_seconds": "the threshold",
+         "phase": "the rank's phase (docs/slow-and-stuck/hangs.md)",
+         "frame": "its training thread's innermost frame in user code",
+         "collective": "the oldest collective not completed: `{op, group, seq}`",
+         "sequences": "each process group's last issued collective sequence number"},
         failure=True,
     ),
     EventKind(

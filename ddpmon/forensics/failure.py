@@ -22,6 +22,7 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
         sub = 0.0
         if e.get("kind") == "stall":
             enq = fr.get(e.get("rank"), {}).get("last_enqueued_collective")
+            enq = enq if enq is not None else _default_group_sequence(e)
             sub = float(enq) if enq is not None else float("inf")
         else:
             tier, sub = exit_order(e, tier, downstream)
@@ -41,10 +42,18 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
                 "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
                 "microbatch", "site", "ranks", "group", "replicas", "device",
                 "first_check", "trigger", "fault", "gpu_uuid", "sample_ids", "sample_count",
-                "batch", "cause", "running"):
+                "batch", "cause", "running", "collective"):
         if key in e:
             out[key] = e[key]
     return out
+
+
+def _default_group_sequence(stall: dict[str, Any]) -> int | None:
+    """The stall event's own sequence number on the default group (``"0"``) where no flight
+    recorder dump says it: the rank behind it stopped first (docs/slow-and-stuck/hangs.md)."""
+    sequences = stall.get("sequences")
+    seq = sequences.get("0") if isinstance(sequences, dict) else None
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
 def read_exits(events: list[dict[str, Any]]) -> None:

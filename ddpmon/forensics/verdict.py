@@ -58,7 +58,8 @@ def verdict(first: dict[str, Any] | None, events: list[dict[str, Any]]) -> dict[
             layer, evidence = "data", f"{at} waited for its batch past the stall threshold"
         else:
             layer, evidence = "communication", f"{at} stopped making progress" + (
-                f" in {first['phase']}" if first.get("phase") else "")
+                f" in {first['phase']}" if first.get("phase") else "") + (
+                f" at {first['frame']}" if first.get("frame") else "")
     elif kind == "vanished":
         layer, evidence = "communication", f"rank {rank} vanished at step {step}"
     elif kind == "signal":

@@ -40,6 +40,10 @@ class MixinConfig:
     missing_lookback: str = "1h"
     """DdpmonRanksMissing names the ranks seen within this window that stopped reporting."""
 
+    hang_for: str = "0s"
+    """DdpmonHangHolder's ``for``: the agent already waited its ``hang_seconds`` (30 s by
+    default) before it exports a stuck rank, so the page comes within a minute."""
+
     # --- numerics ---
     loss_scale_floor_for: str = "1m"
     loss_scale_collapse_ratio: float = 0.5

@@ -16,6 +16,8 @@ CONTRACT_ALERTS = {
     # Added with the agent's identical-batch check.
     "DdpmonDuplicateDataShards": "warning",
     "DdpmonTrainingStalled": "critical",
+    # Issue 48: the rank the others wait for, named live.
+    "DdpmonHangHolder": "critical",
     "DdpmonRankDown": "critical",
     "DdpmonRanksMissing": "critical",
     "DdpmonRankDesync": "warning",

@@ -21,6 +21,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -229,8 +230,13 @@ def audited(run: str, monitored: bool) -> dict:
         loop.attach()
     with SyncAudit() as audit:
         for step in range(STEPS):
-            with cuda_sync_debug() as caught:
+            # the loop's own phase (mon.phase) and a scrape's read of the rank's activity
+            # (agent.activity, a scrape thread's work) are per-step code too: audited here
+            marked = loop.mon.phase("audit") if loop.mon is not None else nullcontext()
+            with cuda_sync_debug() as caught, marked:
                 loop.step(step)
+                if loop.mon is not None:
+                    loop.mon.activity.samples()
             if audit.recording and caught:
                 audit.training[SYNC_DEBUG] += len(caught)
             audit.recording = step < STEPS - 1  # on after the first step, off after the last

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpmon import metrics
+from ddpmon.agent.activity import Activity
 from ddpmon.export.collector import DdpmonCollector, Exposition, LiveSources
 from ddpmon.identity import RankIdentity
 from ddpmon.sources.allocator import AllocatorSource
@@ -128,7 +129,22 @@ def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     return s
 
 
-def make_exposition(state=None, nvml=None, rank=1, series_profile="full") -> Exposition:
+def stuck_activity() -> Activity:
+    """A rank stuck 80 s in its data loader while an all-reduce is in flight (a fixed clock and
+    recorder; no such thread, so the frame is ``unknown``)."""
+    pipeline = SimpleNamespace(phase=ord("D"), phase_since=1000.0, loop_phase=None)
+    recorder = {
+        "pg_status": {"0": {"last_enqueued_collective": "36"}},
+        "entries": [{"collective_seq_id": 36, "process_group": ["0", "default_pg"],
+                     "profiling_name": "nccl:allreduce", "state": "scheduled",
+                     "time_created_ns": 1_020_000_000_000}],
+    }
+    return Activity(pipeline, lambda: 5, lambda: 990.0, 30.0, -1,
+                    read_recorder=lambda: recorder, clock=lambda: 1100.0)
+
+
+def make_exposition(state=None, nvml=None, rank=1, series_profile="full",
+                    activity=False) -> Exposition:
     identity = RankIdentity(
         rank=rank,
         local_rank=1,
@@ -154,14 +170,17 @@ def make_exposition(state=None, nvml=None, rank=1, series_profile="full") -> Exp
         "nccl_version": "2.27.3",
         "python_version": "3.11.7",
     }
-    return Exposition(
+    exposition = Exposition(
         DdpmonCollector(state or make_state(), identity, "run-1", versions, live,
                         series_profile=series_profile)
     )
+    if activity:
+        exposition.serve_at_scrape(stuck_activity().samples)
+    return exposition
 
 
 def test_golden_exposition():
-    text = make_exposition().render().decode()
+    text = make_exposition(activity=True).render().decode()
     if os.environ.get("DDPMON_UPDATE_GOLDEN"):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(text)
@@ -171,7 +190,7 @@ def test_golden_exposition():
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="make test installs promtool")
 def test_promtool_check_metrics_is_clean():
-    text = make_exposition().render()
+    text = make_exposition(activity=True).render()
     proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == b"" and proc.stderr.strip() == b""
@@ -280,7 +299,7 @@ def test_render_is_cached_until_state_changes():
 
 def test_exposition_is_exactly_the_catalogue():
     """Every catalogue entry is exposed with its type, help and labels, and nothing else is."""
-    text = make_exposition().render().decode()
+    text = make_exposition(activity=True).render().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     exposed = {}
     for fam in families.values():

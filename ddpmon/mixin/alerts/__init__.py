@@ -80,13 +80,22 @@ def rank_list(
 
 def alerts(cfg: MixinConfig) -> list[Alert]:
     """All alerts, in layer order."""
-    from ddpmon.mixin.alerts import agent, checkpoints, communication, data, memory, numerics
+    from ddpmon.mixin.alerts import (
+        agent,
+        checkpoints,
+        communication,
+        data,
+        hangs,
+        memory,
+        numerics,
+    )
 
     return [
         *numerics.alerts(cfg),
         *data.alerts(cfg),
         *memory.alerts(cfg),
         *communication.alerts(cfg),
+        *hangs.alerts(cfg),
         *agent.alerts(cfg),
         *checkpoints.alerts(cfg),
     ]
