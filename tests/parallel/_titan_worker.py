@@ -273,6 +273,7 @@ def main() -> None:
                 "origin": r.origin,
                 "grad_nonfinite_param": r.grad_nonfinite_param,
                 "local_nonfinite_param": r.local_nonfinite_param,
+                "entry_block": r.entry_block,
             }
             for r in records
         ],
