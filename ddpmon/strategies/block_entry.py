@@ -13,15 +13,15 @@ gradient is non-finite; rank 0's is finite, and its first non-finite block outpu
 output gradient is non-finite, per rank, tells the ranks apart: the timeline names the rank
 whose entry is nearest the loss (``forensics.entry``).
 
-Cost: a forward hook on each top-level block (the children of the model's first ``ModuleList``
-or ``ModuleDict`` of two or more blocks) registers a pre-hook on the output's ``grad_fn``; in
-backward it runs ``isfinite().all()`` on this rank's local piece of that gradient and ORs the
-flag into a per-step device vector (one entry per block): three small device ops per block and
-micro-batch, no host read. The vector is one slot of the step vector (``ENTRY_BLOCKS``), read
-back lazily with the step's other values. A ``grad_fn`` pre-hook runs after every hook
-registered on the tensor itself (autograd runs tensor hooks first), so the flag is the gradient
-autograd goes on with, whoever changed it. Installed for the TP strategies only, where the
-parameters cannot tell (``tp``, ``fsdp2+tp``, ``hsdp+tp``).
+Cost: a forward hook on each top-level block (the children of the model's largest
+``ModuleList``, ``ModuleDict`` or ``Sequential``: ``top_level_blocks``) registers a pre-hook on
+the output's ``grad_fn``; in backward it runs ``isfinite().all()`` on this rank's local piece of
+that gradient and ORs the flag into a per-step device vector (one entry per block): three small
+device ops per block and micro-batch, no host read. The vector is one slot of the step vector
+(``ENTRY_BLOCKS``), read back lazily with the step's other values. A ``grad_fn`` pre-hook runs
+after every hook registered on the tensor itself (autograd runs tensor hooks first), so the flag
+is the gradient autograd goes on with, whoever changed it. Installed for the TP strategies only,
+where the parameters cannot tell (``tp``, ``fsdp2+tp``, ``hsdp+tp``).
 """
 
 from __future__ import annotations
@@ -44,17 +44,20 @@ def tensor_parallel(strategy: str) -> bool:
 
 
 def top_level_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks, in order: the children of the first ``ModuleList`` or
-    ``ModuleDict`` (breadth first from the root) that holds two or more modules."""
-    queue: list[tuple[str, nn.Module]] = [("", model)]
-    while queue:
-        prefix, module = queue.pop(0)
-        for name, child in module.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(child, nn.ModuleList | nn.ModuleDict) and len(child) >= 2:
-                return [(f"{path}.{k}", block) for k, block in child.named_children()]
-            queue.append((f"{path}.", child))
-    return []
+    """The model's repeated blocks, in order: the children of its largest ``ModuleList``,
+    ``ModuleDict`` or ``Sequential`` (the model itself included; among equals the shallowest),
+    if it holds two or more modules."""
+    best: tuple[int, int] | None = None
+    blocks: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict | nn.Sequential):
+            continue
+        children = list(module.named_children())
+        rank = (len(children), -name.count(".") - bool(name))
+        if len(children) >= 2 and (best is None or rank > best):
+            best = rank
+            blocks = [(f"{name}.{k}" if name else k, child) for k, child in children]
+    return blocks
 
 
 class BlockEntry:

@@ -107,6 +107,12 @@ def test_top_level_blocks_and_the_strategies_it_runs_under():
     titan_like.layers = nn.ModuleDict({str(i): nn.Linear(2, 2) for i in range(3)})
     assert [n for n, _ in top_level_blocks(titan_like)] == ["layers.0", "layers.1", "layers.2"]
     assert top_level_blocks(nn.Linear(2, 2)) == []
+    stem_first = nn.Module()  # a short stem before the blocks: the larger container wins
+    stem_first.stem = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    stem_first.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(3))
+    assert [n for n, _ in top_level_blocks(stem_first)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [n for n, _ in top_level_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))] == [
+        "0", "1"]
     assert BlockEntry.install(nn.Linear(2, 2), _errors()[1]) is None
     assert [s for s in ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp", "hsdp+tp")
             if tensor_parallel(s)] == ["tp", "fsdp2+tp", "hsdp+tp"]
