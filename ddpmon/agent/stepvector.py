@@ -31,8 +31,8 @@ STEP_SLOTS: tuple[Slot, ...] = (
     Slot(names.FOUND_INF, 1, "the GradScaler found Inf/NaN and skipped the step"),
     Slot(names.IDENTICAL_RANKS, 1, "other ranks whose local gradients were bit-identical"),
     Slot(names.TRAINER_NORM, 1, "the grad norm a trainer reported, to cross-check"),
-    Slot(names.ENTRY_BLOCKS, None, "per top-level block: its output gradient was non-finite "
-         "(tensor parallel: where a NaN entered this rank, strategies.block_entry)"),
+    Slot(names.ENTRY_BLOCKS, None, "tensor parallel: per top-level block, the sum of its output "
+         "gradient (non-finite: where a NaN entered this rank, strategies.block_entry)"),
 )
 """The slots every strategy fills; a source adds its own (``GradientSource.extra_slots``)."""
 

@@ -15,18 +15,19 @@ whose entry is nearest the loss (``forensics.entry``).
 
 Cost: a forward hook on each top-level block (the children of the model's largest
 ``ModuleList``, ``ModuleDict`` or ``Sequential``: ``top_level_blocks``) registers a pre-hook on
-the output's ``grad_fn``; in backward it runs ``isfinite().all()`` on this rank's local piece of
-that gradient and ORs the flag into a per-step device vector (one entry per block): three small
-device ops per block and micro-batch, no host read. The vector is one slot of the step vector
-(``ENTRY_BLOCKS``), read back lazily with the step's other values. A ``grad_fn`` pre-hook runs
-after every hook registered on the tensor itself (autograd runs tensor hooks first), so the flag
-is the gradient autograd goes on with, whoever changed it. Installed for the TP strategies only,
-where the parameters cannot tell (``tp``, ``fsdp2+tp``, ``hsdp+tp``).
+the output's ``grad_fn``; in backward that takes the float32 sum of this rank's local piece of
+the gradient (one reduction kernel per block and micro-batch; the sum is NaN or Inf exactly when
+an element is, or when finite values add up past 3.4e38). When the step ends the sums are
+stacked and added into one value per block (three device ops a step), a slot of the step vector
+(``ENTRY_BLOCKS``) read back lazily with the step's other values: no host read. A ``grad_fn``
+pre-hook runs after every hook registered on the tensor itself (autograd runs tensor hooks
+first), so the check sees the gradient autograd goes on with, whoever changed it. Installed for
+the TP strategies only, where the parameters cannot tell (``tp``, ``fsdp2+tp``, ``hsdp+tp``).
 """
 
 from __future__ import annotations
 
-import threading
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,9 @@ from torch import nn
 from .dtensor_norms import is_dtensor
 
 __all__ = ["BlockEntry", "tensor_parallel", "top_level_blocks"]
+
+_MAX_CHECKS = 1 << 14
+"""Checks kept between two steps (one per block and micro-batch): bounded if no step ends."""
 
 
 def tensor_parallel(strategy: str) -> bool:
@@ -67,8 +71,12 @@ class BlockEntry:
                  on_error: Callable[[str, BaseException], None]) -> None:
         self.names = [name for name, _ in blocks]
         self._on_error = on_error
-        self._lock = threading.Lock()
-        self._flags: torch.Tensor | None = None
+        self._seen: list[tuple[int, torch.Tensor]] = []
+        """(block position, float32 sum of its output gradient) per check since the last take;
+        appended by backward, swapped whole by ``take`` (after backward: no lock needed)."""
+        self._index: tuple[tuple[int, ...], torch.Tensor] | None = None
+        """The last step's positions in check order and their device index (built again only
+        when the order changes)."""
         self._handles = [
             block.register_forward_hook(self._forward_hook(position))
             for position, (_, block) in enumerate(blocks)
@@ -103,35 +111,36 @@ class BlockEntry:
 
     def _grad_check(self, position: int, output_nr: int) -> Callable[[Any], None]:
         def check(grad_outputs: Any) -> None:
-            if not self.enabled:
+            if not self.enabled or len(self._seen) >= _MAX_CHECKS:
                 return
             try:
                 grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
                 if grad is None:
                     return
                 local = grad.to_local() if is_dtensor(grad) else grad
-                with torch.no_grad():
-                    bad = torch.isfinite(local.detach()).all().logical_not()
-                    self._note(position, bad)
+                with torch.no_grad():  # NaN or Inf iff an element is (or |sum| > 3.4e38)
+                    self._seen.append((position, local.detach().sum(dtype=torch.float32)))
             except Exception as exc:  # noqa: BLE001 - counted, never raised into the backward
                 self._on_error("grads", exc)
 
         return check
 
-    def _note(self, position: int, bad: torch.Tensor) -> None:
-        with self._lock:
-            flags = self._flags
-            if flags is None or flags.device != bad.device:
-                flags = self._flags = torch.zeros(len(self.names), dtype=torch.bool,
-                                                  device=bad.device)
-            flags[position] |= bad
-
     def take(self) -> torch.Tensor | None:
-        """This step's flags (a device bool vector, one per block; None: no block's output
-        gradient was seen). A fresh vector starts with the next backward."""
-        with self._lock:
-            flags, self._flags = self._flags, None
-        return flags
+        """This step's per-block sums of the output gradients (a float32 device vector, one
+        per block, micro-steps added up; non-finite: that block's output gradient was), or
+        None when no block's output gradient was seen. Three device ops, no host read."""
+        seen, self._seen = self._seen, []
+        if not seen:
+            return None
+        sums = torch.stack([value for _, value in seen])
+        order = tuple(position for position, _ in seen)
+        if self._index is None or self._index[0] != order or self._index[1].device != sums.device:
+            index = torch.tensor(order, dtype=torch.long)
+            if sums.device.type == "cuda":  # pinned and non-blocking: no wait for the stream
+                index = index.pin_memory()
+            self._index = order, index.to(sums.device, non_blocking=True)
+        flags = torch.zeros(len(self.names), dtype=torch.float32, device=sums.device)
+        return flags.index_add_(0, self._index[1], sums)
 
     def first(self, values: Sequence[float] | None) -> tuple[str, int] | None:
         """``(block name, depth)`` of the block nearest the loss whose output gradient was
@@ -139,10 +148,9 @@ class BlockEntry:
         if not values or len(values) != len(self.names):
             return None
         for position in range(len(values) - 1, -1, -1):
-            if values[position]:
+            if not math.isfinite(values[position]):
                 return self.names[position], len(values) - 1 - position
         return None
-
 
     def mark(self, record: Any, values: Sequence[float] | None) -> None:
         """Put the entry block on a record whose local gradients were non-finite."""
