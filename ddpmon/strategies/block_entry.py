@@ -21,8 +21,9 @@ an element is, or when finite values add up past 3.4e38). When the step ends the
 stacked and added into one value per block (three device ops a step), a slot of the step vector
 (``ENTRY_BLOCKS``) read back lazily with the step's other values: no host read. A ``grad_fn``
 pre-hook runs after every hook registered on the tensor itself (autograd runs tensor hooks
-first), so the check sees the gradient autograd goes on with, whoever changed it. Installed for
-the TP strategies only, where the parameters cannot tell (``tp``, ``fsdp2+tp``, ``hsdp+tp``).
+first), so the check sees the gradient autograd goes on with, whoever changed it. A block
+compiled in place (``module.compile()``, whose trace takes in its hooks) is not checked. Installed
+for the TP strategies only, where the parameters cannot tell (``tp``, ``fsdp2+tp``, ``hsdp+tp``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ class BlockEntry:
 
     def _forward_hook(self, position: int) -> Callable[..., None]:
         def after_forward(_module: nn.Module, _args: Any, output: Any) -> None:
-            if not self.enabled or not torch.is_grad_enabled():
+            # inside a compiled block (``module.compile()`` traces its hooks) there is no
+            # grad_fn to hook, and under fullgraph an attempt would fail the compile: skipped
+            if not self.enabled or not torch.is_grad_enabled() or torch.compiler.is_compiling():
                 return
             try:
                 out = _first_tensor(output)

@@ -117,3 +117,24 @@ def test_top_level_blocks_and_the_strategies_it_runs_under():
     assert BlockEntry.install(nn.Linear(2, 2), _errors()[1]) is None
     assert [s for s in ("plain", "ddp", "fsdp2", "hsdp", "tp", "fsdp2+tp", "hsdp+tp")
             if tensor_parallel(s)] == ["tp", "fsdp2+tp", "hsdp+tp"]
+
+
+def test_compiled_blocks_train_on():
+    """``module.compile(fullgraph=True)`` traces the module's hooks: the check stays out of the
+    trace (a grad_fn hook there fails the compile). ``torch.compile(block)`` put in the block's
+    place (torchtitan's way) runs the hooks outside the compiled forward: still checked."""
+    torch.manual_seed(0)
+    in_place = Net(blocks=3)
+    errors, on_error = _errors()
+    entry = BlockEntry.install(in_place, on_error)
+    for block in in_place.body.layers:
+        block.compile(backend="eager", fullgraph=True)
+    in_place(torch.randn(3, 6)).backward()
+    assert entry.take() is None and errors == []
+    wrapped = Net(blocks=3)
+    for k, block in enumerate(wrapped.body.layers):
+        wrapped.body.layers[k] = torch.compile(block, backend="eager", fullgraph=True)
+    entry = BlockEntry.install(wrapped, on_error)
+    _poison(wrapped, 1)
+    wrapped(torch.randn(3, 6)).backward()
+    assert entry.first(entry.take().tolist()) == ("body.layers.1", 1) and errors == []
