@@ -278,7 +278,10 @@ def main() -> None:
             for r in records
         ],
     }
+    result["precision"] = mon.state.precision
     mon.close()
+    manifests = sorted((out / "run").glob("*/manifest.json"))  # rank 0 writes the run's
+    result["manifest"] = json.loads(manifests[0].read_text()) if manifests else None
     trainer.close()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result["cpu_seconds"] = usage.ru_utime + usage.ru_stime

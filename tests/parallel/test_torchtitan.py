@@ -5,7 +5,8 @@ every step recorded, ddpmon's global norm against an fp64 reference of the full 
 every clean step, the loss the trainer handed over (a DTensor under TP) recorded as its value,
 and a NaN put into the gradient of ``layers.3``'s output on rank 1 named at rank 1, its step
 and a ``layers.3`` parameter (under TP, told from rank 0 by where it entered each rank: the
-block whose output gradient went non-finite first). One launch per parallelism."""
+block whose output gradient went non-finite first); the manifest's precision is bf16, from
+torchtitan's FSDP2 mixed-precision policy. One launch per parallelism."""
 
 from __future__ import annotations
 
@@ -92,3 +93,18 @@ def test_the_nan_is_named_at_its_rank_step_and_layer(run):
     assert "tied_ranks" not in first, first
     if mode == "tp":
         assert first["entry"] == NAN_LAYER, first
+
+
+def test_the_manifest_gives_bf16_parameters_under_the_mixed_precision_policy(run):
+    """torchtitan's default ``mixed_precision_param = "bfloat16"``: FSDP2's policy (on its
+    one-rank dp mesh beside TP too) computes in bf16 over fp32 storage."""
+    _, _, ranks = run
+    for rank in ranks:
+        assert rank["precision"] == "bf16", rank["precision"]
+    manifests = [r["manifest"] for r in ranks if r["manifest"] is not None]
+    assert manifests, "no manifest written"
+    for manifest in manifests:
+        assert manifest["precision"] == "bf16", manifest.get("precision_detail")
+        detail = manifest["precision_detail"]
+        assert detail["params"] == "bf16" and detail["storage"] == "fp32", detail
+        assert detail["params_from"] == "fsdp2 MixedPrecisionPolicy", detail
