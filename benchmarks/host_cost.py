@@ -13,7 +13,13 @@ in blocks. Three clocks per block, each reported as the median per-step differen
 CPU times are less distorted than wall time by other processes on a shared machine. Also
 reports the RSS growth over the run.
 
-Usage: python benchmarks/host_cost.py [--rounds N] [--block N] [--write benchmarks/RESULTS.md]
+With ``--block-entry``, a third kind of block joins the interleaving: the monitored replica with
+the tensor-parallel NaN-entry check (``strategies.block_entry``: a hook on each of the 16
+top-level modules, one ``isfinite().all()`` per output gradient) installed for that block and
+removed after it. Its cost is reported as that block minus the monitored block beside it.
+
+Usage: python benchmarks/host_cost.py [--rounds N] [--block N] [--block-entry]
+       [--write benchmarks/RESULTS.md]
 Another version of the agent in the same harness: ``PYTHONPATH=<its checkout> python ...``.
 """
 
@@ -51,6 +57,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--block", type=int, default=500)
     p.add_argument("--write", default=None)
+    p.add_argument("--block-entry", action="store_true")
     args = p.parse_args()
     import torch
 
@@ -86,19 +93,32 @@ def main() -> int:
                 wall / n,
             )
 
+        def entry_block() -> tuple[float, float, float]:
+            from ddpmon.strategies.block_entry import BlockEntry
+
+            entry = mon.pipeline.entry = BlockEntry.install(on[0], mon.guard.error)
+            try:
+                return block(*on, True)
+            finally:
+                entry.close()
+                mon.pipeline.entry = None
+
         block(*off, False)
         block(*on, True)
         rss_start = rss_bytes()
-        base, agent = [], []
+        base, agent, entry = [], [], []
+        kinds = ("off", "on", "entry") if args.block_entry else ("off", "on")
         for i in range(args.rounds):
-            for which in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            for which in kinds if i % 2 == 0 else kinds[::-1]:
                 if which == "off":
                     base.append(block(*off, False))
-                else:
+                elif which == "on":
                     agent.append(block(*on, True))
+                else:
+                    entry.append(entry_block())
         rss_growth = rss_bytes() - rss_start
         mon.close()
-    def cost(clock: int) -> tuple[float, float, float]:
+    def cost(clock: int, agent=agent, base=base) -> tuple[float, float, float]:
         """Median and quartiles (us) of the per-step monitored-minus-unmonitored difference."""
         diffs = [(a[clock] - b[clock]) * 1e6 for a, b in zip(agent, base, strict=True)]
         q = statistics.quantiles(diffs, n=4)
@@ -145,6 +165,24 @@ def main() -> int:
             "",
         ]
     )
+    if entry:
+        section += "\n".join([
+            "",
+            "Tensor-parallel NaN-entry check (`--block-entry`): the monitored replica with "
+            "`strategies.block_entry` on its 16 top-level modules, minus the monitored replica "
+            "beside it, per step: median (quartiles).",
+            "",
+            "| clock | monitored step | with the entry check | entry check per step |",
+            "|---|---|---|---|",
+            *(
+                f"| {name} | {median_us(agent, i):.0f} us | {median_us(entry, i):.0f} us | "
+                f"**{c[0]:.0f} us** ({c[1]:.0f}-{c[2]:.0f}) |"
+                for i, name in enumerate(("training-thread CPU", "process CPU (all threads)",
+                                          "wall"))
+                for c in (cost(i, entry, agent),)
+            ),
+            "",
+        ])
     print(section)
     if args.write:
         from overhead import write_section

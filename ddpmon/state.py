@@ -145,6 +145,10 @@ class StepRecord:
     pp_origin: dict | None = None
     """Pipeline parallel: where this rank's stage started a NaN/Inf (``stage``, ``microbatch``,
     ``site``: activation, output, activation_grad or param_grad; ``param``)."""
+    entry_block: str | None = None
+    """Tensor parallel: the block nearest the loss whose output gradient was non-finite on this
+    rank (``strategies.block_entry``); ``entry_depth``: its place from the loss end (0: last)."""
+    entry_depth: int | None = None
     origin_decided: bool = False
     """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
     step_values: dict[Any, float] = field(default_factory=dict)

@@ -75,13 +75,10 @@ class StepPipeline(StepPhase):
         self.sinks = list(sinks)
         self.optimizer = optimizer
         self.step_metrics = tuple(step_metrics)
-        self.replicas: Any = None
-        """``strategies.replicas.ReplicaCheck`` where the strategy has replicas."""
-        self._replica_inflight: Any = None
-        """A check issued at this step's first forward (``ReplicaScope.at_forward``)."""
+        self.replicas: Any = None  # strategies.replicas.ReplicaCheck, where there are replicas
+        self._replica_inflight: Any = None  # a check issued at this step's first forward
         self._forward_seen = False
-        self.rerun: Any = None
-        """``agent.rerun.StepRerun`` under ``on_nonfinite='rerun'``."""
+        self.rerun: Any = None  # agent.rerun.StepRerun under on_nonfinite='rerun'
         self.probes: Any = None  # agent.update_wiring.SpikeParts: update squares, max logits
         self.layout = layout or StepVectorLayout(
             (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
@@ -93,8 +90,7 @@ class StepPipeline(StepPhase):
         self._records_lock = threading.RLock()
         """Held while records are derived and handed to the sinks (one drainer at a time)."""
         self.tracker = OriginTracker()
-        self.step = 0
-        """Index of the step in progress (host counter)."""
+        self.step = 0  # index of the step in progress (host counter)
         self.batch_shapes: list | None = None
         self._step_start: float | None = None
         self._last_end: float | None = None
@@ -113,6 +109,7 @@ class StepPipeline(StepPhase):
         """Where the step in progress is kept for a fatal signal's dump (``LiveStep``)."""
         self.precision = precision
         """Noted at the first forward (the autocast it runs under)."""
+        self.entry: Any = None  # strategies.block_entry.BlockEntry (TP): where a NaN entered
         self.unmeasured = UnmeasuredSteps(guard, index.params, getattr(source, "name", "?"))
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
@@ -365,6 +362,7 @@ class StepPipeline(StepPhase):
             slot.IDENTICAL_RANKS: s.identical_ranks,
             slot.TRAINER_NORM: trainer,
             **(self.probes.take() if self.probes is not None else {}),
+            slot.ENTRY_BLOCKS: self.entry.take() if self.entry is not None else None,
         }
         if s.extension is not None:
             values.update(s.extension.values())
@@ -436,6 +434,8 @@ class StepPipeline(StepPhase):
             parts[slot.TRAINER_NORM][0] if slot.TRAINER_NORM in parts else meta.trainer_norm_host
         )
         self.trainer_norms.with_record(record, theirs, meta.trainer_norm_step)
+        if self.entry is not None:
+            self.entry.mark(record, parts.get(slot.ENTRY_BLOCKS))
         return record
 
 

@@ -113,6 +113,7 @@ class IncidentSink:
                 skipped_by=r.skipped_by,
                 grad_local_norm=r.grad_local_norm,
                 **_pp_fields(r.pp_origin),
+                **_entry_fields(r),
             )
             if r.origin:
                 self.write_evidence("nonfinite", r.step, r.local_nonfinite_param)
@@ -297,6 +298,11 @@ class ManifestSink:
         if not self.written:
             self.written = True
             self._write()
+
+
+def _entry_fields(r: StepRecord) -> dict:
+    """Tensor parallel: the block where the NaN entered this rank (``strategies.block_entry``)."""
+    return {} if r.entry_block is None else {"entry": r.entry_block, "entry_depth": r.entry_depth}
 
 
 def _pp_fields(where: dict | None) -> dict:

@@ -1,8 +1,9 @@
 """What tells the step pipeline where a step is, by kind of loop: torch's module and optimizer
 hooks (``hooks.StepHooks``) always; a pipeline schedule's ``step()`` under pipeline parallel
 (``ScheduleStep``); DeepSpeed's ``engine.step()`` where the engine decides the optimizer
-steps (``EngineSteps``, with ``EngineRerun`` under the rerun policy). Installed all or nothing,
-removed together."""
+steps (``EngineSteps``, with ``EngineRerun`` under the rerun policy); under tensor parallel,
+the block-output checks that say where a NaN entered (``strategies.block_entry``). Installed all or
+nothing, removed together."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from ..probes.amp import ScalerProbe
 from ..strategies.base import GradientSource
+from ..strategies.block_entry import BlockEntry, tensor_parallel
 from .hooks import StepHooks
 from .pipeline import StepPipeline
 
@@ -35,10 +37,13 @@ class StepMarkers:
         self.hooks: StepHooks | None = None
         self.schedule_step: Any = None
         self.engine_steps: Any = None
+        self.entry: BlockEntry | None = None
         try:
             self.hooks = StepHooks(
                 model, optimizer, pipeline, amp, engine_steps=source.decides_steps
             )
+            if tensor_parallel(source.name):  # where a NaN entered: the parameters cannot say
+                pipeline.entry = self.entry = BlockEntry.install(model, on_error)
             if pp is not None:
                 from ..strategies.pp_probes import ScheduleStep
 
@@ -66,7 +71,8 @@ class StepMarkers:
         first failure is raised after all were tried)."""
         first: BaseException | None = None
         for part, method in (
-            (self.hooks, "close"), (self.schedule_step, "uninstall"), (self.engine_steps, "close")
+            (self.hooks, "close"), (self.schedule_step, "uninstall"), (self.engine_steps, "close"),
+            (self.entry, "close"),
         ):
             if part is None:
                 continue

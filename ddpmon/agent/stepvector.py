@@ -34,6 +34,8 @@ STEP_SLOTS: tuple[Slot, ...] = (
     Slot(names.UPDATE_SQUARES, None, "per-parameter squared weight/update/moment norms "
          "(sampled steps, probes.updates)"),
     Slot(names.LOGIT_MAX, None, "the named modules' largest outputs (probes.logits)"),
+    Slot(names.ENTRY_BLOCKS, None, "tensor parallel: per top-level block, the sum of its output "
+         "gradient (non-finite: where a NaN entered this rank, strategies.block_entry)"),
 )
 """The slots every strategy fills; a source adds its own (``GradientSource.extra_slots``)."""
 

@@ -72,6 +72,10 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "microbatch": "pipeline parallel: the micro-batch where it started (null: a "
             "parameter gradient, summed over micro-batches)",
             "site": "pipeline parallel: `activation`, `output`, `activation_grad` or `param_grad`",
+            "entry": "tensor parallel: the block nearest the loss whose output gradient was "
+            "non-finite on this rank (where the NaN entered it)",
+            "entry_depth": "tensor parallel: that block's place from the loss end (0: the last "
+            "block); the timeline names the rank with the smallest",
             "where": "`reduced` when only the reduced gradients of the step in flight were seen "
             "non-finite",
             "running": "true for the step in flight when an exception left the loop (it never "

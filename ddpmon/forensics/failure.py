@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .entry import nearest_entry
 from .exceptions import REACTIONS, read_exception
 
 SECONDARY_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
@@ -30,7 +31,7 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
     if not ranked:
         return None
     ranked.sort(key=lambda x: x[0])
-    e = ranked[0][1]
+    e, tied = nearest_entry(ranked[0][1], events)
     out = {
         "rank": e.get("rank"), "step": e.get("step"), "kind": e.get("kind"), "ts": e.get("ts"),
         "t": e.get("t"), "t_rel": e.get("t_rel"), "class": TIER_NAMES[ranked[0][0][0]],
@@ -42,9 +43,12 @@ def first_failure(events: list[dict[str, Any]], fr: dict[int, dict]) -> dict[str
                 "attempt", "source", "loss_scale", "origin_ranks", "checkpoint", "stage",
                 "microbatch", "site", "ranks", "group", "replicas", "device",
                 "first_check", "trigger", "fault", "gpu_uuid", "sample_ids", "sample_count",
-                "batch", "cause", "running", "collective"):
+                "batch", "cause", "running", "collective", "entry",
+                "entry_depth"):
         if key in e:
             out[key] = e[key]
+    if tied:
+        out["tied_ranks"] = tied
     return out
 
 

@@ -273,11 +273,15 @@ def main() -> None:
                 "origin": r.origin,
                 "grad_nonfinite_param": r.grad_nonfinite_param,
                 "local_nonfinite_param": r.local_nonfinite_param,
+                "entry_block": r.entry_block,
             }
             for r in records
         ],
     }
+    result["precision"] = mon.state.precision
     mon.close()
+    manifests = sorted((out / "run").glob("*/manifest.json"))  # rank 0 writes the run's
+    result["manifest"] = json.loads(manifests[0].read_text()) if manifests else None
     trainer.close()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result["cpu_seconds"] = usage.ru_utime + usage.ru_stime

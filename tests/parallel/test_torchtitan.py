@@ -4,7 +4,9 @@ marked CPU patches are torchtitan's, none is ddpmon's). Under FSDP (dp_shard=2) 
 every step recorded, ddpmon's global norm against an fp64 reference of the full gradients on
 every clean step, the loss the trainer handed over (a DTensor under TP) recorded as its value,
 and a NaN put into the gradient of ``layers.3``'s output on rank 1 named at rank 1, its step
-and a ``layers.3`` parameter. One launch per parallelism."""
+and a ``layers.3`` parameter (under TP, told from rank 0 by where it entered each rank: the
+block whose output gradient went non-finite first); the manifest's precision is bf16, from
+torchtitan's FSDP2 mixed-precision policy. One launch per parallelism."""
 
 from __future__ import annotations
 
@@ -71,18 +73,38 @@ def test_the_nan_is_named_at_its_rank_step_and_layer(run):
         # the NaN stays on rank 1 until its reduce-scatter: rank 1 alone is the origin
         assert flagged == [NAN_RANK]
     else:
-        # TP (with torchtitan's sequence parallel) all-gathers and reduce-scatters activation
-        # gradients inside backward, so the NaN reaches every TP rank's local gradients of
-        # layers.3 in the same backward: each rank's own gradients say "origin", and which rank
-        # the timeline names first is the order the records were written (issue 46's report)
-        assert NAN_RANK in flagged
+        # TP (with torchtitan's sequence parallel) all-gathers activation gradients inside
+        # w2's backward, so the NaN reaches both ranks' local gradients of layers.3 in the same
+        # backward: each rank's own parameters say "origin" and name the same tensor. The
+        # gradient between blocks is sequence-sharded (rank-local): layers.3's output gradient
+        # is non-finite on rank 1 only; rank 0 sees it first at layers.2's, after attention's
+        # backward mixed the tokens (strategies/block_entry.py)
+        assert sorted(flagged) == [0, 1]
+        entries = {r["rank"]: r["steps"][NAN_STEP]["entry_block"] for r in ranks}
+        assert entries == {NAN_RANK: NAN_LAYER, 1 - NAN_RANK: "layers.2"}, entries
     for rank in ranks:
         if rank["rank"] in flagged:
             param = rank["steps"][NAN_STEP]["local_nonfinite_param"]
             assert param.startswith(NAN_LAYER + "."), (rank["rank"], param)
     first = build_timeline(out / "run").first_failure
     assert first is not None and first["step"] == NAN_STEP, first
-    assert first["rank"] in flagged and first["class"] == "origin", first
+    assert first["rank"] == NAN_RANK and first["class"] == "origin", first
     assert first["param"].startswith(NAN_LAYER + "."), first
-    if mode == "fsdp":
-        assert first["rank"] == NAN_RANK
+    assert "tied_ranks" not in first, first
+    if mode == "tp":
+        assert first["entry"] == NAN_LAYER, first
+
+
+def test_the_manifest_gives_bf16_parameters_under_the_mixed_precision_policy(run):
+    """torchtitan's default ``mixed_precision_param = "bfloat16"``: FSDP2's policy (on its
+    one-rank dp mesh beside TP too) computes in bf16 over fp32 storage."""
+    _, _, ranks = run
+    for rank in ranks:
+        assert rank["precision"] == "bf16", rank["precision"]
+    manifests = [r["manifest"] for r in ranks if r["manifest"] is not None]
+    assert manifests, "no manifest written"
+    for manifest in manifests:
+        assert manifest["precision"] == "bf16", manifest.get("precision_detail")
+        detail = manifest["precision_detail"]
+        assert detail["params"] == "bf16" and detail["storage"] == "fp32", detail
+        assert detail["params_from"] == "fsdp2 MixedPrecisionPolicy", detail

@@ -243,11 +243,13 @@ def audited(run: str, monitored: bool) -> dict:
     if loop.mon is not None:
         errors = dict(loop.mon.state.agent_errors)
         steps = loop.mon.state.steps_total
+        entry = getattr(loop.mon.markers, "entry", None)  # TP: where a NaN entered, per block
+        entry_blocks = len(entry.names) if entry is not None else 0
         loop.mon.close()
     else:
-        errors, steps = {}, STEPS
+        errors, steps, entry_blocks = {}, STEPS, 0
     out = audit.report()
-    out.update(agent_errors=errors, steps=steps)
+    out.update(agent_errors=errors, steps=steps, entry_blocks=entry_blocks)
     dist.barrier()
     return out
 

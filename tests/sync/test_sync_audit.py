@@ -59,6 +59,8 @@ def test_monitored_loop_adds_no_host_sync(launched, launch, run):
         assert added == {}, (rank["rank"], added, monitored["where"])
         assert monitored["steps"] == STEPS, monitored
         assert not any(monitored["agent_errors"].values()), monitored["agent_errors"]
+        # TP's block-output checks run on the audited steps too (strategies/block_entry.py)
+        assert monitored["entry_blocks"] == (5 if "tp" in run.split("+") else 0), monitored
         # not vacuous: the recorder saw the loop's own host reads (the optimizer's step
         # counters, a GradScaler's found_inf) in both runs alike
         assert unmonitored["training"], unmonitored
