@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
-
-from .config import DEFAULT_PORT, Config, ConfigError  # noqa: E402
+from ._version import __version__
+from .config import DEFAULT_PORT, Config, ConfigError
 
 __all__ = [
     "DEFAULT_PORT",

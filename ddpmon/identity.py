@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import __version__
+from ._version import __version__
 
 
 @dataclass(slots=True, frozen=True)

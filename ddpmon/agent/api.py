@@ -64,7 +64,7 @@ def attach(
                 return NullMonitor(str(exc))
             model = pp.container
         if accelerator is not None:  # under DeepSpeed: the engine, not the module inside it
-            from ..integrations.accelerate import deepspeed_engine
+            from ..strategies.accelerate import deepspeed_engine
 
             engine = deepspeed_engine(accelerator, model)
             if engine is not None:
@@ -80,7 +80,7 @@ def attach(
         if optimizer is None:
             optimizer = model.optimizer  # a DeepSpeedEngine (checked by _refused)
         if accelerator is not None:
-            from ..integrations.accelerate import parts_from_accelerator, unwrap_optimizer
+            from ..strategies.accelerate import parts_from_accelerator, unwrap_optimizer
 
             optimizer = unwrap_optimizer(optimizer)
             if scaler is None:

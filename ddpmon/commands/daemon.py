@@ -97,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         from ..agent_socket import SOCKET_NAME, AgentSocketError
         from ..daemon.app import create_app
-        from ..daemon.hostcheck import host_names
         from ..daemon.jobs import JobManager
         from ..daemon.node import NodeCollector, build_registry
         from ..daemon.ranks import RankRegistry
@@ -105,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
         from ..daemon.settings import DaemonSettings, SettingsError
         from ..daemon.store import Store, StoreError
         from ..daemon.token import TokenFileError, load_or_create
-        from ..export.webconfig import WebConfigError, load_web_config
         from ..sources.nvml import NvmlSource
+        from ..web.config import WebConfigError, load_web_config
+        from ..web.hostcheck import host_names
     except ImportError as exc:
         print(
             f"ddpmon daemon needs the 'daemon' extra: pip install 'ddpmon[daemon]' ({exc})",

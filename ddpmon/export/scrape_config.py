@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .webconfig import TLS_VERSIONS
+from ..web.config import TLS_VERSIONS
 
 TOP_KEYS = ("scheme", "metrics_path", "basic_auth", "tls_config")
 AUTH_KEYS = ("username", "password", "password_file")

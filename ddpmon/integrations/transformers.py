@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ..strategies.accelerate import unwrap_optimizer
 from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
-from .accelerate import unwrap_optimizer
 
 log = logging.getLogger("ddpmon")
 
