@@ -19,7 +19,7 @@ __all__ = [
 def __getattr__(name: str):
     # The agent imports torch; keep `import ddpmon` light for the CLI and the daemon.
     if name in ("attach", "Monitor", "clip_grad_norm_", "LossScaleFloorError"):
-        from . import agent
+        from . import agent  # torch: `import ddpmon` stays light
 
         return getattr(agent, name)
     raise AttributeError(f"module 'ddpmon' has no attribute {name!r}")

@@ -7,12 +7,18 @@ logged precisely and gives a ``NullMonitor`` whose ``error`` says why.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..config import Config, ConfigError
+from ..strategies.accelerate import deepspeed_engine, parts_from_accelerator, unwrap_optimizer
+from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
+from ..strategies.detect import detect_strategy
+from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
+from ..strategies.wrappers import unwrap
 from .checkpoints import NullTimer
 from .monitor import Monitor
 
@@ -55,8 +61,6 @@ def attach(
     try:
         pp = None
         if schedule is not None:
-            from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
-
             try:
                 pp = PipelineSetup(model, schedule, scaler)
             except PipelineSetupError as exc:
@@ -64,13 +68,11 @@ def attach(
                 return NullMonitor(str(exc))
             model = pp.container
         if accelerator is not None:  # under DeepSpeed: the engine, not the module inside it
-            from ..strategies.accelerate import deepspeed_engine
 
             engine = deepspeed_engine(accelerator, model)
             if engine is not None:
                 model, optimizer = engine, engine.optimizer
         if pp is None:  # Fabric's wrappers, or DDP inside another wrapper (strategies/wrappers)
-            from ..strategies.wrappers import unwrap
 
             model, optimizer = unwrap(model, optimizer)
         reason = _refused(model, optimizer)
@@ -80,8 +82,6 @@ def attach(
         if optimizer is None:
             optimizer = model.optimizer  # a DeepSpeedEngine (checked by _refused)
         if accelerator is not None:
-            from ..strategies.accelerate import parts_from_accelerator, unwrap_optimizer
-
             optimizer = unwrap_optimizer(optimizer)
             if scaler is None:
                 scaler = parts_from_accelerator(accelerator).get("scaler")
@@ -93,12 +93,8 @@ def attach(
 
 def _refused(model: Any, optimizer: Any) -> str | None:
     """Why these arguments cannot be monitored (checked before anything is built), or None."""
-    import sys
 
     if "deepspeed" in sys.modules or "deepspeed" in type(model).__module__:
-        from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
-        from ..strategies.detect import detect_strategy
-
         reason = attach_error(model, optimizer)
         if reason is not None or is_engine(model):
             return reason

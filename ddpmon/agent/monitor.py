@@ -20,12 +20,14 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..forensics.annotations import check_fields, write_annotations
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..state import MetricState, possible_skippers
 from ..step_metrics import chosen
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
+from ..strategies.pipeline_parallel import PipelineSource
 from ..strategies.replicas import ReplicaCheck
 from . import registry
 from .checkpoints import (
@@ -45,6 +47,7 @@ from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
 from .precision import read_precision
 from .record_sinks import RecordSinks
+from .rerun import StepRerun, run_step
 from .run_facts import manifest_extra, start_fields, states_present
 from .step_markers import StepMarkers
 
@@ -133,8 +136,6 @@ class Monitor:
             defer_reduction_wait=config.on_nonfinite == "record",
         )
         if pp is not None:
-            from ..strategies.pipeline_parallel import PipelineSource
-
             strategy = pp.strategy
             self.source = PipelineSource(env, pp)
         else:
@@ -186,8 +187,6 @@ class Monitor:
             step_metrics=chosen(config.step_metrics), precision=self.precision,
         )
         if config.on_nonfinite == "rerun":
-            from .rerun import StepRerun
-
             self.pipeline.rerun = StepRerun.for_monitor(self, self._state, self._emit)
         with guard("comm"):
             scope, _ = self.source.replica_scope()
@@ -277,7 +276,6 @@ class Monitor:
         optimizer takes no closure. Without the rerun policy it just calls ``closure()``."""
         if self._closed or self.pipeline.rerun is None:
             return closure()
-        from .rerun import run_step
 
         return run_step(self.pipeline, closure)
 
@@ -319,7 +317,6 @@ class Monitor:
         """Record run facts only the script knows (``global_batch``, ``micro_batch``,
         ``accumulation``, ``seed``, ...) in ``annotations.json`` (rank 0, atomic), where
         ``ddpmon compare`` reads them. Bad fields raise ``ValueError``; I/O errors are counted."""
-        from ..forensics.annotations import check_fields, write_annotations
 
         fields = check_fields(fields)
         if self.identity.rank == 0 and self.forensics.events is not None:

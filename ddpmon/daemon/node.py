@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -36,7 +37,7 @@ class NodeCollector(Collector):
         disk_paths: tuple[str, ...] = ("/",),
     ) -> None:
         if psutil_module is None:
-            import psutil as psutil_module
+            psutil_module = psutil
         self._node = node
         self._nvml = nvml
         self._psutil = psutil_module

@@ -114,7 +114,7 @@ class ScrapeConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> ScrapeConfig:
-        import yaml
+        import yaml  # yaml loads only when used: a light CLI start
 
         path = Path(path)
         try:

@@ -80,6 +80,7 @@ def rank_list(
 
 def alerts(cfg: MixinConfig) -> list[Alert]:
     """All alerts, in layer order."""
+    # the layer modules import Alert and RANK from this package: imported at call, not a cycle
     from ddpmon.mixin.alerts import agent, checkpoints, communication, data, memory, numerics
 
     return [
