@@ -387,6 +387,63 @@ CATALOGUE: tuple[Metric, ...] = tuple(
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOGUE}
 
+# -- the node daemon's own series (ddpmon/daemon/node.py) -----------------------------------
+# One per node, without run or rank, so after CATALOGUE (a rank's series). The daemon also
+# serves GPU_* and COLLECTOR_SUCCESS above, with their extra labels only.
+_NODE, _HOST = "from the node daemon", "from the node daemon, through psutil"
+NODE_GPUS = Metric("ddpmon_node_gpus", G, "GPUs NVML reports on this node.", L.IDENTITY,
+                   base_labels=(), when=_NODE)
+NODE_GPU_INFO = Metric(
+    "ddpmon_node_gpu_info", G, "GPU identity (value 1).", L.IDENTITY,
+    labels=("gpu", "gpu_uuid", "name", "pci_bus_id"), base_labels=(), when=_NODE,
+)
+GPU_ECC_UNCORRECTED = Metric(
+    "ddpmon_gpu_ecc_uncorrected_errors_total", C,
+    "Uncorrected ECC errors since boot (NVML, aggregate), where supported.", L.MEMORY,
+    labels=("gpu",), base_labels=(), when=_NODE,
+)
+NODE_INFO = Metric("ddpmon_node_info", G, "This node (value 1).", L.IDENTITY,
+                   labels=("node",), base_labels=(), when=_NODE)
+NODE_CPU_SECONDS = Metric("ddpmon_node_cpu_seconds_total", C, "CPU time of the host by mode.",
+                          L.IDENTITY, unit="seconds", labels=("mode",), base_labels=(),
+                          when=_HOST)
+NODE_CPUS = Metric("ddpmon_node_cpus", G, "Logical CPUs of the host.", L.IDENTITY,
+                   base_labels=(), when=_HOST)
+NODE_LOAD1 = Metric("ddpmon_node_load1", G, "1-minute load average.", L.IDENTITY,
+                    base_labels=(), when=_HOST)
+NODE_MEMORY_TOTAL = Metric("ddpmon_node_memory_total_bytes", G, "Host memory size.", L.MEMORY,
+                           unit="bytes", base_labels=(), when=_HOST)
+NODE_MEMORY_AVAILABLE = Metric("ddpmon_node_memory_available_bytes", G,
+                               "Host memory available.", L.MEMORY, unit="bytes",
+                               base_labels=(), when=_HOST)
+NODE_DISK_TOTAL = Metric("ddpmon_node_disk_total_bytes", G, "Filesystem size.", L.IDENTITY,
+                         unit="bytes", labels=("path",), base_labels=(), when=_HOST)
+NODE_DISK_FREE = Metric("ddpmon_node_disk_free_bytes", G, "Filesystem space free.", L.IDENTITY,
+                        unit="bytes", labels=("path",), base_labels=(), when=_HOST)
+NODE_NETWORK_RECEIVE = Metric(
+    "ddpmon_node_network_receive_bytes_total", C, "Bytes received per interface.",
+    L.COMMUNICATION, unit="bytes", labels=("device",), base_labels=(), when=_HOST,
+)
+NODE_NETWORK_TRANSMIT = Metric(
+    "ddpmon_node_network_transmit_bytes_total", C, "Bytes sent per interface.",
+    L.COMMUNICATION, unit="bytes", labels=("device",), base_labels=(), when=_HOST,
+)
+DAEMON_JOBS = Metric("ddpmon_daemon_jobs", G, "Jobs known to the daemon by state.", L.IDENTITY,
+                     labels=("state",), base_labels=(), when=_NODE)
+DAEMON_REGISTERED_RANKS = Metric("ddpmon_daemon_registered_ranks", G,
+                                 "Live ranks listed by /sd.", L.IDENTITY, base_labels=(),
+                                 when=_NODE)
+COLLECTOR_DURATION = Metric(
+    "ddpmon_collector_duration_seconds", G, "Time spent reading the source.", L.IDENTITY,
+    unit="seconds", labels=("collector",), base_labels=(), when=_NODE,
+)
+
+NODE_CATALOGUE: tuple[Metric, ...] = tuple(
+    v for v in list(globals().values()) if isinstance(v, Metric) and v not in CATALOGUE
+)
+"""The node daemon's own series, in exposition order (it serves GPU_* and COLLECTOR_SUCCESS
+of CATALOGUE too)."""
+
 
 def by_layer(layer: Layer) -> tuple[Metric, ...]:
     return tuple(m for m in CATALOGUE if m.layer is layer)
