@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..cli import build_parser
+from .. import cli
 from .markdown import code, header, table
 
 
@@ -70,7 +70,7 @@ def cli_page() -> str:
     columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # usage lines wrap at the terminal width: make it fixed
     try:
-        parser = build_parser()
+        parser = cli.build_parser()
         parser.prog = "ddpmon"
         out = [
             header(
