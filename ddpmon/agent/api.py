@@ -21,6 +21,7 @@ from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
 from ..strategies.wrappers import unwrap
 from .checkpoints import NullTimer
 from .monitor import Monitor
+from .sinks import Sink
 
 log = logging.getLogger("ddpmon")
 
@@ -34,6 +35,7 @@ def attach(
     comm_state: Any = None,
     accelerator: Any = None,
     schedule: Any = None,
+    sinks: Sequence[Sink] = (),
     **options: Any,
 ) -> Monitor | NullMonitor:
     """Monitor this rank. Options as in ``ddpmon.Config`` (also ``DDPMON_*`` variables).
@@ -50,6 +52,8 @@ def attach(
     ``schedule``: pipeline parallel; ``model`` is then this rank's stage module or the list of
     them (``model_parts``), and a step is one ``schedule.step()`` (docs/parallelism.md,
     Pipeline parallel).
+    ``sinks``: your own ``Sink`` objects (``ddpmon.agent.sinks.Sink``: ``probe``,
+    ``on_record(record)``, ``close()``); each step record goes to them after ddpmon's sinks.
     """
     try:
         config = Config.from_sources(options)
@@ -58,6 +62,11 @@ def attach(
         return NullMonitor(str(exc))
     if not config.enabled:
         return NullMonitor(None)
+    wrong = [type(s).__name__ for s in sinks if not isinstance(s, Sink)]
+    if wrong:
+        reason = f"sinks: {', '.join(wrong)} lack probe, on_record(record) or close()"
+        log.error("ddpmon disabled: %s", reason)
+        return NullMonitor(reason)
     try:
         pp = None
         if schedule is not None:
@@ -85,7 +94,8 @@ def attach(
             optimizer = unwrap_optimizer(optimizer)
             if scaler is None:
                 scaler = parts_from_accelerator(accelerator).get("scaler")
-        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state, pp=pp)
+        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state, pp=pp,
+                             sinks=tuple(sinks))
     except Exception as exc:  # never into training: an agent that cannot start stays off
         log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
         return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")

@@ -49,6 +49,7 @@ from .precision import read_precision
 from .record_sinks import RecordSinks
 from .rerun import StepRerun, run_step
 from .run_facts import manifest_extra, start_fields, states_present
+from .sinks import Sink
 from .step_markers import StepMarkers
 
 
@@ -65,6 +66,7 @@ class Monitor:
         self.records: RecordThread | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self.user_sinks: tuple[Sink, ...] = ()  # attach(..., sinks=[...]), after ddpmon's
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -77,11 +79,13 @@ class Monitor:
         comm_hook: Callable | None = None,
         comm_state: Any = None,
         pp: Any = None,
+        sinks: tuple[Sink, ...] = (),
     ) -> Monitor:
         state = MetricState(
             loss_scale_floor=config.loss_scale_floor, stall_threshold_seconds=config.stall_seconds
         )
         self = cls(config, state, Guard(state.count_error))
+        self.user_sinks = sinks
         try:
             self._assemble(model, optimizer, scaler, comm_hook, comm_state, pp)
         except BaseException:
@@ -155,7 +159,7 @@ class Monitor:
             self.source.install()
             self.index.order.watch(self.index.params, guard.error)  # the origin's order
 
-    def _sinks(self) -> list[Any]:
+    def _sinks(self) -> list[Sink]:
         """Where records go (``record_sinks``)."""
         sinks = RecordSinks.assemble(
             ctx=self.ctx, config=self.config, state=self._state, guard=self.guard,
@@ -168,9 +172,9 @@ class Monitor:
             flush=lambda: self.pipeline.drain(wait=True),
         )
         self.floor, self.incidents, self.manifest = sinks.floor, sinks.incidents, sinks.manifest
-        return sinks.all
+        return [*sinks.all, *self.user_sinks]
 
-    def _pipeline(self, sinks: list[Any], pp) -> None:
+    def _pipeline(self, sinks: list[Sink], pp) -> None:
         """The step pipeline over the source and sinks, what marks its steps (hooks, the
         schedule or the engine), and the record thread."""
         config, guard, ctx, emit = self.config, self.guard, self.ctx, self._emit
