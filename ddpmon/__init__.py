@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
-
-from .config import DEFAULT_PORT, Config, ConfigError  # noqa: E402
+from ._version import __version__
+from .config import DEFAULT_PORT, Config, ConfigError
 
 __all__ = [
     "DEFAULT_PORT",
@@ -20,7 +19,7 @@ __all__ = [
 def __getattr__(name: str):
     # The agent imports torch; keep `import ddpmon` light for the CLI and the daemon.
     if name in ("attach", "Monitor", "clip_grad_norm_", "LossScaleFloorError"):
-        from . import agent
+        from . import agent  # torch: `import ddpmon` stays light
 
         return getattr(agent, name)
     raise AttributeError(f"module 'ddpmon' has no attribute {name!r}")

@@ -12,7 +12,9 @@ justified exceptions.
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -141,7 +143,7 @@ def set_all_reduce_hook(group: Any, hook: Any) -> None:
 def batch_p2p() -> Callable | None:
     """``torch.distributed.pipelining.schedules._batch_p2p``, the one call every schedule sends
     and receives through; None where it is missing (PP send/recv are then not timed)."""
-    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import schedules  # guarded: an API some torch builds lack
 
     found = getattr(schedules, "_batch_p2p", None)
     if found is None:
@@ -151,7 +153,7 @@ def batch_p2p() -> Callable | None:
 
 def set_batch_p2p(function: Callable) -> None:
     """Install ``function`` as ``schedules._batch_p2p`` (process-wide: every schedule)."""
-    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import schedules  # guarded: an API some torch builds lack
 
     schedules._batch_p2p = function
 
@@ -233,7 +235,7 @@ def fsdp_mp_policy(model: torch.nn.Module) -> Any:
     ``mp_policy``), None without FSDP2 or where unreadable (precision is then the parameters'
     dtype)."""
     try:
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FSDPModule  # guarded: an API some torch builds lack
     except ImportError:
         return None
     for module in model.modules():
@@ -261,7 +263,7 @@ def flight_recorder_dumps() -> tuple[Callable | None, Callable | None]:
     """c10d's flight-recorder dump functions (pickle, JSON): ``_dump_fr_trace`` (``_nccl_`` in
     older torch). (None, None) where this build has neither: stalls then carry no dump."""
     try:
-        from torch._C import _distributed_c10d as c10d
+        from torch._C import _distributed_c10d as c10d  # guarded: an API some torch builds lack
     except ImportError:
         return None, None
     dump_pickle = getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
@@ -274,8 +276,6 @@ def flight_recorder_state() -> dict | None:
     """This process's flight recorder as JSON (every group's sequence status and its recent
     collectives, ``_dump_fr_trace_json(include_collectives, only_active)``); None where this
     build has no recorder. Safe from a thread while the training thread waits in a collective."""
-    import json
-
     _, dump_json = flight_recorder_dumps()
     if dump_json is None:
         return None
@@ -287,7 +287,6 @@ def flight_recorder_state() -> dict | None:
 def dcp_logger() -> logging.Logger | None:
     """DCP's own logger (``torch.distributed.checkpoint.logger._dcp_logger``), once DCP is
     imported; None before, or where a torch lacks it (DCP saves are then not captured)."""
-    import sys
 
     module = sys.modules.get("torch.distributed.checkpoint.logger")
     if module is None:

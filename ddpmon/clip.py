@@ -14,12 +14,26 @@ tensor, and never reads it on the host (except with ``error_if_nonfinite``, as t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .probes.grads import per_param_norms
+
+MonitorLookup = Callable[[Sequence[torch.Tensor]], Any]
+"""The live monitor whose model owns the given parameters, or None."""
+
+_lookup: MonitorLookup | None = None
+
+
+def set_monitor_lookup(lookup: MonitorLookup) -> None:
+    """How ``clip_grad_norm_`` finds the monitor of its parameters: the agent registers its
+    registry of live monitors here (``ddpmon.agent.registry``), so clipping imports no layer
+    above it. No monitor can exist before the agent is imported, so none is missed."""
+    global _lookup
+    _lookup = lookup
 
 
 def clip_grad_norm_(
@@ -41,18 +55,14 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     if float(norm_type) != 2.0:
         raise ValueError(f"ddpmon.clip_grad_norm_: norm_type={norm_type!r}; only 2.0 is supported")
-    if monitor is None and not sharded:
-        from .agent.registry import monitor_for
-
-        monitor = monitor_for(params)
+    if monitor is None and not sharded and _lookup is not None:
+        monitor = _lookup(params)
     if monitor not in (None, False) and getattr(monitor, "enabled", False) and not sharded:
         total = monitor.clip_norm(params)
     else:
         norms = per_param_norms([p.grad.detach() for p in params])
         sq = (norms.to(torch.float64) * norms.to(torch.float64)).sum()
         if sharded:
-            import torch.distributed as dist
-
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=process_group)
         total = sq.sqrt()
     if error_if_nonfinite and not torch.isfinite(total).item():  # opt-in host read, as in torch

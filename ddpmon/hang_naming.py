@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from . import metrics as m
 from .terminal import clean_line
 
@@ -55,8 +57,6 @@ ACTIVITY = frozenset(x.name for x in (m.PHASE_SINCE, m.COLLECTIVE_SEQUENCE, m.ST
 
 def parse_activity(text: str) -> RankActivity:
     """The activity series of one rank's exposition text (other series are ignored)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     act = RankActivity()
     for family in text_string_to_metric_families(text):
         for s in family.samples:

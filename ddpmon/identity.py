@@ -8,8 +8,10 @@ import socket
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from . import __version__
+from ._version import __version__
+from .slurm import task_env
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,7 +42,6 @@ def backend_in_use(device: str) -> str:
     """The default group's backend for tensors on ``device``. A group created without naming
     one (``init_device_mesh``, ``init_process_group()``) reports ``undefined`` and keeps one
     backend per device type (``cpu:gloo,cuda:nccl``): the model's device picks it."""
-    import torch.distributed as dist
 
     name = str(dist.get_backend())
     if name != "undefined":
@@ -63,9 +64,6 @@ def detect_identity(model: torch.nn.Module | None, node: str | None = None) -> R
     (``srun`` without torchrun: ``SLURM_PROCID``, ``SLURM_NTASKS``), else rank 0 of 1. The local
     rank: ``LOCAL_RANK``, else ``SLURM_LOCALID``, else the rank; the node: ``node``, else
     ``SLURMD_NODENAME``, else the host name."""
-    import torch.distributed as dist
-
-    from .slurm import task_env
 
     device = "cpu"
     if model is not None:

@@ -56,10 +56,13 @@ class Metric:
     """Labels beyond ``run`` and ``rank``; each has a bounded set of values."""
     when: str = "always"
     """When the series is present, for readers and the README."""
+    base_labels: tuple[str, ...] = BASE_LABELS
+    """The labels every series of its exporter carries: a rank's ``run`` and ``rank``; none for
+    the node daemon's own series (one per node)."""
 
     @property
     def all_labels(self) -> tuple[str, ...]:
-        return (*BASE_LABELS, *self.labels)
+        return (*self.base_labels, *self.labels)
 
     @property
     def family(self) -> str:

@@ -62,7 +62,7 @@ class SafeConsole(Console):
     def render_str(self, text: str, **kwargs: Any):  # type: ignore[override]
         """A string that is not valid markup (a table cell holding ``[/x]``) is shown as
         written instead of raising ``MarkupError`` out of the reader."""
-        from rich.errors import MarkupError
+        from rich.errors import MarkupError  # rich only when a table is drawn: a light CLI start
 
         try:
             return super().render_str(text, **kwargs)

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..config import Config, ConfigError
+from ..strategies.accelerate import deepspeed_engine, parts_from_accelerator, unwrap_optimizer
+from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
+from ..strategies.detect import detect_strategy
+from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
+from ..strategies.wrappers import unwrap
 from .checkpoints import NullTimer
 from .monitor import Monitor
+from .sinks import Sink
 
 log = logging.getLogger("ddpmon")
 
@@ -29,6 +36,7 @@ def attach(
     comm_state: Any = None,
     accelerator: Any = None,
     schedule: Any = None,
+    sinks: Sequence[Sink] = (),
     **options: Any,
 ) -> Monitor | NullMonitor:
     """Monitor this rank. Options as in ``ddpmon.Config`` (also ``DDPMON_*`` variables).
@@ -45,6 +53,8 @@ def attach(
     ``schedule``: pipeline parallel; ``model`` is then this rank's stage module or the list of
     them (``model_parts``), and a step is one ``schedule.step()`` (docs/parallelism.md,
     Pipeline parallel).
+    ``sinks``: your own ``Sink`` objects (``ddpmon.agent.sinks.Sink``: ``probe``,
+    ``on_record(record)``, ``close()``); each step record goes to them after ddpmon's sinks.
     """
     try:
         config = Config.from_sources(options)
@@ -53,11 +63,14 @@ def attach(
         return NullMonitor(str(exc))
     if not config.enabled:
         return NullMonitor(None)
+    wrong = [type(s).__name__ for s in sinks if not isinstance(s, Sink)]
+    if wrong:
+        reason = f"sinks: {', '.join(wrong)} lack probe, on_record(record) or close()"
+        log.error("ddpmon disabled: %s", reason)
+        return NullMonitor(reason)
     try:
         pp = None
         if schedule is not None:
-            from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
-
             try:
                 pp = PipelineSetup(model, schedule, scaler)
             except PipelineSetupError as exc:
@@ -65,13 +78,11 @@ def attach(
                 return NullMonitor(str(exc))
             model = pp.container
         if accelerator is not None:  # under DeepSpeed: the engine, not the module inside it
-            from ..integrations.accelerate import deepspeed_engine
 
             engine = deepspeed_engine(accelerator, model)
             if engine is not None:
                 model, optimizer = engine, engine.optimizer
         if pp is None:  # Fabric's wrappers, or DDP inside another wrapper (strategies/wrappers)
-            from ..strategies.wrappers import unwrap
 
             model, optimizer = unwrap(model, optimizer)
         reason = _refused(model, optimizer)
@@ -81,12 +92,11 @@ def attach(
         if optimizer is None:
             optimizer = model.optimizer  # a DeepSpeedEngine (checked by _refused)
         if accelerator is not None:
-            from ..integrations.accelerate import parts_from_accelerator, unwrap_optimizer
-
             optimizer = unwrap_optimizer(optimizer)
             if scaler is None:
                 scaler = parts_from_accelerator(accelerator).get("scaler")
-        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state, pp=pp)
+        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state, pp=pp,
+                             sinks=tuple(sinks))
     except Exception as exc:  # never into training: an agent that cannot start stays off
         log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
         return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")
@@ -94,12 +104,8 @@ def attach(
 
 def _refused(model: Any, optimizer: Any) -> str | None:
     """Why these arguments cannot be monitored (checked before anything is built), or None."""
-    import sys
 
     if "deepspeed" in sys.modules or "deepspeed" in type(model).__module__:
-        from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
-        from ..strategies.detect import detect_strategy
-
         reason = attach_error(model, optimizer)
         if reason is not None or is_engine(model):
             return reason

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from .._torch_compat import dcp_logger
+from ..forensics.eventlog import read_progress
+from ..slurm import restart_count
 from ..state import CHECKPOINT_KINDS, MetricState
 
 log = logging.getLogger("ddpmon.checkpoints")
@@ -61,7 +63,6 @@ def detect_attempt(
     """This process's attempt; call before the ``start`` event is written."""
     environ = os.environ if environ is None else environ
     elastic = _int(environ.get("TORCHELASTIC_RESTART_COUNT"))
-    from ..slurm import restart_count
 
     requeues = restart_count(environ)
     try:
@@ -75,8 +76,6 @@ def detect_attempt(
         number, source = requeues, "slurm"
     previous = None
     if number > 0:
-        from ..forensics.eventlog import read_progress
-
         previous = read_progress(progress_file)
     return Attempt(number, source, previous)
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError, label_problem
+from ..forensics.clock import measure_clock_offset
 from ..forensics.rng import rng_fingerprints
 from ..identity import RankIdentity, detect_identity
 from ..rundir import RunDir
+from ..slurm import from_environ
 from .guard import Guard
 
 
@@ -42,8 +44,6 @@ class RunContext:
             elastic = os.environ.get("TORCHELASTIC_RUN_ID", "")
             candidate = elastic if elastic and elastic != "none" else None
         if not candidate:
-            from ..slurm import from_environ
-
             job = from_environ()
             candidate = job.run_id if job is not None else None
         _check_labels(candidate, identity.node)
@@ -56,8 +56,6 @@ class RunContext:
                 dist.broadcast_object_list(box, src=0)
                 candidate = box[0]
             with guard("clock"):
-                from ..forensics.clock import measure_clock_offset
-
                 clock = measure_clock_offset()
             with guard("forensics"):
                 gathered: list = [None] * dist.get_world_size()
@@ -72,7 +70,6 @@ def _check_labels(run_id: str | None, node: str) -> None:
     """A run id from torchrun's or Slurm's environment and the node name become labels,
     file names and terminal text like ``run_id=`` does: the same rules (``config.label_problem``),
     checked before any collective, so every rank refuses alike."""
-    from ..config import ConfigError, label_problem
 
     for what, value in (("TORCHELASTIC_RUN_ID (the run id)", run_id), ("node name", node)):
         problem = None if value is None else label_problem(value, 253)

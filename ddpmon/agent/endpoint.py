@@ -14,7 +14,16 @@ import torch
 
 from ..config import Config
 from ..export.collector import DdpmonCollector, Exposition, LiveSources
+from ..export.delivery import linger_until
+from ..export.discovery import FileSDPublisher
+from ..export.registration import deregister_rank, register_rank
+from ..export.server import MetricsServer, PortInUseError
 from ..identity import RankIdentity, build_versions
+from ..rundir import sd_filename
+from ..slurm import from_environ
+from ..sources.allocator import AllocatorSource
+from ..sources.host import ProcessSource
+from ..sources.nvml import NvmlSource
 from ..state import MetricState
 from .guard import Guard
 
@@ -60,7 +69,6 @@ class Endpoint:
     def _serve(self, ident: RankIdentity, cfg: Config, state: MetricState) -> None:
         if cfg.port == 0:
             return
-        from ..export.server import MetricsServer, PortInUseError
 
         server = MetricsServer(
             self.exposition.render,
@@ -93,7 +101,6 @@ class Endpoint:
             "node": ident.node,
             "local_rank": str(ident.local_rank),
         }
-        from ..slurm import from_environ
 
         job = from_environ()
         if job is not None:
@@ -101,17 +108,12 @@ class Endpoint:
         sd_dir = cfg.sd_dir or os.environ.get("DDPMON_SD_DIR")
         if sd_dir:
             with guard("discovery"):
-                from ..export.discovery import FileSDPublisher
-                from ..rundir import sd_filename
-
                 self._sd = FileSDPublisher(
                     sd_dir, target=target, labels=labels, filename=sd_filename(run_id, ident.rank)
                 )
                 self._sd.publish()
         if cfg.daemon_url:
             with guard("discovery"):
-                from ..export.registration import register_rank
-
                 info = {
                     **labels,
                     "pid": ident.pid,
@@ -126,7 +128,6 @@ class Endpoint:
         """Keep serving until a store's scraper took an answer rendered at or after
         ``final_at`` (monotonic), within the bound of ``delivery.linger_until``. Returns how it
         ended: ``scraped``, ``timeout`` or ``no-wait``."""
-        from ..export.delivery import linger_until
 
         if self.server is None:
             self.lingered = "no-wait"
@@ -164,8 +165,6 @@ class Endpoint:
                 pass
         if self._daemon is not None:
             try:
-                from ..export.registration import deregister_rank
-
                 deregister_rank(*self._daemon)
             except Exception:
                 pass
@@ -177,13 +176,8 @@ class Endpoint:
 def _collector(
     state: MetricState, ident: RankIdentity, run_id: str, cfg: Config, guard: Guard
 ) -> DdpmonCollector:
-    from ..sources.host import ProcessSource
-    from ..sources.nvml import NvmlSource
-
     allocator = gpu_indices = None
     if ident.device.startswith("cuda"):
-        from ..sources.allocator import AllocatorSource
-
         allocator = AllocatorSource(torch.device(ident.device))
         gpu_indices = [torch.device(ident.device).index or 0]
     process = None

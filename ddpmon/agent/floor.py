@@ -33,6 +33,8 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch.distributed as dist
+
 # The error and DeepSpeed's minimum-scale test live in ``ddpmon.errors`` (strategies use them).
 from ..errors import DEEPSPEED_MIN_SCALE, LossScaleFloorError, is_deepspeed_min_scale
 
@@ -145,8 +147,6 @@ def _gather(mine: dict) -> tuple[list[dict], str | None]:
     """Every rank's entry, in rank order (one ``all_gather_object``); only this rank's when the
     job is not distributed or the collective fails."""
     try:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return [mine], None
         entries: list[Any] = [None] * dist.get_world_size()

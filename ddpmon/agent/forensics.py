@@ -11,9 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..forensics.crash import CrashCapture
+from ..forensics.eventlog import EventLog, ProgressFile
+from ..forensics.evidence import EvidenceWriter
+from ..forensics.manifest import write_run_manifest
+from ..forensics.watchdog import StallWatchdog, request_flight_recorder_dump
 from ..identity import build_versions
 from .context import RunContext
 from .guard import Guard
+from .inflight import InFlight
 
 log = logging.getLogger("ddpmon")
 
@@ -42,16 +48,10 @@ class Forensics:
             return out
         rank = ctx.identity.rank
         with guard("forensics"):
-            from ..forensics.eventlog import EventLog
-
             out.events = EventLog(ctx.run_path, rank, health=guard.writes)
         with guard("forensics"):
-            from ..forensics.eventlog import ProgressFile
-
             out.progress = ProgressFile(ctx.run_path, rank, health=guard.writes)
         with guard("forensics"):
-            from ..forensics.evidence import EvidenceWriter
-
             out.evidence = EvidenceWriter(
                 ctx.run_path,
                 rank,
@@ -62,8 +62,6 @@ class Forensics:
                 health=guard.writes,
             )
         with guard("forensics"):
-            from ..forensics.crash import CrashCapture
-
             out.crash = CrashCapture(ctx.run_path, rank, out.events).install()
         return out
 
@@ -72,8 +70,6 @@ class Forensics:
         """Keep the step in progress where a signal's dump finds it (the live line), and what
         its hooks saw where an exception's exit event is written (:mod:`.inflight`)."""
         if self.crash is not None:
-            from .inflight import InFlight
-
             pipeline.keep_live(self.crash.live)
             self.crash.in_flight = InFlight(pipeline, incidents, emit, guard).report
 
@@ -95,8 +91,6 @@ class Forensics:
         flight recorder is asked to dump into ``flight_recorder`` (what each rank was waiting
         on)."""
         with guard("forensics"):
-            from ..forensics.watchdog import StallWatchdog, request_flight_recorder_dump
-
             def stalled(idle_seconds: float) -> None:
                 try:
                     on_stall(idle_seconds)
@@ -123,8 +117,6 @@ def manifest_writer(ctx: RunContext, cfg: Config, extra: Callable[[], dict], gua
 
     def write() -> None:
         with guard("manifest"):
-            from ..forensics.manifest import write_run_manifest
-
             write_run_manifest(
                 ctx.run_path,
                 identity=ctx.identity,

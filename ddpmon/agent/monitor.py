@@ -20,12 +20,14 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..forensics.annotations import check_fields, write_annotations
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..state import MetricState, possible_skippers
 from ..step_metrics import chosen
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
+from ..strategies.pipeline_parallel import PipelineSource
 from ..strategies.replicas import ReplicaCheck
 from . import registry
 from .activity import LoopPhases
@@ -46,7 +48,9 @@ from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
 from .precision import read_precision
 from .record_sinks import RecordSinks
+from .rerun import StepRerun, run_step
 from .run_facts import manifest_extra, start_fields, states_present
+from .sinks import Sink
 from .step_markers import StepMarkers
 from .update_wiring import SpikeParts
 
@@ -64,6 +68,7 @@ class Monitor(LoopPhases):
         self.records: RecordThread | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self.user_sinks: tuple[Sink, ...] = ()  # attach(..., sinks=[...]), after ddpmon's
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -76,11 +81,13 @@ class Monitor(LoopPhases):
         comm_hook: Callable | None = None,
         comm_state: Any = None,
         pp: Any = None,
+        sinks: tuple[Sink, ...] = (),
     ) -> Monitor:
         state = MetricState(
             loss_scale_floor=config.loss_scale_floor, stall_threshold_seconds=config.stall_seconds
         )
         self = cls(config, state, Guard(state.count_error))
+        self.user_sinks = sinks
         try:
             self._assemble(model, optimizer, scaler, comm_hook, comm_state, pp)
         except BaseException:
@@ -135,8 +142,6 @@ class Monitor(LoopPhases):
             defer_reduction_wait=config.on_nonfinite == "record",
         )
         if pp is not None:
-            from ..strategies.pipeline_parallel import PipelineSource
-
             strategy = pp.strategy
             self.source = PipelineSource(env, pp)
         else:
@@ -156,7 +161,7 @@ class Monitor(LoopPhases):
             self.source.install()
             self.index.order.watch(self.index.params, guard.error)  # the origin's order
 
-    def _sinks(self) -> list[Any]:
+    def _sinks(self) -> list[Sink]:
         """Where records go (``record_sinks``)."""
         sinks = RecordSinks.assemble(
             ctx=self.ctx, config=self.config, state=self._state, guard=self.guard,
@@ -169,9 +174,9 @@ class Monitor(LoopPhases):
             flush=lambda: self.pipeline.drain(wait=True),
         )
         self.floor, self.incidents, self.manifest = sinks.floor, sinks.incidents, sinks.manifest
-        return sinks.all
+        return [*sinks.all, *self.user_sinks]
 
-    def _pipeline(self, sinks: list[Any], pp) -> None:
+    def _pipeline(self, sinks: list[Sink], pp) -> None:
         """The step pipeline over the source and sinks, what marks its steps (hooks, the
         schedule or the engine), and the record thread."""
         config, guard, ctx, emit = self.config, self.guard, self.ctx, self._emit
@@ -188,8 +193,6 @@ class Monitor(LoopPhases):
             step_metrics=chosen(config.step_metrics), precision=self.precision,
         )
         if config.on_nonfinite == "rerun":
-            from .rerun import StepRerun
-
             self.pipeline.rerun = StepRerun.for_monitor(self, self._state, self._emit)
         with guard("comm"):
             scope, _ = self.source.replica_scope()
@@ -281,7 +284,6 @@ class Monitor(LoopPhases):
         optimizer takes no closure. Without the rerun policy it just calls ``closure()``."""
         if self._closed or self.pipeline.rerun is None:
             return closure()
-        from .rerun import run_step
 
         return run_step(self.pipeline, closure)
 
@@ -323,7 +325,6 @@ class Monitor(LoopPhases):
         """Record run facts only the script knows (``global_batch``, ``micro_batch``,
         ``accumulation``, ``seed``, ...) in ``annotations.json`` (rank 0, atomic), where
         ``ddpmon compare`` reads them. Bad fields raise ``ValueError``; I/O errors are counted."""
-        from ..forensics.annotations import check_fields, write_annotations
 
         fields = check_fields(fields)
         if self.identity.rank == 0 and self.forensics.events is not None:

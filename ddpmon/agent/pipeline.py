@@ -45,6 +45,7 @@ from .policy import NonFinitePolicy, OriginTracker
 from .precision import Precision, saw_forward
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
+from .rerun import decide_recorded, wrap_closure
 from .step_detection import GradSentinel, is_inert_step
 from .step_phase import StepPhase
 from .stepvector import STEP_SLOTS, StepVectorLayout
@@ -201,8 +202,6 @@ class StepPipeline(StepPhase):
             return self._wrap_closure(args, kwargs) if self.rerun is not None else None
         self._collect()
         if self.rerun is not None:
-            from .rerun import decide_recorded
-
             if decide_recorded(self):  # the step was in hand (run_step, a trainer): decided
                 return None
             self.rerun.no_closure()
@@ -214,8 +213,6 @@ class StepPipeline(StepPhase):
         return None
 
     def _wrap_closure(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        from .rerun import wrap_closure
-
         # gradients accumulated before the closure (micro-steps outside it) cannot be replayed
         replayable = not self._backward_pending
         with self.guard("step"):

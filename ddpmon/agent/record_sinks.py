@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..atomic import write_json_atomic
 from ..config import Config
+from ..forensics.history import HistorySink
 from ..probes.grads import ParamIndex
 from ..state import MetricState
 from .checkpoints import tag_evidence
@@ -72,7 +74,6 @@ class RecordSinks:
             device=ctx.identity.device,
         )
         manifest = ManifestSink(manifest_writer(ctx, config, manifest_extra, guard))
-        from ..atomic import write_json_atomic
 
         sinks: list[Any] = [MetricSink(state), incidents]
         if forensics.progress is not None:
@@ -86,8 +87,6 @@ class RecordSinks:
         sinks += [summary, manifest]
         if forensics.events is not None:  # the run dir is writable
             with guard("history"):
-                from ..forensics.history import HistorySink
-
                 history = HistorySink.open(
                     ctx.run_dir,
                     rank,

@@ -2,6 +2,8 @@
 
 ``ddpmon.clip_grad_norm_`` asks for the monitor of *its* parameters, so two monitors in one
 process (two models) each serve their own; nothing global decides which one is "active".
+Importing this module registers ``monitor_for`` with ``ddpmon.clip`` (which sits below the
+agent and so cannot import it).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ..clip import set_monitor_lookup
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -31,3 +35,6 @@ def monitor_for(params: Sequence[torch.Tensor]) -> Any:
         if mon.owns(params):
             return mon
     return None
+
+
+set_monitor_lookup(monitor_for)

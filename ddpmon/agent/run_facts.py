@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..slurm import from_environ
+
 if TYPE_CHECKING:
     from .monitor import Monitor
 
@@ -42,7 +44,6 @@ def manifest_extra(mon: Monitor) -> dict:
     extra = {}
     if mon.engine_facts is not None:
         extra["deepspeed"] = mon.engine_facts.manifest()
-    from ..slurm import from_environ
 
     job = from_environ()
     if job is not None:

@@ -12,13 +12,18 @@ import math
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from ..metrics import COLLECTIVE_OPS
 from ..state import MetricState, StepRecord
 
 
+@runtime_checkable
 class Sink(Protocol):
+    """What a record goes to; a user's own passes in with ``attach(..., sinks=[...])`` and runs
+    on the record thread beside ddpmon's, under ``guard(probe)`` (a failure is counted in
+    ``ddpmon_agent_errors_total{probe=...}``, never raised into training)."""
+
     probe: str
 
     def on_record(self, record: StepRecord) -> None: ...

@@ -16,6 +16,9 @@ import torch
 from ..probes.amp import ScalerProbe
 from ..strategies.base import GradientSource
 from ..strategies.block_entry import BlockEntry, tensor_parallel
+from ..strategies.deepspeed_steps import EngineSteps
+from ..strategies.pp_probes import ScheduleStep
+from .engine_rerun import EngineRerun
 from .hooks import StepHooks
 from .pipeline import StepPipeline
 
@@ -45,19 +48,13 @@ class StepMarkers:
             if tensor_parallel(source.name):  # where a NaN entered: the parameters cannot say
                 pipeline.entry = self.entry = BlockEntry.install(model, on_error)
             if pp is not None:
-                from ..strategies.pp_probes import ScheduleStep
-
                 self.schedule_step = ScheduleStep(pp, pipeline, on_error)
                 self.schedule_step.install()
             if source.decides_steps:
-                from ..strategies.deepspeed_steps import EngineSteps
-
                 self.engine_steps = EngineSteps(
                     model, source, on_engine_step, on_error, on_min_scale=on_min_scale
                 )
                 if pipeline.rerun is not None:
-                    from .engine_rerun import EngineRerun
-
                     rerun = EngineRerun(pipeline, source, model)
                     self.engine_steps.before_step = rerun.before_step
                     self.engine_steps.after_step = rerun.after_step

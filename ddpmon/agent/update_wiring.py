@@ -9,6 +9,9 @@ from typing import Any
 
 from .. import step_slots as slot
 from ..config import Config
+from ..probes.logits import LogitProbe
+from ..probes.updates import UpdateProbe
+from ..strategies.dtensor_norms import build_plan, is_dtensor, reduce_async
 from .spikes import SpikeDetector, SpikeSettings
 from .update_records import group_stats
 
@@ -31,8 +34,6 @@ class SpikeParts:
         optimizer = monitor.optimizer
         if config.update_every > 0 and pp is None and not engine and optimizer is not None:
             with guard("updates"):
-                from ..probes.updates import UpdateProbe
-
                 parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
                                             lambda: pipeline.step, guard.error,
                                             sharded_reduction(monitor.index.params))
@@ -40,8 +41,6 @@ class SpikeParts:
                     state.update_ratios = {}
         if config.logit_modules:
             with guard("logits"):
-                from ..probes.logits import LogitProbe
-
                 parts.logits = LogitProbe(monitor.model, config.logit_modules, guard.error)
         settings = SpikeSettings(
             window=config.spike_window, threshold=config.spike_threshold,
@@ -101,16 +100,12 @@ class _PlanReduction:
         return self.plan.device
 
     def start(self, vector: Any) -> Any:
-        from ..strategies.dtensor_norms import reduce_async
-
         return reduce_async(vector, self.plan)
 
 
 def sharded_reduction(params: list[Any]) -> _PlanReduction | None:
     """The sum of the update probe's squares for DTensor parameters (the same plan as the
     gradient norms: shard dims summed, replicas counted once), or None: nothing to reduce."""
-    from ..strategies.dtensor_norms import build_plan, is_dtensor
-
     if not any(is_dtensor(p) for p in params):
         return None
     plan = build_plan(params)

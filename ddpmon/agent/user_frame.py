@@ -14,6 +14,8 @@ import sys
 import sysconfig
 from types import FrameType
 
+import torch
+
 from ..terminal import clean_line
 
 MAX_FRAME_CHARS = 160
@@ -21,11 +23,8 @@ MAX_FRAME_CHARS = 160
 
 
 def _library_roots() -> tuple[str, ...]:
-    import torch
-
-    import ddpmon
-
-    roots = {os.path.dirname(torch.__file__), os.path.dirname(ddpmon.__file__)}
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ddpmon/
+    roots = {os.path.dirname(torch.__file__), package}
     paths = sysconfig.get_paths()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
         if paths.get(key):

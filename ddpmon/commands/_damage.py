@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable
 
+from ddpmon.terminal import clean_line
+
 
 def print_damage(command: str, lines: Iterable[str]) -> None:
-    from ddpmon.terminal import clean_line
-
     for line in lines:  # names and problems come from the run dir: never raw control codes
         print(f"ddpmon {command}: warning: {clean_line(line)}", file=sys.stderr)

@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser, *, dir_help: str) -> None:
 
 def load(args: argparse.Namespace) -> Any:
     """The MixinConfig of ``--config`` (default config without it); exits 2 on a bad file."""
+    # loaded when the command runs: a light CLI start
     from ddpmon.mixin.config import MixinConfig, load_config
 
     if not args.config:

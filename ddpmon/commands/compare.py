@@ -8,8 +8,15 @@ comparison is still printed).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
+
+from rich import box
+
+from ddpmon.atomic import dumps
+from ddpmon.terminal import SafeConsole as Console
+from ddpmon.terminal import shown as escape  # markup-escaped and control codes spelled out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,13 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import importlib.util
-
     missing = [m for m in ('pyarrow',) if importlib.util.find_spec(m) is None]
     if missing:
         print(f"ddpmon compare: needs {', '.join(missing)}: pip install pyarrow",
               file=sys.stderr)
         return 2
+    # loaded when the command runs: a light CLI start
     from ddpmon.forensics.compare import CompareError, compare_runs, run_damage_lines
 
     try:
@@ -46,9 +52,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddpmon compare: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        from ddpmon.atomic import dumps
-
-        from ._damage import print_damage
+        from ._damage import print_damage  # loaded when the command runs: a light CLI start
 
         print_damage("compare", result.damage_lines())
         print(dumps(result.to_json(), indent=1, sort_keys=False))
@@ -60,13 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(c) -> None:
-    from rich import box
-    from rich.table import Table
+    from rich.table import Table  # rich loads only when used: a light CLI start
 
-    from ddpmon.terminal import SafeConsole as Console
-    from ddpmon.terminal import shown as escape  # markup-escaped and control codes spelled out
-
-    from ._damage import print_damage
+    from ._damage import print_damage  # loaded when the command runs: a light CLI start
 
     console = Console(highlight=False)
     fa, fb = c.facts["a"], c.facts["b"]

@@ -6,8 +6,13 @@ import argparse
 import logging
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
+
+from ..agent_socket import SOCKET_NAME, AgentSocketError
+from ..config import DEFAULT_PORT
+from ..web.config import WebConfigError, load_web_config
 
 log = logging.getLogger("ddpmon.daemon")
 
@@ -20,7 +25,6 @@ def default_state_dir() -> Path:
 def _private_dir(path: Path) -> None:
     """The state dir holds the token, the job database and every job's files: the daemon's user
     only. An existing dir that others can read is tightened, and said so."""
-    import stat
 
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077 and path.stat().st_uid == os.geteuid():
@@ -29,8 +33,6 @@ def _private_dir(path: Path) -> None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..config import DEFAULT_PORT
-
     p = subparsers.add_parser(
         "daemon",
         help="run the node daemon (node metrics, /sd discovery, job API)",
@@ -95,9 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from ..agent_socket import SOCKET_NAME, AgentSocketError
-        from ..daemon.app import create_app
-        from ..daemon.hostcheck import host_names
+        from ..daemon.app import create_app  # loaded when the command runs: a light CLI start
         from ..daemon.jobs import JobManager
         from ..daemon.node import NodeCollector, build_registry
         from ..daemon.ranks import RankRegistry
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         from ..daemon.settings import DaemonSettings, SettingsError
         from ..daemon.store import Store, StoreError
         from ..daemon.token import TokenFileError, load_or_create
-        from ..export.webconfig import WebConfigError, load_web_config
         from ..sources.nvml import NvmlSource
+        from ..web.hostcheck import host_names  # loaded when the command runs: a light CLI start
     except ImportError as exc:
         print(
             f"ddpmon daemon needs the 'daemon' extra: pip install 'ddpmon[daemon]' ({exc})",
@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ddpmon daemon: {exc}", file=sys.stderr)
         return 2
     if args.backend == "slurm":
+        # loaded when the command runs: a light CLI start
         from ..daemon.slurm_jobs import SlurmJobManager, check_available
 
         why_not = check_available()

@@ -14,8 +14,9 @@ which extra to install when it is missing.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
-from ._generated import add_arguments
+from ._generated import add_arguments, load, target_dir, write_or_check
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,11 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    from ddpmon.mixin import shipped
-
-    from ._generated import load, target_dir, write_or_check
+    from ddpmon.mixin import shipped  # loaded when the command runs: a light CLI start
 
     sdk = importlib.util.find_spec("grafana_foundation_sdk") is not None
     if args.write and not args.config and not sdk:
@@ -44,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
         if root is None:
             return 2
         if root.resolve() != shipped.root().resolve():  # not a rewrite of the shipped files
+            # loaded when the command runs: a light CLI start
             from ddpmon.mixin.files import write_files
 
             for path in write_files(root, shipped.generated_outputs()):
                 print(f"wrote {path}")
             return 0
-    from ddpmon.mixin import outputs
+    from ddpmon.mixin import outputs  # loaded when the command runs: a light CLI start
 
     cfg = load(args)
     return write_or_check(

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from ddpmon.terminal import SafeConsole as Console
+
 from .. import metrics
 from ..config import DEFAULT_PORT
 from ..demo import AUTOCAST_DTYPES, OPTIONAL_STATES
@@ -168,8 +170,7 @@ def scrape(client: ScrapeClient, port: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.terminal import SafeConsole as Console
-
+    # loaded when the command runs: a light CLI start
     from ..demo.faults import Fault, FaultSpecError
 
     # Without a terminal (CI logs, a pipe) rich would assume 80 columns and cut numbers to "…":
@@ -272,7 +273,7 @@ LIVE_COLUMNS = (
 def _progress(
     proc: subprocess.Popen, client: ScrapeClient, ports: list[int], steps: int, console
 ) -> int:
-    from rich.live import Live
+    from rich.live import Live  # rich loads only when used: a light CLI start
     from rich.table import Table
 
     last: dict[int, dict[str, float]] = {}
@@ -326,7 +327,7 @@ def _fmt(value: float | None, fmt: str = "{:.4g}") -> str:
 def _stop(proc: subprocess.Popen) -> None:
     """Stop torchrun and every rank. Ranks may sit in sessions of their own, so the whole
     process tree is collected first and anything still alive after a grace is SIGKILLed."""
-    import psutil
+    import psutil  # psutil loads only when used: a light CLI start
 
     try:
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -353,7 +354,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _print_summary(run_path: Path, nproc: int, console) -> None:
-    from rich.table import Table
+    from rich.table import Table  # rich loads only when used: a light CLI start
 
     t = Table(title=f"per-rank summary ({run_path})")
     for col in (

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from ddpmon.terminal import SafeConsole as Console
+
+from ..config import DEFAULT_PORT
+from ..export.scrape_config import ScrapeConfig, TlsConfig
 from ..terminal import shown
+from .daemon import default_state_dir
 
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "LOST"}
 STATE_STYLE = {
@@ -31,8 +37,6 @@ STATE_STYLE = {
 
 
 def _default_url(tls: bool = False) -> str:
-    from ..config import DEFAULT_PORT
-
     scheme = "https" if tls else "http"
     return os.environ.get("DDPMON_DAEMON_URL") or f"{scheme}://127.0.0.1:{DEFAULT_PORT - 1}"
 
@@ -97,8 +101,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    from .daemon import default_state_dir
-
     path = args.token_file or os.environ.get("DDPMON_DAEMON_TOKEN_FILE")
     path = Path(path) if path else default_state_dir() / "token"
     try:
@@ -108,11 +110,7 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import logging
-
-    import httpx
-
-    from ddpmon.terminal import SafeConsole as Console
+    import httpx  # optional: ddpmon[daemon]
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -152,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _client_config(args: argparse.Namespace) -> Any:
     """The client config from ``--client-config``, or one made of ``--ca`` alone, or None."""
-    from ..export.scrape_config import ScrapeConfig, TlsConfig
 
     if args.client_config is not None:
         return ScrapeConfig.load(args.client_config)
@@ -261,7 +258,7 @@ def _when(ts: float | None) -> str:
 
 
 def _list_table(jobs: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
+    from rich.table import Table  # rich loads only when used: a light CLI start
 
     table = Table(title="ddpmon jobs")
     for col in ("id", "state", "entrypoint", "nproc", "created", "step", "reason"):
@@ -282,7 +279,7 @@ def _list_table(jobs: list[dict[str, Any]]) -> Any:
 
 
 def _print_job(console: Any, job: dict[str, Any]) -> None:
-    from rich.table import Table
+    from rich.table import Table  # rich loads only when used: a light CLI start
 
     style = STATE_STYLE.get(job["state"], "")
     console.print(

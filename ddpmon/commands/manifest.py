@@ -10,6 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ddpmon.damage import ReadWarnings
+from ddpmon.rundir import RunDir
+from ddpmon.safe_read import MAX_DOCUMENT_BYTES, open_regular
+from ddpmon.terminal import clean, clean_line
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -25,15 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.damage import ReadWarnings
+    # loaded when the command runs: a light CLI start
     from ddpmon.forensics.manifest import CHECKLIST, check_manifest
     from ddpmon.forensics.run_facts import load_manifest
     from ddpmon.forensics.timeline import RunDirError, resolve_run_path
-    from ddpmon.rundir import RunDir
-    from ddpmon.safe_read import MAX_DOCUMENT_BYTES, open_regular
-    from ddpmon.terminal import clean, clean_line
 
-    from ._damage import print_damage
+    from ._damage import print_damage  # loaded when the command runs: a light CLI start
 
     try:
         run_path = resolve_run_path(args.run_dir)

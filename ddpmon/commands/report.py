@@ -6,7 +6,11 @@ Exit status: 0 written, 2 the run could not be read or the output not written.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+
+from ddpmon.atomic import write_text_atomic
+from ddpmon.damage import ReadWarnings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,18 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import importlib.util
-
     missing = [m for m in ('pyarrow', 'matplotlib') if importlib.util.find_spec(m) is None]
     if missing:
         print(f"ddpmon report: needs {', '.join(missing)}: pip install 'ddpmon[report]'",
               file=sys.stderr)
         return 2
-    from ddpmon.atomic import write_text_atomic
-    from ddpmon.damage import ReadWarnings
+    # loaded when the command runs: a light CLI start
     from ddpmon.forensics.report import ReportError, build_report
 
-    from ._damage import print_damage
+    from ._damage import print_damage  # loaded when the command runs: a light CLI start
 
     damage = ReadWarnings()
     try:
@@ -47,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         print_damage("report", damage.lines())
+    # loaded when the command runs: a light CLI start
     from ddpmon.forensics.report import rests_on_line
 
     page = report.html

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._generated import add_arguments
+from ._generated import add_arguments, load, target_dir, write_or_check
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,9 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.mixin import render, shipped
-
-    from ._generated import load, target_dir, write_or_check
+    from ddpmon.mixin import render, shipped  # loaded when the command runs: a light CLI start
 
     cfg = load(args)
     checkout = shipped.checkout_root()

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,8 @@ import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from ddpmon.terminal import clean
 
 from ..terminal import clean_line
 from .stack import AlertPrinter
@@ -78,8 +82,6 @@ def _demo_command(args: argparse.Namespace, sd_dir: Path, run_dir: Path, port: i
 
 def _free_block(count: int) -> int:
     """A base port with ``count`` consecutive ports free on 127.0.0.1 (rank r serves base+r)."""
-    import random
-    import socket
 
     def free(port: int) -> bool:
         with socket.socket() as s:
@@ -99,7 +101,7 @@ def _free_block(count: int) -> int:
 def scale_figures() -> list[str]:
     """The headline of every ``## Dashboards at N ranks`` section of benchmarks/RESULTS.md (the
     checkout's), so the scale figures are printed next to the live path."""
-    from ddpmon.mixin import shipped
+    from ddpmon.mixin import shipped  # loaded when the command runs: a light CLI start
 
     root = shipped.checkout_root()
     results = root / "benchmarks" / "RESULTS.md" if root else None
@@ -145,6 +147,7 @@ def _rank_order(rank: str) -> tuple[int, str]:
 
 
 def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script, printed as it goes
+    # loaded when the command runs: a light CLI start
     from ddpmon.mixin.config import MixinConfig, load_config
     from ddpmon.services import ScaleOut, StackError
 
@@ -226,7 +229,6 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901 - one linear script, pri
             print(f"  {line}")
         return 0 if len(ranks) == args.nproc and not errors else 1
     except StackError as exc:  # may quote a service's log: cleaned like every outside text
-        from ddpmon.terminal import clean
 
         print(f"ddpmon scaleout: {clean(exc)}", file=sys.stderr)
         return 1

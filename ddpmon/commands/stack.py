@@ -21,6 +21,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from ddpmon.terminal import clean, clean_line
+
+from ._generated import load
+
 DEFAULT_SD_DIR = "ddpmon-runs/sd"
 
 
@@ -68,7 +72,6 @@ def alert_line(alert: dict[str, Any], receiver: str = "") -> str:
     """One alert on one terminal line: every field from outside goes through the terminal
     cleaner (an alert's labels and annotations are whatever its sender chose: a run id with
     ESC in ``{{ $labels.run }}``, or an alert POSTed to Alertmanager by any local user)."""
-    from ddpmon.terminal import clean_line
 
     labels, notes = alert["labels"], alert["annotations"]
     where = f"{clean_line(receiver)}: " if receiver else ""
@@ -105,10 +108,8 @@ class AlertPrinter(BaseHTTPRequestHandler):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.mixin import render
+    from ddpmon.mixin import render  # loaded when the command runs: a light CLI start
     from ddpmon.services import Alertmanager, Prometheus, StackError
-
-    from ._generated import load
 
     cfg = load(args)
     sd_dir = Path(args.sd_dir).resolve()
@@ -158,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
                 break
         return 0
     except StackError as exc:  # may quote a service's log: cleaned like every outside text
-        from ddpmon.terminal import clean
 
         print(f"ddpmon stack: {clean(exc)}", file=sys.stderr)
         return 1

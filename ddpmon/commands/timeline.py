@@ -10,6 +10,10 @@ import argparse
 import json
 import sys
 
+from ddpmon.atomic import dumps
+from ddpmon.terminal import SafeConsole as Console
+from ddpmon.terminal import clean_line, shown
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -28,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # loaded when the command runs: a light CLI start
     from ddpmon.forensics.timeline import RunDirError, build_timeline
-    from ddpmon.terminal import clean_line
 
     try:
         tl = build_timeline(args.run_dir)
@@ -40,18 +44,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"ddpmon timeline: {clean_line(exc)}", file=sys.stderr)
         return 2
-    from ._damage import print_damage
+    from ._damage import print_damage  # loaded when the command runs: a light CLI start
 
     print_damage("timeline", tl.damage.lines())
     slurm = None
     if not args.no_slurm:
+        # loaded when the command runs: a light CLI start
         from ddpmon.forensics import slurm_outcome
 
         job = slurm_outcome.job_id_of(tl.run_path)
         slurm = slurm_outcome.query(job) if job else None
     if args.json:
-        from ddpmon.atomic import dumps
-
         print(dumps({**tl.to_json(), "slurm": slurm}, indent=1, sort_keys=False))
     else:
         _render(tl, show_steps=args.steps, slurm=slurm)
@@ -59,11 +62,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
-    from rich.table import Table
+    from rich.table import Table  # rich loads only when used: a light CLI start
 
+    # loaded when the command runs: a light CLI start
     from ddpmon.forensics.timeline import describe
-    from ddpmon.terminal import SafeConsole as Console
-    from ddpmon.terminal import shown
 
     console = Console(highlight=False)
     offsets = ", ".join(
@@ -121,6 +123,7 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
             f"at step {shown(last.get('step'))} (+{last.get('t_rel', 0):.3f}s){ev}"
         )
     if slurm:
+        # loaded when the command runs: a light CLI start
         from ddpmon.forensics.slurm_outcome import line
 
         console.print(f"[bold]Slurm:[/bold] {shown(line(slurm))}")
@@ -130,7 +133,6 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
 
 def _render_recovery(console, rec: dict) -> None:
     """Attempts on the one clock, the last good checkpoint and what a restart from it costs."""
-    from ddpmon.terminal import shown
 
     attempts = rec.get("attempts") or []
     if len(attempts) > 1 or any(a.get("resumed_from") for a in attempts):

@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpmon.terminal import SafeConsole as Console
+
 from .. import metrics
 from ..damage import ReadWarnings
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, flatten, read_sd_dir
@@ -228,7 +230,7 @@ def _hang_line(hang: dict) -> str:
 
 
 def _table(results: Results, previous: dict, dt: float):
-    from rich.table import Table
+    from rich.table import Table  # rich loads only when used: a light CLI start
 
     table = Table(title=f"ddpmon top: {len(results)} rank endpoint(s)")
     for col in COLUMNS:
@@ -247,8 +249,6 @@ def _table(results: Results, previous: dict, dt: float):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpmon.terminal import SafeConsole as Console
-
     console = Console()
     try:
         client = ScrapeClient.from_file(args.scrape_config)

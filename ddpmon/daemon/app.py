@@ -26,7 +26,7 @@ from prometheus_client.registry import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .. import __version__
+from .._version import __version__
 from ..agent_socket import Peer
 from ..safe_read import Unreadable, open_regular
 from .jobs import DuplicateJobError, JobError, JobManager, JobNotFound, JobStateConflict

@@ -1,5 +1,6 @@
 """The daemon front's HTTP pieces: the ASGI call (one buffered request in, one buffered
-response out), JSON error bodies, and header helpers. Kept apart from the connection handling
+response out), JSON error bodies, and header helpers (status lines and the length rule are the
+shared ``ddpmon.web.framing``). Kept apart from the connection handling
 in ``server.py`` so each stays small."""
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import json
 from typing import Any
 
 import h11
+
+from ..web.framing import declared_length
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
@@ -93,9 +96,7 @@ def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The declared body length (h11 has already refused a malformed or conflicting one)."""
     value = header(headers, b"content-length")
-    if value is None or not value.strip().isdigit() or not value.isascii():
-        return None
-    return int(value)
+    return declared_length(value.decode("latin-1")) if value is not None else None
 
 
 def json_error(
@@ -106,17 +107,3 @@ def json_error(
         headers.append((b"retry-after", b"1"))
     doc = {"error": message, "status": status, **(extra or {})}
     return status, headers, json.dumps(doc).encode()
-
-
-REASONS = {
-    200: "OK", 201: "Created", 202: "Accepted", 204: "No Content", 400: "Bad Request",
-    401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-    408: "Request Timeout", 409: "Conflict", 413: "Content Too Large", 414: "URI Too Long",
-    421: "Misdirected Request",
-    431: "Request Header Fields Too Large", 500: "Internal Server Error",
-    501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
-}
-
-
-def reason(status: int) -> str:
-    return REASONS.get(status, "Status")

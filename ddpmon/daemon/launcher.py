@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv[:split])
     torchrun_argv = argv[split + 1 :]
 
-    from torch.distributed import run as torchrun
+    from torch.distributed import run as torchrun  # torch-free start of the CLI and the daemon
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -3,7 +3,8 @@
 A collector in the prometheus_client style: fresh families at scrape time, sources injected
 (``NvmlSource`` with a fake module, a fake psutil) and registered on the caller's registry.
 A source that fails reports ``ddpmon_collector_success{collector=...} 0`` instead of failing
-the scrape.
+the scrape. Every series is declared in the metric catalogue (``ddpmon.metrics``:
+``NODE_CATALOGUE``, and the GPU entries the agent serves too); this module reads the sources.
 """
 
 from __future__ import annotations
@@ -13,15 +14,26 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from .. import metrics as m
+from ..metric_types import Metric as Series
+from ..metric_types import MetricType
 from ..sources.nvml import NvmlSource
 from .store import JOB_STATES
 
 log = logging.getLogger("ddpmon.daemon.node")
 
 __all__ = ["NodeCollector", "build_registry"]
+
+
+def new_family(series: Series) -> GaugeMetricFamily | CounterMetricFamily:
+    """An empty family of a catalogue entry (``ddpmon.metrics``): name, type, help and the
+    labels beyond a rank's (the daemon's series carry no run or rank)."""
+    kind = CounterMetricFamily if series.type is MetricType.COUNTER else GaugeMetricFamily
+    return kind(series.family, series.help, labels=list(series.labels))
 
 
 class NodeCollector(Collector):
@@ -36,7 +48,7 @@ class NodeCollector(Collector):
         disk_paths: tuple[str, ...] = ("/",),
     ) -> None:
         if psutil_module is None:
-            import psutil as psutil_module
+            psutil_module = psutil
         self._node = node
         self._nvml = nvml
         self._psutil = psutil_module
@@ -45,16 +57,8 @@ class NodeCollector(Collector):
         self._disk_paths = disk_paths
 
     def collect(self) -> Iterator[Metric]:
-        success = GaugeMetricFamily(
-            "ddpmon_collector_success",
-            "1 when the collector's source was read.",
-            labels=["collector"],
-        )
-        duration = GaugeMetricFamily(
-            "ddpmon_collector_duration_seconds",
-            "Time spent reading the source.",
-            labels=["collector"],
-        )
+        success = new_family(m.COLLECTOR_SUCCESS)
+        duration = new_family(m.COLLECTOR_DURATION)
         for name, fn in (("nvml", self._gpu), ("host", self._host), ("jobs", self._jobs)):
             start = time.perf_counter()
             try:
@@ -71,33 +75,15 @@ class NodeCollector(Collector):
 
     def _gpu(self) -> Iterator[Metric]:
         readings = self._nvml.read()  # raises when NVML is unavailable
-        info = GaugeMetricFamily(
-            "ddpmon_node_gpu_info",
-            "GPU identity (value 1).",
-            labels=["gpu", "gpu_uuid", "name", "pci_bus_id"],
-        )
+        info = new_family(m.NODE_GPU_INFO)
         gauges = {
-            "memory_used_bytes": GaugeMetricFamily(
-                "ddpmon_gpu_memory_used_bytes", "Device memory in use (NVML).", labels=["gpu"]
-            ),
-            "memory_total_bytes": GaugeMetricFamily(
-                "ddpmon_gpu_memory_total_bytes", "Device memory size (NVML).", labels=["gpu"]
-            ),
-            "utilization_ratio": GaugeMetricFamily(
-                "ddpmon_gpu_utilization_ratio", "GPU busy fraction (NVML).", labels=["gpu"]
-            ),
-            "temperature_celsius": GaugeMetricFamily(
-                "ddpmon_gpu_temperature_celsius", "GPU temperature (NVML).", labels=["gpu"]
-            ),
-            "power_watts": GaugeMetricFamily(
-                "ddpmon_gpu_power_watts", "GPU power draw (NVML).", labels=["gpu"]
-            ),
+            "memory_used_bytes": new_family(m.GPU_MEMORY_USED),
+            "memory_total_bytes": new_family(m.GPU_MEMORY_TOTAL),
+            "utilization_ratio": new_family(m.GPU_UTILIZATION),
+            "temperature_celsius": new_family(m.GPU_TEMPERATURE),
+            "power_watts": new_family(m.GPU_POWER),
         }
-        ecc = CounterMetricFamily(
-            "ddpmon_gpu_ecc_uncorrected_errors",
-            "Uncorrected ECC errors since boot (NVML, aggregate), where supported.",
-            labels=["gpu"],
-        )
+        ecc = new_family(m.GPU_ECC_UNCORRECTED)
         for r in readings:
             gpu = str(r.index)
             info.add_metric([gpu, r.uuid, r.name, r.pci_bus_id or ""], 1.0)
@@ -107,7 +93,7 @@ class NodeCollector(Collector):
                     family.add_metric([gpu], float(value))
             if r.ecc_uncorrected_total is not None:
                 ecc.add_metric([gpu], float(r.ecc_uncorrected_total))
-        count = GaugeMetricFamily("ddpmon_node_gpus", "GPUs NVML reports on this node.")
+        count = new_family(m.NODE_GPUS)
         count.add_metric([], float(len(readings)))
         yield count
         yield info
@@ -116,41 +102,33 @@ class NodeCollector(Collector):
 
     def _host(self) -> Iterator[Metric]:
         ps = self._psutil
-        node = GaugeMetricFamily("ddpmon_node_info", "This node (value 1).", labels=["node"])
+        node = new_family(m.NODE_INFO)
         node.add_metric([self._node], 1.0)
         yield node
-        cpu = CounterMetricFamily(
-            "ddpmon_node_cpu_seconds", "CPU time of the host by mode.", labels=["mode"]
-        )
+        cpu = new_family(m.NODE_CPU_SECONDS)
         times = ps.cpu_times()
         for mode in ("user", "system", "idle", "iowait", "nice", "irq", "softirq", "steal"):
             if hasattr(times, mode):
                 cpu.add_metric([mode], float(getattr(times, mode)))
         yield cpu
-        ncpu = GaugeMetricFamily("ddpmon_node_cpus", "Logical CPUs of the host.")
+        ncpu = new_family(m.NODE_CPUS)
         ncpu.add_metric([], float(ps.cpu_count() or 0))
         yield ncpu
         try:
             load1 = ps.getloadavg()[0]
-            load = GaugeMetricFamily("ddpmon_node_load1", "1-minute load average.")
+            load = new_family(m.NODE_LOAD1)
             load.add_metric([], float(load1))
             yield load
         except (AttributeError, OSError):
             pass
         vm = ps.virtual_memory()
-        for name, value, help_ in (
-            ("ddpmon_node_memory_total_bytes", vm.total, "Host memory size."),
-            ("ddpmon_node_memory_available_bytes", vm.available, "Host memory available."),
-        ):
-            g = GaugeMetricFamily(name, help_)
+        for series, value in ((m.NODE_MEMORY_TOTAL, vm.total),
+                              (m.NODE_MEMORY_AVAILABLE, vm.available)):
+            g = new_family(series)
             g.add_metric([], float(value))
             yield g
-        total = GaugeMetricFamily(
-            "ddpmon_node_disk_total_bytes", "Filesystem size.", labels=["path"]
-        )
-        free = GaugeMetricFamily(
-            "ddpmon_node_disk_free_bytes", "Filesystem space free.", labels=["path"]
-        )
+        total = new_family(m.NODE_DISK_TOTAL)
+        free = new_family(m.NODE_DISK_FREE)
         for path in self._disk_paths:
             try:
                 usage = ps.disk_usage(path)
@@ -160,12 +138,8 @@ class NodeCollector(Collector):
             free.add_metric([path], float(usage.free))
         yield total
         yield free
-        rx = CounterMetricFamily(
-            "ddpmon_node_network_receive_bytes", "Bytes received per interface.", labels=["device"]
-        )
-        tx = CounterMetricFamily(
-            "ddpmon_node_network_transmit_bytes", "Bytes sent per interface.", labels=["device"]
-        )
+        rx = new_family(m.NODE_NETWORK_RECEIVE)
+        tx = new_family(m.NODE_NETWORK_TRANSMIT)
         for dev, c in sorted(ps.net_io_counters(pernic=True).items()):
             rx.add_metric([dev], float(c.bytes_recv))
             tx.add_metric([dev], float(c.bytes_sent))
@@ -174,15 +148,13 @@ class NodeCollector(Collector):
 
     def _jobs(self) -> Iterator[Metric]:
         if self._job_counts is not None:
-            g = GaugeMetricFamily(
-                "ddpmon_daemon_jobs", "Jobs known to the daemon by state.", labels=["state"]
-            )
+            g = new_family(m.DAEMON_JOBS)
             counts = self._job_counts()
             for state in JOB_STATES:
                 g.add_metric([state], float(counts.get(state, 0)))
             yield g
         if self._live_ranks is not None:
-            r = GaugeMetricFamily("ddpmon_daemon_registered_ranks", "Live ranks listed by /sd.")
+            r = new_family(m.DAEMON_REGISTERED_RANKS)
             r.add_metric([], float(self._live_ranks()))
             yield r
 

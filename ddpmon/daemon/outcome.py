@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..forensics.failure import exit_order, failure_tier, saw_only_reduced
+from ..forensics.timeline import build_timeline
 from ..rundir import EVENTS_RE, RunDir
 from ..safe_read import json_lines, load_json
 
@@ -147,7 +148,6 @@ def run_verdict(run_path: Path) -> dict[str, str] | None:
     """The verdict ``ddpmon timeline`` ends with (``forensics.verdict``), from the job's run
     dir; None when it has none, cannot be read or its event logs are over
     :data:`VERDICT_EVENT_BYTES` (logged, never raised)."""
-    from ..forensics.timeline import build_timeline
 
     try:
         if not run_path.is_dir():

@@ -90,7 +90,7 @@ class RankRegistry:
     ) -> None:
         self.store = store
         self.names = names
-        """Host names that are this node (``hostcheck.host_names``)."""
+        """Host names that are this node (``ddpmon.web.hostcheck.host_names``)."""
         self.addresses = addresses
         self._lock = threading.Lock()  # check-then-write of one (run, rank) is atomic
 

@@ -1,50 +1,46 @@
 """Who may call the daemon over TCP: with a web config's ``basic_auth_users``, every path needs
-a user's credentials, except that job routes also accept the daemon's bearer token.
+a user's credentials (the shared gate, ``ddpmon.web.auth``), except that job routes also accept
+the daemon's bearer token.
 
-Uncached bcrypt checks run off the event loop, at most ``max_pending`` at once (beyond, 503):
-a flood of wrong passwords costs a bounded amount of CPU and never stalls other requests.
+Uncached bcrypt checks run in the event loop's executor, so they never stall other requests;
+the gate bounds how many are pending (beyond, 503).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 
-from ..export.webconfig import WebConfig
+from ..web.auth import AuthGate, Verdict, bearer_matches
+from ..web.config import WebConfig
 from .asgi import Response, header, json_error
 
 
 class RequestAuth:
     def __init__(self, web: WebConfig | None, token: bytes, max_pending: int) -> None:
-        self.auth = web.auth if web is not None else None
+        self.gate = AuthGate(web.auth if web is not None else None, max_pending)
         self.token = token
-        self.max_pending = max_pending
-        self._pending = 0
 
     async def refusal(self, path: str, headers: list[tuple[bytes, bytes]]) -> Response | None:
         """The response that refuses this request (401, or 503 when too many checks are
         pending), or None when it may go on."""
-        if self.auth is None:
+        if self.gate.auth is None:
             return None
         value = header(headers, b"authorization")
-        if path.startswith("/api/v1/jobs") and value is not None:
-            scheme, _, cred = value.decode("latin-1").strip().partition(" ")
-            given = cred.strip().encode()
-            if scheme.lower() == "bearer" and hmac.compare_digest(given, self.token):
-                return None
-        parsed = self.auth.parse_header(value.decode("latin-1") if value is not None else None)
-        if parsed is not None:
-            if self.auth.cached(*parsed):
-                return None
-            if self._pending >= self.max_pending:
-                return json_error(503, "too many authentication checks pending", retry=True)
-            self._pending += 1
+        text = value.decode("latin-1") if value is not None else None
+        if path.startswith("/api/v1/jobs") and bearer_matches(text, self.token):
+            return None
+        decision = self.gate.decide(text)
+        if decision.verdict is Verdict.PASS:
+            return None
+        if decision.verdict is Verdict.BUSY:
+            return json_error(503, "too many authentication checks pending", retry=True)
+        if decision.verdict is Verdict.CHECK:
             try:
                 ok = await asyncio.get_running_loop().run_in_executor(
-                    None, self.auth.check, *parsed
+                    None, self.gate.check, decision
                 )
             finally:
-                self._pending -= 1
+                self.gate.done()
             if ok:
                 return None
         status, hdrs, body = json_error(401, "basic authentication required")

@@ -9,7 +9,10 @@ scrapes out; only requests being handled count against ``max_in_flight``. Parsin
 (strict, bounded head size); bodies are bounded and read under their own deadline; responses
 are buffered (the app's answers are small) and written under a write deadline.
 
-With a web config (exporter-toolkit format, ``ddpmon.export.webconfig``) the listener serves
+The bounds, deadlines, eviction rule, basic-auth gate, status lines and Host/Origin checks are
+the shared HTTP core (``ddpmon.web``), which the agent's /metrics endpoint uses too.
+
+With a web config (exporter-toolkit format, ``ddpmon.web.config``) the listener serves
 TLS (optionally mTLS) and basic auth guards every path, except that job routes also accept the
 daemon's bearer token instead (job mutations always need the token; the app checks it).
 
@@ -36,47 +39,34 @@ from urllib.parse import unquote
 import h11
 
 from ..agent_socket import Peer, listen, peer_credentials
-from ..export.webconfig import WebConfig
-from . import hostcheck
-from .asgi import (
-    asgi_scope,
-    call_app,
-    content_length,
-    head_size,
-    header,
-    json_error,
-    reason,
-)
+from ..web import hostcheck
+from ..web.config import WebConfig
+from ..web.framing import reason, status_line
+from ..web.limits import Limits, count_status, oldest_idle, server_stats
+from .asgi import asgi_scope, call_app, content_length, head_size, header, json_error
 from .request_auth import RequestAuth
 
 log = logging.getLogger("ddpmon.daemon.server")
 
-__all__ = ["DaemonServer", "Limits"]
+__all__ = ["DaemonLimits", "DaemonServer"]
 
 
 @dataclass(kw_only=True, slots=True)
-class Limits:
-    """Bounds that keep slow or hostile clients from holding the daemon."""
+class DaemonLimits(Limits):
+    """The shared bounds (``ddpmon.web.limits``) with the daemon's defaults, plus those of
+    requests that carry bodies and run the app."""
 
     max_connections: int = 128
-    """Open connections; at the cap a newcomer evicts the oldest one without a full request."""
-    max_in_flight: int = 32
-    """Requests being handled at once; beyond, 503 (idle connections do not count)."""
-    request_timeout: float = 5.0
-    """Seconds from accept to a complete request head, TLS handshake included."""
     idle_timeout: float = 5.0
     """Keep-alive: seconds from the end of a response to the next complete request head."""
+    max_header_bytes: int = 16 * 1024
+    max_requests_per_connection: int = 1000
+    max_in_flight: int = 32
+    """Requests being handled at once; beyond, 503 (idle connections do not count)."""
     body_timeout: float = 10.0
     """Seconds to receive a request body once its head is in."""
-    write_timeout: float = 10.0
-    """Seconds a client may take to read a response."""
-    max_header_bytes: int = 16 * 1024
-    """Request line plus headers (431 beyond)."""
     max_body_bytes: int = 1024 * 1024
     """Request body (413 beyond)."""
-    max_auth_pending: int = 16
-    """Uncached bcrypt checks at once; beyond, 503 (cached credentials pass)."""
-    max_requests_per_connection: int = 1000
 
 
 @dataclass(eq=False, slots=True)
@@ -111,14 +101,14 @@ class DaemonServer:
         port: int,
         token: str,
         web_config: WebConfig | None = None,
-        limits: Limits | None = None,
+        limits: DaemonLimits | None = None,
         agent_socket: Path | None = None,
         host_names: frozenset[str] | None = None,
     ) -> None:
         self.app = app
         self.bind, self.port = bind, port
         self.web = web_config
-        self.limits = limits or Limits()
+        self.limits = limits or DaemonLimits()
         self.names = host_names if host_names is not None else hostcheck.host_names(bind, None)
         """The Host names this daemon answers to besides the connection's own address
         (``hostcheck``: DNS rebinding and cross-origin requests are refused)."""
@@ -130,10 +120,7 @@ class DaemonServer:
         self._servers: list[asyncio.base_events.Server] = []
         self._stop: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.stats: dict[str, int] = {
-            "accepted": 0, "evicted": 0, "timed_out": 0, "tls_failed": 0, "requests": 0,
-            "rejected_busy": 0, "errors": 0,
-        }
+        self.stats: dict[str, int] = server_stats("rejected_busy")
 
     @property
     def tls(self) -> bool:
@@ -193,11 +180,12 @@ class DaemonServer:
 
     def _admit(self, conn: _Conn) -> bool:
         if len(self._conns) >= self.limits.max_connections:
-            idle = [c for c in self._conns if not c.busy]
-            if not idle:
+            victim = oldest_idle(
+                self._conns, idle=lambda c: not c.busy, accepted=lambda c: c.accepted
+            )
+            if victim is None:
                 self.stats["rejected_busy"] += 1
                 return False
-            victim = min(idle, key=lambda c: c.accepted)
             self._conns.remove(victim)
             self.stats["evicted"] += 1
             self._drop(victim)
@@ -219,7 +207,7 @@ class DaemonServer:
         if not self._admit(conn):
             writer.transport.abort()
             return
-        deadline = conn.accepted + self.limits.request_timeout
+        deadline = self.limits.head_deadline(conn.accepted)
         graceful = False
         try:
             if self.tls and not agent:
@@ -291,7 +279,7 @@ class DaemonServer:
             if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 return
             h.start_next_cycle()
-            deadline = time.monotonic() + self.limits.idle_timeout
+            deadline = self.limits.idle_deadline(time.monotonic())
 
     async def _next(self, h: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> Any:
         try:
@@ -308,13 +296,13 @@ class DaemonServer:
     async def _raw_error(self, writer: asyncio.StreamWriter, status: int, deadline: float) -> None:
         body = f'{{"error": "{reason(status).lower()}", "status": {status}}}'.encode()
         head = (
-            f"HTTP/1.1 {status} {reason(status)}\r\ncontent-type: application/json\r\n"
+            f"{status_line(status)}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
         ).encode()
         writer.write(head + body)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
-        self.stats[f"status_{status}"] = self.stats.get(f"status_{status}", 0) + 1
+        count_status(self.stats, status)
 
     # requests -------------------------------------------------------------------------------
 
@@ -430,7 +418,7 @@ class DaemonServer:
         out.append((b"content-length", str(len(body)).encode()))
         if status >= 400 and status not in (401, 404, 409):
             out.append((b"connection", b"close"))
-        self.stats[f"status_{status}"] = self.stats.get(f"status_{status}", 0) + 1
+        count_status(self.stats, status)
         try:
             data = h.send(h11.Response(status_code=status, headers=out, reason=reason(status)))
             if req.method != b"HEAD" and body:

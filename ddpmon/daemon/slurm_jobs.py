@@ -22,6 +22,9 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from shutil import which
+
+from ddpmon.forensics import slurm_outcome
 
 from ..slurm import ENDED, ended
 from .jobs import JobError, JobManager, JobStateConflict
@@ -195,7 +198,6 @@ def _final(slurm_id: str, info: dict[str, str] | None) -> tuple[str | None, str 
     the job still learns its state. ``scontrol``'s answer where no accounting runs, or where
     the job's end has not reached the database yet.
     """
-    from ddpmon.forensics import slurm_outcome
 
     outcome = slurm_outcome.query(slurm_id)
     if outcome is not None and ended(outcome["state"]):
@@ -209,7 +211,6 @@ def _final(slurm_id: str, info: dict[str, str] | None) -> tuple[str | None, str 
 
 def check_available() -> str | None:
     """Why the Slurm backend cannot run here (None: it can)."""
-    from shutil import which
 
     missing = [c for c in ("sbatch", "scontrol", "scancel") if which(c) is None]
     if missing:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import OPTIONAL_STATES
 
@@ -42,7 +44,6 @@ def init_process_group(timeout: datetime.timedelta) -> None:
     Why: torchrun keeps its store across a restart, and gloo's address keys from the attempt
     before are still there; a restarted rank can read the dead peer's address and fail with
     "connectFullMesh ... Connection refused" (or hang). A prefix per restart count avoids it."""
-    import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -70,7 +71,6 @@ def load_checkpoint(path: Path) -> dict:
     """``torch.load(weights_only=True)``: a checkpoint holds tensors and plain containers only,
     so nothing in it is ever unpickled as an arbitrary object. The directory is whatever
     ``--checkpoint-dir`` names, which a job submitter may choose (docs/security.md)."""
-    import pickle
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

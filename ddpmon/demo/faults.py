@@ -126,7 +126,7 @@ class FaultPlan:
             elif fault.kind == "exit":
                 sys.exit(int(fault.options.get("code", "1")))
             elif fault.kind == "oom":
-                import torch
+                import torch  # torch-free start of the CLI and the daemon
 
                 torch.empty(1 << 62, dtype=torch.uint8)  # the CPU allocator refuses this
 
@@ -145,7 +145,7 @@ def flip_bit(model: torch.nn.Module, name: str, bit: int) -> None:
     params = dict(inner.named_parameters())
     if name not in params:
         raise FaultSpecError(f"no parameter {name!r}; e.g. {', '.join(list(params)[:4])}")
-    import torch
+    import torch  # torch-free start of the CLI and the daemon
 
     with torch.no_grad():
         params[name].view(-1).view(torch.int32)[0] ^= 1 << bit

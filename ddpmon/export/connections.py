@@ -3,9 +3,10 @@
 It exists so that a hostile client costs training nothing but bookkeeping, with those rules
 kept apart from what the bytes mean (``server.py``). It accepts, advances TLS handshakes without
 blocking, reads up to the header limit, writes as the peer drains, closes gracefully (half-close,
-then discard late input so the kernel sends no RST) and enforces deadlines: from accept
-(handshake plus headers, not extended by trickling bytes), for writing, for keep-alive idling.
-At the cap a newcomer evicts the oldest connection without a full request.
+then discard late input so the kernel sends no RST) and enforces the deadlines and the
+connection cap of ``ddpmon.web.limits`` (the daemon's rules too): from accept (handshake plus
+headers, not extended by trickling bytes), for writing, for keep-alive idling; at the cap a
+newcomer evicts the oldest connection without a full request.
 
 The HTTP layer plugs in through ``on_input`` (called on the loop thread when a connection has
 buffered input) and answers through ``respond``, ``park``/``resume`` (a request waiting for
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ddpmon.export.http11 import Limits
+from ddpmon.web.limits import Limits, oldest_idle
 
 __all__ = ["Conn", "ConnectionLoop"]
 
@@ -121,7 +122,7 @@ class ConnectionLoop:
         conn.on_sent = on_sent
         conn.close_after = close_after
         conn.state = "write"
-        conn.deadline = time.monotonic() + self.limits.write_timeout
+        conn.deadline = self.limits.write_deadline(time.monotonic())
         self._write(conn)
 
     def park(self, conn: Conn) -> None:
@@ -265,7 +266,7 @@ class ConnectionLoop:
                 sock=sock,
                 fd=sock.fileno(),
                 accepted=now,
-                deadline=now + self.limits.request_timeout,
+                deadline=self.limits.head_deadline(now),
                 tls=ctx is not None,
                 state="handshake" if ctx is not None else "read",
             )
@@ -274,10 +275,13 @@ class ConnectionLoop:
 
     def _evict_one(self) -> bool:
         """Close the oldest connection that has no request in progress."""
-        victims = [c for c in self._conns.values() if c.state in ("handshake", "read", "linger")]
-        if not victims:
+        victim = oldest_idle(
+            self._conns.values(),
+            idle=lambda c: c.state in ("handshake", "read", "linger"),
+            accepted=lambda c: c.accepted,
+        )
+        if victim is None:
             return False
-        victim = min(victims, key=lambda c: c.accepted)
         self._stats["evicted"] += 1
         self.drop(victim)
         return True
@@ -342,7 +346,7 @@ class ConnectionLoop:
                 conn.eof = True
                 break
             if conn.served and not conn.inbuf:  # a new request on a kept-alive connection
-                conn.deadline = time.monotonic() + self.limits.request_timeout
+                conn.deadline = self.limits.head_deadline(time.monotonic())
             conn.inbuf += chunk
         self._on_input(conn)
         if self._finished_input(conn):
@@ -380,8 +384,9 @@ class ConnectionLoop:
             self._close_gracefully(conn)
             return
         conn.state = "read"
-        conn.deadline = time.monotonic() + (
-            self.limits.request_timeout if conn.inbuf else self.limits.idle_timeout
+        now = time.monotonic()
+        conn.deadline = (
+            self.limits.head_deadline(now) if conn.inbuf else self.limits.idle_deadline(now)
         )
         self._sel_set(conn, selectors.EVENT_READ)
         if conn.inbuf:  # pipelined request already buffered: next loop turn, one at a time

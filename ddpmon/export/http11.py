@@ -1,56 +1,25 @@
 """HTTP/1.1 request heads and response heads for ddpmon's endpoints, strictly bounded.
 
-Parsing is separate from the event loop (``connections.py``) so that it can be reasoned about and
-tested as a pure function: bytes in, a ``Request``, ``None`` (incomplete) or an ``HttpError``
+Parsing is separate from the event loop (``connections.py``) so that it can be reasoned about
+and tested as a pure function: bytes in, a ``Request``, ``None`` (incomplete) or an ``HttpError``
 carrying the status to answer. Anything not needed to serve a read-only ``/metrics`` is refused:
-request bodies, transfer codings, over-long lines and headers, odd methods and targets.
+request bodies, transfer codings, over-long lines and headers, odd methods and targets. The
+bounds are the shared ``ddpmon.web.limits.Limits``; status lines and the length rule come from
+``ddpmon.web.framing``, which the daemon uses too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    408: "Request Timeout",
-    413: "Content Too Large",
-    414: "URI Too Long",
-    431: "Request Header Fields Too Large",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-    505: "HTTP Version Not Supported",
-}
+from ddpmon.web.framing import declared_length, reason, status_line
+from ddpmon.web.limits import Limits
+
+__all__ = ["HttpError", "Request", "parse_request_head", "response_head"]
+
 _SINGLE = frozenset({"content-length", "transfer-encoding", "host", "authorization"})
 """Header fields a request may carry once (or repeated with the same value)."""
 _TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-
-
-@dataclass(kw_only=True, slots=True)
-class Limits:
-    """Bounds that keep a hostile client from holding the endpoint or the training process."""
-
-    max_connections: int = 64
-    """Open connections; at the cap a newcomer evicts the oldest one without a full request."""
-    request_timeout: float = 5.0
-    """Seconds from accept (or from the end of the last response) to complete request headers,
-    TLS handshake included; bytes trickling in do not extend it."""
-    write_timeout: float = 10.0
-    """Seconds a client may take to read a response."""
-    idle_timeout: float = 60.0
-    """Keep-alive: seconds an idle connection that has completed a request may stay open."""
-    max_request_line: int = 2048
-    """Bytes in the request line (414 beyond)."""
-    max_header_bytes: int = 8192
-    """Bytes of request line plus headers (431 beyond)."""
-    max_headers: int = 64
-    """Header fields (431 beyond)."""
-    max_auth_pending: int = 16
-    """Uncached basic-auth checks queued for bcrypt; beyond, 503 (cached credentials pass)."""
-    max_requests_per_connection: int = 10_000
 
 
 class HttpError(Exception):
@@ -110,12 +79,12 @@ def parse_request_head(buf: bytearray, lim: Limits) -> Request | None:
             # believed is unknowable (request smuggling), so neither is (RFC 9112 6.3).
             raise HttpError(400)
         headers[key] = text
-    length = headers.get("content-length", "0").strip()
     if "transfer-encoding" in headers:
         raise HttpError(413)
-    if not (length.isascii() and length.isdigit()):  # str.isdigit() takes "²" and "١"
+    length = declared_length(headers.get("content-length", "0"))
+    if length is None:
         raise HttpError(400)
-    if int(length) > 0:
+    if length > 0:
         raise HttpError(413)
     connection = headers.get("connection", "").lower()
     keep = ("close" not in connection) if version == b"HTTP/1.1" else "keep-alive" in connection
@@ -132,11 +101,10 @@ def response_head(
     extra: dict[str, str],
 ) -> tuple[bytes, bytes]:
     """(head, body) of a response; an error without a body gets ``"<code> <reason>"``."""
-    reason = REASONS.get(code, "Error")
     if body is None:
-        body = f"{code} {reason}\n".encode()
+        body = f"{code} {reason(code)}\n".encode()
     lines = [
-        f"HTTP/1.1 {code} {reason}",
+        status_line(code),
         f"Date: {date}",
         f"Content-Type: {ctype}",
         f"Content-Length: {len(body)}",

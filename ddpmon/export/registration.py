@@ -16,6 +16,8 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from ..agent_socket import connect
+
 log = logging.getLogger("ddpmon.registration")
 
 TIMEOUT_SECONDS = 2.0
@@ -47,8 +49,6 @@ class AgentSocketConnection(http.client.HTTPConnection):
         self.socket_path = path
 
     def connect(self) -> None:
-        from ..agent_socket import connect
-
         self.sock = connect(self.socket_path, self.timeout)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import metrics
-from ..damage import ReadWarnings
+from ..damage import ReadWarnings, parse_json_object, type_name
 from .scrape_config import (
     BasicAuth,
     ScrapeConfig,
@@ -273,6 +273,7 @@ def flatten(text: str) -> dict[str, float]:
     skippers), the rank read from
     ``ddpmon_rank_info`` (as ``rank``) and the collective families' ``_sum``, ``_count`` and
     bytes (summed over ops under the plain name, and each op as ``name{op="..."}``)."""
+    # prometheus_client loads only when used: a light CLI start
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = defaultdict(float)
@@ -309,7 +310,6 @@ def read_sd_dir(
     """:func:`targets_from_sd_dir` that names each damaged file in ``damage``: not JSON, not a
     list of ``{"targets": [...], "labels": {...}}`` groups, or a group of another shape. What is
     readable is still used (another file's targets, the good groups of a file)."""
-    from ..damage import parse_json_object, type_name
 
     found: list[tuple[str, dict]] = []
     for path in sorted(Path(sd_dir).glob("*.json")):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .webconfig import TLS_VERSIONS
+from ..web.config import TLS_VERSIONS
 
 TOP_KEYS = ("scheme", "metrics_path", "basic_auth", "tls_config")
 AUTH_KEYS = ("username", "password", "password_file")
@@ -114,7 +114,7 @@ class ScrapeConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> ScrapeConfig:
-        import yaml
+        import yaml  # yaml loads only when used: a light CLI start
 
         path = Path(path)
         try:

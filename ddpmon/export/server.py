@@ -5,9 +5,9 @@ training. One thread runs the event loop of ``connections.py``, which owns socke
 handshakes, deadlines, the connection cap with eviction and graceful close. This module is the
 HTTP layer on top: it binds the port, turns buffered bytes into requests (``http11.py``, which
 enforces the size limits), serves only GET/HEAD of ``/metrics`` and ``/``, adds the web
-config's headers, and applies basic auth. bcrypt checks (tens of ms, GIL released) run on one
-worker thread so the loop keeps serving; credentials that verified before are answered from
-``BasicAuth``'s cache.
+config's headers, and applies basic auth through the shared gate (``ddpmon.web.auth``). bcrypt
+checks (tens of ms, GIL released) run on one worker thread so the loop keeps serving;
+credentials that verified before pass at once.
 
 Interface used by the agent and the daemon: ``MetricsServer(render, bind=..., port=...,
 web_config=None)``, ``.start()`` (``WebConfigError``, ``PortInUseError``), ``.port``,
@@ -31,8 +31,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ddpmon.export.connections import Conn, ConnectionLoop
 from ddpmon.export.delivery import Deliveries, is_store_scraper
-from ddpmon.export.http11 import HttpError, Limits, parse_request_head, response_head
-from ddpmon.export.webconfig import BasicAuth, WebConfig, WebConfigError, load_web_config
+from ddpmon.export.http11 import HttpError, parse_request_head, response_head
+from ddpmon.web.auth import AuthGate, Decision, Verdict
+from ddpmon.web.config import WebConfig, WebConfigError, load_web_config
+from ddpmon.web.limits import Limits, count_status, server_stats
 
 __all__ = ["INDEX_HTML", "Limits", "MetricsServer", "PortInUseError", "WebConfigError"]
 
@@ -53,8 +55,7 @@ class _AuthCheck:
     """A request parked while the auth worker checks its credentials."""
 
     conn: Conn
-    user: bytes
-    password: bytes
+    decision: Decision
     method: str
     path: str
     keep: bool
@@ -85,17 +86,10 @@ class MetricsServer:
         self._thread: threading.Thread | None = None
         self._auth_thread: threading.Thread | None = None
         self._auth_q: queue.Queue[_AuthCheck | None] = queue.Queue()
-        self._auth_pending = 0
+        self._gate = AuthGate(None, self.limits.max_auth_pending)
         self._port: int | None = None
         self._date_at, self._date_text = 0, ""
-        self.stats: dict[str, int] = {
-            "accepted": 0,
-            "evicted": 0,
-            "timed_out": 0,
-            "tls_failed": 0,
-            "requests": 0,
-            "errors": 0,
-        }
+        self.stats: dict[str, int] = server_stats()
         """Counters for tests and debugging; ``status_<code>`` keys count responses."""
         self.deliveries = Deliveries()
         """Delivered /metrics answers: what the agent's close() waits on (linger)."""
@@ -118,6 +112,7 @@ class MetricsServer:
         """Validate web_config, bind, start the loop thread. Raises before serving anything."""
         if self._web_config_path:
             self._cfg = load_web_config(self._web_config_path)
+            self._gate = AuthGate(self._cfg.auth, self.limits.max_auth_pending)
         try:
             infos = socket.getaddrinfo(
                 self._bind, self._requested_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -190,21 +185,16 @@ class MetricsServer:
         keep = request.keep_alive and conn.served < self.limits.max_requests_per_connection
         method, path = request.method, request.path
         store = is_store_scraper(request.headers)
-        auth = self._cfg.auth if self._cfg else None
-        if auth is not None:
-            creds = BasicAuth.parse_header(request.headers.get("authorization"))
-            if creds is None:
-                self._respond(conn, 401, method, keep)
-                return
-            if not auth.cached(*creds):
-                if self._auth_pending >= self.limits.max_auth_pending:
-                    self._respond(conn, 503, method, False)
-                    return
-                self._connections.park(conn)
-                self._auth_pending += 1
-                self._auth_q.put(_AuthCheck(conn, *creds, method, path, keep, store))
-                return
-        self._route(conn, method, path, keep, store)
+        decision = self._gate.decide(request.headers.get("authorization"))
+        if decision.verdict is Verdict.REFUSE:
+            self._respond(conn, 401, method, keep)
+        elif decision.verdict is Verdict.BUSY:
+            self._respond(conn, 503, method, False)
+        elif decision.verdict is Verdict.CHECK:
+            self._connections.park(conn)
+            self._auth_q.put(_AuthCheck(conn, decision, method, path, keep, store))
+        else:
+            self._route(conn, method, path, keep, store)
 
     def _route(self, conn: Conn, method: str, path: str, keep: bool, store: bool) -> None:
         if path not in ("/metrics", "/"):
@@ -245,8 +235,7 @@ class MetricsServer:
         if self._cfg is not None:
             extra.update(self._cfg.headers)
         head, body = response_head(code, self._date(), ctype, keep, body, extra)
-        key = f"status_{code}"
-        self.stats[key] = self.stats.get(key, 0) + 1
+        count_status(self.stats, code)
         data = head + body if method != "HEAD" else head
         self._connections.respond(conn, data, close_after=not keep or conn.eof, on_sent=on_sent)
 
@@ -259,21 +248,16 @@ class MetricsServer:
     # ---------------------------------------------------------------- auth
 
     def _auth_worker(self, loop: ConnectionLoop) -> None:
-        auth = self._cfg.auth if self._cfg else None
-        assert auth is not None
         while True:
             check = self._auth_q.get()
             if check is None:
                 return
-            try:
-                ok = auth.check(check.user, check.password)
-            except Exception:  # pragma: no cover - defensive
-                ok = False
+            ok = self._gate.check(check.decision)
             loop.call_soon(functools.partial(self._finish_auth, check, ok))
 
     def _finish_auth(self, check: _AuthCheck, ok: bool) -> None:
         """On the loop thread: answer a request whose credentials have been checked."""
-        self._auth_pending -= 1
+        self._gate.done()
         conn = check.conn
         if not self._connections.resume(conn):
             return

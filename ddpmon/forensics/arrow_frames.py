@@ -121,7 +121,7 @@ class Frames:
 def marker_run(chunk: bytes) -> int:
     """How many leading bytes of ``chunk`` are end-of-stream markers (``0xFFFFFFFF 0`` or a
     zero word): one vectorised pass over its 32-bit words."""
-    import numpy as np
+    import numpy as np  # pyarrow only where a history is read or written: a light CLI start
 
     words = np.frombuffer(chunk, dtype="<u4", count=len(chunk) // 4)
     zero = words == 0

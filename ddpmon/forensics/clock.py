@@ -17,17 +17,15 @@ import logging
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 log = logging.getLogger("ddpmon.clock")
 
 
 def measure_clock_offset(rounds: int = 5) -> dict[str, Any]:
     """``{"offset_seconds", "rtt_seconds", "method", "rounds"}``; add the offset to this rank's
     ``time.time()`` to get rank 0's. Without an initialised process group: offset 0."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except Exception:  # pragma: no cover - torch is a dependency
-        return _none("torch.distributed unavailable")
     if not (dist.is_available() and dist.is_initialized()):
         return _none("no process group")
     try:

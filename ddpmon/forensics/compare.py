@@ -39,6 +39,7 @@ from ..rundir import HISTORY_RE, RunDir
 from .annotations import load_annotations
 from .history_read import History, iter_histories
 from .run_facts import Resume, load_manifest, ranks_present, resumes
+from .timeline import RunDirError, resolve_run_path
 from .update_views import both_sampled, ratio_series
 
 NOISE_STEPS = 8
@@ -160,7 +161,6 @@ class Comparison:
 def load_run(path: Path | str) -> RunNumerics:
     """Read a run's histories (one rank at a time) and facts; :class:`CompareError` when no
     rank's history is usable. Damaged files are skipped and named in the result's ``damage``."""
-    from .timeline import RunDirError
 
     try:
         run_path = resolve_run(path)
@@ -191,7 +191,6 @@ def load_run(path: Path | str) -> RunNumerics:
 def resolve_run(path: Path | str) -> Path:
     """``path`` when it holds histories (a run dir copied without its event logs still
     compares), else what ``ddpmon timeline`` accepts (a run dir, or a parent of exactly one)."""
-    from .timeline import resolve_run_path
 
     if Path(path).is_dir() and RunDir(Path(path)).ranked(HISTORY_RE):
         return Path(path)

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..atomic import append_whole, json_safe
 from ..rundir import RunDir
+from ..safe_read import BadLine, json_lines, load_json
 from .event_kinds import EVENT_KINDS
 
 log = logging.getLogger("ddpmon.eventlog")
@@ -110,7 +111,6 @@ def read_events(path: Path | str) -> tuple[list[dict[str, Any]], int]:
     """Events of one file and the number of unreadable lines (a torn last line, garbage, a
     line nested too deeply or over ``safe_read.MAX_LINE_BYTES``); a file that cannot be opened
     (or is not a regular file) has none."""
-    from ..safe_read import BadLine, json_lines
 
     events: list[dict[str, Any]] = []
     bad = 0
@@ -177,8 +177,6 @@ class ProgressFile:
 
 
 def read_progress(path: Path | str) -> dict[str, Any] | None:
-    from ..safe_read import load_json
-
     try:
         data = load_json(path, max_bytes=1 << 16)  # 64 bytes when ddpmon wrote it
     except (OSError, ValueError):

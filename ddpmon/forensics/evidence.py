@@ -38,6 +38,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..atomic import dumps, publish_dir, synced_open, write_file_synced
 from ..rundir import (
     BUNDLE_TMP_RE,
@@ -47,6 +49,7 @@ from ..rundir import (
     parse_bundle_name,
     safe_kind,
 )
+from ..safe_read import load_json
 from .rng import rng_fingerprints, rng_states
 
 log = logging.getLogger("ddpmon.evidence")
@@ -72,7 +75,6 @@ def list_bundles(run_path: Path | str) -> list[Path]:
 def tensor_summary(t: Any) -> dict[str, Any]:
     """Shape, dtype, device, element count, NaN/+Inf/-Inf counts and min/max/mean/L2 norm of the
     finite values (``None`` when there are none). Works on any device; reads a few scalars."""
-    import torch
 
     if not isinstance(t, torch.Tensor):
         return {"type": type(t).__name__, "repr": repr(t)[:200]}
@@ -213,8 +215,6 @@ class EvidenceWriter:
         return path
 
     def _write(self, kind, step, info, tensors, records, extra, inputs) -> Path:
-        import torch
-
         self.root.mkdir(parents=True, exist_ok=True)
         final = first = self.run.evidence_bundle(self.rank, step, kind)
         n = 2
@@ -282,7 +282,6 @@ class EvidenceWriter:
 
 def read_bundle(path: Path | str) -> dict[str, Any]:
     """``info.json`` of a bundle plus ``records``/``extra``/``rng`` when present."""
-    from ..safe_read import load_json
 
     path = Path(path)
     out = load_json(path / "info.json")  # in a run dir: hostile (size, FIFO, nesting)
@@ -303,8 +302,6 @@ def _summary_or_error(t: Any) -> dict[str, Any]:
 
 
 def _save_tensor(path: Path, t: Any) -> None:
-    import torch
-
     with synced_open(path) as fh:
         torch.save(t.detach().cpu().clone(), fh)
 

@@ -35,6 +35,8 @@ always kept, up to ``notable_max`` of them beyond the stride.
 from __future__ import annotations
 
 import collections
+import importlib.util
+import json
 import logging
 import math
 import os
@@ -44,6 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..atomic import write_bytes_atomic
 from ..rundir import RunDir, history_journal_of
 from ..state import StepRecord
 from ..writes import is_write_error
@@ -140,9 +145,7 @@ class Downsampler:
 
 
 def schema_for(groups: tuple[str, ...], meta: dict[str, str] | None = None):
-    import json
-
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow loads on the history thread only
 
     fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCALAR_COLUMNS]
     fields.append(pa.field(GROUPS_COLUMN, pa.list_(pa.float32(), len(groups))))
@@ -157,7 +160,7 @@ def schema_for(groups: tuple[str, ...], meta: dict[str, str] | None = None):
 
 
 def batch_of(rows: list[tuple], schema) -> Any:
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow loads on the history thread only
 
     columns = list(zip(*rows, strict=True))
     arrays = []
@@ -287,10 +290,9 @@ class HistoryWriter:
         atomically, before appending. Rows of another layout (the model changed) are dropped."""
         if not (self.path.exists() or journal_path(self.path).exists()):
             return
-        import pyarrow as pa
+        import pyarrow as pa  # pyarrow loads on the history thread only
         import pyarrow.ipc as ipc
 
-        from ..atomic import write_bytes_atomic
         batches = []
         for p in (self.path, self.journal):
             if p.exists():
@@ -382,7 +384,7 @@ class HistoryWriter:
 
 def _ipc_options():
     """Stream options (a function: pyarrow is imported only when a history is written)."""
-    import pyarrow.ipc as ipc
+    import pyarrow.ipc as ipc  # pyarrow loads on the history thread only
 
     return ipc.IpcWriteOptions(compression="zstd")
 
@@ -411,16 +413,12 @@ class HistorySink:
     ) -> HistorySink | None:
         """The sink for one rank, or None (one log line) when pyarrow is missing: a dependency
         of ddpmon, so only a broken install lacks it. Nothing imports pyarrow here."""
-        import importlib.util
-
         if importlib.util.find_spec("pyarrow") is None:
             log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
                         "pyarrow); the numerics history (compare, report) is off")
             return None
         memory, kind = None, "rss"
         if str(device).startswith("cuda"):
-            import torch
-
             index = torch.device(device).index or 0
             memory, kind = (lambda: torch.cuda.memory_allocated(index)), "cuda_allocated"
         writer = HistoryWriter(

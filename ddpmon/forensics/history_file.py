@@ -67,7 +67,7 @@ class StreamAppender:
 
     def write_batch(self, batch: Any) -> None:
         """Append ``batch`` whole, or raise and leave the file as it was."""
-        import pyarrow.ipc as ipc
+        import pyarrow.ipc as ipc  # pyarrow loads on the history thread only
 
         if self._closed:
             raise ValueError(f"{self.path}: appender is closed")

@@ -111,7 +111,7 @@ def load_history(path: Path, rank: int, damage: ReadWarnings) -> History | None:
 
 def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
               damage: ReadWarnings | None = None) -> History:
-    import numpy as np
+    import numpy as np  # pyarrow only where a history is read or written: a light CLI start
     import pyarrow as pa
 
     batches = [b for r in reads for b in r.batches]
@@ -167,7 +167,7 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
 
 def _group_list(table: Any, name: str, width: int) -> Any:
     """A nullable fixed-size list column as a (rows, width) float array, NaN where null."""
-    import numpy as np
+    import numpy as np  # with pyarrow, only where a history is read: a light CLI start
 
     out = np.full((len(table), width), np.nan)
     if name not in table.schema.names or not width:
@@ -249,7 +249,7 @@ def scan_streams(path: Path) -> StreamRead:
     """:func:`read_streams` with the offsets: every batch is validated in full, so a flipped
     byte that breaks a message ends the read there (as a torn message does). The file is read
     one message at a time (:mod:`.arrow_frames`), up to its byte and decoded-size caps."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow only where a history is read or written: a light CLI start
     import pyarrow.ipc as ipc
 
     batches: list = []
@@ -284,7 +284,7 @@ def scan_streams(path: Path) -> StreamRead:
 
 def pa_errors() -> tuple[type[BaseException], ...]:
     """What pyarrow raises on bytes that are not a valid stream."""
-    import pyarrow as pa
+    import pyarrow as pa  # pyarrow only where a history is read or written: a light CLI start
 
     return (pa.ArrowException, OSError, ValueError, IndexError, TypeError)
 

@@ -28,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_json_atomic
+from ..damage import parse_json_object
 from ..rundir import RunDir
+from ..safe_read import MAX_DOCUMENT_BYTES, open_regular
+from ..sources.nvml import NvmlSource
 from .rng import rng_fingerprints
 
 ENV_PREFIXES = ("MASTER_", "NCCL_", "TORCH_", "TORCHELASTIC_", "DDPMON_", "PYTORCH_", "CUDA_",
@@ -99,8 +102,6 @@ def build_manifest(
     not_applicable: dict[str, str] = {}
 
     if nvml is None:
-        from ..sources.nvml import NvmlSource
-
         nvml = NvmlSource()
     gpus, driver, nvml_error = _gpus(nvml)
 
@@ -249,8 +250,6 @@ def recovery_gaps(manifest: Mapping[str, Any]) -> list[str]:
 
 def check_manifest(run_path: Path | str) -> list[str]:
     """Checklist items missing from rank 0's manifest (``["manifest.json"]`` when absent)."""
-    from ..damage import parse_json_object
-    from ..safe_read import MAX_DOCUMENT_BYTES, open_regular
 
     path = manifest_path(run_path, 0)
     try:

@@ -23,7 +23,7 @@ from ..damage import ReadWarnings
 from ..rundir import RunDir
 from . import report_plots as rp
 from .annotations import load_annotations
-from .compare import resolve_run
+from .compare import CompareError, compare_runs, resolve_run
 from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present
@@ -223,8 +223,6 @@ def _timeline(tl) -> str:
 
 
 def _comparison(path: Path, other: Path) -> str:
-    from .compare import CompareError, compare_runs
-
     try:
         c = compare_runs(other, path)
     except CompareError as exc:

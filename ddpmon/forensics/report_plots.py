@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ def heatmap(ax, fig, x: np.ndarray, groups: Sequence[str], norms: np.ndarray) ->
         data = np.log10(np.where(norms > 0, norms, np.nan))
     data = np.where(np.isfinite(data), data, np.nan)
     extent = (float(x[0]) - 0.5, float(x[-1]) + 0.5, len(groups) - 0.5, -0.5) if len(x) else None
-    import matplotlib
+    import matplotlib  # optional: ddpmon[report]
 
     cmap = matplotlib.colormaps["viridis"].copy()
     cmap.set_bad("#d62728")  # NaN/Inf norms (and bins without data) stand out in red
@@ -145,10 +146,10 @@ def plain(text: object) -> str:
 
 
 def figure(title: str, ylabel: str, height: float = 2.6):
-    import matplotlib
+    import matplotlib  # optional: ddpmon[report]
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: ddpmon[report]
 
     fig, ax = plt.subplots(figsize=(10, height), layout="constrained")
     ax.set_title(plain(title), fontsize=10, loc="left")
@@ -160,7 +161,7 @@ def figure(title: str, ylabel: str, height: float = 2.6):
 
 
 def to_svg(fig, legend: bool = True) -> str:
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: ddpmon[report]
 
     ax = fig.axes[0]
     if legend and ax.get_legend_handles_labels()[0]:
@@ -180,8 +181,6 @@ class quiet_nan_warnings:  # noqa: N801 - used as a context manager, like a func
     """Silence numpy's 'All-NaN slice' RuntimeWarnings for empty bins."""
 
     def __enter__(self):
-        import warnings
-
         self._ctx = warnings.catch_warnings()
         self._ctx.__enter__()
         warnings.simplefilter("ignore", RuntimeWarning)

@@ -25,7 +25,7 @@ def rng_fingerprints() -> dict[str, Any]:
     except Exception as exc:
         out["python_random_error"] = str(exc)
     try:
-        import torch
+        import torch  # torch-free start of the CLI and the daemon
 
         out["torch_initial_seed"] = int(torch.initial_seed())
         out["torch_cpu"] = _digest(torch.get_rng_state().numpy().tobytes())
@@ -50,7 +50,7 @@ def rng_states() -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         out["python_random"] = random.getstate()
-        import torch
+        import torch  # torch-free start of the CLI and the daemon
 
         out["torch_cpu"] = torch.get_rng_state()
         if torch.cuda.is_available() and torch.cuda.is_initialized():

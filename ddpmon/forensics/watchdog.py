@@ -22,9 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from .._torch_compat import flight_recorder_dumps
 from ..atomic import write_bytes_atomic
 from ..rundir import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, RunDir
+from ..safe_read import load_json
 
 log = logging.getLogger("ddpmon.watchdog")
 
@@ -118,8 +121,6 @@ def request_flight_recorder_dump(path: Path | str) -> bool:
     process group, without a recorder in this torch build, or on any error. Safe to call from a
     thread while the training thread is blocked inside a collective."""
     try:
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             log.debug("flight recorder: no process group, nothing to dump")
             return False
@@ -150,7 +151,6 @@ def request_flight_recorder_dump(path: Path | str) -> bool:
 def read_flight_recorder_status(path: Path | str) -> dict[str, Any] | None:
     """``pg_status`` of a JSON dump (per process group: last enqueued/started/completed
     collective sequence ids), or None when missing or unreadable."""
-    from ..safe_read import load_json
 
     try:
         data = load_json(path)  # a dump in a run dir: hostile (size, FIFO, nesting)

@@ -10,6 +10,8 @@ import inspect
 import logging
 from typing import Any
 
+import ddpmon
+
 log = logging.getLogger("ddpmon")
 
 
@@ -22,8 +24,6 @@ def attach_monitor(
     from it); otherwise the scaler found by the callback is passed directly.
     """
     try:
-        import ddpmon
-
         attach = ddpmon.attach
         if accelerator is not None and "accelerator" in inspect.signature(attach).parameters:
             return attach(model, optimizer, accelerator=accelerator, **options)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._torch_compat import scaler_scale
+from ..strategies.deepspeed import is_engine
 from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
 
 log = logging.getLogger("ddpmon")
@@ -174,7 +175,6 @@ class _DdpmonLightning:
 def _deepspeed_engine(strategy: Any) -> Any:
     """The ``DeepSpeedEngine`` of Lightning's ``DeepSpeedStrategy`` (``deepspeed_engine``, else
     ``strategy.model`` when that is the engine), or None for every other strategy."""
-    from ..strategies.deepspeed import is_engine
 
     for name in ("deepspeed_engine", "model"):
         candidate = getattr(strategy, name, None)

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ..strategies.accelerate import unwrap_optimizer
 from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
-from .accelerate import unwrap_optimizer
+from ._trainer_replay import StepRecorder
 
 log = logging.getLogger("ddpmon")
 
@@ -130,8 +131,6 @@ class DdpmonCallback(TrainerCallback):
         rerun = getattr(self.monitor.pipeline, "rerun", None)
         if rerun is not None and trainer is not None and not getattr(
                 self.monitor.state, "strategy", "").startswith("deepspeed"):
-            from ._trainer_replay import StepRecorder
-
             self._recorder = StepRecorder(trainer, rerun)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 _DURATION = re.compile(r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$")
 
 
@@ -218,7 +220,6 @@ RENAMED_FIELDS = {
 def load_config(path: str | Path) -> MixinConfig:
     """A :class:`MixinConfig` from a YAML mapping of field names to values (unknown names and
     bad values are errors that name the file and the field)."""
-    import yaml
 
     path = Path(path)
     try:

@@ -11,7 +11,9 @@ from typing import Any
 
 import yaml
 
+from ddpmon.mixin.alerts import alert_groups
 from ddpmon.mixin.config import MixinConfig
+from ddpmon.mixin.rules import recording_rules
 
 LABELS = {"app.kubernetes.io/name": "ddpmon", "app.kubernetes.io/part-of": "ddpmon"}
 POD_LABEL = "ddpmon.io/monitor"
@@ -107,9 +109,6 @@ def pod_monitor(cfg: MixinConfig, *, interval: str = "15s") -> dict[str, Any]:
 
 
 def prometheus_rule(cfg: MixinConfig) -> dict[str, Any]:
-    from ddpmon.mixin.alerts import alert_groups
-    from ddpmon.mixin.rules import recording_rules
-
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",

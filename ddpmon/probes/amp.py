@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 from .._torch_compat import scaler_enabled, scaler_scale, scaler_state
 
@@ -43,8 +44,6 @@ class ScalerProbe:
     def grads_unscaled(self) -> bool:
         """True once ``scaler.unscale_(optimizer)`` ran for this step (host-side state)."""
         try:
-            from torch.amp.grad_scaler import OptState
-
             state = scaler_state(self.scaler, self.optimizer)
             return state is not None and state.get("stage") is OptState.UNSCALED
         except Exception:

@@ -9,16 +9,18 @@ Write them with ``make reference`` (``python -m ddpmon.reference --write``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from ..mixin import shipped
 from ..mixin.files import diff_files, write_files
+from . import catalogues, cli, modules, rules
 
 REFERENCE_DIR = "docs/reference"
 
 
 def generate() -> dict[str, str]:
     """``{path relative to the repository root: Markdown}`` for every reference page."""
-    from . import catalogues, cli, modules, rules
 
     pages = {
         "metrics.md": catalogues.metrics_page(),
@@ -38,9 +40,6 @@ def generate() -> dict[str, str]:
 def home_page() -> str:
     """The site's home page: the README, with its links made relative to ``docs/``, so that the
     landing page on the forge and on the site say the same thing."""
-    import re
-
-    from ..mixin import shipped
 
     root = shipped.checkout_root()
     if root is None:

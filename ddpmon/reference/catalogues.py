@@ -26,8 +26,8 @@ a histogram's samples add `_bucket`, `_count` and `_sum`. With the default optio
 exposes about 115 series (budget: 150). In code: `from ddpmon import metrics;
 metrics.GRAD_NORM.name`.
 
-The node daemon's own series (`ddpmon_node_*`, `ddpmon_daemon_*`) are listed in
-[Daemon and gateway](../daemon.md).
+The node daemon's own series (`ddpmon_node_*`, `ddpmon_daemon_*`) close the page; the daemon
+serves the GPU series above too, without `run` and `rank` ([Daemon and gateway](../daemon.md)).
 """,
         )
     ]
@@ -38,6 +38,12 @@ The node daemon's own series (`ddpmon_node_*`, `ddpmon_daemon_*`) are listed in
         ]
         out.append(f"\n## {layer.value.capitalize()}\n\n")
         out.append(table(("metric", "type", "labels", "unit", "meaning", "present"), rows))
+    rows = [
+        (code(m.name), m.type.value, ", ".join(m.labels) or "", m.unit or "", m.help, m.when)
+        for m in metrics.NODE_CATALOGUE
+    ]
+    out.append("\n## The node daemon's own series\n\nOne per node: no `run` or `rank` label.\n\n")
+    out.append(table(("metric", "type", "labels", "unit", "meaning", "present"), rows))
     return "".join(out)
 
 

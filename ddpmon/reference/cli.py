@@ -4,7 +4,9 @@ parser the command itself builds (``ddpmon.cli.build_parser``)."""
 from __future__ import annotations
 
 import argparse
+import os
 
+from .. import cli
 from .markdown import code, header, table
 
 
@@ -65,14 +67,10 @@ def _section(prefix: str, name: str, helptext: str, parser: argparse.ArgumentPar
 
 
 def cli_page() -> str:
-    import os
-
-    from ..cli import build_parser
-
     columns = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # usage lines wrap at the terminal width: make it fixed
     try:
-        parser = build_parser()
+        parser = cli.build_parser()
         parser.prog = "ddpmon"
         out = [
             header(

@@ -18,6 +18,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 
 class StackError(RuntimeError):
     """A server is missing, failed to start or did not become ready; the message says which."""
@@ -77,7 +79,6 @@ class ManagedProcess:
 
     def _listens_on(self, port: int | None) -> bool:
         """This process (not another on the same port) listens on ``port``."""
-        import psutil
 
         if self.proc is None or port is None:
             return True

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(slots=True)
 class AllocatorReading:
@@ -21,8 +23,6 @@ class AllocatorSource:
     def __init__(self, device: Any, stats_fn: Any | None = None) -> None:
         self._device = device
         if stats_fn is None:
-            import torch
-
             stats_fn = torch.cuda.memory_stats
         self._stats_fn = stats_fn
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 
 @dataclass(slots=True)
 class ProcessReading:
@@ -17,8 +19,6 @@ class ProcessSource:
 
     def __init__(self, process: Any | None = None) -> None:
         if process is None:
-            import psutil
-
             process = psutil.Process()
         self._process = process
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(slots=True)
@@ -39,7 +40,6 @@ def due(interval: int, steps_taken: int) -> bool:
 def launch(local_norms: torch.Tensor, groups: Sequence[Any]) -> Fingerprint | None:
     """All-gather this rank's fingerprint over each group of more than one rank (``None``:
     the default group). Every rank of a group must call this at the same point."""
-    import torch.distributed as dist
 
     wide = local_norms.to(torch.float64)  # one dtype on every rank, whatever happened
     mine = (wide * wide).sum().reshape(1)

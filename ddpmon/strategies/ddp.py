@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..probes.comm import CollectiveRecorder, tensor_bytes
 from ..probes.grads import ParamIndex, full_pass, per_param_norms
@@ -64,8 +66,6 @@ class CommProbe:
         """``group``: the DDP module's process group (``None``: the default one), over which
         the duplicate-data check gathers."""
         if inner_hook is None:
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
             inner_hook = allreduce_hook
             inner_state = None  # allreduce_hook uses the default process group
         self.index = index
@@ -108,7 +108,6 @@ class CommProbe:
         due = data_check.due(self._data_check_interval, self._sampler.steps)
         if bucket.index() != 0 or not due:
             return False
-        import torch.distributed as dist
 
         return dist.is_initialized() and dist.get_world_size(self._group) > 1
 

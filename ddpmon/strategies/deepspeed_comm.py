@@ -71,7 +71,7 @@ class CommTimer:
 
     @classmethod
     def _install(cls) -> None:
-        import deepspeed.comm as dscomm
+        import deepspeed.comm as dscomm  # optional: ddpmon[deepspeed]
 
         for name, op in _DS_OPS.items():
             original = getattr(dscomm, name, None)
@@ -115,7 +115,7 @@ class CommTimer:
             cls._recorders.remove(self.recorder)
         if cls._recorders:
             return
-        import deepspeed.comm as dscomm
+        import deepspeed.comm as dscomm  # optional: ddpmon[deepspeed]
 
         for name, original in cls._originals.items():
             current = getattr(dscomm, name, None)

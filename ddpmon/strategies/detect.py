@@ -15,6 +15,7 @@ import logging
 import torch
 
 from .base import GradientSource, SourceEnv
+from .deepspeed import is_engine
 from .table import STRATEGIES
 
 log = logging.getLogger("ddpmon")
@@ -34,7 +35,6 @@ def detect_strategy(model: torch.nn.Module) -> str:
     """plain | ddp | fsdp2 | hsdp | tp | fsdp2+tp | deepspeed | unsupported:<what>
     (``deepspeed``: a ``DeepSpeedEngine``; its source labels itself ``deepspeed-zero<stage>``)."""
     kind = type(model).__module__ + "." + type(model).__name__
-    from .deepspeed import is_engine
 
     if is_engine(model):
         if type(model).__name__ == "PipelineEngine":
@@ -47,7 +47,7 @@ def detect_strategy(model: torch.nn.Module) -> str:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"
     try:  # the sharded strategies live in their own module (it knows their details)
-        from .fsdp import detect_sharded
+        from .fsdp import detect_sharded  # guarded: torch builds without FSDP2
     except ImportError:
         detect_sharded = None
     if detect_sharded is not None:

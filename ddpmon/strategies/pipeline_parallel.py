@@ -40,11 +40,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..host_reads import host_read_free
 from ..probes.grads import NormVector, full_pass
 from . import data_check
 from .base import GradientSource, GradSummaries, SourceEnv
+from .ddp import CommProbe
+from .detect import SOURCES, make_source
 from .dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
 from .pp_origin import StageOrigin
 from .pp_probes import (
@@ -116,16 +119,10 @@ class PipelineSource(GradientSource):
     def install(self) -> None:
         kind = self.setup.inner
         if kind == "ddp":
-            from .ddp import CommProbe
-
             for info in self.setup.stages:
                 module = info.module
                 if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
                     continue
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-                    allreduce_hook,
-                )
-
                 probe = CommProbe(
                     self.index,
                     # the stage's DDP reduces over the dp group, not the default (world) group
@@ -146,16 +143,13 @@ class PipelineSource(GradientSource):
                 except Exception as exc:
                     log.warning("ddpmon: could not register its DDP comm hook on a stage (%s)", exc)
                     self.env.on_error("comm", exc)
-        elif kind != "plain":
-            from .detect import SOURCES, make_source
-
-            if kind in SOURCES:
-                # the inner source's duplicate-data check gathers over its stage's dp group
-                self.inner = make_source(kind, replace(self.env, span=self._span()))
-                self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
-                self.inner.install()
-                norms = self._inner_norms()
-                self._folded = norms is not None and norms.plan.span is not None
+        elif kind != "plain" and kind in SOURCES:
+            # the inner source's duplicate-data check gathers over its stage's dp group
+            self.inner = make_source(kind, replace(self.env, span=self._span()))
+            self.inner.collectives = self.collectives  # one recorder: the pipeline takes ours
+            self.inner.install()
+            norms = self._inner_norms()
+            self._folded = norms is not None and norms.plan.span is not None
         self.probes.install()
         self.p2p.install()
 

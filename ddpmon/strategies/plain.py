@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..probes.grads import full_pass
+from ..probes.grads import full_pass, per_param_norms
 from .base import GradientSource, GradSummaries, NormVector
 
 
@@ -71,7 +71,6 @@ class PlainSource(GradientSource):
         if positions is None or not self.multi_process:
             return super().clip_norm(params)
         grads = [p.grad.detach() for p in params if p.grad is not None]
-        from ..probes.grads import per_param_norms
 
         norms = per_param_norms(grads)
         kept = [i for i, p in zip(positions, params, strict=True) if p.grad is not None]

@@ -13,6 +13,7 @@ import torch
 
 from .._torch_compat import schedule_microbatches, schedule_stages
 from ..probes.grads import unwrap_model
+from .kinds import detect_sharded
 
 log = logging.getLogger("ddpmon")
 
@@ -141,7 +142,6 @@ class PipelineSetup:
         ddp = torch.nn.parallel.DistributedDataParallel
         if any(isinstance(s.module, ddp) for s in self.stages):
             return "ddp"
-        from .kinds import detect_sharded
 
         kind = detect_sharded(self.container)
         if kind is not None and kind.startswith("unsupported:"):

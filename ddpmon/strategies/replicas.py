@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -128,8 +129,6 @@ class ReplicaCheck:
 
     def __init__(self, scope: ReplicaScope, group_of: Sequence[int], group_names: Sequence[str],
                  every: int) -> None:
-        import torch.distributed as dist
-
         self.scope = scope
         self.every = every
         self.group_names = list(group_names)
@@ -146,7 +145,6 @@ class ReplicaCheck:
     def of(scope: ReplicaScope | None, index: Any, every: int) -> ReplicaCheck | None:
         """The check for ``scope``, or None where there is nothing to compare (no scope, no
         parameter, a group of one rank, or ``every`` is 0)."""
-        import torch.distributed as dist
 
         if scope is None or not every or not scope.positions or not dist.is_initialized():
             return None
@@ -162,7 +160,6 @@ class ReplicaCheck:
 
     def launch(self, step: int) -> InFlight:
         """Sum and start the gather (training thread; nothing is read back)."""
-        import torch.distributed as dist
 
         mine = checksums(self.scope.tensors(), self._group_of, len(self.group_names))
         flat = torch.empty(len(self._ranks) * mine.numel(), dtype=torch.int64,

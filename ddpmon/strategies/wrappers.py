@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .detect import detect_strategy
+
 log = logging.getLogger("ddpmon")
 
 FABRIC_MODULES = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
@@ -119,7 +121,6 @@ def _before_fabric_setup(model: Any) -> bool:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
-    from .detect import detect_strategy
 
     return detect_strategy(model) == "plain"
 

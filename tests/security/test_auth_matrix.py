@@ -14,7 +14,7 @@ import pytest
 from conftest import BODY, PASSWORD, client_ctx, fetch
 from sec_pki import Pki
 
-from ddpmon.export.webconfig import BasicAuth
+from ddpmon.web.config import BasicAuth
 
 REFUSED = (OSError, http.client.HTTPException)  # ssl.SSLError and resets are OSErrors
 

@@ -18,16 +18,16 @@ import pytest
 from sec_daemon import start_daemon
 from test_daemon_slow import tiny_app
 
-from ddpmon.daemon import hostcheck
-from ddpmon.daemon.server import DaemonServer, Limits
+from ddpmon.daemon.server import DaemonLimits, DaemonServer
+from ddpmon.web import hostcheck
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def front() -> Iterator[DaemonServer]:
-    limits = Limits(max_connections=8, max_in_flight=4, request_timeout=2.0, idle_timeout=2.0,
-                    body_timeout=8.0, max_body_bytes=10_000)
+    limits = DaemonLimits(max_connections=8, max_in_flight=4, request_timeout=2.0, idle_timeout=2.0,
+                          body_timeout=8.0, max_body_bytes=10_000)
     names = hostcheck.host_names("127.0.0.1", "node-a", ["prom-alias.example"])
     srv = DaemonServer(tiny_app, bind="127.0.0.1", port=0, token="t", limits=limits,
                        host_names=names)

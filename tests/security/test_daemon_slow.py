@@ -19,7 +19,7 @@ from conftest import ANSWERED_WITHIN, helper, wait_for_line
 from sec_daemon import start_daemon
 from test_daemon_web_config import web_config
 
-from ddpmon.daemon.server import DaemonServer, Limits
+from ddpmon.daemon.server import DaemonLimits, DaemonServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,8 +42,8 @@ async def tiny_app(scope, receive, send) -> None:
 
 @pytest.fixture
 def front() -> Iterator[DaemonServer]:
-    limits = Limits(max_connections=8, max_in_flight=1, request_timeout=1.0, idle_timeout=1.0,
-                    body_timeout=1.0, max_header_bytes=4096, max_body_bytes=1000)
+    limits = DaemonLimits(max_connections=8, max_in_flight=1, request_timeout=1.0, idle_timeout=1.0,
+                          body_timeout=1.0, max_header_bytes=4096, max_body_bytes=1000)
     srv = DaemonServer(tiny_app, bind="127.0.0.1", port=0, token="t", limits=limits)
     ready = threading.Event()
     thread = threading.Thread(target=srv.run, args=(ready.set,), daemon=True)

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from sec_pki import Pki
 
 from ddpmon.export.server import MetricsServer
-from ddpmon.export.webconfig import WebConfigError, load_web_config
+from ddpmon.web.config import WebConfigError, load_web_config
 
 HASH = "$2b$04$0123456789abcdefghijkO0123456789abcdefghijklmnopqrstu"
 TLS = "tls_server_config:\n  cert_file: {pki}/server.crt\n  key_file: {pki}/server.key\n"

@@ -22,7 +22,7 @@ def test_entries_follow_prometheus_naming():
 
 def test_module_constants_are_the_catalogue():
     constants = [v for v in vars(metrics).values() if isinstance(v, metrics.Metric)]
-    assert constants == list(CATALOGUE)
+    assert constants == [*CATALOGUE, *metrics.NODE_CATALOGUE]  # a rank's, then the daemon's
     assert metrics.GRAD_NORM.name == "ddpmon_grad_norm"
     assert metrics.STEPS.family == "ddpmon_steps"
     assert metrics.STEP_DURATION.sample("count") == "ddpmon_step_duration_seconds_count"

@@ -80,15 +80,8 @@ def rank_list(
 
 def alerts(cfg: MixinConfig) -> list[Alert]:
     """All alerts, in layer order."""
-    from ddpmon.mixin.alerts import (
-        agent,
-        checkpoints,
-        communication,
-        data,
-        hangs,
-        memory,
-        numerics,
-    )
+    # the layer modules import Alert and RANK from this package: imported at call, not a cycle
+    from ddpmon.mixin.alerts import agent, checkpoints, communication, data, hangs, memory, numerics
 
     return [
         *numerics.alerts(cfg),

@@ -14,6 +14,7 @@ from typing import Any
 
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards import detail, overview
+from ddpmon.mixin.dashboards.grafana import render
 from ddpmon.mixin.dashboards.model import (
     ANY,
     COVERAGES,
@@ -54,7 +55,6 @@ def specs(cfg: MixinConfig | None = None) -> tuple[DashboardSpec, DashboardSpec]
 
 def render_all(cfg: MixinConfig | None = None) -> dict[str, dict[str, Any]]:
     """``{filename: dashboard JSON}`` for both dashboards (needs the ``dashboards`` extra)."""
-    from ddpmon.mixin.dashboards.grafana import render
 
     cfg = cfg or MixinConfig()
     return {FILENAMES[s.uid]: render(s, cfg) for s in specs(cfg)}

@@ -26,7 +26,7 @@ def _rank_link(title: str = "Rank detail: rank ${__field.labels.rank}") -> dict[
 def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
     # Lazy: the SDK is an optional extra (``ddpmon[dashboards]``).
     from grafana_foundation_sdk.builders import dashboard as db
-    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder  # optional: ddpmon[dashboards]
     from grafana_foundation_sdk.models import dashboard as dm
 
     ds = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -47,7 +47,7 @@ def render(spec: DashboardSpec, cfg: MixinConfig) -> dict[str, Any]:
 def _dashboard(spec: DashboardSpec, cfg: MixinConfig, ds: Any) -> Any:
     """The dashboard without its panels: variables (data source, cluster, run, rank), links,
     annotations."""
-    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.builders import dashboard as db  # optional: ddpmon[dashboards]
     from grafana_foundation_sdk.models import dashboard as dm
 
     job = base_matchers(cfg)
@@ -124,7 +124,7 @@ def _dashboard(spec: DashboardSpec, cfg: MixinConfig, ds: Any) -> Any:
 def _panel(p: Any, ds: Any, panel_id: int) -> Any:
     """One panel: its kind's own options, then what every panel has (size, unit, thresholds,
     the queries)."""
-    from grafana_foundation_sdk.builders import dashboard as db
+    from grafana_foundation_sdk.builders import dashboard as db  # optional: ddpmon[dashboards]
     from grafana_foundation_sdk.builders import prometheus, stat
     from grafana_foundation_sdk.models import dashboard as dm
     from grafana_foundation_sdk.models import prometheus as pm
@@ -169,7 +169,7 @@ def _panel(p: Any, ds: Any, panel_id: int) -> Any:
 
 
 def _timeseries(p: Any) -> Any:
-    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders import common as cb  # optional: ddpmon[dashboards]
     from grafana_foundation_sdk.builders import timeseries
     from grafana_foundation_sdk.models import common as cm
     from grafana_foundation_sdk.models import dashboard as dm
@@ -221,7 +221,7 @@ def _timeseries(p: Any) -> Any:
 
 
 def _heatmap(p: Any) -> Any:
-    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders import common as cb  # optional: ddpmon[dashboards]
     from grafana_foundation_sdk.builders import heatmap
     from grafana_foundation_sdk.models import common as cm
 
@@ -265,7 +265,7 @@ def _heatmap(p: Any) -> Any:
 
 
 def _table(p: Any) -> Any:
-    from grafana_foundation_sdk.builders import common as cb
+    from grafana_foundation_sdk.builders import common as cb  # optional: ddpmon[dashboards]
     from grafana_foundation_sdk.builders import table
     from grafana_foundation_sdk.models import dashboard as dm
 
@@ -320,7 +320,7 @@ def _table(p: Any) -> Any:
 
 
 def _heatmap_enum(name: str, member: str) -> Any:
-    from grafana_foundation_sdk.models import heatmap as hm
+    from grafana_foundation_sdk.models import heatmap as hm  # optional: ddpmon[dashboards]
 
     return getattr(getattr(hm, name), member)
 

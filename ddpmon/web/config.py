@@ -26,6 +26,8 @@ may read and are accepted and ignored with a log line.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
@@ -104,7 +106,7 @@ class WebConfig:
 
 def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     """Read, validate and materialise ``path``; raise ``WebConfigError`` on any problem."""
-    import yaml
+    import yaml  # yaml loads only when used: a light CLI start
 
     p = Path(path)
     where = f"web_config {p}"
@@ -356,8 +358,6 @@ class BasicAuth:
     @staticmethod
     def parse_header(value: str | None) -> tuple[bytes, bytes] | None:
         """``Authorization: Basic b64(user:password)`` -> (user, password), or None."""
-        import base64
-        import binascii
 
         if not value:
             return None
@@ -393,7 +393,7 @@ class BasicAuth:
         return False
 
     def check(self, user: bytes, password: bytes) -> bool:
-        import bcrypt
+        import bcrypt  # optional: ddpmon[auth]
 
         hashed = self._lookup(user)
         if self.cached(user, password):
