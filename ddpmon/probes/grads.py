@@ -274,9 +274,8 @@ class StackPlan:
     def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """float64 norms in ``order`` (same checks and rows as ``per_param_norms``) of plain
         CPU tensors of one float32/float64 dtype (``_uniform_cpu``)."""
-        stacked = self.buffers.norms32(tensors)
-        if stacked is not None:
-            wide = stacked.to(torch.float64, copy=True)  # out of the buffer reused next step
+        wide = self.buffers.norms(tensors)
+        if wide is not None:
             if not self.rest:
                 return _widen_checked(wide, tensors, self.order)
             parts = [wide, per_param_norms([tensors[i] for i in self.rest])]

@@ -5,8 +5,8 @@ Each group of same-shaped tensors (``grads.StackPlan.stacks``) is copied into it
 buffer (``torch.stack(..., out=)``) and reduced in one float32 call, one row per tensor, written
 into its slice of one float32 result vector (``vector_norm(..., out=)``): the same kernels and
 the same bits as a fresh stack and a fresh reduction, without two allocations, a reshape, a
-widening and a concatenation per group. The caller widens the result once (a new tensor: the
-buffers are reused next step, the result is queued for readback).
+widening and a concatenation per group. The result is widened once, into a new tensor (the
+buffers are reused next step; the result is queued for readback).
 
 The buffers are built at the first step and again whenever the gradients' dtype changes; they
 hold one copy of the stacked gradients (at most ``grads.SMALL_NUMEL`` elements a tensor), so
@@ -39,10 +39,9 @@ class StackBuffers:
         """Per group: its slice of ``_result``."""
         self._result: torch.Tensor | None = None
 
-    def norms32(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-        """float32 norms of the stacked groups, in the plan's stack order, written into the
-        reused result vector (copy it before keeping it); None when another thread holds the
-        buffers."""
+    def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """float64 norms of the stacked groups, in the plan's stack order: a new tensor, copied
+        out of the reused result vector; None when another thread holds the buffers."""
         if not self._lock.acquire(blocking=False):
             return None
         try:
@@ -53,7 +52,7 @@ class StackBuffers:
             ):
                 torch.stack([tensors[i] for i in group], out=target)
                 torch.linalg.vector_norm(rows, dim=1, out=view)
-            return self._result
+            return self._result.to(torch.float64, copy=True)  # the buffer is reused next step
         finally:
             self._lock.release()
 

@@ -216,6 +216,8 @@ def test_stacked_norms_reuse_their_buffers_without_changing_a_bit():
         kept.append((vector.norms, fresh))
     assert all(torch.equal(ours, theirs) for ours, theirs in kept)  # step 1's survived step 2
     assert not torch.equal(kept[0][0], kept[1][0])
+    with plan.buffers._lock:  # held by another thread: the allocating path, the same bits
+        assert torch.equal(full_pass(index).norms, kept[1][1])
     model.double()  # the same parameters, now float64
     for p in model.parameters():
         p.grad = torch.randn(p.shape, dtype=torch.float64)
