@@ -121,6 +121,7 @@ lint: $(STAMP)
 
 bench: $(STAMP) $(OPS_STAMP)
 	$(BIN)/python benchmarks/host_cost.py --write benchmarks/RESULTS.md
+	$(BIN)/python benchmarks/host_cost_vs_first.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/norm_precision.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/fsdp_overhead.py --write benchmarks/RESULTS.md

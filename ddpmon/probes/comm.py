@@ -178,9 +178,10 @@ class CollectiveRecorder:
     def take(self) -> CommTiming | None:
         """What was recorded since the last call (None: nothing)."""
         with self._lock:
-            timing, self._timing = self._timing, CommTiming()
-        if not timing.bytes and not timing.count:
-            return None
+            timing = self._timing
+            if not timing.bytes and not timing.count:
+                return None  # nothing this step (most steps of most strategies): no new object
+            self._timing = CommTiming()
         return timing
 
     def _add(self, op: str, nbytes: int, seconds: float | None = None,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ import torch
 from .._torch_compat import compiled_inner, foreach_norm
 from ..host_reads import host_read_free
 from .backward_order import BackwardOrder
+from .stacked import StackBuffers, stacked_norms
 
 
 @dataclass(slots=True)
@@ -253,6 +254,8 @@ class StackPlan:
     rest: tuple[int, ...]
     order: tuple[int, ...]
     """Tensor index of each entry of the result."""
+    buffers: StackBuffers = field(compare=False, repr=False)
+    """The stacks' reusable buffers (``probes.stacked``)."""
 
     @classmethod
     def for_shapes(cls, shapes: Sequence[Sequence[int]]) -> StackPlan | None:
@@ -265,31 +268,30 @@ class StackPlan:
             return None
         stacked = {i for g in stacks for i in g}
         rest = tuple(i for i in range(len(shapes)) if i not in stacked)
-        return cls(stacks, rest, tuple(i for g in stacks for i in g) + rest)
+        order = tuple(i for g in stacks for i in g) + rest
+        return cls(stacks, rest, order, StackBuffers(stacks))
 
     def norms(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """float64 norms in ``order`` (same checks and rows as ``per_param_norms``)."""
-        parts = [_stacked_norms([tensors[i] for i in group]) for group in self.stacks]
+        """float64 norms in ``order`` (same checks and rows as ``per_param_norms``) of plain
+        CPU tensors of one float32/float64 dtype (``_uniform_cpu``)."""
+        wide = self.buffers.norms(tensors)
+        if wide is not None:
+            if not self.rest:
+                return _widen_checked(wide, tensors, self.order)
+            parts = [wide, per_param_norms([tensors[i] for i in self.rest])]
+            return _widen_checked(torch.cat(parts), tensors, self.order)
+        parts = [stacked_norms([tensors[i] for i in group]) for group in self.stacks]
         if self.rest:
             parts.append(per_param_norms([tensors[i] for i in self.rest]))
         return _widen_checked(torch.cat(parts), tensors, self.order)
 
 
-def _stacked_norms(group: Sequence[torch.Tensor]) -> torch.Tensor:
-    """float64 norms of same-shaped small tensors, stacked into one copy and reduced in one
-    float32 call, one row per tensor. This is the host-cost path of small models (RL, tiny
-    MLPs), where float64 cost 50 us a step on an 8 x Linear(64) MLP, a quarter of the agent's
-    cost: such a tensor's norm is within its float32 sum's drift (worst 6.5e-7 measured on
-    4,096 values), and models of 10^6 parameters and more hold their mass in larger tensors."""
-    stacked = torch.stack(list(group)).reshape(len(group), -1)
-    return torch.linalg.vector_norm(stacked, dim=1).double()
-
-
 def _uniform_cpu(tensors: Sequence[torch.Tensor]) -> bool:
     """Plain CPU tensors of one float32/float64 dtype (no subclass such as DTensor)."""
-    dtype = tensors[0].dtype
+    dtype = getattr(tensors[0], "dtype", None)  # None: no gradient
     return dtype in _WIDE and all(
-        type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu for t in tensors
+        type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and not t.is_sparse
+        for t in tensors
     )
 
 
@@ -299,7 +301,8 @@ def _widen_checked(
     """CPU norms to float64, with float32 overflows (inf) re-measured in float64."""
     # Always float64 out: the same dtype on every rank, whatever its values (collectives over
     # these vectors, like the duplicated-data fingerprint, need identical layouts).
-    norms = norms.to(torch.float64)
+    if norms.dtype is not torch.float64:
+        norms = norms.to(torch.float64)
     if not host_finite(norms):  # CPU memory: reading it is not a device sync
         for i in np.flatnonzero(np.isinf(norms.numpy())).tolist():
             source = tensors[order[i] if order is not None else i]
@@ -419,12 +422,12 @@ def _summarize_numpy(values, positions, index: ParamIndex) -> GradSummary:
 def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
     """Per-parameter norms of every parameter's current ``.grad``: one fused pass."""
     grads = [p.grad for p in index.params]
+    plan = index.stack_plan  # small models: same-shaped CPU gradients, the host-cost path
+    if plan is not None and _uniform_cpu(grads) and host_read_free(grads[0].device):
+        return NormVector(plan.norms(grads), plan.order, scaled)
     if all(g is not None and not g.is_sparse for g in grads):  # the common case
         if not grads:
             return None
-        plan = index.stack_plan
-        if plan is not None and _uniform_cpu(grads) and host_read_free(grads[0].device):
-            return NormVector(plan.norms(grads), plan.order, scaled)
         return NormVector(per_param_norms(grads), index.all_positions, scaled)
     positions: list[int] = []
     present: list[torch.Tensor] = []

@@ -195,3 +195,36 @@ def test_plain_attach_global_and_group_norms_equal_fp64_within_1e_7(tmp_path):
         assert _rel(record.grad_norm, math.sqrt(sum(squares.values()))) <= 1e-7
         for group, sq in squares.items():
             assert _rel(record.group_norms[group], math.sqrt(sq)) <= 1e-7
+
+
+def test_stacked_norms_reuse_their_buffers_without_changing_a_bit():
+    """The stacks' buffers are reused step after step: the norms are bit for bit those of a
+    fresh stack and reduction, a result kept from one step is not overwritten by the next, and
+    a change of dtype rebuilds the buffers."""
+    from ddpmon.probes.stacked import stacked_norms
+
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+    index = ParamIndex(model)
+    plan = index.stack_plan
+    kept = []
+    for seed in (1, 2):
+        _grads(model, seed=seed)
+        grads = [p.grad for p in index.params]
+        fresh = torch.cat([stacked_norms([grads[i] for i in g]) for g in plan.stacks])
+        vector = full_pass(index)
+        assert torch.equal(vector.norms, fresh)
+        kept.append((vector.norms, fresh))
+    assert all(torch.equal(ours, theirs) for ours, theirs in kept)  # step 1's survived step 2
+    assert not torch.equal(kept[0][0], kept[1][0])
+    with plan.buffers._lock:  # held by another thread: the allocating path, the same bits
+        assert torch.equal(full_pass(index).norms, kept[1][1])
+    model.double()  # the same parameters, now float64
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, dtype=torch.float64)
+    grads = [p.grad for p in index.params]
+    first = full_pass(index).norms  # float64 gradients: still a copy, not the buffer
+    assert first.tolist() == pytest.approx([float(grads[i].norm()) for i in plan.order], rel=1e-12)
+    before = first.clone()
+    for p in model.parameters():
+        p.grad.mul_(2)
+    assert torch.equal(full_pass(index).norms, 2 * before) and torch.equal(first, before)
