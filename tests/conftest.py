@@ -15,6 +15,10 @@
   under ``--dist loadfile --no-loadscope-reorder`` the last file to finish is a short one rather
   than the Slurm module alone on one worker while the others idle. A file it does not list
   counts as ``UNMEASURED_SECONDS``.
+- **A lane leaves the other lanes' files unread.** Under ``-m`` naming lane markers only (``make
+  check``'s), a file whose lane that expression deselects is not collected at all: each xdist
+  worker would import it (Lightning, cloudcoil's models, torchtitan, ...) only to deselect every
+  test in it.
 - **DeepSpeed's C++ ops come from this venv's own build** (``TORCH_EXTENSIONS_DIR``, the
   Makefile's path, built at install): a shared ``~/.cache/torch_extensions`` is rebuilt whenever
   another checkout's venv built it last, and a rank killed mid-build (a test timeout) leaves the
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +113,29 @@ def lane_of(path: Path) -> tuple[str, ...]:
     if not best:
         raise pytest.UsageError(f"tests/{rel} is in no lane: add its directory to LANES")
     return LANES[best]
+
+
+def lane_deselects(markexpr: str, markers: tuple[str, ...]) -> bool:
+    """Whether ``-m markexpr`` deselects every test that carries exactly the lane ``markers``.
+    Only an expression of lane markers, ``and``, ``or``, ``not`` and parentheses is judged (a
+    test's lane markers are all it can carry of those); anything else is False: collect."""
+    words = re.findall(r"\(|\)|[^\s()]+", markexpr)
+    if not words or any(w not in ("and", "or", "not", "(", ")", *LANE_MARKERS) for w in words):
+        return False
+    code = " ".join(str(w in markers) if w in LANE_MARKERS else w for w in words)
+    try:
+        return not eval(code, {"__builtins__": {}})  # only True, False, and, or, not, ( )
+    except SyntaxError:
+        return False  # pytest names the bad expression itself
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if not (collection_path.name.startswith("test_") and collection_path.suffix == ".py"):
+        return None
+    markexpr = config.getoption("markexpr", "")
+    if markexpr and lane_deselects(markexpr, lane_of(collection_path)):
+        return True
+    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,11 +1,19 @@
-"""The suite's own scheduling rule (tests/conftest.py): files longest first, each kept whole."""
+"""The suite's own scheduling rules (tests/conftest.py): files longest first, each kept whole;
+a lane's ``-m`` leaves the files of other lanes uncollected."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import DURATIONS, UNMEASURED_SECONDS, file_durations, longest_files_first
+from tests.conftest import (
+    DURATIONS,
+    UNMEASURED_SECONDS,
+    file_durations,
+    lane_deselects,
+    longest_files_first,
+    pytest_ignore_collect,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,3 +47,43 @@ def test_the_measured_durations_name_only_files_that_exist():
     missing = [path for path in durations if not (ROOT / path).is_file()]
     assert not missing, f"stale entries in {DURATIONS.name}: {missing}"
     assert all(seconds >= 0 for seconds in durations.values())
+
+
+FAST = "not ranks and not services and not browser and not gpu"
+
+
+def test_a_lane_expression_judges_a_file_by_its_lane_markers():
+    assert lane_deselects(FAST, ("ranks",))
+    assert lane_deselects(FAST, ("ranks", "services"))
+    assert not lane_deselects(FAST, ())
+    assert lane_deselects("ranks", ())
+    assert not lane_deselects("ranks", ("ranks", "services"))
+    assert lane_deselects("(ranks or services) and not browser", ("ranks", "browser"))
+    assert not lane_deselects("not (ranks and services)", ("ranks",))
+
+
+def test_an_expression_naming_other_markers_or_malformed_collects_everything():
+    assert not lane_deselects("timeout and not ranks", ("ranks",))  # another marker: collect
+    assert not lane_deselects("ranks and", ())  # pytest reports the syntax error itself
+    assert not lane_deselects("__import__", ())
+    assert not lane_deselects("", ("ranks",))
+
+
+@dataclass
+class Options:
+    markexpr: str
+
+    def getoption(self, name: str, default=None):
+        return getattr(self, name, default)
+
+
+def test_the_fast_lane_leaves_a_ranks_file_uncollected_and_keeps_its_own():
+    """Under the fast lane's -m a ranks file is not even imported; a unit file and a directory
+    are collected, and without -m everything is."""
+    tests = ROOT / "tests"
+    fast, whole = Options(FAST), Options("")
+    assert pytest_ignore_collect(tests / "parallel" / "test_attach.py", fast) is True
+    assert pytest_ignore_collect(tests / "parallel" / "test_row_chunks.py", fast) is None
+    assert pytest_ignore_collect(tests / "unit" / "test_suite_order.py", fast) is None
+    assert pytest_ignore_collect(tests / "parallel", fast) is None
+    assert pytest_ignore_collect(tests / "parallel" / "test_attach.py", whole) is None
