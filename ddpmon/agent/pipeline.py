@@ -96,7 +96,7 @@ class StepPipeline(StepPhase):
         self.step = 0
         """Index of the step in progress (host counter)."""
         self.batch_shapes: list | None = None
-        self.split = StepSplit(getattr(source, "collectives", None))  # where step time goes
+        self.split = StepSplit(getattr(source, "collectives", None), index.params)
         self._step_start = self._last_end = None  # perf_counter seconds, when known
         self._loss: Any = None
         self._backward_pending = False
@@ -373,8 +373,8 @@ class StepPipeline(StepPhase):
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
-            duration=end_perf - start if start is not None else None,
-            data_wait=data_wait, phases=self.split.finish(start, end_perf, data_wait),
+            duration=(duration := end_perf - start if start is not None else None),
+            data_wait=data_wait, phases=self.split.finish(duration, data_wait),
             summaries=s,
             loss_host=loss_host,
             trainer_norm_host=trainer_host,

@@ -42,6 +42,9 @@ WARMUP = 5
 """First steps of a history left out."""
 THRESHOLD = 0.05
 """Default slowdown (own time over the median rank's, less one) that names a straggler."""
+FLOOR = 0.2
+"""The quantile of a window's steps that is its value: interference from outside the run (other
+processes, a shared cache) only ever adds time, so a low quantile is the work's own cost."""
 MAX_NAMED = 16
 """Streaks listed at most (the largest slowdowns first)."""
 CAUSES = ("data", "compute", "host")
@@ -101,7 +104,7 @@ def rank_windows(columns: dict[str, Any], width: int
         if len(chunk) < max(2, width // 2):  # a window mostly missing: not compared
             continue
         out[int(index[chunk[0]])] = tuple(  # type: ignore[assignment]
-            float(np.median(a[chunk])) for a in (own, data, compute, host)
+            float(np.quantile(a[chunk], FLOOR)) for a in (own, data, compute, host)
         )
     return out
 
