@@ -21,6 +21,16 @@ COLLECTIVE_P99 = "rank:ddpmon_collective_duration_seconds:p99"
 COMPUTE_MEAN = "rank:ddpmon_step_compute_seconds:mean"
 """Step time minus the time in collectives (every op) per step: what a straggler spends more
 of."""
+OWN_MEAN = "rank:ddpmon_step_own_seconds:mean"
+"""Step time and data wait less the wait inside collectives, per step: the rank's own work
+(``ddpmon.mixin.stragglers``)."""
+OWN_BY_CAUSE = "rank:ddpmon_step_own_seconds:mean_by_cause"
+"""The own time per step by ``cause``: data, compute, host."""
+STRAGGLER_SLOWDOWN = "rank:ddpmon_straggler:slowdown"
+"""Own time over the run's median rank's, less one (0.15: 15 % slower)."""
+STRAGGLER_CAUSE = "rank:ddpmon_straggler:cause"
+"""One series per rank, its ``cause`` the part furthest above the median rank's (value: the
+excess, seconds per step)."""
 SKIPPED_RATIO = "rank:ddpmon_amp_skipped_steps:ratio"
 GRAD_UNABSORBED = "rank:ddpmon_grad_nonfinite_unabsorbed_steps:total"
 """Non-finite steps minus those the GradScaler absorbed (skipped); a counter."""

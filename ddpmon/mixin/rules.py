@@ -15,6 +15,7 @@ import re
 
 from ddpmon import metrics as m
 from ddpmon.mixin import names as n
+from ddpmon.mixin import stragglers
 from ddpmon.mixin.config import MixinConfig
 
 
@@ -94,16 +95,12 @@ def rank_problems(cfg: MixinConfig) -> str:
     run_labels = ", ".join(cfg.run_labels)
     step = sel(cfg, m.STEP.name)
     behind = f"{n.STEP_LEADER} - on ({run_labels}) group_right {step}"
-    skew = (
-        f"{n.COMPUTE_MEAN} / on ({run_labels}) group_left "
-        f"quantile {cfg.by_run} (0.5, {n.COMPUTE_MEAN})"
-    )
     problems = "\nor\n".join(
         (
             _problem("down", f"{sel(cfg, 'up')} == 0"),
             _problem("stalled", f"{n.HEARTBEAT_AGE} > {n.STALL_THRESHOLD}"),
             _problem("behind", f"{behind} > {cfg.rank_desync_steps:g}"),
-            _problem("straggler", f"{skew} > {cfg.straggler_ratio:g}"),
+            _problem("straggler", stragglers.problem_expr(cfg)),
             _problem("starved", f"{n.DATA_WAIT_RATIO} > {cfg.data_starved_share:g}"),
             _problem(
                 "memory",
@@ -266,6 +263,7 @@ def _communication_records(cfg: MixinConfig) -> list[dict]:
             f"({step_mean}) * 0),\n  0\n)",
         },
         {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},
+        *stragglers.records(cfg),
         {"record": n.RANKS_REPORTING, "expr": f"count {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.WORLD_SIZE, "expr": f"max {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.RANK_PROBLEMS, "expr": rank_problems(cfg)},
