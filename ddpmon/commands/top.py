@@ -17,6 +17,8 @@ from .. import metrics
 from ..damage import ReadWarnings
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, read_sd_dir
 from ..terminal import clean_line, shown
+from ._top_stragglers import cell as straggler_cell
+from ._top_stragglers import straggler_scores
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -210,12 +212,15 @@ def _table(results: Results, previous: dict, dt: float):
     for col in COLUMNS:
         header = f"{col.header}\n[dim]{col.layer}[/]" if col.layer else col.header
         table.add_column(header, justify="right")
+    table.add_column("slowdown\n[dim]vs median rank[/]", justify="right")
+    scores = straggler_scores(results, previous)
     rows = []
     for target, m in results.items():
         if m is None:
-            rows.append((float("inf"), [f"[red]{shown(target)} down", *[""] * (len(COLUMNS) - 1)]))
+            rows.append((float("inf"), [f"[red]{shown(target)} down", *[""] * len(COLUMNS)]))
             continue
         cells = [col.cell(m, previous.get(target), dt) for col in COLUMNS]
+        cells.append(straggler_cell(scores.get(target)))
         rows.append((m.get("rank", float("inf")), cells))
     for _, cells in sorted(rows, key=lambda r: r[0]):
         table.add_row(*cells)
@@ -247,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"ddpmon top: warning: {clean_line(f'{args.sd_dir}/{line}')}", file=sys.stderr)
         if args.json:
             doc = {"ts": time.time(), "ranks": {t: _json_samples(m) for t, m in results.items()},
-                   "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json()}
+                   "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json(),
+                   "stragglers": straggler_scores(results, previous)}
             print(json.dumps(doc, default=str), flush=True)
         elif not targets:
             console.print("no rank endpoints found" + (f" in {args.sd_dir}" if args.sd_dir else ""))

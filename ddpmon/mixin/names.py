@@ -18,9 +18,6 @@ COLLECTIVE_MEAN = "rank:ddpmon_collective_duration_seconds:mean"
 """Mean time of one collective, per rank and ``op`` (exact: ``_sum / _count``)."""
 COLLECTIVE_P99 = "rank:ddpmon_collective_duration_seconds:p99"
 """Per rank and ``op``, from factor-8 buckets: orders of magnitude, not fine differences."""
-COMPUTE_MEAN = "rank:ddpmon_step_compute_seconds:mean"
-"""Step time minus the time in collectives (every op) per step: what a straggler spends more
-of."""
 OWN_MEAN = "rank:ddpmon_step_own_seconds:mean"
 """Step time and data wait less the wait inside collectives, per step: the rank's own work
 (``ddpmon.mixin.stragglers``)."""
@@ -45,7 +42,6 @@ GPU_ALLOCATED_RATIO = "rank:ddpmon_cuda_memory_allocated_bytes:device_ratio"
 
 # --- per run ---
 STEP_LEADER = "run:ddpmon_step:max"
-COMPUTE_RUN_MEDIAN = "run:ddpmon_step_compute_seconds:median"
 DATA_WAIT_RUN_MEDIAN = "run:ddpmon_data_wait_seconds:median"
 COLLECTIVE_RUN_P99 = "run:ddpmon_collective_duration_seconds:p99"
 """Per run and ``op``."""

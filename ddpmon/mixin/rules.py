@@ -226,12 +226,8 @@ def _memory_records(cfg: MixinConfig) -> list[dict]:
 def _communication_records(cfg: MixinConfig) -> list[dict]:
     by_run = cfg.by_run
     run_labels = ", ".join(cfg.run_labels)
-    step_mean = _mean(cfg, m.STEP_DURATION.name)
     collective = m.COLLECTIVE_DURATION.name
     by_op = f"by ({run_labels}, op)"
-    collective_per_step = (
-        f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
-    )
     return [
         {
             # Per rank and op, exact; NaN (no collective of that op in the window) dropped so
@@ -254,15 +250,6 @@ def _communication_records(cfg: MixinConfig) -> list[dict]:
         {"record": n.COLLECTIVE_P99_RUN_MEDIAN, "expr": _median(cfg, n.COLLECTIVE_P99, by_op)},
         {"record": n.COLLECTIVE_MEAN_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_MEAN, by_op)},
         {"record": n.COLLECTIVE_P99_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_P99, by_op)},
-        {
-            # Step time minus the time spent in collectives (every op): the fast ranks of a
-            # run wait for the slow one inside the collective, so wall step time alone cannot
-            # tell them apart. Runs without collectives (one process) count it as zero.
-            "record": n.COMPUTE_MEAN,
-            "expr": f"clamp_min(\n  ({step_mean})\n  - (({collective_per_step}) or "
-            f"({step_mean}) * 0),\n  0\n)",
-        },
-        {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},
         *stragglers.records(cfg),
         {"record": n.RANKS_REPORTING, "expr": f"count {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.WORLD_SIZE, "expr": f"max {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},

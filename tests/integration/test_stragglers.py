@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ddpmon.commands._top_stragglers import straggler_scores
+from ddpmon.export.scrape import flatten
 from ddpmon.forensics.report import build_report
 from ddpmon.forensics.timeline import build_timeline
 from tests.support.ranks import run_ranks
@@ -94,6 +96,11 @@ def test_a_rank_with_20ms_more_data_wait_is_named_first_with_cause_data(runs):
     assert "Straggler: rank 1 was " in proc.stdout and "(cause: data)" in proc.stdout, proc.stdout
     page = build_report(_run_dir(out, "data")).html
     assert '<ul id="stragglers"><li>rank 1 was ' in page
+    # ddpmon top's column, from the ranks' expositions (since start: one scrape each)
+    scraped = {str(r): flatten((out / f"data.rank{r}.metrics").read_text()) for r in range(WORLD)}
+    scores = straggler_scores(scraped, {})
+    slowest = max(scores, key=lambda t: scores[t]["slowdown"])
+    assert (slowest, scores[slowest]["cause"]) == ("1", "data"), scores
 
 
 def test_500_clean_steps_name_no_rank(runs):
