@@ -350,7 +350,7 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 (q(Q.STRAGGLER_TABLE, coverage=EVERY_RANK, instant=True, fmt="table"),),
                 "The ten slowest ranks now, with the cause: the part of their own time (data, "
                 "compute, host) furthest above the run's median rank's.",
-                rank_links=True, hide_columns=("Time",),
+                width=12, rank_links=True, hide_columns=("Time",),
             ),
             PanelSpec(
                 "Step drift between ranks", "timeseries", "short",
