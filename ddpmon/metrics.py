@@ -81,6 +81,17 @@ DATA_WAIT = Metric(
     L.DATA_SUPPLY,
     unit="seconds",
 )
+STEP_PART_SECONDS = Metric(
+    "ddpmon_step_part_seconds_total",
+    C,
+    "Step time by part, summed over steps: compute (forward, backward, optimizer) and wait "
+    "(inside collectives, for the other ranks); the step's host time is the step time's sum "
+    "less both. The slow rank computes most and waits least.",
+    L.DATA_SUPPLY,
+    unit="seconds",
+    labels=("part",),
+    when="after a first timed step, on a rank issuing at most 3 collective ops (series budget)",
+)
 DATA_IDENTICAL_BATCHES = Metric(
     "ddpmon_data_identical_batches_total",
     C,

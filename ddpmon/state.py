@@ -153,6 +153,9 @@ class StepRecord:
     """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
     step_values: dict[Any, float] = field(default_factory=dict)
     """The per-step metrics' values (``ddpmon.step_metrics``), keyed by their ``Metric``."""
+    phase_seconds: tuple[float, ...] | None = None
+    """Where the step's time went: data, forward, backward, optimizer, host, wait
+    (``agent.step_split.PHASES``); None where the step had no start."""
     replica_divergence: dict | None = None
     """A replica check at this step found replicas that differ from their group's majority
     (``strategies.replicas.Divergence`` as a dict: ``ranks``, ``this_rank``, ``group``...)."""
@@ -238,6 +241,8 @@ class MetricState:
     replica_mismatch_total: int | None = None
     """Replica checks at which this rank differed from its replicas' majority; None where the
     check does not run (its series is then not exported)."""
+    step_part_seconds_total: dict[str, float] = field(default_factory=dict)
+    """``compute``/``wait`` -> seconds summed over steps (``ddpmon_step_part_seconds_total``)."""
     step_reruns_total: dict[str, int] | None = None
     """Reruns by fault (``transient``, ``deterministic``) under ``on_nonfinite='rerun'``;
     None otherwise (not exported)."""
@@ -288,6 +293,11 @@ class MetricState:
             self.step_duration.observe(record.duration_seconds)
         if record.data_wait_seconds is not None:
             self.data_wait.observe(record.data_wait_seconds)
+        if record.phase_seconds is not None:
+            _, forward, backward, optimizer, _, wait = record.phase_seconds
+            parts = self.step_part_seconds_total
+            parts["compute"] = parts.get("compute", 0.0) + forward + backward + optimizer
+            parts["wait"] = parts.get("wait", 0.0) + wait
         if record.loss is not None:
             self.loss = record.loss
             if not math.isfinite(record.loss):

@@ -57,6 +57,7 @@ class StepHooks:
     def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
         if self.closed or not torch.is_grad_enabled():
             return
+        self.pipeline.split.forward_ended()
         with self.pipeline.guard("step"):
             if isinstance(output, torch.Tensor):  # the common case: one cheap node pre-hook
                 node = output.grad_fn

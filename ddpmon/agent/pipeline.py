@@ -48,6 +48,7 @@ from .records import StepMeta, build_record
 from .rerun import decide_recorded, wrap_closure
 from .step_detection import GradSentinel, is_inert_step
 from .step_phase import StepPhase
+from .step_split import StepSplit
 from .stepvector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
 from .unmeasured import UnmeasuredSteps
@@ -93,8 +94,8 @@ class StepPipeline(StepPhase):
         self.tracker = OriginTracker()
         self.step = 0  # index of the step in progress (host counter)
         self.batch_shapes: list | None = None
-        self._step_start: float | None = None
-        self._last_end: float | None = None
+        self.split = StepSplit(getattr(source, "collectives", None), index.params)
+        self._step_start = self._last_end = None  # perf_counter seconds, when known
         self._loss: Any = None
         self._backward_pending = False
         self._sentinel: GradSentinel | None = None
@@ -165,6 +166,7 @@ class StepPipeline(StepPhase):
             if self.replicas is not None and self.replicas.scope.at_forward:
                 self._replica_inflight = self._launch_replicas()
         self._at(FORWARD)
+        self.split.forward_started()
         if self.batch_shapes is None:
             if self.precision is not None:
                 with self.guard("step"):
@@ -180,6 +182,7 @@ class StepPipeline(StepPhase):
         self._backward_pending = True
         self._sentinel = GradSentinel.take(self.index.params)
         self._at(AFTER_BACKWARD)
+        self.split.backward_ended()
 
     def batch_started(self) -> None:
         """A trainer says a training batch began (Lightning, the HF Trainer): the step is
@@ -197,6 +200,7 @@ class StepPipeline(StepPhase):
             if self._inert:
                 return
         self._at(OPTIMIZER)
+        self.split.optimizer_started()
         if closure is not None or (len(args) > 1 and any(callable(a) for a in args[1:])):
             self._closure_step = True  # its backward has not run yet: collect after the step
             return self._wrap_closure(args, kwargs) if self.rerun is not None else None
@@ -231,8 +235,7 @@ class StepPipeline(StepPhase):
 
     def recollect(self) -> None:
         """The step's backward runs again: collect its results afresh."""
-        self._collected = None
-        self._backward_pending = False
+        self._collected, self._backward_pending = None, False
 
     def drop_grads(self) -> None:
         for p in self.index.params:
@@ -284,11 +287,9 @@ class StepPipeline(StepPhase):
             self._step_start = None
             self._last_end = time.perf_counter()
             self._loss = None
-            self._collected = None
+            self._collected, self._sentinel = None, None
             self._closure_step = self._policy_skipped = False
-            self._backward_pending = False
-            self._sentinel = None
-            self._forward_seen = False
+            self._backward_pending = self._forward_seen = False
             if self.rerun is not None:
                 self.rerun.end_step()
             self._at(DATA)
@@ -338,9 +339,8 @@ class StepPipeline(StepPhase):
         memory) to be non-finite, so the caller drains now and the evidence holds them."""
         end_perf, end_wall = time.perf_counter(), time.time()
         start = self._step_start if self._step_start is not None else self._last_end
-        data_wait = None
-        if self._step_start is not None and self._last_end is not None:
-            data_wait = max(0.0, self._step_start - self._last_end)
+        known = self._step_start is not None and self._last_end is not None
+        data_wait = max(0.0, self._step_start - self._last_end) if known else None
         loss, loss_host = self._loss, None
         if not isinstance(loss, torch.Tensor):
             loss, loss_host = None, loss
@@ -370,8 +370,8 @@ class StepPipeline(StepPhase):
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
-            duration=end_perf - start if start is not None else None,
-            data_wait=data_wait,
+            duration=(duration := end_perf - start if start is not None else None),
+            data_wait=data_wait, phases=self.split.finish(duration, data_wait),
             summaries=s,
             loss_host=loss_host,
             trainer_norm_host=trainer_host,

@@ -45,6 +45,8 @@ class StepMeta:
     """The replica checksums' gather issued at this step's end (``strategies.replicas``)."""
     extras: Any = None
     """``agent.update_wiring.SpikeParts``: finishes the record from its own slots."""
+    phases: tuple[float, ...] | None = None
+    """The step's phase seconds (``step_split.PHASES`` order), None where unknown."""
 
 
 def build_record(
@@ -62,6 +64,7 @@ def build_record(
         wall_time=meta.wall_time,
         duration_seconds=meta.duration,
         data_wait_seconds=meta.data_wait,
+        phase_seconds=meta.phases,
         skipped_by=meta.skipped_by,
     )
     scale = parts[slot.GRAD_SCALE][0] if slot.GRAD_SCALE in parts else None

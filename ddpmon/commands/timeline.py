@@ -129,6 +129,11 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
         console.print(f"[bold]Slurm:[/bold] {shown(line(slurm))}")
     if tl.verdict:
         console.print(f"[bold]Verdict:[/bold] {shown(tl.verdict['line'])}")
+    if tl.stragglers:
+        from ddpmon.forensics.stragglers import describe as straggler
+
+        for s in tl.stragglers:
+            console.print(f"[bold]Straggler:[/bold] {shown(straggler(s))}")
 
 
 def _render_recovery(console, rec: dict) -> None:

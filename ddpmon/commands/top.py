@@ -20,6 +20,8 @@ from ..damage import ReadWarnings
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, flatten, read_sd_dir
 from ..hang_naming import RankActivity, name_hang, parse_activity
 from ..terminal import clean_line, shown
+from ._top_stragglers import cell as straggler_cell
+from ._top_stragglers import straggler_scores
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -236,12 +238,15 @@ def _table(results: Results, previous: dict, dt: float):
     for col in COLUMNS:
         header = f"{col.header}\n[dim]{col.layer}[/]" if col.layer else col.header
         table.add_column(header, justify="right")
+    table.add_column("slowdown\n[dim]vs median rank[/]", justify="right")
+    scores = straggler_scores(results, previous)
     rows = []
     for target, m in results.items():
         if m is None:
-            rows.append((float("inf"), [f"[red]{shown(target)} down", *[""] * (len(COLUMNS) - 1)]))
+            rows.append((float("inf"), [f"[red]{shown(target)} down", *[""] * len(COLUMNS)]))
             continue
         cells = [col.cell(m, previous.get(target), dt) for col in COLUMNS]
+        cells.append(straggler_cell(scores.get(target)))
         rows.append((m.get("rank", float("inf")), cells))
     for _, cells in sorted(rows, key=lambda r: r[0]):
         table.add_row(*cells)
@@ -276,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             doc = {"ts": time.time(), "ranks": {t: _json_samples(m) for t, m in results.items()},
                    "errors": errors, "warnings": damage.lines(), "damaged": damage.to_json(),
-                   "activity": {t: a.to_json() for t, a in activity.items()}, "hang": hang}
+                   "activity": {t: a.to_json() for t, a in activity.items()}, "hang": hang,
+                   "stragglers": straggler_scores(results, previous)}
             print(json.dumps(doc, default=str), flush=True)
         elif not targets:
             console.print("no rank endpoints found" + (f" in {args.sd_dir}" if args.sd_dir else ""))

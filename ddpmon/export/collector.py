@@ -175,6 +175,7 @@ class DdpmonCollector(Collector):
             m.LAST_STEP_TIMESTAMP: _one(s.last_step_timestamp or s.started_at),
             m.STEP_DURATION: s.step_duration,
             m.DATA_WAIT: s.data_wait,
+            **_step_parts(s),
             m.DATA_IDENTICAL_BATCHES: _one(s.data_identical_batches_total),
             m.LOSS_NONFINITE: _one(s.loss_nonfinite_total),
             m.GRAD_NONFINITE_STEPS: _one(s.grad_nonfinite_steps_total),
@@ -250,6 +251,14 @@ def _by_op(values: dict) -> list[tuple[str, Any]]:
     an op)."""
     items = dict(values)
     return sorted(items.items(), key=lambda kv: _OP_ORDER.get(kv[0], len(_OP_ORDER)))
+
+
+def _step_parts(s: MetricState) -> dict[m.Metric, Samples]:
+    """The step's parts, where the rank's series budget has room (at most 3 collective ops)."""
+    parts = dict(s.step_part_seconds_total)
+    if not parts or len(s.collective_duration) > 3:
+        return {}
+    return {m.STEP_PART_SECONDS: [((part,), v) for part, v in sorted(parts.items())]}
 
 
 def _one(value: float) -> Samples:

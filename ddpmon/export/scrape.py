@@ -272,7 +272,8 @@ def flatten(text: str) -> dict[str, float]:
     ``ddpmon_agent_errors_total`` (summed over probes), ``ddpmon_steps_skipped_total`` (over
     skippers), the rank read from
     ``ddpmon_rank_info`` (as ``rank``) and the collective families' ``_sum``, ``_count`` and
-    bytes (summed over ops under the plain name, and each op as ``name{op="..."}``)."""
+    bytes (summed over ops under the plain name, and each op as ``name{op="..."}``), and the
+    step's parts, each as ``name{part="..."}``."""
     # prometheus_client loads only when used: a light CLI start
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -289,6 +290,8 @@ def flatten(text: str) -> dict[str, float]:
             elif extra == {"op"} and sample.name in _PER_OP:
                 out[sample.name] += sample.value
                 out[f'{sample.name}{{op="{sample.labels["op"]}"}}'] = sample.value
+            elif extra == {"part"} and sample.name == metrics.STEP_PART_SECONDS.name:
+                out[f'{sample.name}{{part="{sample.labels["part"]}"}}'] = sample.value
     return dict(out)
 
 

@@ -63,6 +63,7 @@ from .history_schema import (  # noqa: F401  (re-exported: the history's public 
     SKIPPED_NAMES,
     UPDATE_COLUMNS,
     update_values,
+    phase_columns,
 )
 
 log = logging.getLogger("ddpmon")
@@ -102,6 +103,7 @@ def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> t
         "collective_mean_seconds": (sum(ar) / len(ar)) if ar else None,
         "collective_max_seconds": max(ar) if ar else None,
         "memory_bytes": memory,
+        **phase_columns(record.phase_seconds),
         GROUPS_COLUMN: tuple(record.group_norms.get(g) for g in groups),
         **update_values(record.update_stats, groups),
     }

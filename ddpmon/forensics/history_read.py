@@ -24,7 +24,13 @@ from .arrow_frames import (
     Frames,
     Torn,
 )
-from .history_schema import GROUPS_COLUMN, OLD_NAMES, SCALAR_COLUMNS, UPDATE_COLUMNS
+from .history_schema import (
+    GROUPS_COLUMN,
+    OLD_NAMES,
+    OPTIONAL_COLUMNS,
+    SCALAR_COLUMNS,
+    UPDATE_COLUMNS,
+)
 
 FORMAT = "1"
 MAX_GROUP_COLUMNS = 1024
@@ -120,7 +126,9 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
     if schema is None:
         raise ValueError(f"{path}: not an Arrow IPC stream written by ddpmon (no schema)")
     names = {n: n if n in schema.names else OLD_NAMES.get(n, n) for n, _ in SCALAR_COLUMNS}
-    missing = [n for n, old in names.items() if old not in schema.names]
+    missing = [
+        n for n, old in names.items() if old not in schema.names and n not in OPTIONAL_COLUMNS
+    ]
     if GROUPS_COLUMN not in schema.names:
         missing.append(GROUPS_COLUMN)
     if missing:
@@ -137,6 +145,9 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
     table = pa.Table.from_batches(batches, schema=schema) if batches else schema.empty_table()
     cols: dict[str, Any] = {}
     for name, _ in SCALAR_COLUMNS:
+        if names[name] not in schema.names:  # an optional column an older file lacks
+            cols[name] = np.full(len(table), np.nan)
+            continue
         arr = table.column(names[name])
         if pa.types.is_floating(arr.type):
             cols[name] = arr.to_numpy(zero_copy_only=False).astype("float64")

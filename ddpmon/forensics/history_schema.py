@@ -27,6 +27,11 @@ SCALAR_COLUMNS = (
     ("collective_mean_seconds", "float32"),
     ("collective_max_seconds", "float32"),
     ("memory_bytes", "int64"),
+    ("forward_seconds", "float32"),
+    ("backward_seconds", "float32"),
+    ("optimizer_seconds", "float32"),
+    ("host_seconds", "float32"),
+    ("wait_seconds", "float32"),
 )
 """The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
 OLD_NAMES = {
@@ -35,6 +40,20 @@ OLD_NAMES = {
     "collective_max_seconds": "allreduce_max_seconds",
 }
 """Columns renamed since files were first written (new -> old); readers accept either."""
+PHASE_COLUMNS = (
+    "forward_seconds", "backward_seconds", "optimizer_seconds", "host_seconds", "wait_seconds"
+)
+"""A step's parts after its data wait (``agent.step_split.PHASES[1:]``)."""
+OPTIONAL_COLUMNS = frozenset(PHASE_COLUMNS)
+"""Columns added since files were first written: a file without them reads them as null."""
+
+
+def phase_columns(phases: tuple[float, ...] | None) -> dict[str, float | None]:
+    """The phase columns of a record's ``phase_seconds`` (all null where unknown)."""
+    values = phases[1:] if phases is not None else (None,) * len(PHASE_COLUMNS)
+    return dict(zip(PHASE_COLUMNS, values, strict=True))
+
+
 GROUPS_COLUMN = "group_norms"
 UPDATE_COLUMNS = {
     "weight_norms": "weight_norm",
@@ -71,6 +90,12 @@ COLUMN_DOCS = {
     "collective_count": "collectives timed in the step, every op (DDP: one per bucket)",
     "collective_mean_seconds": "mean collective time (null without timed collectives)",
     "collective_max_seconds": "slowest collective of the step",
+    "forward_seconds": "the model's forward, every micro-step (null: not timed)",
+    "backward_seconds": "forward's end to backward's end, less `wait_seconds`",
+    "optimizer_seconds": "the optimizer step (0 where its hooks are not used)",
+    "host_seconds": "the rest of the step: the loop's code between the parts above",
+    "wait_seconds": "the backward's last collective issued to the backward's end: waiting for "
+    "the other ranks (straggler attribution, `ddpmon.forensics.stragglers`)",
     "memory_bytes": "CUDA allocated bytes on a GPU, process RSS on CPU (the kind is in the "
     "schema metadata)",
     GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "

@@ -27,6 +27,7 @@ from .compare import CompareError, compare_runs, resolve_run
 from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present
+from .stragglers import html_section
 from .timeline import RunDirError, build_timeline, describe
 from .update_views import update_figures
 
@@ -89,7 +90,7 @@ def build_report(
     manifest = load_manifest(path, damage) or {}
     basis = rests_on(view, manifest, path)
     parts = [_head(path), _basis(basis, damage), _manifest(path, view, manifest, damage),
-             _failure(tl)]
+             _failure(tl), html_section(tl.stragglers if tl is not None else None)]
     if other is not None:
         parts.append(_comparison(path, other.path))
     parts.append(_plots(view, other))

@@ -45,6 +45,7 @@ from . import attempts as att
 from .crash_files import crash_event, running_step, sigterm_event
 from .failure import ending, first_failure, read_exits
 from .run_bounds import MAX_WORLD_SIZE, grouped, missing_ranks
+from .stragglers import find_stragglers
 from .verdict import format_ids, verdict
 
 
@@ -75,6 +76,8 @@ class Timeline:
     """The layer the first failure points at, and the evidence (:mod:`.verdict`)."""
     missing_count: int = 0
     """Ranks of the world size without any file (``missing_ranks`` lists the lowest of them)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """The ranks that held the run back, slowest first (:mod:`.stragglers`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class Timeline:
             "ranks": {str(r): v for r, v in sorted(self.ranks.items())},
             "missing_ranks": self.missing_ranks,
             "missing_count": self.missing_count,
+            "stragglers": self.stragglers,
             "partial": bool(self.missing_count),
             "warnings": self.warnings,
             "damaged": self.damage.to_json(),
@@ -168,9 +172,10 @@ def build_timeline(path: Path | str) -> Timeline:
         for a, mine in sorted(grouped(by_rank.get(rank, []), "attempt").items())
     }
     recovery = att.summarize(merged, first, last_steps)
+    stragglers = find_stragglers(run, damage)
     warnings = damage.lines() + warnings
     return Timeline(run_path, merged, ranks, first, world_size, missing, warnings, recovery,
-                    damage, verdict(first, merged), missing_count)
+                    damage, verdict(first, merged), missing_count, stragglers)
 
 
 def _rank_events(run: RunDir, damage: ReadWarnings) -> dict[int, list[dict[str, Any]]]:

@@ -110,12 +110,15 @@ class MixinConfig:
     data_starved_for: str = "10m"
 
     # --- communication ---
-    straggler_ratio: float = 1.5
-    """A rank's mean step compute time (step time minus all-reduce time) above this multiple of
-    the run's median is a straggler."""
-    straggler_min_seconds: float = 0.05
-    """...and at least this many seconds per step above it (a run median of 0 flags nothing)."""
-    straggler_for: str = "10m"
+    straggler_slowdown: float = 0.05
+    """A rank whose own time per step (step time and data wait, less its wait inside
+    collectives) is this much above the run's median rank's (0.05: 5 % slower) is a straggler
+    (``ddpmon.mixin.stragglers``)..."""
+    straggler_min_seconds: float = 0.002
+    """...and at least this many seconds per step above it (microsecond steps are noise)."""
+    straggler_window: str = "2m"
+    """The rate window of the straggler records: short, so that a straggler is named soon."""
+    straggler_for: str = "3m"
     collective_slow_factor: float = 4.0
     collective_slow_baseline: str = "1h"
     """A rank's mean collective time (per op) is compared with its own median over this

@@ -18,9 +18,16 @@ COLLECTIVE_MEAN = "rank:ddpmon_collective_duration_seconds:mean"
 """Mean time of one collective, per rank and ``op`` (exact: ``_sum / _count``)."""
 COLLECTIVE_P99 = "rank:ddpmon_collective_duration_seconds:p99"
 """Per rank and ``op``, from factor-8 buckets: orders of magnitude, not fine differences."""
-COMPUTE_MEAN = "rank:ddpmon_step_compute_seconds:mean"
-"""Step time minus the time in collectives (every op) per step: what a straggler spends more
-of."""
+OWN_MEAN = "rank:ddpmon_step_own_seconds:mean"
+"""Step time and data wait less the wait inside collectives, per step: the rank's own work
+(``ddpmon.mixin.stragglers``)."""
+OWN_BY_CAUSE = "rank:ddpmon_step_own_seconds:mean_by_cause"
+"""The own time per step by ``cause``: data, compute, host."""
+STRAGGLER_SLOWDOWN = "rank:ddpmon_straggler:slowdown"
+"""Own time over the run's median rank's, less one (0.15: 15 % slower)."""
+STRAGGLER_CAUSE = "rank:ddpmon_straggler:cause"
+"""One series per rank, its ``cause`` the part furthest above the median rank's (value: the
+excess, seconds per step)."""
 SKIPPED_RATIO = "rank:ddpmon_amp_skipped_steps:ratio"
 GRAD_UNABSORBED = "rank:ddpmon_grad_nonfinite_unabsorbed_steps:total"
 """Non-finite steps minus those the GradScaler absorbed (skipped); a counter."""
@@ -35,7 +42,6 @@ GPU_ALLOCATED_RATIO = "rank:ddpmon_cuda_memory_allocated_bytes:device_ratio"
 
 # --- per run ---
 STEP_LEADER = "run:ddpmon_step:max"
-COMPUTE_RUN_MEDIAN = "run:ddpmon_step_compute_seconds:median"
 DATA_WAIT_RUN_MEDIAN = "run:ddpmon_data_wait_seconds:median"
 COLLECTIVE_RUN_P99 = "run:ddpmon_collective_duration_seconds:p99"
 """Per run and ``op``."""

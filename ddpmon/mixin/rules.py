@@ -15,6 +15,7 @@ import re
 
 from ddpmon import metrics as m
 from ddpmon.mixin import names as n
+from ddpmon.mixin import stragglers
 from ddpmon.mixin.config import MixinConfig
 
 
@@ -94,16 +95,12 @@ def rank_problems(cfg: MixinConfig) -> str:
     run_labels = ", ".join(cfg.run_labels)
     step = sel(cfg, m.STEP.name)
     behind = f"{n.STEP_LEADER} - on ({run_labels}) group_right {step}"
-    skew = (
-        f"{n.COMPUTE_MEAN} / on ({run_labels}) group_left "
-        f"quantile {cfg.by_run} (0.5, {n.COMPUTE_MEAN})"
-    )
     problems = "\nor\n".join(
         (
             _problem("down", f"{sel(cfg, 'up')} == 0"),
             _problem("stalled", f"{n.HEARTBEAT_AGE} > {n.STALL_THRESHOLD}"),
             _problem("behind", f"{behind} > {cfg.rank_desync_steps:g}"),
-            _problem("straggler", f"{skew} > {cfg.straggler_ratio:g}"),
+            _problem("straggler", stragglers.problem_expr(cfg)),
             _problem("starved", f"{n.DATA_WAIT_RATIO} > {cfg.data_starved_share:g}"),
             _problem(
                 "memory",
@@ -229,12 +226,8 @@ def _memory_records(cfg: MixinConfig) -> list[dict]:
 def _communication_records(cfg: MixinConfig) -> list[dict]:
     by_run = cfg.by_run
     run_labels = ", ".join(cfg.run_labels)
-    step_mean = _mean(cfg, m.STEP_DURATION.name)
     collective = m.COLLECTIVE_DURATION.name
     by_op = f"by ({run_labels}, op)"
-    collective_per_step = (
-        f"sum without (op) ({_rate(cfg, collective + '_sum')})\n/\n{_rate(cfg, m.STEPS.name)}"
-    )
     return [
         {
             # Per rank and op, exact; NaN (no collective of that op in the window) dropped so
@@ -257,15 +250,7 @@ def _communication_records(cfg: MixinConfig) -> list[dict]:
         {"record": n.COLLECTIVE_P99_RUN_MEDIAN, "expr": _median(cfg, n.COLLECTIVE_P99, by_op)},
         {"record": n.COLLECTIVE_MEAN_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_MEAN, by_op)},
         {"record": n.COLLECTIVE_P99_RANKS, "expr": _ranks_bucket(cfg, n.COLLECTIVE_P99, by_op)},
-        {
-            # Step time minus the time spent in collectives (every op): the fast ranks of a
-            # run wait for the slow one inside the collective, so wall step time alone cannot
-            # tell them apart. Runs without collectives (one process) count it as zero.
-            "record": n.COMPUTE_MEAN,
-            "expr": f"clamp_min(\n  ({step_mean})\n  - (({collective_per_step}) or "
-            f"({step_mean}) * 0),\n  0\n)",
-        },
-        {"record": n.COMPUTE_RUN_MEDIAN, "expr": f"quantile {by_run} (0.5, {n.COMPUTE_MEAN})"},
+        *stragglers.records(cfg),
         {"record": n.RANKS_REPORTING, "expr": f"count {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.WORLD_SIZE, "expr": f"max {by_run} ({sel(cfg, m.WORLD_SIZE.name)})"},
         {"record": n.RANK_PROBLEMS, "expr": rank_problems(cfg)},

@@ -99,12 +99,16 @@ class CollectiveRecorder:
         self._lock = threading.Lock()
         self._timing = CommTiming()
         self.enabled = True
+        self.last_issue: float | None = None
+        """``perf_counter`` when the last collective was issued (``agent.step_split``: the
+        time after it, to the end of the backward, is time spent waiting for other ranks)."""
 
     # ------------------------------------------------------------------ timers
-    @staticmethod
-    def start(tensor: Any = None) -> Any:
+    def start(self, tensor: Any = None) -> Any:
         """A timer started now: a CUDA event on the current stream of ``tensor``'s device (of
-        the current device when CUDA is initialised and no tensor is given), else a float."""
+        the current device when CUDA is initialised and no tensor is given), else a float. Its
+        host time is kept as :attr:`last_issue`."""
+        self.last_issue = now = time.perf_counter()
         device = tensor.device if isinstance(tensor, torch.Tensor) else None
         if device is not None and device.type == "cuda" or (
             device is None and torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -115,7 +119,7 @@ class CollectiveRecorder:
                 return event
             except Exception:
                 pass
-        return time.perf_counter()
+        return now
 
     def stop(self, op: str, timer: Any, nbytes: int = 0) -> None:
         """The collective started by ``timer`` is complete now (CPU) / in stream order (CUDA)."""

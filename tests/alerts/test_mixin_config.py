@@ -85,7 +85,7 @@ def test_config_fields_reach_rules_and_dashboards(tmp_path: Path) -> None:
         "job_selector": 'job="train"',
         "loss_scale_floor_for": "7m",
         "stall_seconds": 900,
-        "straggler_ratio": 2.5,
+        "straggler_slowdown": 0.25,
         "dashboard_selector": 'cluster="eu-1"',
         "dashboard_datasource": "Prometheus EU",
     }))
@@ -96,7 +96,7 @@ def test_config_fields_reach_rules_and_dashboards(tmp_path: Path) -> None:
     assert by_name["DdpmonLossScaleAtFloor"]["for"] == "7m"
     # The stall threshold is the fallback for agents that export none.
     assert "* 0 + 900\n" in (rules / "ddpmon-rules.yml").read_text()
-    assert "2.5 *" in by_name["DdpmonStraggler"]["expr"]
+    assert "rank:ddpmon_straggler:slowdown > 0.25\n" in by_name["DdpmonStraggler"]["expr"]
     root = tmp_path / "out"
     assert main(["dashboards", "--write", "--dir", str(root), "--config", str(config)]) == 0
     board = json.loads((root / "dashboards" / "ddpmon-run-overview.json").read_text())
@@ -132,5 +132,5 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, content: str, message: str,
 
 def test_integers_are_accepted_for_float_fields(tmp_path: Path) -> None:
     config = tmp_path / "mixin.yaml"
-    config.write_text("straggler_ratio: 2\n")
-    assert load_config(config) == MixinConfig(straggler_ratio=2.0)
+    config.write_text("straggler_slowdown: 1\n")
+    assert load_config(config) == MixinConfig(straggler_slowdown=1.0)

@@ -112,7 +112,8 @@ def test_overview_has_the_issue_panels() -> None:
         "Collective p99 across ranks",
         "Collective latency per op",
         "Collective bytes",
-        "Compute-time skew vs run median",
+        "Straggler slowdown vs the run's median rank",
+        "Stragglers, slowest first",
         "Collective mean by node",
         "OOMs and allocator retries",
         "Step drift between ranks",
@@ -228,7 +229,7 @@ def test_worst_first_rank_health_table() -> None:
     assert [t["id"] for t in table["transformations"]][:2] == ["merge", "organize"]
     renamed = table["transformations"][1]["options"]["renameByName"]
     assert set(renamed.values()) >= {"problems", "up", "heartbeat age s", "steps behind",
-                                     "compute skew", "data wait share", "memory headroom",
+                                     "slowdown", "data wait share", "memory headroom",
                                      "firing alerts"}
     assert all(t["instant"] and t["format"] == "table" for t in table["targets"])
     down = _panel(d.OVERVIEW_UID, "Down or missing ranks")

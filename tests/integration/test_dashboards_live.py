@@ -105,7 +105,7 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
         wait_for(
             lambda: _ranks(prom.query(f"{names.COLLECTIVE_P99}{sel}")) == RANKS
             and _ranks(prom.query(f"{names.STEP_P99}{sel}")) == RANKS
-            and _ranks(prom.query(f"{names.COMPUTE_MEAN}{sel}")) == RANKS,
+            and _ranks(prom.query(f"{names.OWN_MEAN}{sel}")) == RANKS,
             timeout=30,
             what="recording rules evaluated for both ranks",
         )

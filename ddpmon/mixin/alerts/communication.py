@@ -10,6 +10,7 @@ from __future__ import annotations
 from ddpmon import metrics as m
 from ddpmon.metrics import Layer
 from ddpmon.mixin import names as n
+from ddpmon.mixin import stragglers
 from ddpmon.mixin.alerts import RANK, RUN, Alert, rank_list
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.rules import sel
@@ -93,18 +94,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "Ranks of a run are at very different steps.",
             f"{RANK} is {{{{ $value }}}} steps behind the most advanced rank of the run.",
         ),
-        Alert(
-            "DdpmonStraggler", L, "warning",
-            f"{n.COMPUTE_MEAN}\n> {c.on_run} group_left ()\n"
-            f"({c.straggler_ratio:g} * {n.COMPUTE_RUN_MEDIAN})\n"
-            f"and\n{n.COMPUTE_MEAN}\n- {c.on_run} group_left ()\n{n.COMPUTE_RUN_MEDIAN}\n"
-            f"> {c.straggler_min_seconds:g}",
-            c.straggler_for,
-            "A rank computes much slower than the others and holds the run back.",
-            f"{RANK} spends {{{{ $value | humanizeDuration }}}} per step outside the all-reduce "
-            f"and data loading, more than {c.straggler_ratio:g}x the run's median rank and "
-            f"{c.straggler_min_seconds:g}s above it.",
-        ),
+        stragglers.alert(c),
         Alert(
             "DdpmonCollectiveSlow", L, "warning",
             f"max by ({', '.join(c.run_labels)}, op) (\n{slow()}\n)",

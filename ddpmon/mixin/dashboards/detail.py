@@ -209,11 +209,19 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 "Bytes passed to collectives per second, per op.",
             ),
             PanelSpec(
-                "Compute time vs run median", "timeseries", "suffix:×",
-                (q(Q.COMPUTE_SKEW, "rank {{rank}}"),),
-                "This rank's compute time per step (step minus all-reduce) over the run "
-                "median; above the red line it is a straggler.",
-                thresholds=((cfg.straggler_ratio, "red"),),
+                "Slowdown vs the run's median rank", "timeseries", "percentunit",
+                (q(Q.SLOWDOWN, "rank {{rank}}"),),
+                "This rank's own time per step (step time and data wait, less its wait inside "
+                "collectives) over the run's median rank's, less one; above the red line "
+                "DdpmonStraggler fires.",
+                thresholds=((cfg.straggler_slowdown, "red"),),
+            ),
+            PanelSpec(
+                "Own time above the median rank, by cause", "timeseries", "s",
+                (q(Q.SLOWDOWN_BY_CAUSE, "{{cause}}"),),
+                "Seconds per step this rank spends above the run's median rank in data wait, "
+                "compute (forward, backward, optimizer) and host time: the largest is the "
+                "straggler's cause.",
             ),
             PanelSpec(
                 "Steps behind the leader", "timeseries", "short",

@@ -87,12 +87,13 @@ def _run_row(q: Any, cfg: MixinConfig) -> RowSpec:
                     for ref, expr in health.items()
                 ),
                 "One row per rank, the ranks with most problems first: down, stalled (heartbeat "
-                "past the stall threshold), behind the leader, straggling (compute skew), "
-                "starved of data, short of memory. Click a rank for its detail dashboard.",
+                "past the stall threshold), behind the leader, straggling (own time per step "
+                "above the median rank's), starved of data, short of memory. Click a rank for "
+                "its detail dashboard.",
                 width=18, height=10, rank_links=True,
                 columns=(
                     ("A", "problems"), ("B", "up"), ("C", "heartbeat age s"),
-                    ("D", "steps behind"), ("E", "compute skew"), ("F", "data wait share"),
+                    ("D", "steps behind"), ("E", "slowdown"), ("F", "data wait share"),
                     ("G", "memory headroom"), ("H", "firing alerts"),
                 ),
                 sort_by="problems",
@@ -336,12 +337,20 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 rank_links=True,
             ),
             PanelSpec(
-                "Compute-time skew vs run median", "timeseries", "suffix:×",
-                (q(Q.COMPUTE_SKEW_TOP, "rank {{rank}}"),),
-                "Each rank's compute time per step (step time minus all-reduce time; DDP keeps "
-                "step times in lockstep, so they cannot show a straggler) over the run median: "
-                "stragglers sit above the red line, where DdpmonStraggler fires.",
-                thresholds=((cfg.straggler_ratio, "red"),), rank_links=True,
+                "Straggler slowdown vs the run's median rank", "timeseries", "percentunit",
+                (q(Q.SLOWDOWN_TOP, "rank {{rank}}"),),
+                "The k slowest ranks: own time per step (step time and data wait, less the wait "
+                "inside collectives; DDP keeps step times in lockstep, so step time cannot show "
+                "a straggler) over the run's median rank's, less one. Above the red line "
+                "DdpmonStraggler fires.",
+                thresholds=((cfg.straggler_slowdown, "red"),), rank_links=True,
+            ),
+            PanelSpec(
+                "Stragglers, slowest first", "table", "none",
+                (q(Q.STRAGGLER_TABLE, coverage=EVERY_RANK, instant=True, fmt="table"),),
+                "The ten slowest ranks now, with the cause: the part of their own time (data, "
+                "compute, host) furthest above the run's median rank's.",
+                width=12, rank_links=True, hide_columns=("Time",),
             ),
             PanelSpec(
                 "Step drift between ranks", "timeseries", "short",

@@ -77,10 +77,12 @@ COLLECTIVE_MEAN = (
 COLLECTIVE_P99 = hq(0.99, f"{m.COLLECTIVE_DURATION.name}", "rank, op", "{D}")
 COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
 COLLECTIVE_BYTES = f"rate({m.COLLECTIVE_BYTES.name}{{D}}[$__rate_interval])"
-COMPUTE_SKEW = (
-    f"{n.COMPUTE_MEAN}{{DR}} / on (run) group_left "
-    f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})"
+SLOWDOWN = f"{n.STRAGGLER_SLOWDOWN}{{DR}}"
+SLOWDOWN_BY_CAUSE = (
+    f"{n.OWN_BY_CAUSE}{{DR}} - on (run, cause) group_left () "
+    f"quantile by (run, cause) (0.5, {n.OWN_BY_CAUSE}{{RR}})"
 )
+"""This rank's own seconds per step above the run median rank's, by cause."""
 STEPS_BEHIND = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{D}}"
 
 # --- GPU ---

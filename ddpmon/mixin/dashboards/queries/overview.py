@@ -30,10 +30,7 @@ FIRING_ALERTS = f"count(ALERTS{{{ALERT_SELECTOR}}}) or vector(0)"
 def rank_health(cfg: MixinConfig) -> dict[str, str]:
     """Instant queries of the rank-health table, one value per rank each (refId -> query)."""
     behind = f"max by (rank) ({n.STEP_LEADER}{{RR}} - on (run) group_right {m.STEP.name}{{S}})"
-    skew = (
-        f"max by (rank) ({n.COMPUTE_MEAN}{{SR}} / on (run) group_left "
-        f"max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}}))"
-    )
+    skew = f"max by (rank) ({n.STRAGGLER_SLOWDOWN}{{SR}})"
     age = f"max by (rank) ({n.HEARTBEAT_AGE}{{SR}})"
     share = f"max by (rank) ({n.DATA_WAIT_RATIO}{{SR}})"
     used = f"max by (rank) ({n.GPU_ALLOCATED_RATIO}{{SR}})"
@@ -124,14 +121,17 @@ COLLECTIVE_BYTES = (
 COLLECTIVE_BYTES_TOP = rate_top(
     "topk", f"rate({m.COLLECTIVE_BYTES.name}{{S}}[$__rate_interval])"
 )
-COMPUTE_SKEW_TOP = (
-    ranks_of(
-        "topk",
-        f"{n.COMPUTE_MEAN}{{SR}}",
-        f"max_over_time({n.COMPUTE_MEAN}{{SR}}[$__range] @ end())",
-    )
-    + f" / on (run) group_left max by (run) ({n.COMPUTE_RUN_MEDIAN}{{RR}})"
+SLOWDOWN_TOP = ranks_of(
+    "topk",
+    f"{n.STRAGGLER_SLOWDOWN}{{SR}}",
+    f"max_over_time({n.STRAGGLER_SLOWDOWN}{{SR}}[$__range] @ end())",
 )
+"""The k ranks slowest at the range's end (own time over the run's median rank's, less one)."""
+STRAGGLER_TABLE = (
+    f"sort_desc(topk(10, {n.STRAGGLER_SLOWDOWN}{{SR}} * on (job, instance) group_left (cause) "
+    f"({n.STRAGGLER_CAUSE}{{SR}} * 0 + 1)))"
+)
+"""The 10 slowest ranks now, slowest first, with their cause."""
 STEP_DRIFT = f"max by (run) ({n.STEP_LEADER}{{RR}}) - min by (run) ({n.STEP_RUN_MIN}{{RR}})"
 # "group_right ()": a parenthesis right after group_right would be read as its label list
 STEP_BEHIND_TOP = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right () " + ranks_of(

@@ -1,0 +1,79 @@
+"""``ddpmon top``'s straggler column: each rank's slowdown against the run's median rank and its
+cause, from the ranks' step parts (the same comparison as ``ddpmon.mixin.stragglers``' rules,
+over what ``top`` scraped: since the previous refresh, or since start on the first).
+
+A rank's own time per step is its step time and data wait less its wait inside collectives
+(``ddpmon_step_part_seconds_total{part="wait"}``); its slowdown is that over the median rank's,
+less one; its cause, where the slowdown reaches :data:`THRESHOLD`, is the part (data, compute,
+host) furthest above the median rank's.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .. import metrics
+
+THRESHOLD = 0.05
+"""The slowdown from which a cause is named (the shipped alert's ``straggler_slowdown``)."""
+CAUSES = ("data", "compute", "host")
+_PART = metrics.STEP_PART_SECONDS.name
+
+
+def _totals(m: dict) -> tuple[float, ...] | None:
+    """``(steps, step seconds, data seconds, data waits, compute, wait)`` since start."""
+    step, data = metrics.STEP_DURATION, metrics.DATA_WAIT
+    keys = (step.sample("count"), step.sample("sum"), data.sample("sum"), data.sample("count"),
+            f'{_PART}{{part="compute"}}', f'{_PART}{{part="wait"}}')
+    values = tuple(m.get(k) for k in keys)
+    if any(not isinstance(v, float | int) for v in values):
+        return None
+    return values  # type: ignore[return-value]
+
+
+def own_per_step(m: dict, prev: dict | None) -> dict[str, float] | None:
+    """Own seconds per step, in all and by cause, over the steps since ``prev`` (when it has
+    fewer steps than ``m``), else since start; None without step parts or steps."""
+    now = _totals(m)
+    if now is None:
+        return None
+    before = _totals(prev) if prev else None
+    grew = before is not None and all(a >= b for a, b in zip(now, before, strict=True))
+    if before is not None and grew and now[0] > before[0]:
+        now = tuple(a - b for a, b in zip(now, before, strict=True))
+    steps, step_s, data_s, data_n, compute, wait = now
+    if steps <= 0:
+        return None
+    data = data_s / data_n if data_n > 0 else 0.0
+    host = max(step_s - compute - wait, 0.0) / steps
+    own = max(step_s + data_s - wait, 0.0) / steps
+    return {"own": own, "data": data, "compute": compute / steps, "host": host}
+
+
+def straggler_scores(results: dict[str, dict | None], previous: dict[str, dict]
+                     ) -> dict[str, dict]:
+    """``target -> {"slowdown", "cause"}`` for every rank with step parts (``cause`` None
+    under the threshold); empty with fewer than two such ranks."""
+    own = {t: o for t, m in results.items() if m is not None
+           and (o := own_per_step(m, previous.get(t))) is not None}
+    if len(own) < 2:
+        return {}
+    median = {k: statistics.median(o[k] for o in own.values()) for k in ("own", *CAUSES)}
+    if median["own"] <= 0:
+        return {}
+    out = {}
+    for target, o in own.items():
+        slowdown = o["own"] / median["own"] - 1.0
+        cause = None
+        if slowdown >= THRESHOLD:
+            cause = max(CAUSES, key=lambda c: o[c] - median[c])
+        out[target] = {"slowdown": round(slowdown, 4), "cause": cause}
+    return out
+
+
+def cell(score: dict | None) -> str:
+    """``+15.2% compute``, ``+0.3%`` under the threshold, ``-`` without step parts."""
+    if score is None:
+        return "-"
+    text = f"{100 * score['slowdown']:+.1f}%"
+    return f"[bold red]{text} {score['cause']}[/]" if score["cause"] else text

@@ -1,0 +1,181 @@
+"""Who held a run back, by how much, since which step and why: straggler attribution from the
+per-rank histories' step parts (``agent.step_split``).
+
+Under synchronous data parallelism every rank's iteration lasts as long as the slowest rank's;
+the fast ranks spend the difference waiting inside the gradient all-reduce. So a rank's *own*
+time (data wait, forward, backward, optimizer and host time: everything but ``wait``) is what is
+compared across ranks, never its step time:
+
+- steps are cut into windows of :data:`WINDOW` steps (wider for long runs, so the work stays
+  bounded); each rank's window value is the median over the window's steps (one descheduled
+  step moves nothing);
+- a rank's *slowdown* in a window is its own time over the median rank's, less one;
+- a rank is a straggler when its slowdown is at least ``threshold`` (default 5 %) and the
+  largest of the run in :data:`SUSTAIN` consecutive windows; it is named once per streak,
+  from the streak's first step (``since_step``);
+- its *cause* is the part whose excess over the median rank's is the largest over the streak:
+  ``data`` (the wait before the first forward), ``compute`` (forward, backward and optimizer) or
+  ``host`` (the loop's own code inside the step).
+
+``communication`` is not named from these parts: a slow link slows every rank of a ring alike,
+so no rank's own time grows (the run's collective times do: ``DdpmonCollectiveSlow``).
+
+The warm-up (the first :data:`WARMUP` steps of a rank's history) is left out: first compiles,
+allocator growth and a first collective's connection set-up are not a straggler.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..damage import ReadWarnings
+from ..rundir import RunDir
+
+WINDOW = 10
+"""Steps per window (short runs)."""
+MAX_WINDOWS = 2_000
+"""Windows kept per rank: a longer run widens the window instead (memory stays bounded)."""
+SUSTAIN = 3
+"""Consecutive windows a rank must lead the run above the threshold to be named."""
+WARMUP = 5
+"""First steps of a history left out."""
+THRESHOLD = 0.05
+"""Default slowdown (own time over the median rank's, less one) that names a straggler."""
+FLOOR = 0.2
+"""The quantile of a window's steps that is its value: interference from outside the run (other
+processes, a shared cache) only ever adds time, so a low quantile is the work's own cost."""
+MAX_NAMED = 16
+"""Streaks listed at most (the largest slowdowns first)."""
+CAUSES = ("data", "compute", "host")
+
+
+def find_stragglers(run: RunDir, damage: ReadWarnings | None = None,
+                    threshold: float = THRESHOLD) -> list[dict[str, Any]]:
+    """The run's stragglers, the largest slowdown first: ``rank``, ``cause``, ``slowdown`` (a
+    fraction: 0.15 is 15 % slower than the median rank), ``since_step``, ``until_step`` (the
+    last step of the streak) and ``excess_seconds`` (per step, by cause). Empty without step
+    parts (histories written before them, or one rank)."""
+    from .history_read import iter_histories
+
+    damage = damage if damage is not None else ReadWarnings()
+    width: int | None = None
+    windows: dict[int, dict[int, tuple[float, float, float, float]]] = {}
+    for rank, history in iter_histories(run, damage):
+        if width is None:
+            width = _window_width(history.columns["step"])
+        mine = rank_windows(history.columns, width)
+        if mine:
+            windows[rank] = mine
+    if len(windows) < 2 or width is None:
+        return []
+    return name_stragglers(windows, width, threshold)
+
+
+def _window_width(steps: Any) -> int:
+    span = int(steps.max() - steps.min()) + 1 if len(steps) else 0
+    return max(WINDOW, math.ceil(span / MAX_WINDOWS))
+
+
+def rank_windows(columns: dict[str, Any], width: int
+                 ) -> dict[int, tuple[float, float, float, float]]:
+    """``window -> (own, data, compute, host)``, the medians of one rank's steps in each window
+    (``step // width``), warm-up and steps without parts left out."""
+    import numpy as np
+
+    steps = columns["step"]
+    if "wait_seconds" not in columns or not len(steps):
+        return {}
+    data = np.nan_to_num(columns["data_wait_seconds"], nan=0.0)
+    compute = (columns["forward_seconds"] + columns["backward_seconds"]
+               + columns["optimizer_seconds"])
+    host = columns["host_seconds"]
+    keep = np.isfinite(compute) & np.isfinite(host) & (steps >= steps.min() + WARMUP)
+    if not keep.any():
+        return {}
+    steps, data, compute, host = steps[keep], data[keep], compute[keep], host[keep]
+    own = data + compute + host
+    index = steps // width
+    order = np.argsort(index, kind="stable")
+    index, own, data, compute, host = (a[order] for a in (index, own, data, compute, host))
+    bounds = np.flatnonzero(np.diff(index)) + 1
+    out: dict[int, tuple[float, float, float, float]] = {}
+    for chunk in np.split(np.arange(len(index)), bounds):
+        if len(chunk) < max(2, width // 2):  # a window mostly missing: not compared
+            continue
+        out[int(index[chunk[0]])] = tuple(  # type: ignore[assignment]
+            float(np.quantile(a[chunk], FLOOR)) for a in (own, data, compute, host)
+        )
+    return out
+
+
+def name_stragglers(windows: dict[int, dict[int, tuple[float, float, float, float]]],
+                    width: int, threshold: float = THRESHOLD) -> list[dict[str, Any]]:
+    """The streaks of :func:`find_stragglers` from every rank's :func:`rank_windows`."""
+    import numpy as np
+
+    all_windows = sorted({w for mine in windows.values() for w in mine})
+    streaks: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for w in all_windows:
+        here = {r: mine[w] for r, mine in windows.items() if w in mine}
+        leader = None
+        if len(here) >= 2:
+            values = np.array([v for v in here.values()])
+            median = np.median(values, axis=0)
+            if median[0] > 0:
+                rank = max(here, key=lambda r: here[r][0])
+                slowdown = here[rank][0] / median[0] - 1.0
+                if slowdown >= threshold:
+                    leader = (rank, slowdown, np.array(here[rank][1:]) - median[1:])
+        if leader is not None and current is not None and current["rank"] == leader[0] \
+                and current["last"] == w - 1:
+            current["last"] = w
+            current["slowdowns"].append(leader[1])
+            current["excess"].append(leader[2])
+        else:
+            _close(current, streaks, width)
+            current = None if leader is None else {
+                "rank": leader[0], "first": w, "last": w, "slowdowns": [leader[1]],
+                "excess": [leader[2]],
+            }
+    _close(current, streaks, width)
+    streaks.sort(key=lambda s: (-s["slowdown"], s["rank"]))
+    return streaks[:MAX_NAMED]
+
+
+def _close(current: dict[str, Any] | None, streaks: list[dict[str, Any]], width: int) -> None:
+    import numpy as np
+
+    if current is None or len(current["slowdowns"]) < SUSTAIN:
+        return
+    excess = np.median(np.array(current["excess"]), axis=0)
+    streaks.append({
+        "rank": current["rank"],
+        "cause": CAUSES[int(np.argmax(excess))],
+        "slowdown": round(float(np.median(current["slowdowns"])), 4),
+        "since_step": current["first"] * width,
+        "until_step": (current["last"] + 1) * width - 1,
+        "excess_seconds": {c: round(float(x), 6) for c, x in zip(CAUSES, excess, strict=True)},
+    })
+
+
+def describe(straggler: dict[str, Any]) -> str:
+    """One line: ``rank 2 was 15.1 % slower than the median rank (cause: compute) from step 40
+    to 299``."""
+    return (f"rank {straggler['rank']} was {100 * straggler['slowdown']:.1f} % slower than the "
+            f"median rank (cause: {straggler['cause']}) from step {straggler['since_step']} to "
+            f"{straggler['until_step']}")
+
+
+def html_section(stragglers: list[dict[str, Any]] | None) -> str:
+    """The report's Stragglers section (empty when the timeline could not be built)."""
+    import html
+
+    if stragglers is None:
+        return ""
+    if not stragglers:
+        return ('<h2>Stragglers</h2><p id="stragglers" class="ok">No rank held the run back by '
+                f"{100 * THRESHOLD:g} % or more.</p>")
+    items = "".join(f"<li>{html.escape(describe(s))}</li>" for s in stragglers)
+    return f'<h2>Stragglers</h2><ul id="stragglers">{items}</ul>'
