@@ -249,9 +249,11 @@ def value(t: Template, m: RankModel, i: int, seconds: float, nonfinite_at: int) 
 OPT_IN = frozenset(
     {entry.metric.name for entry in step_metrics.AVAILABLE.values()}
     | {"ddpmon_step_reruns"}  # a counter's family, as the exposition parser names it
+    | {"ddpmon_update_ratio", "ddpmon_logit_max", "ddpmon_loss_spike_unrecovered_step"}
 )
-"""What an agent exports only when asked: the per-step metrics (``Config.step_metrics``) and
-the reruns' counter (``on_nonfinite='rerun'``)."""
+"""What an agent exports only when asked: the per-step metrics (``Config.step_metrics``), the
+reruns' counter (``on_nonfinite='rerun'``), the per-group update ratios (``update_series``) and
+max logits (``logit_modules``); and what exists only while it lasts (an unrecovered spike)."""
 
 
 def exports(family: str, m: RankModel, profile: str) -> bool:

@@ -130,6 +130,7 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
     if tl.verdict:
         console.print(f"[bold]Verdict:[/bold] {shown(tl.verdict['line'])}")
     if tl.stragglers:
+        # loaded when the command runs: a light CLI start
         from ddpmon.forensics.stragglers import describe as straggler
 
         for s in tl.stragglers:

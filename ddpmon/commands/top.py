@@ -243,7 +243,7 @@ def _table(results: Results, previous: dict, dt: float):
     rows = []
     for target, m in results.items():
         if m is None:
-            rows.append((float("inf"), [f"[red]{shown(target)} down", *[""] * len(COLUMNS)]))
+            rows.append((float("inf"), ["[red]down", *[""] * len(COLUMNS)]))  # named below
             continue
         cells = [col.cell(m, previous.get(target), dt) for col in COLUMNS]
         cells.append(straggler_cell(scores.get(target)))
@@ -292,8 +292,12 @@ def run(args: argparse.Namespace) -> int:
             console.print(_table(results, previous, now - last))
             if hang is not None:
                 console.print(f"[red]{shown(_hang_line(hang))}", soft_wrap=True)
+            for target in sorted(t for t, m in results.items() if m is None):
+                why = errors.get(target, "no answer")  # a table cell is too narrow for either
+                console.print(f"[red]{shown(target)} down: {shown(why)}", soft_wrap=True)
             for _target, message in sorted(errors.items()):
-                console.print(f"[red]{shown(message)}", soft_wrap=True)
+                if results.get(_target, {}) is not None:
+                    console.print(f"[red]{shown(message)}", soft_wrap=True)
         previous = {t: m for t, m in results.items() if m is not None}
         last = now
         if args.once:

@@ -62,8 +62,8 @@ from .history_schema import (  # noqa: F401  (re-exported: the history's public 
     SKIPPED_CODES,
     SKIPPED_NAMES,
     UPDATE_COLUMNS,
-    update_values,
     phase_columns,
+    update_values,
 )
 
 log = logging.getLogger("ddpmon")

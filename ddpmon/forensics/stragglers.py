@@ -26,11 +26,15 @@ allocator growth and a first collective's connection set-up are not a straggler.
 
 from __future__ import annotations
 
+import html
 import math
 from typing import Any
 
+import numpy as np
+
 from ..damage import ReadWarnings
 from ..rundir import RunDir
+from .history_read import iter_histories
 
 WINDOW = 10
 """Steps per window (short runs)."""
@@ -56,8 +60,6 @@ def find_stragglers(run: RunDir, damage: ReadWarnings | None = None,
     fraction: 0.15 is 15 % slower than the median rank), ``since_step``, ``until_step`` (the
     last step of the streak) and ``excess_seconds`` (per step, by cause). Empty without step
     parts (histories written before them, or one rank)."""
-    from .history_read import iter_histories
-
     damage = damage if damage is not None else ReadWarnings()
     width: int | None = None
     windows: dict[int, dict[int, tuple[float, float, float, float]]] = {}
@@ -81,8 +83,6 @@ def rank_windows(columns: dict[str, Any], width: int
                  ) -> dict[int, tuple[float, float, float, float]]:
     """``window -> (own, data, compute, host)``, the medians of one rank's steps in each window
     (``step // width``), warm-up and steps without parts left out."""
-    import numpy as np
-
     steps = columns["step"]
     if "wait_seconds" not in columns or not len(steps):
         return {}
@@ -112,8 +112,6 @@ def rank_windows(columns: dict[str, Any], width: int
 def name_stragglers(windows: dict[int, dict[int, tuple[float, float, float, float]]],
                     width: int, threshold: float = THRESHOLD) -> list[dict[str, Any]]:
     """The streaks of :func:`find_stragglers` from every rank's :func:`rank_windows`."""
-    import numpy as np
-
     all_windows = sorted({w for mine in windows.values() for w in mine})
     streaks: list[dict[str, Any]] = []
     current: dict[str, Any] | None = None
@@ -145,8 +143,6 @@ def name_stragglers(windows: dict[int, dict[int, tuple[float, float, float, floa
 
 
 def _close(current: dict[str, Any] | None, streaks: list[dict[str, Any]], width: int) -> None:
-    import numpy as np
-
     if current is None or len(current["slowdowns"]) < SUSTAIN:
         return
     excess = np.median(np.array(current["excess"]), axis=0)
@@ -170,8 +166,6 @@ def describe(straggler: dict[str, Any]) -> str:
 
 def html_section(stragglers: list[dict[str, Any]] | None) -> str:
     """The report's Stragglers section (empty when the timeline could not be built)."""
-    import html
-
     if stragglers is None:
         return ""
     if not stragglers:

@@ -93,6 +93,7 @@ def problem_expr(cfg: MixinConfig) -> str:
 
 def alert(cfg: MixinConfig):
     """``DdpmonStraggler``: one alert per slow rank, with its ``cause``."""
+    # mixin.alerts imports this module for the alert list: imported at call, not a cycle
     from ddpmon.mixin.alerts import RANK, Alert
 
     excess = (

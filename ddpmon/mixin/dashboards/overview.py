@@ -357,7 +357,7 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
                 (q(Q.STEP_DRIFT, "leader - slowest", RUN), q(Q.STEP_BEHIND_TOP, "behind {{rank}}")),
                 "Steps each rank lags behind the leading rank; DdpmonRankDesync fires above "
                 "the red line.",
-                thresholds=((cfg.rank_desync_steps, "red"),), width=24, rank_links=True,
+                thresholds=((cfg.rank_desync_steps, "red"),), width=12, rank_links=True,
             ),
         ),
     )
