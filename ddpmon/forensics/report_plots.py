@@ -124,8 +124,8 @@ def heatmap(ax, fig, x: np.ndarray, groups: Sequence[str], norms: np.ndarray) ->
     extent = (float(x[0]) - 0.5, float(x[-1]) + 0.5, len(groups) - 0.5, -0.5) if len(x) else None
     import matplotlib  # optional: ddpmon[report]
 
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#d62728")  # NaN/Inf norms (and bins without data) stand out in red
+    # NaN/Inf norms (and bins without data) stand out in red
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d62728")
     im = ax.imshow(data, aspect="auto", interpolation="nearest", cmap=cmap, extent=extent)
     im.set_rasterized(True)
     ax.set_yticks(range(len(groups)))
