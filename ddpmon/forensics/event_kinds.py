@@ -54,6 +54,8 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "attempt_source": "where the attempt number came from (`torchelastic`, `run_dir`: "
             "the starts before this one, or `slurm`: `SLURM_RESTART_COUNT`, a requeue)",
             "previous_progress": "last step the previous attempt of this rank completed",
+            "process_start_ts": "when the process started (this rank's clock): goodput's "
+            "initialisation runs from here to the first step",
         },
     ),
     EventKind(
