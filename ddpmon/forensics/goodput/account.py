@@ -13,9 +13,8 @@ other. The job's figure is the mean over ranks (each rank's buckets add up to th
 so the mean does too).
 
 A rank killed with SIGKILL loses its last unjournaled history rows (up to ``flush_seconds``);
-its progress file still names the last completed step and when: the missing steps are spread
-evenly over that time, each at most the median step time, and the result says so in
-``estimated``."""
+its progress file still names the last completed step and when: the missing steps share that
+time evenly, each a median data wait then a step, and the result says so in ``estimated``."""
 
 from __future__ import annotations
 
@@ -115,13 +114,15 @@ def account(events: list[dict[str, Any]], attempts: list[dict[str, Any]],
         rank_rows = placed[rank]
         durations = [r.duration for a in rank_rows.values() for r, _ in a]
         steady = statistics.median(durations) if durations else 0.0
+        waits = [r.data_wait for a in rank_rows.values() for r, _ in a]
+        wait = statistics.median(waits) if waits else 0.0
         spans: list[Span] = []
         shape: dict[int, tuple[float, float]] = {}
         kept = lost = 0
         for s in mine:
             a = s["attempt"]
             got = _attempt_spans(rank_rows.get(a, []), prog.get(a), s["offset"], steady,
-                                 lost_from.get(a), first_steps.get(a))
+                                 wait, lost_from.get(a), first_steps.get(a))
             spans.extend(got.spans)
             kept, lost = kept + got.kept, lost + got.lost
             if got.estimated:
@@ -183,7 +184,7 @@ class _Painted:
 
 
 def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] | None,
-                   offset: float, steady: float, lost_from: int | None,
+                   offset: float, steady: float, wait: float, lost_from: int | None,
                    resume: int | None) -> _Painted:
     """One rank's attempt: data wait, warm-up, productive or lost spans of each step row, and
     the steps after its last row that its progress file says completed."""
@@ -225,7 +226,7 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
     for k in range(missing):
         step = last_step + 1 + k
         end = t + width * (k + 1)
-        dur = min(steady, width)
+        dur = max(width - wait, min(steady, width))
         if width > dur:
             out.spans.append(Span(end - width, end - dur, B.DATA))
         is_lost = lost_from is not None and step >= lost_from

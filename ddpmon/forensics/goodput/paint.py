@@ -32,8 +32,10 @@ def paint(spans: Iterable[Span], start: float, end: float, fill: Callable[[float
             changes.append((a, 1, s.bucket))
             changes.append((b, -1, s.bucket))
     changes.sort(key=lambda c: c[0])
+    cuts = [t for t in cuts if start < t < end]
     bounds = sorted({start, end, *(c[0] for c in changes),
-                     *(t for t in cuts if start < t < end)})
+                     *cuts})
+    cut_set = set(cuts)
     active: dict[str, int] = {}
     out: list[Span] = []
     i = 0
@@ -44,7 +46,7 @@ def paint(spans: Iterable[Span], start: float, end: float, fill: Callable[[float
             i += 1
         live = [b for b, n in active.items() if n > 0]
         bucket = max(live, key=lambda b: PRIORITY.get(b, 0)) if live else fill((lo + hi) / 2)
-        if out and out[-1].bucket == bucket and out[-1].end == lo:
+        if out and out[-1].bucket == bucket and out[-1].end == lo and lo not in cut_set:
             out[-1] = Span(out[-1].start, hi, bucket)
         else:
             out.append(Span(lo, hi, bucket))
