@@ -69,6 +69,9 @@ class Config:
     is the data's and the step goes on, one that does not is skipped. 0 turns it off."""
     stall_seconds: float = 300.0
     """No completed step for this long counts as a hang."""
+    goodput_seconds: float = 60.0
+    """Rank 0 recomputes the run's goodput (``ddpmon_goodput_*``, docs/goodput.md) from the run
+    dir every this many seconds, on a thread of its own; 0 turns it off."""
     web_config: str | None = None
     """Exporter-toolkit web config file (TLS, basic auth) for the /metrics endpoint."""
     sd_dir: str | None = None
@@ -164,6 +167,7 @@ class Config:
                 f"series_profile={self.series_profile!r}: expected one of {choices}"
             )
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
+        _check_float("goodput_seconds", self.goodput_seconds, 0.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
         _check_int("replica_check_every", self.replica_check_every, 0, 10**6)

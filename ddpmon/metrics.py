@@ -380,6 +380,48 @@ CHECKPOINT_SIZE = Metric(
     when="after a checkpoint save of known size",
 )
 
+# -- goodput (rank 0, from the run dir; docs/goodput.md) -----------------------------------
+_GOODPUT_WHEN = "rank 0, once goodput_seconds after attach (goodput_seconds=0: never)"
+GOODPUT_SECONDS = Metric(
+    "ddpmon_goodput_seconds",
+    G,
+    "The run's wall-clock time since its first process start, split into buckets that add up "
+    "to ddpmon_goodput_wall_seconds (productive, wasted_progress_from_disruption, "
+    "initialization, program_startup, data_loading_sync, unproductive_checkpoint_save, "
+    "unproductive_checkpoint_restore, failure_detection, restart_gap, custom_badput_events, "
+    "other); every attempt of the run counted, mean over ranks.",
+    L.IDENTITY,
+    unit="seconds",
+    labels=("bucket",),
+    when=_GOODPUT_WHEN,
+)
+GOODPUT_WALL = Metric(
+    "ddpmon_goodput_wall_seconds",
+    G,
+    "The run's wall-clock time from its first attempt's first process start to now.",
+    L.IDENTITY,
+    unit="seconds",
+    when=_GOODPUT_WHEN,
+)
+GOODPUT_RATIO = Metric(
+    "ddpmon_goodput_ratio",
+    G,
+    "Productive step time (steps whose progress was kept) over the wall-clock time.",
+    L.IDENTITY,
+    unit="ratio",
+    when=_GOODPUT_WHEN,
+)
+GOODPUT_ETTR = Metric(
+    "ddpmon_goodput_ettr_ratio",
+    G,
+    "ETTR-compatible ratio (Kokolis et al. 2025): productive runtime (kept steps, their data "
+    "wait and warm-up, marked phases) over the wall-clock time.",
+    L.IDENTITY,
+    unit="ratio",
+    when=_GOODPUT_WHEN,
+)
+
+
 CATALOGUE: tuple[Metric, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, Metric)
 )

@@ -40,6 +40,7 @@ from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
 from .forensics import Forensics
+from .goodput_live import start_goodput
 from .guard import Guard
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
@@ -220,6 +221,7 @@ class Monitor:
         )
         self.exposition = self.endpoint.exposition
         self.port = self.endpoint.port
+        self.goodput = start_goodput(self)
         self.forensics.watch(
             config.stall_seconds,
             heartbeat=lambda: state.last_step_timestamp or state.started_at,
@@ -364,6 +366,8 @@ class Monitor:
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
+        if self.goodput is not None:
+            self.goodput.close()
         self._emit("exit", self._state.step, reason="close", steps=self._state.steps_total)
         for sink in self.pipeline.sinks:
             with self.guard(sink.probe):
@@ -386,6 +390,7 @@ class Monitor:
         for name, method in (
             ("records", "stop"), ("markers", "close"), ("amp", "detach"), ("dcp", "uninstall"),
             ("source", "close"), ("forensics", "close"), ("endpoint", "close"),
+            ("goodput", "close"),
         ):
             close = getattr(getattr(self, name, None), method, None)
             if close is not None:

@@ -316,9 +316,15 @@ class Exposition:
         self.registry.register(collector)
         self._collector = collector
         self._lock = threading.Lock()
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, ...] | None = None
         self._payload = b""
         self.renders = 0
+        self._extra: list[Any] = []
+
+    def add(self, collector: Any) -> None:
+        """Serve another collector's families too; its ``version`` joins the cache key."""
+        self.registry.register(collector)
+        self._extra.append(collector)
 
     def render(self) -> bytes:
         if self._catch_up is not None:
@@ -326,7 +332,8 @@ class Exposition:
         with self._lock:
             live = self._collector.live
             live_version = live.refresh_if_stale().version if live is not None else 0
-            key = (self._collector.state.version, live_version)
+            key = (self._collector.state.version, live_version,
+                   *(c.version for c in self._extra))
             if key != self._key:
                 self._payload = generate_latest(self.registry)
                 self._key = key
