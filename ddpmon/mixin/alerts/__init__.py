@@ -80,7 +80,15 @@ def rank_list(
 
 def alerts(cfg: MixinConfig) -> list[Alert]:
     """All alerts, in layer order."""
-    from ddpmon.mixin.alerts import agent, checkpoints, communication, data, memory, numerics
+    from ddpmon.mixin.alerts import (
+        agent,
+        checkpoints,
+        communication,
+        data,
+        goodput,
+        memory,
+        numerics,
+    )
 
     return [
         *numerics.alerts(cfg),
@@ -89,6 +97,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         *communication.alerts(cfg),
         *agent.alerts(cfg),
         *checkpoints.alerts(cfg),
+        *goodput.alerts(cfg),
     ]
 
 
