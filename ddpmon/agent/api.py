@@ -153,6 +153,9 @@ class NullMonitor:
     def observe_checkpoint(self, step: int, path: Any, kind: str = "save", **_: Any) -> NullTimer:
         return NullTimer()
 
+    def phase(self, name: str) -> NullTimer:
+        return NullTimer()
+
     def close(self) -> None:
         pass
 

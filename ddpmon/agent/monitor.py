@@ -42,6 +42,7 @@ from .endpoint import Endpoint
 from .forensics import Forensics
 from .goodput_live import start_goodput
 from .guard import Guard
+from .phases import PhaseTimer
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
 from .precision import read_precision
@@ -316,6 +317,13 @@ class Monitor:
         restored = {"model": model, "optimizer": optimizer, "scaler": scaler, "rng": rng,
                     "data_loader": data_loader}
         return self.checkpoints.timer(step, path, kind, restored, size)
+
+    def phase(self, name: str) -> PhaseTimer | NullTimer:
+        """Mark a phase that is not training (``with mon.phase("eval"): evaluate()``): a
+        ``phase`` event with its seconds, counted by goodput as ``custom_badput_events``."""
+        if self._closed:
+            return NullTimer()
+        return PhaseTimer(name, self._emit, lambda: self.pipeline.step, self.guard.error)
 
     def annotate(self, **fields: Any) -> None:
         """Record run facts only the script knows (``global_batch``, ``micro_batch``,

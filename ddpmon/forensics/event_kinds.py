@@ -217,6 +217,16 @@ EVENT_KINDS: tuple[EventKind, ...] = (
         },
     ),
     EventKind(
+        "phase",
+        "A phase the script marked ended (`with mon.phase(\"eval\"):`); goodput counts it as "
+        "`custom_badput_events`.",
+        {
+            "name": "the phase's name",
+            "seconds": "how long it took",
+            "ok": "false when an exception left it",
+        },
+    ),
+    EventKind(
         "exit",
         "The rank ended: `close()`, a normal exit, an uncaught exception or Ctrl-C.",
         {

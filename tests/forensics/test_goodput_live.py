@@ -1,4 +1,4 @@
-"""Live goodput on a real monitor: rank 0's thread recomputes it from the run dir and /metrics
+"""Live goodput on a real monitor (a marked phase included): rank 0's thread recomputes it from the run dir and /metrics
 serves ``ddpmon_goodput_*`` over real HTTP, one series per bucket, the buckets adding up to the
 wall-clock series; ``goodput_seconds=0`` serves none."""
 
@@ -28,6 +28,8 @@ def train(mon, model, opt, steps: int, tmp_path) -> None:
             path = tmp_path / "ck.pt"
             with mon.observe_checkpoint(5, path):
                 torch.save(model.state_dict(), path)
+            with mon.phase("eval"):
+                time.sleep(0.2)
 
 
 def goodput_series(port: int) -> dict:
@@ -58,6 +60,7 @@ def test_rank0_serves_goodput_that_adds_up(tmp_path):
         assert sum(buckets.values()) == pytest.approx(wall, rel=1e-6)
         assert buckets["productive"] > 0 and buckets["unproductive_checkpoint_save"] > 0
         assert buckets["initialization"] > 0  # process start to the first step
+        assert 0.2 <= buckets["custom_badput_events"] < 0.2 + 0.5  # the marked phase
         ratio = series[("ddpmon_goodput_ratio", ())]
         assert 0 < ratio < series[("ddpmon_goodput_ettr_ratio", ())] <= 1
     finally:

@@ -107,3 +107,18 @@ def test_the_text_view_shows_the_buckets(job):
     for name in ("productive", "wasted_progress_from_disruption", "failure_detection",
                  "restart_gap", "attempt 3"):
         assert name in proc.stdout
+
+
+def test_the_report_draws_one_bar_per_attempt(job, tmp_path):
+    page = tmp_path / "report.html"
+    proc = subprocess.run([sys.executable, "-m", "ddpmon.cli", "report", str(job / "runs" / "gp"),
+                           "-o", str(page)], capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    section = text[text.index('id="goodput"'):text.index('id="plot-goodput"') + 200_000]
+    figure = section[:section.index("</figure>")]
+    for attempt in range(4):
+        assert f"attempt {attempt}" in figure
+    assert "attempt 4" not in figure
+    for bucket in ("productive", "wasted_progress_from_disruption", "restart_gap"):
+        assert bucket in figure  # in the legend: each bucket with time is drawn
