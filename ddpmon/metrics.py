@@ -422,6 +422,35 @@ GOODPUT_ETTR = Metric(
 )
 
 
+# -- FLOPs and MFU (per rank; docs/goodput.md, MFU) -----------------------------------------
+_MFU_WHEN = "with FLOPs per step (mon.count_flops or flops_per_step), after a step since"
+FLOPS_PER_STEP = Metric(
+    "ddpmon_flops_per_step", G,
+    "FLOPs of one optimizer step on this rank (FlopCounterMode on one step, or given).",
+    L.DATA_SUPPLY, when="after mon.count_flops or with flops_per_step",
+)
+PEAK_FLOPS = Metric(
+    "ddpmon_peak_flops", G,
+    "Dense peak FLOP/s of this rank's device in the training dtype (the table, or peak_flops).",
+    L.DATA_SUPPLY, when="with peak_flops, or a device and dtype the table knows",
+)
+TOKENS_PER_SECOND = Metric(
+    "ddpmon_tokens_per_second", G,
+    "Tokens (or samples) this rank processes per second since the FLOPs or tokens were set.",
+    L.DATA_SUPPLY, when="with tokens_per_step, after a step",
+)
+ACHIEVED_FLOPS = Metric(
+    "ddpmon_achieved_flops", G,
+    "FLOP/s this rank achieved: FLOPs per step x steps per second.", L.DATA_SUPPLY,
+    when=_MFU_WHEN,
+)
+MFU = Metric(
+    "ddpmon_mfu_ratio", G,
+    "Model FLOPs utilisation: achieved FLOP/s over the peak; a figure over 1 is never exported.",
+    L.DATA_SUPPLY, unit="ratio", when=_MFU_WHEN + ", with a peak",
+)
+
+
 CATALOGUE: tuple[Metric, ...] = tuple(
     v for v in list(globals().values()) if isinstance(v, Metric)
 )

@@ -156,6 +156,9 @@ class NullMonitor:
     def phase(self, name: str) -> NullTimer:
         return NullTimer()
 
+    def count_flops(self, step: Any, tokens: float | None = None) -> Any:
+        return step()
+
     def close(self) -> None:
         pass
 

@@ -86,6 +86,14 @@ class GoodputLive:
                 yield g
 
 
+def start_figures(mon: Any, state: Any) -> tuple[GoodputLive | None, Any]:
+    """Rank 0's live goodput and every rank's throughput collector, both served by /metrics
+    and closed with the endpoint."""
+    from .throughput_live import start_throughput
+
+    return start_goodput(mon), start_throughput(mon, state)
+
+
 def start_goodput(mon: Any) -> GoodputLive | None:
     """Rank 0's live goodput, served by its /metrics; None on other ranks, without an endpoint,
     or with ``goodput_seconds=0``."""
@@ -98,3 +106,34 @@ def start_goodput(mon: Any) -> GoodputLive | None:
         mon.exposition.add(live)
         return live.start()
     return None
+
+
+class FiguresApi:
+    """The monitor's methods for goodput phases and FLOPs (a base of ``Monitor``, which gives
+    ``_closed``, ``_emit``, ``pipeline``, ``guard`` and ``throughput``)."""
+
+    _closed: bool
+    flops_per_step: int | None = None
+    """FLOPs of one step on this rank, once :meth:`count_flops` counted them."""
+
+    def phase(self, name: str) -> Any:
+        """Mark a phase that is not training (``with mon.phase("eval"): evaluate()``): a
+        ``phase`` event with its seconds, counted by goodput as ``custom_badput_events``."""
+        from .checkpoints import NullTimer
+        from .phases import PhaseTimer
+
+        if self._closed:
+            return NullTimer()
+        return PhaseTimer(name, self._emit, lambda: self.pipeline.step,  # type: ignore[attr-defined]
+                          self.guard.error)  # type: ignore[attr-defined]
+
+    def count_flops(self, step: Callable[[], Any], tokens: float | None = None) -> Any:
+        """Run one step (``step()``: forward, backward, optimizer step) under
+        ``FlopCounterMode``: its FLOPs become this rank's FLOPs per step (achieved FLOP/s, MFU);
+        ``tokens``: what the step processed (tokens/s). Returns ``step()``'s result. Call it on
+        one step, and again when shapes change: the counted step runs a few times slower."""
+        if self._closed:
+            return step()
+        from .throughput_live import count_step
+
+        return count_step(self, step, tokens)

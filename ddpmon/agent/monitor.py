@@ -40,9 +40,8 @@ from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
 from .forensics import Forensics
-from .goodput_live import start_goodput
+from .goodput_live import FiguresApi, start_figures
 from .guard import Guard
-from .phases import PhaseTimer
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
 from .precision import read_precision
@@ -51,7 +50,7 @@ from .run_facts import manifest_extra, start_fields, states_present
 from .step_markers import StepMarkers
 
 
-class Monitor:
+class Monitor(FiguresApi):
     """One rank's agent. Create it with ``ddpmon.attach``."""
 
     enabled = True
@@ -222,7 +221,7 @@ class Monitor:
         )
         self.exposition = self.endpoint.exposition
         self.port = self.endpoint.port
-        self.goodput = start_goodput(self)
+        self.goodput, self.throughput = start_figures(self, state)  # closed with the endpoint
         self.forensics.watch(
             config.stall_seconds,
             heartbeat=lambda: state.last_step_timestamp or state.started_at,
@@ -318,13 +317,6 @@ class Monitor:
                     "data_loader": data_loader}
         return self.checkpoints.timer(step, path, kind, restored, size)
 
-    def phase(self, name: str) -> PhaseTimer | NullTimer:
-        """Mark a phase that is not training (``with mon.phase("eval"): evaluate()``): a
-        ``phase`` event with its seconds, counted by goodput as ``custom_badput_events``."""
-        if self._closed:
-            return NullTimer()
-        return PhaseTimer(name, self._emit, lambda: self.pipeline.step, self.guard.error)
-
     def annotate(self, **fields: Any) -> None:
         """Record run facts only the script knows (``global_batch``, ``micro_batch``,
         ``accumulation``, ``seed``, ...) in ``annotations.json`` (rank 0, atomic), where
@@ -374,8 +366,6 @@ class Monitor:
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
-        if self.goodput is not None:
-            self.goodput.close()
         self._emit("exit", self._state.step, reason="close", steps=self._state.steps_total)
         for sink in self.pipeline.sinks:
             with self.guard(sink.probe):
@@ -398,7 +388,6 @@ class Monitor:
         for name, method in (
             ("records", "stop"), ("markers", "close"), ("amp", "detach"), ("dcp", "uninstall"),
             ("source", "close"), ("forensics", "close"), ("endpoint", "close"),
-            ("goodput", "close"),
         ):
             close = getattr(getattr(self, name, None), method, None)
             if close is not None:

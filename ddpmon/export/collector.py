@@ -326,6 +326,16 @@ class Exposition:
         self.registry.register(collector)
         self._extra.append(collector)
 
+    def close(self) -> None:
+        """Stop the added collectors that run threads of their own (``close``)."""
+        for c in self._extra:
+            close = getattr(c, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - closing never raises
+                    log.debug("closing %r failed", c, exc_info=True)
+
     def render(self) -> bytes:
         if self._catch_up is not None:
             self._catch_up()

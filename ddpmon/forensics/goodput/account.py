@@ -105,6 +105,7 @@ def account(events: list[dict[str, Any]], attempts: list[dict[str, Any]],
     job_starts = {a: min(s["p"] for per in starts.values() for s in per if s["attempt"] == a)
                   for a in numbers}
     job_starts[numbers[0]] = start
+    peers = _peer_steps(placed)
     estimated: list[str] = []
     per_rank: dict[int, dict[str, Any]] = {}
     per_attempt: dict[int, dict[str, float]] = {a: dict.fromkeys(B.NAMES, 0.0) for a in numbers}
@@ -122,7 +123,7 @@ def account(events: list[dict[str, Any]], attempts: list[dict[str, Any]],
         for s in mine:
             a = s["attempt"]
             got = _attempt_spans(rank_rows.get(a, []), prog.get(a), s["offset"], steady,
-                                 wait, lost_from.get(a), first_steps.get(a))
+                                 wait, lost_from.get(a), first_steps.get(a), peers.get(a, {}))
             spans.extend(got.spans)
             kept, lost = kept + got.kept, lost + got.lost
             if got.estimated:
@@ -185,9 +186,12 @@ class _Painted:
 
 def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] | None,
                    offset: float, steady: float, wait: float, lost_from: int | None,
-                   resume: int | None) -> _Painted:
+                   resume: int | None, peers: dict[int, tuple[float, float, float]]
+                   ) -> _Painted:
     """One rank's attempt: data wait, warm-up, productive or lost spans of each step row, and
-    the steps after its last row that its progress file says completed."""
+    the steps after its last row that its progress file says completed: timed as the same step
+    on the other ranks (``peers``: step -> median end, step time and wait), else sharing the
+    time to the progress file's evenly."""
     out = _Painted([])
     warming = True
     for i, (row, off) in enumerate(rows):
@@ -227,8 +231,14 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
         step = last_step + 1 + k
         end = t + width * (k + 1)
         dur = max(width - wait, min(steady, width))
-        if width > dur:
-            out.spans.append(Span(end - width, end - dur, B.DATA))
+        begin = end - width
+        twin = peers.get(step)
+        if twin is not None:  # the same step on the ranks that kept its row
+            end, dur, wait_k = twin
+            end = min(max(end, t), p_end)
+            begin, dur = end - dur - wait_k, min(dur, end - t)
+        if end - dur > begin:
+            out.spans.append(Span(max(begin, t), end - dur, B.DATA))
         is_lost = lost_from is not None and step >= lost_from
         out.spans.append(Span(end - dur, end, B.LOST if is_lost else B.PRODUCTIVE))
         out.lost += is_lost
@@ -238,6 +248,20 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
     out.last_end = p_end
     out.estimated = missing
     return out
+
+
+def _peer_steps(placed: dict[int, dict[int, list[tuple[StepRow, float]]]]
+                ) -> dict[int, dict[int, tuple[float, float, float]]]:
+    """attempt -> step -> the median end (rank 0's clock), step time and data wait of that step
+    over the ranks whose history holds it."""
+    seen: dict[int, dict[int, list[tuple[float, float, float]]]] = {}
+    for per in placed.values():
+        for a, rows in per.items():
+            for row, off in rows:
+                seen.setdefault(a, {}).setdefault(row.step, []).append(
+                    (row.end + off, row.duration, row.data_wait))
+    return {a: {step: tuple(statistics.median(x[i] for x in v) for i in range(3))
+                for step, v in steps.items()} for a, steps in seen.items()}
 
 
 def _event_spans(events: list[dict[str, Any]], rank: int) -> list[Span]:

@@ -26,7 +26,8 @@ def alerts(c: MixinConfig) -> list[Alert]:
             f"  delta({wall}[{w}])\n) < {floor}",
             c.goodput_for,
             "Too little of the run's wall-clock time trained the model.",
-            f"{RUN} (rank 0 exports it for the run): goodput over the last {w} was {{{{ $value | humanizePercentage }}}} "
+            f"{RUN} (rank 0 exports it for the run): goodput over the last {w} was "
+            "{{ $value | humanizePercentage }} "
             f"(floor {percent}); `ddpmon timeline` names the buckets that took the rest "
             "(restarts, lost progress, initialisation, checkpoints, data wait).",
         ),
