@@ -47,6 +47,7 @@ def count_step(mon: Any, step: Callable[[], Any], tokens: float | None) -> Any:
     from ..flops.count import count_flops
 
     result, flops = count_flops(step)
+    mon.flush()  # the counted step is in the state before the rates' baseline is taken
     if mon.throughput is not None and flops > 0:
         mon.throughput.set(flops_per_step=flops, tokens_per_step=tokens)
     mon.flops_per_step = flops

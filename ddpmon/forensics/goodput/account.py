@@ -223,7 +223,10 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
         return out
     p_end += offset
     missing = p_step - last_step
-    t = out.last_end if out.last_end is not None else p_end - missing * steady
+    t = out.last_end
+    if t is None:  # no row at all: from where the first missing step began on the peers
+        first = peers.get(last_step + 1)
+        t = first[0] - first[1] - first[2] if first else p_end - missing * steady
     if p_end <= t:
         return out
     width = (p_end - t) / missing
