@@ -1,9 +1,15 @@
 """FLOPs of one training step, counted by ``torch.utils.flop_counter.FlopCounterMode``: the ops
 that really ran on this rank (forward and backward, attention variants, the experts a router
-chose), so a TP or FSDP shard counts its own work and gradient accumulation its micro-batches.
+chose), gradient accumulation's micro-batches included.
+
+Shards count their own work. FSDP2 computes on gathered, plain tensors, so the mode sees this
+rank's work as it is. Tensor parallelism computes on DTensors, where the mode sees the global
+op (its count would be the whole model's, over 100 % MFU on every TP rank): each counted op with
+DTensor operands is scaled by the smallest local share of them (a column- or row-parallel matmul,
+heads split across ranks, a sequence-parallel input: each rank does that share of the op).
 
 Cost: the counted step runs once under a dispatch mode that inspects every op (a few times
-slower than a plain step on CPU); call it on one step, again when shapes change, never per step.
+slower than a plain step on CPU); count one step, again when shapes change, never every step.
 """
 
 from __future__ import annotations
@@ -13,10 +19,42 @@ from typing import Any
 
 
 def count_flops(step: Callable[[], Any]) -> tuple[Any, int]:
-    """Run ``step()`` once under ``FlopCounterMode``; return its result and the FLOPs counted."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """Run ``step()`` once under ``FlopCounterMode`` (DTensor ops at this rank's share); return
+    its result and the FLOPs counted."""
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-    mode = FlopCounterMode(display=False)
+    mapping = {op: _local_share(formula) for op, formula in flop_registry.items()}
+    mode = FlopCounterMode(display=False, custom_mapping=mapping)
     with mode:
         result = step()
     return result, int(mode.get_total_flops())
+
+
+def _local_share(formula: Callable[..., int]) -> Callable[..., int]:
+    """``formula`` (a registered one: it takes the op's raw arguments) times the local share."""
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        flops = formula(*args, **kwargs)
+        share = min((s for s in map(_share, _flatten(args)) if s is not None), default=1.0)
+        return round(flops * share)
+
+    counted._get_raw = True  # type: ignore[attr-defined] - FlopCounterMode passes raw args
+    return counted
+
+
+def _share(x: Any) -> float | None:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(x, DTensor) or x.numel() == 0:
+        return None
+    return x.to_local().numel() / x.numel()
+
+
+def _flatten(args: Any) -> list[Any]:
+    out: list[Any] = []
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(_flatten(a))
+        else:
+            out.append(a)
+    return out

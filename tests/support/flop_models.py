@@ -16,13 +16,15 @@ class GqaSlidingWindow(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.window, self.hd = heads, kv_heads, window, dim // heads
         self.q = nn.Linear(dim, dim, bias=False)
-        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.k = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.heads, self.hd).transpose(1, 2)
-        k, v = self.kv(x).view(b, s, 2, self.kv_heads, self.hd).permute(2, 0, 3, 1, 4)
+        b, s, _ = x.shape  # heads from the widths: a TP rank holds its share of them
+        q = self.q(x).view(b, s, -1, self.hd).transpose(1, 2)
+        k = self.k(x).view(b, s, -1, self.hd).transpose(1, 2)
+        v = self.v(x).view(b, s, -1, self.hd).transpose(1, 2)
         i = torch.arange(s)
         mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -46,6 +48,16 @@ class TinyMoE(nn.Module):
             if rows.numel():
                 out = out.index_add(0, rows, expert(flat[rows]) * weight[rows, None])
         return out.view_as(x)
+
+
+TP_PLANS = {
+    "dense": {"linear1": "colwise", "linear2": "rowwise"},
+    "gqa_swa": {"0.q": "colwise", "0.k": "colwise", "0.v": "colwise", "0.o": "rowwise"},
+    "moe": {f"1.experts.{e}.{i}": kind for e in range(4)
+            for i, kind in ((0, "colwise"), (2, "rowwise"))},
+}
+"""Tensor-parallel plans (module -> style) the way trainers shard these models: column-parallel
+in, row-parallel out; attention heads split across ranks; each expert's MLP split."""
 
 
 def build(kind: str) -> nn.Module:
