@@ -1,6 +1,6 @@
-"""Live goodput on a real monitor (a marked phase included): rank 0's thread recomputes it from the run dir and /metrics
-serves ``ddpmon_goodput_*`` over real HTTP, one series per bucket, the buckets adding up to the
-wall-clock series; ``goodput_seconds=0`` serves none."""
+"""Live goodput on a real monitor (a marked phase included): rank 0's thread recomputes it from
+the run dir and /metrics serves ``ddpmon_goodput_*`` over real HTTP, one series per bucket, the
+buckets adding up to the wall-clock series; ``goodput_seconds=0`` serves none."""
 
 from __future__ import annotations
 

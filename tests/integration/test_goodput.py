@@ -53,8 +53,9 @@ def truth(out: Path) -> dict:
         done += [x["t"] for x in lines if x["kind"] == "done"]
         steps = [x for x in lines if x["kind"] == "step"]
         is_lost = [x["step"] >= LOST_FROM.get(x["attempt"], 1 << 30) for x in steps]
-        kept.append(sum(x["end"] - x["start"] for x, gone in zip(steps, is_lost) if not gone))
-        lost.append(sum(x["end"] - x["start"] for x, gone in zip(steps, is_lost) if gone))
+        took = [(x["end"] - x["start"], gone) for x, gone in zip(steps, is_lost, strict=True)]
+        kept.append(sum(t for t, gone in took if not gone))
+        lost.append(sum(t for t, gone in took if gone))
         counts.append((sum(not g for g in is_lost), sum(is_lost)))
     return {"wall": max(done) - min(born), "kept": sum(kept) / 4, "lost": sum(lost) / 4,
             "counts": counts}

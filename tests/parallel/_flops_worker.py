@@ -1,13 +1,12 @@
 """One rank of the FLOP-counting test: for DDP, FSDP2 and TP (2 gloo ranks) and each model of
 tests/support/flop_models.py, ``mon.count_flops`` on one step of the wrapped model against the
 FLOPs this rank must do: ``FlopCounterMode``'s own count of the same step on a plain copy of the
-model, with each tensor-parallel Linear's matmuls (forward and backward, from its shapes) at this
-rank's share."""
+model, with each tensor-parallel Linear's matmuls (forward and backward, from its shapes) and
+attention split by heads at this rank's share."""
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from pathlib import Path
 
@@ -20,9 +19,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.flop_counter import FlopCounterMode
 
 import ddpmon
+from ddpmon.flops.count import cpu_attention
 from tests.support.flop_models import TP_PLANS, batch, build
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+HEADS_SPLIT = {"gqa_swa"}
+"""Models whose TP plan splits the attention heads (the dense layer's attention is replicated)."""
 
 
 def step_of(model, opt, x):
@@ -36,10 +38,17 @@ def step_of(model, opt, x):
 def expected(kind: str, strategy: str, x, world: int) -> float:
     plain = build(kind)
     sharded = _sharded_linear_flops(plain, TP_PLANS[kind]) if strategy == "tp" else []
-    mode = FlopCounterMode(display=False)
-    with mode:
-        step_of(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x)()
-    return mode.get_total_flops() - sum(sharded) + sum(sharded) / world
+    total = {}
+    for attention in (True, False):
+        mode = FlopCounterMode(display=False, custom_mapping=cpu_attention() if attention else {})
+        with mode:
+            step_of(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x)()
+        total[attention] = mode.get_total_flops()
+        if attention:
+            sharded = list(sharded)  # the hooks fire again on the second run: keep the first
+    if strategy == "tp" and kind in HEADS_SPLIT:  # each rank attends with its share of heads
+        sharded.append(total[True] - total[False])
+    return total[True] - sum(sharded) + sum(sharded) / world
 
 
 def _sharded_linear_flops(model, plan: dict[str, str]) -> list[float]:

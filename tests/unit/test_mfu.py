@@ -15,6 +15,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import ddpmon
+from ddpmon.flops.count import cpu_attention
 from ddpmon.flops.peaks import dtype_of_precision, lookup
 from tests.support.flop_models import batch, build
 from tests.support.ports import free_port
@@ -30,11 +31,13 @@ def make_step(model, opt, micro_batches: int = 1, step: int = 0):
     return run
 
 
-def reference_flops(model, micro_batches: int = 1) -> int:
-    """FlopCounterMode's own count of the same step, on a copy of the model without ddpmon."""
+def reference_flops(model, micro_batches: int = 1, attention: bool = True) -> int:
+    """FlopCounterMode's own count of the same step, on a copy of the model without ddpmon
+    (``attention``: with torch's SDPA formulas for the CPU attention kernel, which its registry
+    lacks)."""
     plain = copy.deepcopy(model)
     opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-    mode = FlopCounterMode(display=False)
+    mode = FlopCounterMode(display=False, custom_mapping=cpu_attention() if attention else {})
     with mode:
         make_step(plain, opt, micro_batches)()
     return mode.get_total_flops()
@@ -68,6 +71,19 @@ def test_counted_flops_match_flop_counter_mode(attached, kind, micro_batches):
     assert want > 0
     assert mon.flops_per_step == pytest.approx(want, rel=0.02)
     assert scrape(port)[("ddpmon_flops_per_step", ())] == mon.flops_per_step
+
+
+def test_gqa_sliding_window_attention_is_counted_with_its_kv_heads():
+    """The attention itself (4 query heads over 2 key/value heads, masked to a window) counts
+    as torch's SDPA formula says, forward and backward; without the CPU formulas it is 0."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    from tests.support.flop_models import DIM, SEQ
+
+    model = build("gqa_swa")
+    q, kv, out = (2, 4, SEQ, DIM // 4), (2, 2, SEQ, DIM // 4), (2, 4, SEQ, DIM // 4)
+    attention = sdpa_flop_count(q, kv, kv) + sdpa_backward_flop_count(out, q, kv, kv)
+    assert reference_flops(model) - reference_flops(model, attention=False) == attention > 0
 
 
 def test_gradient_accumulation_counts_every_micro_batch():
