@@ -21,4 +21,11 @@ def of_timeline(tl: Any, now: float | None = None) -> Goodput | None:
     rows = rows_by_rank(RunDir(tl.run_path), tl.damage)
     progress = {r: v["progress"] for r, v in tl.ranks.items() if isinstance(v.get("progress"),
                                                                               dict)}
-    return account(tl.events, tl.recovery.get("attempts") or [], rows, progress, now)
+    try:
+        return account(tl.events, tl.recovery.get("attempts") or [], rows, progress, now)
+    except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        # a claim no reader checked (a clock of 1e308, a step of another type): the timeline
+        # stands, goodput is named as not computed
+        tl.damage.add(tl.run_path, f"goodput not computed ({type(exc).__name__}: "
+                      f"{str(exc)[:120]})", "no goodput")
+        return None

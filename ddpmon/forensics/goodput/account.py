@@ -19,6 +19,7 @@ time evenly, each a median data wait then a step, and the result says so in ``es
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,8 @@ warm-up (compilation, allocator and cache warm-up)."""
 WARMUP_MAX_STEPS = 50
 """Warm-up is looked for in at most this many first steps of an attempt."""
 GOOD_ENDINGS = ("closed (mon.close)", "exit code 0")
+MAX_TIME = 1e11
+"""Times (and spans) beyond this many seconds are no clock's (the year 5138): not used."""
 
 
 @dataclass(slots=True)
@@ -87,6 +90,8 @@ def account(events: list[dict[str, Any]], attempts: list[dict[str, Any]],
     timeline's ``attempts`` and each rank's step rows; None when no rank has a start event.
     ``progress``: each rank's progress file (its newest attempt's last step); ``now``: a live
     run's present (rank 0's clock), else the run ends at its last event or step."""
+    events = [e for e in events if isinstance(e.get("t"), float | int)
+              and math.isfinite(e["t"]) and abs(e["t"]) < MAX_TIME]
     starts = _starts(events)
     if not starts:
         return None
@@ -98,6 +103,8 @@ def account(events: list[dict[str, Any]], attempts: list[dict[str, Any]],
     last_row = max((r.end + off for per in placed.values() for a in per.values()
                     for r, off in a), default=start)
     end = now if now is not None else max(max(ends.values()), last_row)
+    if not (math.isfinite(end - start) and 0 <= end - start < MAX_TIME):
+        return None  # times no clock gives (damage): no figure rather than a wrong one
     first_steps = _resume_steps(attempts, placed)
     numbers = sorted({s["attempt"] for per in starts.values() for s in per})
     lost_from = {a: min((first_steps.get(b, 0) for b in numbers if b > a), default=None)
@@ -269,7 +276,7 @@ def _peer_steps(placed: dict[int, dict[int, list[tuple[StepRow, float]]]]
 
 def _event_spans(events: list[dict[str, Any]], rank: int) -> list[Span]:
     """Checkpoint saves/loads and marked phases of one rank: each event ends at its ``t`` and
-    lasted ``seconds``."""
+    lasted ``seconds`` (the window clips a claim longer than the run)."""
     kinds = {"checkpoint_save": B.SAVE, "checkpoint_load": B.RESTORE, "phase": B.CUSTOM}
     out = []
     for e in events:
@@ -289,7 +296,8 @@ def _starts(events: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
             continue
         offset = _num(e.get("clock_offset_seconds")) or 0.0
         born = _num(e.get("process_start_ts"))
-        p = born + offset if born is not None and born <= e["t"] - offset else e["t"]
+        p = born + offset if born is not None and e["t"] - 86400 <= born + offset <= e["t"] \
+            else e["t"]
         out.setdefault(e["rank"], []).append({"attempt": e["attempt"], "ts": e["t"] - offset,
                                               "offset": offset, "p": p,
                                               "previous": e.get("previous_progress")})
