@@ -296,3 +296,11 @@ def dcp_logger() -> logging.Logger | None:
         lost("checkpoint.logger._dcp_logger", "DCP saves and loads are not captured")
         return None
     return target
+
+
+def raw_flop_formula(fn: Any) -> Any:
+    """Mark ``fn`` as a FLOP formula that takes an op's raw arguments (tensors, DTensors), not
+    their shapes: ``FlopCounterMode(custom_mapping=...)`` reads the private ``_get_raw`` flag
+    (torch >= 2.4; an older torch passes shapes, and the formulas then count nothing)."""
+    fn._get_raw = True  # noqa: SLF001 - the one door to this torch flag
+    return fn

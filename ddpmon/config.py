@@ -72,6 +72,17 @@ class Config:
     hang_seconds: float = 30.0
     """No progress (no step, phase change or new collective) for this long: the rank exports
     what it is stuck in (phase, innermost user frame) for the hang alert (docs/slow-and-stuck)."""
+    peak_flops: float = 0.0
+    """Dense peak FLOP/s of one rank's device in the training dtype, for MFU; 0: the table of
+    known devices (H100, H200, A100, B200, MI300X; docs/goodput.md, MFU)."""
+    flops_per_step: float = 0.0
+    """FLOPs of one optimizer step on this rank; 0: counted by ``mon.count_flops(step)``."""
+    tokens_per_step: float = 0.0
+    """Tokens (or samples) one optimizer step of this rank processes, for tokens/s; 0: none,
+    or given to ``mon.count_flops(step, tokens=...)``."""
+    goodput_seconds: float = 60.0
+    """Rank 0 recomputes the run's goodput (``ddpmon_goodput_*``, docs/goodput.md) from the run
+    dir every this many seconds, on a thread of its own; 0 turns it off."""
     web_config: str | None = None
     """Exporter-toolkit web config file (TLS, basic auth) for the /metrics endpoint."""
     sd_dir: str | None = None
@@ -188,6 +199,9 @@ class Config:
             )
         _check_float("stall_seconds", self.stall_seconds, 1.0, None)
         _check_float("hang_seconds", self.hang_seconds, 0.5, None)
+        _check_float("goodput_seconds", self.goodput_seconds, 0.0, None)
+        for name in ("peak_flops", "flops_per_step", "tokens_per_step"):
+            _check_float(name, getattr(self, name), 0.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
         _check_int("replica_check_every", self.replica_check_every, 0, 10**6)

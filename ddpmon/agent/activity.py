@@ -17,6 +17,7 @@ never pages on a rank the others wait for while it is in one.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -222,8 +223,13 @@ class LoopPhases:
         """``with mon.phase("eval"):`` says what the loop does where ddpmon cannot see it (an
         evaluation pass, a save it does not time). While inside, the rank exports the phase by
         that name; a ``quiet`` phase (the default) may last: no hang is paged on it. A name is
-        ``[a-z][a-z0-9_]*`` (32 characters at most); past 16 distinct names, ``other``."""
-        return self.pipeline.marked(name, quiet)
+        ``[a-z][a-z0-9_]*`` (32 characters at most); past 16 distinct names, ``other``. On
+        exit it is a ``phase`` event with its seconds, which goodput counts apart from training
+        (``custom_badput_events``, docs/goodput.md)."""
+        with contextlib.ExitStack() as stack:  # a bad name raises here, leaving nothing open
+            stack.enter_context(self.pipeline.marked(name, quiet))
+            stack.enter_context(self._phase_timer(name))  # type: ignore[attr-defined]
+            return stack.pop_all()
 
     def _serve_activity(self) -> None:
         """Export this rank's activity at every scrape (called on the training thread, at

@@ -163,6 +163,9 @@ class NullMonitor:
     def phase(self, name: str, quiet: bool = True) -> Any:
         return contextlib.nullcontext()
 
+    def count_flops(self, step: Any, tokens: float | None = None) -> Any:
+        return step()
+
     def close(self) -> None:
         pass
 

@@ -158,6 +158,7 @@ class Endpoint:
         return self.lingered
 
     def close(self) -> None:
+        self.exposition.close()
         if self._sd is not None:
             try:
                 self._sd.remove()

@@ -1,10 +1,7 @@
 """The ``Monitor`` that ``ddpmon.attach`` returns: builds the parts, starts them, closes them.
 
-The parts (each in its own module): the run context (who and which run), the gradient source
-(per parallelism strategy), the step pipeline and what marks its steps (``step_markers``), the
-sinks (``record_sinks``: metrics, progress, incidents, summary, manifest, history),
-checkpoints, the forensics files and the /metrics endpoint. ``attach`` and the
-``NullMonitor`` of a disabled agent live in ``api.py``.
+The parts, each in its own module: run context, gradient source (per strategy), step pipeline
+and its markers, sinks (``record_sinks``), checkpoints, forensics files, the /metrics endpoint.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
 from .forensics import Forensics
+from .goodput_live import FiguresApi, start_figures
 from .guard import Guard
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
@@ -55,7 +53,7 @@ from .step_markers import StepMarkers
 from .update_wiring import SpikeParts
 
 
-class Monitor(LoopPhases):
+class Monitor(LoopPhases, FiguresApi):
     """One rank's agent. Create it with ``ddpmon.attach``."""
 
     enabled = True
@@ -96,8 +94,7 @@ class Monitor(LoopPhases):
         return self
 
     def _assemble(self, model, optimizer, scaler, comm_hook, comm_state, pp=None) -> None:
-        """Build the parts in order: who and where this rank is, what measures its gradients,
-        where its records go, what marks its steps, and what observes and serves it."""
+        """Build the parts in order: who this rank is, what measures, where records go..."""
         self._settle(model, optimizer, scaler, pp)
         self._measure(comm_hook, comm_state, pp)
         self._pipeline(self._sinks(), pp)
@@ -227,6 +224,7 @@ class Monitor(LoopPhases):
         self.exposition = self.endpoint.exposition
         self._serve_activity()
         self.port = self.endpoint.port
+        self.goodput, self.throughput = start_figures(self, state)  # closed with the endpoint
         self.forensics.watch(
             config.stall_seconds,
             heartbeat=lambda: state.last_step_timestamp or state.started_at,
@@ -242,8 +240,7 @@ class Monitor(LoopPhases):
     # ------------------------------------------------------------------ public API
     @property
     def state(self) -> MetricState:
-        """The metric state, with every step whose values are on the host already applied
-        (records are derived on the agent's record thread; reading here catches up first)."""
+        """The metric state with every step whose values are on the host applied (catches up)."""
         self.flush()
         return self._state
 

@@ -112,4 +112,16 @@ def start_fields(mon: Monitor) -> dict[str, Any]:
         clock_rtt_seconds=mon.ctx.clock.get("rtt_seconds"),
         attempt_source=mon.attempt.source,
         previous_progress=mon.attempt.previous_progress,
+        process_start_ts=process_start_ts(),
     )
+
+
+def process_start_ts() -> float | None:
+    """When this process started (``time.time()`` clock): goodput counts initialisation from
+    here, not from ``attach`` (imports and the model build come first)."""
+    try:
+        import psutil
+
+        return round(psutil.Process().create_time(), 3)
+    except Exception:  # noqa: BLE001 - a fact, never a failure
+        return None

@@ -54,10 +54,19 @@ def run(args: argparse.Namespace) -> int:
 
         job = slurm_outcome.job_id_of(tl.run_path)
         slurm = slurm_outcome.query(job) if job else None
+    from ddpmon.forensics.goodput import of_timeline
+
+    goodput = of_timeline(tl)
     if args.json:
-        print(dumps({**tl.to_json(), "slurm": slurm}, indent=1, sort_keys=False))
+        print(dumps({**tl.to_json(), "slurm": slurm,
+                     "goodput": goodput.to_json() if goodput else None},
+                    indent=1, sort_keys=False))
     else:
         _render(tl, show_steps=args.steps, slurm=slurm)
+        if goodput is not None:
+            from ddpmon.forensics.goodput.text import render
+
+            render(goodput)
     return 3 if tl.missing_ranks else 0
 
 

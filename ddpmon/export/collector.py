@@ -335,9 +335,25 @@ class Exposition:
         self.registry.register(collector)
         self._collector = collector
         self._lock = threading.Lock()
-        self._key: tuple[int, int] | None = None
+        self._key: tuple[int, ...] | None = None
         self._payload = b""
         self.renders = 0
+        self._extra: list[Any] = []
+
+    def add(self, collector: Any) -> None:
+        """Serve another collector's families too; its ``version`` joins the cache key."""
+        self.registry.register(collector)
+        self._extra.append(collector)
+
+    def close(self) -> None:
+        """Stop the added collectors that run threads of their own (``close``)."""
+        for c in self._extra:
+            close = getattr(c, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - closing never raises
+                    log.debug("closing %r failed", c, exc_info=True)
 
     def serve_at_scrape(self, families: Callable[[], dict[m.Metric, Samples]]) -> None:
         """Add families read fresh at each scrape (rendered at most once a second)."""
@@ -350,7 +366,8 @@ class Exposition:
             live = self._collector.live
             live_version = live.refresh_if_stale().version if live is not None else 0
             key = (self._collector.state.version, live_version,
-                   time.monotonic() // 1 if self._collector.at_scrape is not None else 0)
+                   time.monotonic() // 1 if self._collector.at_scrape is not None else 0,
+                   *(c.version for c in self._extra))
             if key != self._key:
                 self._payload = generate_latest(self.registry)
                 self._key = key

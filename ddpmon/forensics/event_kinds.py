@@ -54,6 +54,8 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "attempt_source": "where the attempt number came from (`torchelastic`, `run_dir`: "
             "the starts before this one, or `slurm`: `SLURM_RESTART_COUNT`, a requeue)",
             "previous_progress": "last step the previous attempt of this rank completed",
+            "process_start_ts": "when the process started (this rank's clock): goodput's "
+            "initialisation runs from here to the first step",
         },
     ),
     EventKind(
@@ -253,6 +255,16 @@ EVENT_KINDS: tuple[EventKind, ...] = (
             "not_stated": "states nobody said anything about",
             "absent": "states this run does not have (no GradScaler: no scaler)",
             "error": "the exception, when `ok=false`",
+        },
+    ),
+    EventKind(
+        "phase",
+        "A phase the script marked ended (`with mon.phase(\"eval\"):`); goodput counts it as "
+        "`custom_badput_events`.",
+        {
+            "name": "the phase's name",
+            "seconds": "how long it took",
+            "ok": "false when an exception left it",
         },
     ),
     EventKind(

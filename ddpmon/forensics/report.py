@@ -24,6 +24,7 @@ from ..rundir import RunDir
 from . import report_plots as rp
 from .annotations import load_annotations
 from .compare import CompareError, compare_runs, resolve_run
+from .goodput.plot import section as goodput_section
 from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present
@@ -93,6 +94,7 @@ def build_report(
              _failure(tl), html_section(tl.stragglers if tl is not None else None)]
     if other is not None:
         parts.append(_comparison(path, other.path))
+    parts.append(goodput_section(tl))
     parts.append(_plots(view, other))
     parts.append(_timeline(tl))
     parts.append(

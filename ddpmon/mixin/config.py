@@ -156,6 +156,13 @@ class MixinConfig:
     checkpoint_slow_window: str = "30m"
     checkpoint_slow_for: str = "5m"
 
+    # --- goodput (rank 0 exports it; goodput_seconds > 0) ---
+    goodput_floor: float = 0.5
+    """DdpmonGoodputLow: productive step time below this share of the wall-clock time over
+    ``goodput_window``."""
+    goodput_window: str = "1h"
+    goodput_for: str = "15m"
+
     # --- dashboards ---
     dashboard_topk: int = 10
     """Per-rank panels draw the top/bottom k ranks; quantiles/heatmaps show the rest."""
@@ -192,7 +199,7 @@ class MixinConfig:
             if getattr(self, name).strip().startswith("{"):
                 raise ValueError(f"{name}: give label matchers without braces")
         for name in ("loss_scale_collapse_ratio", "gpu_memory_full_ratio", "data_starved_share",
-                     "checkpoint_slow_share"):
+                     "checkpoint_slow_share", "goodput_floor"):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a ratio in (0, 1]")
 

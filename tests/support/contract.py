@@ -38,5 +38,7 @@ CONTRACT_ALERTS = {
     # Issue 16: checkpoints.
     "DdpmonCheckpointStale": "warning",
     "DdpmonCheckpointSlow": "warning",
+    # Issue 50: goodput.
+    "DdpmonGoodputLow": "warning",
 }
 """Alert name -> severity."""

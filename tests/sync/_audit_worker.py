@@ -46,6 +46,10 @@ FEATURES = {
     "step_metrics": ("learning_rate",),
     "update_every": 1,
     "announce": False,
+    # MFU inputs: the rates are computed at scrape time from host values, never per step
+    "peak_flops": 1e12,
+    "flops_per_step": 1e6,
+    "tokens_per_step": 32.0,
 }
 """Every per-step feature, at its most frequent: each runs on every audited step."""
 DEVICE = torch.device("cpu")

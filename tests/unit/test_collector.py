@@ -298,9 +298,29 @@ def test_render_is_cached_until_state_changes():
     assert b'probe="grads"' in exposition.render() and exposition.renders == 2
 
 
+def with_figures(exposition: Exposition) -> Exposition:
+    """The rank's other collectors, fed: rank 0's live goodput and the FLOPs/MFU rates."""
+    import time as _time
+
+    from ddpmon.agent.goodput_live import GoodputLive
+    from ddpmon.flops.mfu import Throughput
+    from ddpmon.forensics.goodput import NAMES
+
+    labels = {"run": "run-1", "rank": "1"}
+    goodput = GoodputLive(Path("."), labels, 60.0, lambda name, exc: None)
+    goodput.result = {"buckets": dict.fromkeys(NAMES, 1.0), "wall": float(len(NAMES)),
+                      "goodput": 1 / len(NAMES), "ettr": 4 / len(NAMES)}
+    calls = iter([(0, 0.0)])
+    rates = Throughput(labels, lambda: next(calls, (10, _time.time() + 10.0)), peak_flops=1e15,
+                       flops_per_step=1e9, tokens_per_step=64)
+    exposition.add(goodput)
+    exposition.add(rates)
+    return exposition
+
+
 def test_exposition_is_exactly_the_catalogue():
     """Every catalogue entry is exposed with its type, help and labels, and nothing else is."""
-    text = make_exposition(activity=True).render().decode()
+    text = with_figures(make_exposition(activity=True)).render().decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     exposed = {}
     for fam in families.values():

@@ -81,7 +81,16 @@ def rank_list(
 def alerts(cfg: MixinConfig) -> list[Alert]:
     """All alerts, in layer order."""
     # the layer modules import Alert and RANK from this package: imported at call, not a cycle
-    from ddpmon.mixin.alerts import agent, checkpoints, communication, data, hangs, memory, numerics
+    from ddpmon.mixin.alerts import (
+        agent,
+        checkpoints,
+        communication,
+        data,
+        goodput,
+        hangs,
+        memory,
+        numerics,
+    )
 
     return [
         *numerics.alerts(cfg),
@@ -91,6 +100,7 @@ def alerts(cfg: MixinConfig) -> list[Alert]:
         *hangs.alerts(cfg),
         *agent.alerts(cfg),
         *checkpoints.alerts(cfg),
+        *goodput.alerts(cfg),
     ]
 
 

@@ -1,0 +1,54 @@
+"""Wires :class:`ddpmon.flops.mfu.Throughput` into a monitor: its inputs from ``attach``
+(``peak_flops``, ``flops_per_step``, ``tokens_per_step``) or the peak table, its families on the
+rank's /metrics, and ``mon.count_flops`` to count one step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..flops.mfu import Throughput
+
+log = logging.getLogger("ddpmon.mfu")
+
+
+def start_throughput(mon: Any, state: Any) -> Throughput | None:
+    """Every rank's throughput collector (None without an endpoint)."""
+    if mon.port is None:
+        return None
+    cfg = mon.config
+    with mon.guard("mfu"):
+        t = Throughput({"run": mon.ctx.run_id, "rank": str(mon.identity.rank)},
+                       lambda: (state.steps_total, state.last_step_timestamp))
+        t.set(peak_flops=cfg.peak_flops or table_peak(mon.identity.device, state),
+              flops_per_step=cfg.flops_per_step or None,
+              tokens_per_step=cfg.tokens_per_step or None)
+        mon.exposition.add(t)
+        return t
+    return None
+
+
+def table_peak(device: str, state: Any) -> float | None:
+    """The peak table's figure for this rank's CUDA device and training dtype, if known."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from ..flops.peaks import dtype_of_precision, lookup
+
+    name = torch.cuda.get_device_name(torch.device(device))
+    found = lookup(name, dtype_of_precision(getattr(state, "precision", None)) or "")
+    return found[0] if found else None
+
+
+def count_step(mon: Any, step: Callable[[], Any], tokens: float | None) -> Any:
+    """Run ``step()`` once under FlopCounterMode and make its FLOPs this rank's per-step count."""
+    from ..flops.count import count_flops
+
+    result, flops = count_flops(step)
+    mon.flush()  # the counted step is in the state before the rates' baseline is taken
+    if mon.throughput is not None and flops > 0:
+        mon.throughput.set(flops_per_step=flops, tokens_per_step=tokens)
+    mon.flops_per_step = flops
+    return result

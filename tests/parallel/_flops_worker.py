@@ -1,0 +1,108 @@
+"""One rank of the FLOP-counting test: for DDP, FSDP2 and TP (2 gloo ranks) and each model of
+tests/support/flop_models.py, ``mon.count_flops`` on one step of the wrapped model against the
+FLOPs this rank must do: ``FlopCounterMode``'s own count of the same step on a plain copy of the
+model, with each tensor-parallel Linear's matmuls (forward and backward, from its shapes) and
+attention split by heads at this rank's share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.flop_counter import FlopCounterMode
+
+import ddpmon
+from ddpmon.flops.count import cpu_attention
+from tests.support.flop_models import TP_PLANS, batch, build
+
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+HEADS_SPLIT = {"gqa_swa"}
+"""Models whose TP plan splits the attention heads (the dense layer's attention is replicated)."""
+
+
+def step_of(model, opt, x):
+    def run():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return run
+
+
+def expected(kind: str, strategy: str, x, world: int) -> float:
+    plain = build(kind)
+    sharded = _sharded_linear_flops(plain, TP_PLANS[kind]) if strategy == "tp" else []
+    total = {}
+    for attention in (True, False):
+        mode = FlopCounterMode(display=False, custom_mapping=cpu_attention() if attention else {})
+        with mode:
+            step_of(plain, torch.optim.SGD(plain.parameters(), lr=0.01), x)()
+        total[attention] = mode.get_total_flops()
+        if attention:
+            sharded = list(sharded)  # the hooks fire again on the second run: keep the first
+    if strategy == "tp" and kind in HEADS_SPLIT:  # each rank attends with its share of heads
+        sharded.append(total[True] - total[False])
+    return total[True] - sum(sharded) + sum(sharded) / world
+
+
+def _sharded_linear_flops(model, plan: dict[str, str]) -> list[float]:
+    """Filled in by the step: each tensor-parallel Linear's matmul FLOPs (forward 2*N*in*out;
+    backward the weight gradient, and the input gradient when its input needs one)."""
+    found: list[float] = []
+    for name in plan:
+        def hook(mod, inputs, _out, found=found):
+            (inp,) = inputs
+            n = inp.numel() // inp.shape[-1]
+            found.append(2 * n * mod.in_features * mod.out_features
+                         * (2 + bool(inp.requires_grad)))
+        model.get_submodule(name).register_forward_hook(hook)
+    return found
+
+
+def wrap(kind: str, strategy: str, mesh):
+    model = build(kind)
+    if strategy == "ddp":
+        return DistributedDataParallel(model)
+    if strategy == "fsdp2":
+        return fully_shard(model, mesh=mesh)
+    plan = {name: STYLES[style]() for name, style in TP_PLANS[kind].items()}
+    return parallelize_module(model, mesh, plan)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for strategy in ("ddp", "fsdp2", "tp"):
+        for kind in ("dense", "gqa_swa", "moe"):
+            # TP ranks see the same batch (they shard the model, not the data)
+            x = batch(0 if strategy == "tp" else rank)
+            model = wrap(kind, strategy, mesh)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            mon = ddpmon.attach(model, opt, port=0, run_dir=str(Path(args.out) / "runs"),
+                                run_id=f"{strategy}-{kind}", linger_seconds=0)
+            assert mon.enabled, mon.error
+            mon.count_flops(step_of(model, opt, x))
+            results[f"{strategy}:{kind}"] = {"counted": mon.flops_per_step,
+                                             "expected": expected(kind, strategy, x, world),
+                                             "unsharded": expected(kind, "ddp", x, world)}
+            mon.close()
+            dist.barrier()
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
