@@ -15,7 +15,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily
+
 from .. import metrics as m
+from ..forensics.goodput import of_timeline
+from ..forensics.timeline import RunDirError, build_timeline
+from .checkpoints import NullTimer
+from .phases import PhaseTimer
+from .throughput_live import count_step, start_throughput
 
 log = logging.getLogger("ddpmon.goodput")
 
@@ -46,8 +53,6 @@ class GoodputLive:
     def refresh(self) -> None:
         """Recompute once; a failure is counted (probe ``goodput``), never raised."""
         try:
-            from ..forensics.goodput import of_timeline
-            from ..forensics.timeline import RunDirError, build_timeline
 
             try:
                 g = of_timeline(build_timeline(self.run_path), now=self.clock())
@@ -67,7 +72,6 @@ class GoodputLive:
             self._thread.join(timeout=5.0)
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
 
         r = self.result
         if r is None:
@@ -89,7 +93,6 @@ class GoodputLive:
 def start_figures(mon: Any, state: Any) -> tuple[GoodputLive | None, Any]:
     """Rank 0's live goodput and every rank's throughput collector, both served by /metrics
     and closed with the endpoint."""
-    from .throughput_live import start_throughput
 
     return start_goodput(mon), start_throughput(mon, state)
 
@@ -119,8 +122,6 @@ class FiguresApi:
     def _phase_timer(self, name: str) -> Any:
         """The goodput half of ``mon.phase`` (``agent.activity.LoopPhases``): a ``phase`` event
         with its seconds, counted by goodput as ``custom_badput_events``."""
-        from .checkpoints import NullTimer
-        from .phases import PhaseTimer
 
         if self._closed:
             return NullTimer()
@@ -134,6 +135,5 @@ class FiguresApi:
         one step, and again when shapes change: the counted step runs a few times slower."""
         if self._closed:
             return step()
-        from .throughput_live import count_step
 
         return count_step(self, step, tokens)

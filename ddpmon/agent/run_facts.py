@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import torch
 
 from ..slurm import from_environ
@@ -120,7 +121,6 @@ def process_start_ts() -> float | None:
     """When this process started (``time.time()`` clock): goodput counts initialisation from
     here, not from ``attach`` (imports and the model build come first)."""
     try:
-        import psutil
 
         return round(psutil.Process().create_time(), 3)
     except Exception:  # noqa: BLE001 - a fact, never a failure

@@ -8,7 +8,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from ..flops.count import count_flops
 from ..flops.mfu import Throughput
+from ..flops.peaks import dtype_of_precision, lookup
 
 log = logging.getLogger("ddpmon.mfu")
 
@@ -33,9 +37,7 @@ def table_peak(device: str, state: Any) -> float | None:
     """The peak table's figure for this rank's CUDA device and training dtype, if known."""
     if not device.startswith("cuda"):
         return None
-    import torch
 
-    from ..flops.peaks import dtype_of_precision, lookup
 
     name = torch.cuda.get_device_name(torch.device(device))
     found = lookup(name, dtype_of_precision(getattr(state, "precision", None)) or "")
@@ -44,7 +46,6 @@ def table_peak(device: str, state: Any) -> float | None:
 
 def count_step(mon: Any, step: Callable[[], Any], tokens: float | None) -> Any:
     """Run ``step()`` once under FlopCounterMode and make its FLOPs this rank's per-step count."""
-    from ..flops.count import count_flops
 
     result, flops = count_flops(step)
     mon.flush()  # the counted step is in the state before the rates' baseline is taken

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
         job = slurm_outcome.job_id_of(tl.run_path)
         slurm = slurm_outcome.query(job) if job else None
-    from ddpmon.forensics.goodput import of_timeline
+    from ddpmon.forensics.goodput import of_timeline  # at run: a light CLI start
 
     goodput = of_timeline(tl)
     if args.json:
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         _render(tl, show_steps=args.steps, slurm=slurm)
         if goodput is not None:
-            from ddpmon.forensics.goodput.text import render
+            from ddpmon.forensics.goodput.text import render  # at run: a light CLI start
 
             render(goodput)
     return 3 if tl.missing_ranks else 0

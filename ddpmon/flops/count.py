@@ -20,13 +20,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
 from .._torch_compat import raw_flop_formula
 
 
 def count_flops(step: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``step()`` once under ``FlopCounterMode`` (DTensor ops at this rank's share); return
     its result and the FLOPs counted."""
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
     formulas = {**flop_registry, **cpu_attention()}
     mapping = {op: _local_share(formula) for op, formula in formulas.items()}
@@ -39,8 +47,6 @@ def count_flops(step: Callable[[], Any]) -> tuple[Any, int]:
 def cpu_attention() -> dict[Any, Callable[..., int]]:
     """FlopCounterMode's own SDPA formulas for the CPU attention kernel, which its registry
     lacks (torch 2.13 counts 0 FLOPs for ``scaled_dot_product_attention`` on CPU)."""
-    import torch
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     ops = torch.ops.aten
     out: dict[Any, Callable[..., int]] = {}
@@ -71,7 +77,6 @@ def _local_share(formula: Callable[..., int]) -> Callable[..., int]:
 
 
 def _share(x: Any) -> float | None:
-    from torch.distributed.tensor import DTensor
 
     if not isinstance(x, DTensor) or x.numel() == 0:
         return None

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily
+
 from .. import metrics as m
 
 log = logging.getLogger("ddpmon.mfu")
@@ -76,7 +78,6 @@ class Throughput:
             log.warning("ddpmon: %s", self.refused)
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
 
         names, values = list(self.labels), list(self.labels.values())
         r = self.rates()

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
     ("names and who: catalogues, damage, identity",
      frozenset({"metrics", "rundir_catalogue", "damage", "identity"})),
     ("built on the catalogue", frozenset({"state", "step_metrics", "mixin", "hang_naming"})),
-    ("options and device probes", frozenset({"config", "probes", "services"})),
+    ("options and device probes", frozenset({"config", "probes", "services", "flops"})),
     ("strategies", frozenset({"strategies", "clip"})),
     ("what the agent writes through", frozenset({"export", "forensics"})),
     ("the agent", frozenset({"agent"})),

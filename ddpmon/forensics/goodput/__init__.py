@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...rundir import RunDir
 from .account import Goodput, account
 from .buckets import BUCKETS, NAMES
+from .rows import rows_by_rank
 
 __all__ = ["BUCKETS", "NAMES", "Goodput", "account", "of_timeline"]
 
@@ -15,8 +17,6 @@ def of_timeline(tl: Any, now: float | None = None) -> Goodput | None:
     """Goodput of a :class:`~ddpmon.forensics.timeline.Timeline` (its run dir's step rows read
     here); None when the run has no start event. Never raises on damaged files: they are
     named in the timeline's ``damage``."""
-    from ...rundir import RunDir
-    from .rows import rows_by_rank
 
     rows = rows_by_rank(RunDir(tl.run_path), tl.damage)
     progress = {r: v["progress"] for r, v in tl.ranks.items() if isinstance(v.get("progress"),

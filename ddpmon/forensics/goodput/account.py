@@ -24,6 +24,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..failure import ending
+from ..run_bounds import grouped
 from . import buckets as B
 from .paint import Span, paint
 from .rows import StepRow
@@ -345,8 +347,6 @@ def _attempt_ends(events: list[dict[str, Any]]) -> dict[int, float]:
 def _failed_attempts(events: list[dict[str, Any]]) -> set[int]:
     """Attempts in which a rank ended otherwise than well (a signal, an exception, a non-zero
     exit, vanished, or stalled with no exit after)."""
-    from ..failure import ending
-    from ..run_bounds import grouped
 
     failed = set()
     for mine in grouped(events, "rank").values():

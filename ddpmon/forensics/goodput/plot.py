@@ -6,6 +6,8 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from ..report_plots import plain, to_svg
+from . import of_timeline
 from .account import Goodput
 from .buckets import BUCKETS
 
@@ -22,8 +24,6 @@ MAX_BARS = 40
 
 def section(tl: Any) -> str:
     """The report's goodput section for a built timeline ('' when it cannot be computed)."""
-    from . import of_timeline
-
     g = of_timeline(tl) if tl is not None else None
     if g is None or g.wall_seconds <= 0:
         return ""
@@ -44,12 +44,11 @@ def section(tl: Any) -> str:
 
 
 def _bars(g: Goodput) -> str:
-    import matplotlib
+    import matplotlib  # optional: ddpmon[report]
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: ddpmon[report]
 
-    from ..report_plots import plain, to_svg
 
     attempts = g.attempts
     if len(attempts) > MAX_BARS:

@@ -3,6 +3,7 @@ per attempt too when there were several."""
 
 from __future__ import annotations
 
+from ...terminal import SafeConsole, shown
 from .account import Goodput
 from .buckets import BUCKETS
 
@@ -33,8 +34,6 @@ def lines(g: Goodput) -> list[str]:
 
 
 def render(g: Goodput) -> None:
-    from ...terminal import SafeConsole, shown
-
     console = SafeConsole(highlight=False)
     console.print("[bold]Goodput[/bold]")
     for line in lines(g):
