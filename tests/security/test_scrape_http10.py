@@ -7,6 +7,7 @@ still fail with the usual errors, and no socket is left open."""
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 import warnings
@@ -15,8 +16,15 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from sec_pki import Pki
 
-from ddpmon.export.scrape import MAX_BODY_BYTES, ScrapeClient, ScrapeError
+from ddpmon.export.scrape import (
+    MAX_BODY_BYTES,
+    ScrapeClient,
+    ScrapeConfig,
+    ScrapeError,
+    TlsConfig,
+)
 
 SERIES = 20_000
 EXPOSITION = (
@@ -68,10 +76,14 @@ class ExporterServer(ThreadingHTTPServer):
 
 
 @contextmanager
-def serve(protocol: str, answer: str) -> Iterator[str]:
+def serve(protocol: str, answer: str, tls: Pki | None = None) -> Iterator[str]:
     handler = type("Handler", (Exporter,), {"protocol_version": protocol})
     server = ExporterServer(("127.0.0.1", 0), handler)
     server.answer = answer
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tls.server_cert, tls.server_key)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -104,6 +116,16 @@ def test_answers_that_close_the_connection_are_read_whole(protocol: str, answer:
                 assert len(values) == SERIES + 1
         leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
         assert not leaks, [str(w.message) for w in leaks]
+
+
+def test_an_http10_exporter_behind_tls_is_read_whole(pki: Pki) -> None:
+    client = ScrapeClient(ScrapeConfig(tls_config=TlsConfig(ca_file=pki.ca)))
+    with serve("HTTP/1.0", "no-length", tls=pki) as target:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            values = client.samples(f"https://{target}", timeout=10)
+        assert values["ddpmon_steps_total"] == 3 and len(values) == SERIES + 1
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 def test_a_close_delimited_body_past_the_size_cap_is_refused() -> None:
