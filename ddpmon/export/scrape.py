@@ -78,36 +78,59 @@ class _DeadlineReader(io.RawIOBase):
     ``http.client`` reads headers line by line and the body in pieces, so a per-read timeout
     alone lets a trickling endpoint hold the scrape for as long as it keeps sending."""
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, owner: _DeadlineSocket) -> None:
         super().__init__()
-        self._sock = sock
-        self._deadline = deadline
+        self._owner = owner
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def,override]
-        self._sock.settimeout(_remaining(self._deadline))
-        return self._sock.recv_into(buffer)
+        sock = self._owner.sock
+        sock.settimeout(_remaining(self._owner.deadline))
+        return sock.recv_into(buffer)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._owner.release_reader()
+        super().close()
 
 
 class _DeadlineSocket:
     """A connected socket whose ``makefile`` (what ``HTTPResponse`` reads through) keeps the
-    scrape's deadline; everything else is the socket's own."""
+    scrape's deadline; everything else is the socket's own.
+
+    ``close`` waits for the open readers, as ``socket.makefile``'s files do: for an answer that
+    ends by closing the connection (HTTP/1.0, ``Connection: close``) ``http.client`` closes the
+    connection right after the headers and leaves the response to read the body from its file;
+    closing the socket then would cut the body off with "Bad file descriptor"."""
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self._sock = sock
-        self._deadline = deadline
+        self.sock = sock
+        self.deadline = deadline
+        self._readers = 0
+        self._close_asked = False
 
     def makefile(self, mode: str = "rb", *args: object, **kwargs: object) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+        self._readers += 1
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def release_reader(self) -> None:
+        self._readers -= 1
+        if self._close_asked and self._readers <= 0:
+            self.sock.close()
+
+    def close(self) -> None:
+        self._close_asked = True
+        if self._readers <= 0:
+            self.sock.close()
 
     def sendall(self, data: bytes) -> None:
-        self._sock.settimeout(_remaining(self._deadline))
-        self._sock.sendall(data)
+        self.sock.settimeout(_remaining(self.deadline))
+        self.sock.sendall(data)
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
-        return getattr(self._sock, name)
+        return getattr(self.sock, name)
 
 
 class _HTTPConnection(http.client.HTTPConnection):
@@ -213,6 +236,7 @@ class ScrapeClient:
         auth = self.config.basic_auth
         if auth is not None:
             headers["Authorization"] = auth.header()
+        resp: http.client.HTTPResponse | None = None
         try:
             conn.request("GET", t.path, headers=headers)
             resp = conn.getresponse()
@@ -235,6 +259,8 @@ class ScrapeClient:
         except OSError as exc:
             raise ScrapeError(f"{t.url}: {exc.strerror or exc}") from exc
         finally:
+            if resp is not None:
+                resp.close()  # an answer that closes the connection holds the socket until now
             conn.close()
         if resp.status == 401:
             why = (
