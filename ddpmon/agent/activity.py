@@ -37,7 +37,8 @@ KNOWN_OPS = frozenset({*m.COLLECTIVE_OPS, "barrier", "all_to_all", "gather", "sc
                        "all_gather_into_tensor", "reduce_scatter_tensor", "allreduce_coalesced"})
 """Ops exported by name (the ``op`` label); any other is ``other`` (bounded series)."""
 MAX_GROUPS = 16
-"""Process groups exported per rank, by name order (bounded series)."""
+"""Process groups exported per rank: those with a collective in flight first, then by number
+(bounded series)."""
 RECORDER_AFTER_SECONDS = 1.0
 """The flight recorder is read once the rank has shown no progress for this long."""
 
@@ -115,9 +116,16 @@ def read_collectives(data: dict | None) -> Collectives:
         if sequences.get(group, seq) < seq:
             continue
         inflight[group] = InFlight(group, op_name(entry.get("profiling_name")), seq, since)
-    names = sorted(sequences)[:MAX_GROUPS]
+    hung = sorted((g for g in inflight if g in sequences), key=_group_order)[:MAX_GROUPS]
+    rest = sorted((g for g in sequences if g not in inflight), key=_group_order)
+    names = sorted([*hung, *rest][:MAX_GROUPS], key=_group_order)
     return Collectives({g: sequences[g] for g in names},
-                       tuple(inflight[g] for g in sorted(inflight) if g in names), last_issued)
+                       tuple(inflight[g] for g in hung), last_issued)
+
+
+def _group_order(group: str) -> tuple[int, int, str]:
+    """Numeric group names by number ("2" before "10"), any other name after them."""
+    return (0, int(group), group) if group.isdecimal() else (1, 0, group)
 
 
 class Activity:
@@ -240,4 +248,11 @@ class LoopPhases:
             lambda: state.last_step_timestamp or 0.0, self.config.hang_seconds,
             threading.get_ident(), on_error=self.guard.error,
         )
-        self.endpoint.exposition.serve_at_scrape(self.activity.samples)
+        self.endpoint.exposition.serve_at_scrape(self.activity.samples, self.guard.error)
+
+    def _stall_fields(self) -> dict[str, Any]:
+        """The stall event's activity fields; none when reading them fails (counted), so the
+        stall event and its evidence are still written."""
+        with self.guard("activity"):
+            return self.activity.stall_fields()
+        return {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from ..writes import WriteHealth, is_write_error
 
@@ -37,6 +38,15 @@ class Guard:
         """Count a failure that the caller has already reported in its own words."""
         self.failures[probe] = self.failures.get(probe, 0) + 1
         self._count(probe)
+
+    def taken(self, probe: str, part: Any) -> Any:
+        """``part.take()`` (None without a part); a failure is counted under ``probe`` and gives
+        None, so one probe's failure loses its own values for the step, not the step."""
+        if part is None:
+            return None
+        with self(probe):
+            return part.take()
+        return None
 
     def error(self, probe: str, exc: BaseException) -> None:
         """Count and log (once per probe) a failure; never re-raise into training."""

@@ -442,7 +442,7 @@ class Monitor(LoopPhases, FiguresApi):
             "stall",
             step,
             idle_seconds=round(idle_seconds, 3),
-            stall_seconds=self.config.stall_seconds, **self.activity.stall_fields(),
+            stall_seconds=self.config.stall_seconds, **self._stall_fields(),
         )
         with self.guard("evidence"):
             self.incidents.write_evidence(

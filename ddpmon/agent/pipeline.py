@@ -290,6 +290,7 @@ class StepPipeline(StepPhase):
             self._collected, self._sentinel = None, None
             self._closure_step = self._policy_skipped = False
             self._backward_pending = self._forward_seen = False
+            self.split.reset()  # a step that failed before its split finished: the next starts anew
             if self.rerun is not None:
                 self.rerun.end_step()
             self._at(DATA)
@@ -358,8 +359,8 @@ class StepPipeline(StepPhase):
             slot.FOUND_INF: found,
             slot.IDENTICAL_RANKS: s.identical_ranks,
             slot.TRAINER_NORM: trainer,
-            **(self.probes.take() if self.probes is not None else {}),
-            slot.ENTRY_BLOCKS: self.entry.take() if self.entry is not None else None,
+            **(self.probes.take(self.guard) if self.probes is not None else {}),
+            slot.ENTRY_BLOCKS: self.guard.taken("entry", self.entry),  # fails alone, counted
         }
         if s.extension is not None:
             values.update(s.extension.values())

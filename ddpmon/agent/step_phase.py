@@ -40,8 +40,10 @@ class LoopPhase:
 
     @property
     def current(self) -> tuple[str, bool] | None:
-        """``(name, quiet)`` of the innermost marked phase, None outside any."""
-        return self.stack[-1] if self.stack else None
+        """``(name, quiet)`` of the innermost marked phase, None outside any. Read on scrape
+        threads while the training thread pops: the list is read once (no check-then-index)."""
+        innermost = self.stack[-1:]
+        return innermost[0] if innermost else None
 
 
 class StepPhase:

@@ -54,11 +54,12 @@ class SpikeParts:
             pipeline.probes = parts
         return parts
 
-    def take(self) -> dict[str, Any]:
-        """The step's device values by slot (training thread, at the step's end)."""
+    def take(self, guard: Any) -> dict[str, Any]:
+        """The step's device values by slot (training thread, at the step's end); a part that
+        fails is counted under its probe and absent for this step, the others kept."""
         return {
-            slot.UPDATE_SQUARES: self.updates.take() if self.updates is not None else None,
-            slot.LOGIT_MAX: self.logits.take() if self.logits is not None else None,
+            slot.UPDATE_SQUARES: guard.taken("updates", self.updates),
+            slot.LOGIT_MAX: guard.taken("logits", self.logits),
         }
 
     def finish(self, record: Any, parts: dict[str, list[float]], index: Any, guard: Any) -> None:

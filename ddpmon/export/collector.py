@@ -131,14 +131,16 @@ class DdpmonCollector(Collector):
         self.series_profile = series_profile
         self.at_scrape: Callable[[], dict[m.Metric, Samples]] | None = None
         """Families read fresh at every scrape (the rank's activity, ``agent.activity``)."""
+        self.at_scrape_error: Callable[[str, BaseException], None] | None = None
+        """Counts a failure of ``at_scrape`` (probe ``activity``); the rest is still served."""
 
     def collect(self) -> Iterator[Metric]:
         live = self.live.refresh_if_stale() if self.live is not None else None
+        scraped = self._scraped()  # first: a failure it counts is in this scrape's errors
         values = self._state_values()
         if live is not None:
             values.update(_live_values(live))
-        if self.at_scrape is not None:
-            values.update(self.at_scrape())
+        values.update(scraped)
         base = [self.run_id, str(self.identity.rank)]
         for metric in m.CATALOGUE:
             samples = values.pop(metric, None)
@@ -146,6 +148,19 @@ class DdpmonCollector(Collector):
                 yield _family(metric, base, samples)
         for metric, samples in values.items():  # a per-step metric declared outside metrics.py
             yield _family(metric, base, samples)
+
+    def _scraped(self) -> dict[m.Metric, Samples]:
+        """``at_scrape``'s families; a failure is counted and the rest of /metrics served."""
+        if self.at_scrape is None:
+            return {}
+        try:
+            return self.at_scrape()
+        except Exception as exc:  # noqa: BLE001 - one probe never turns /metrics into a 500
+            if self.at_scrape_error is not None:
+                self.at_scrape_error("activity", exc)
+            else:
+                log.debug("at-scrape families failed", exc_info=True)
+            return {}
 
     def _state_values(self) -> dict[m.Metric, Samples]:
         s, ident = self.state, self.identity
@@ -355,9 +370,12 @@ class Exposition:
                 except Exception:  # noqa: BLE001 - closing never raises
                     log.debug("closing %r failed", c, exc_info=True)
 
-    def serve_at_scrape(self, families: Callable[[], dict[m.Metric, Samples]]) -> None:
-        """Add families read fresh at each scrape (rendered at most once a second)."""
+    def serve_at_scrape(self, families: Callable[[], dict[m.Metric, Samples]],
+                        on_error: Callable[[str, BaseException], None] | None = None) -> None:
+        """Add families read fresh at each scrape (rendered at most once a second); a failure
+        of ``families`` goes to ``on_error`` (probe ``activity``), never to the scraper."""
         self._collector.at_scrape = families
+        self._collector.at_scrape_error = on_error
 
     def render(self) -> bytes:
         if self._catch_up is not None:

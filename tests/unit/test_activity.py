@@ -261,3 +261,53 @@ def test_top_shows_what_each_rank_does_and_the_hang_line():
     assert line == "hang: ranks [0] wait in all_reduce #36 on group 0 for: rank 3 (data, at f3)"
     quiet = name_hang([waiting, rank(3, {"0": 35}, phase="eval", quiet=True)])
     assert _hang_line(quiet).endswith("for: rank 3 (eval, quiet, at f3) (no page)")
+
+
+@pytest.mark.parametrize("hung, kept", [("9", range(16)), ("19", [*range(15), 19])])
+def test_past_16_groups_the_hung_one_is_kept_and_the_rest_fill_by_number(hung, kept):
+    seqs = {str(g): 10 for g in range(20)}  # by string order "9" would be cut ("10" < "9")
+    seen = read_collectives(dump(seqs, entry(10, group=hung, at=50.0)))
+    assert [f.group for f in seen.inflight] == [hung]
+    assert list(seen.sequences) == sorted(map(str, kept), key=int)
+
+
+class PoppedBetween(list):
+    """A phase stack the training thread pops between a check and an index (the race)."""
+
+    def __bool__(self):
+        nonempty = len(self) > 0
+        self.clear()
+        return nonempty
+
+
+def test_a_scrape_reads_the_marked_phase_without_racing_its_exit():
+    pipe = StepPhase()
+    with pipe.marked("eval"):
+        pipe.loop_phase.stack = PoppedBetween(pipe.loop_phase.stack)
+        assert pipe.loop_phase.current == ("eval", True)  # read once: no IndexError
+
+
+def test_a_stall_whose_activity_fails_is_still_an_event_and_counted(tmp_path):
+    import json
+
+    import torch
+    from torch import nn
+
+    import ddpmon
+    from ddpmon.rundir import RunDir
+
+    model = nn.Linear(2, 1)
+    mon = ddpmon.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), port=0,
+                        bind="127.0.0.1", run_dir=str(tmp_path), run_id="stall")
+    try:
+        def broken():
+            raise RuntimeError("activity read failed")
+
+        mon.activity.stall_fields = broken
+        mon._on_stall(7.0)
+    finally:
+        mon.close()
+    lines = RunDir(mon.run_path).events(0).read_text().splitlines()
+    (stall,) = [e for e in map(json.loads, lines) if e["kind"] == "stall"]
+    assert stall["idle_seconds"] == 7.0
+    assert mon.state.agent_errors["activity"] == 1

@@ -406,3 +406,34 @@ def test_a_strategy_adds_its_own_slot_without_touching_the_pipeline():
     assert record.grad_norm == 5.0  # the extension's, not the reduced norms' 13
     assert record.trainer_grad_norm == 512.0
     assert record.group_norms  # the common part still comes from the reduced norms
+
+
+class BrokenEntry:
+    """A probe whose take fails (a tensor-parallel block-entry probe gone wrong)."""
+
+    def take(self):
+        raise RuntimeError("take failed")
+
+    def mark(self, record, sums):
+        record.entry_block = None
+
+
+def test_a_failing_probe_take_loses_its_own_values_not_the_step():
+    pipe, sink, errors, _ = make_pipeline([[3.0, 4.0, 0.0, 12.0]])
+    pipe.entry = BrokenEntry()
+    one_step(pipe, loss=torch.tensor(2.5))
+    (r,) = sink.records
+    assert r.grad_norm == pytest.approx(13.0) and r.loss == 2.5
+    assert errors == ["entry"]
+
+
+def test_a_step_that_fails_before_its_split_finished_resets_the_split():
+    class BrokenParts:  # fails in the step's packaging, before the split is read
+        def take(self, guard):
+            raise RuntimeError("packaging failed")
+
+    pipe, sink, errors, _ = make_pipeline([[3.0, 4.0, 0.0, 12.0]])
+    pipe.probes = BrokenParts()
+    one_step(pipe)
+    assert errors == ["step"] and sink.records == []
+    assert pipe.split._step_start is None and pipe.split._forward == 0.0

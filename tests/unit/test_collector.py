@@ -379,3 +379,16 @@ def test_the_loss_spike_series_stay_out_of_the_default_budget():
     state.update_ratios, state.logit_max = None, {}
     state.set_spike_unrecovered(None)
     assert len(_series(make_exposition(state).render().decode())) == base
+
+
+def test_a_failing_at_scrape_family_is_counted_and_the_rest_is_served():
+    exposition = make_exposition()
+    failures = []
+
+    def broken():
+        raise IndexError("pop from a list another thread emptied")
+
+    exposition.serve_at_scrape(broken, lambda probe, exc: failures.append((probe, type(exc))))
+    text = exposition.render().decode()
+    assert "ddpmon_rank_info{" in text and "ddpmon_phase_since" not in text
+    assert failures == [("activity", IndexError)]
