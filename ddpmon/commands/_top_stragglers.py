@@ -1,16 +1,15 @@
-"""``ddpmon top``'s straggler column: each rank's slowdown against the run's median rank and its
+"""``ddpmon top``'s straggler column: each rank's slowdown against the other ranks' median and its
 cause, from the ranks' step parts (the same comparison as ``ddpmon.mixin.stragglers``' rules,
 over what ``top`` scraped: since the previous refresh, or since start on the first).
 
 A rank's own time per step is its step time and data wait less its wait inside collectives
-(``ddpmon_step_part_seconds_total{part="wait"}``); its slowdown is that over the median rank's,
-less one; its cause, where the slowdown reaches :data:`THRESHOLD`, is the part (data, compute,
-host) furthest above the median rank's.
+(``ddpmon_step_part_seconds_total{part="wait"}``); its slowdown is that over the median of the
+*other* ranks' (with itself in the median, a 2-rank run's straggler would show half its
+slowdown), less one; its cause, where the slowdown reaches :data:`THRESHOLD`, is the part (data,
+compute, host) furthest above the others' median.
 """
 
 from __future__ import annotations
-
-import statistics
 
 from .. import metrics
 
@@ -50,6 +49,23 @@ def own_per_step(m: dict, prev: dict | None) -> dict[str, float] | None:
     return {"own": own, "data": data, "compute": compute / steps, "host": host}
 
 
+def _medians_of_others(values: dict[str, float]) -> dict[str, float]:
+    """``target -> median of every other target's value``, from one sort (O(n log n), so
+    16,384 ranks stay cheap): without the element at sorted position ``i``, the k-th of the
+    rest is ``ordered[k]`` below ``i`` and ``ordered[k + 1]`` from it."""
+    ordered = sorted(values.items(), key=lambda item: item[1])
+    rest = len(ordered) - 1
+
+    def kth(k: int, i: int) -> float:
+        return ordered[k if k < i else k + 1][1]
+
+    out = {}
+    for i, (target, _) in enumerate(ordered):
+        mid = rest // 2
+        out[target] = kth(mid, i) if rest % 2 else (kth(mid - 1, i) + kth(mid, i)) / 2
+    return out
+
+
 def straggler_scores(results: dict[str, dict | None], previous: dict[str, dict]
                      ) -> dict[str, dict]:
     """``target -> {"slowdown", "cause"}`` for every rank with step parts (``cause`` None
@@ -58,11 +74,13 @@ def straggler_scores(results: dict[str, dict | None], previous: dict[str, dict]
            and (o := own_per_step(m, previous.get(t))) is not None}
     if len(own) < 2:
         return {}
-    median = {k: statistics.median(o[k] for o in own.values()) for k in ("own", *CAUSES)}
-    if median["own"] <= 0:
-        return {}
+    # the others' median: one that held this rank would halve its slowdown with 2 ranks
+    others = {k: _medians_of_others({t: o[k] for t, o in own.items()}) for k in ("own", *CAUSES)}
     out = {}
     for target, o in own.items():
+        median = {k: others[k][target] for k in others}
+        if median["own"] <= 0:
+            continue
         slowdown = o["own"] / median["own"] - 1.0
         cause = None
         if slowdown >= THRESHOLD:

@@ -7,13 +7,14 @@ time (data wait, forward, backward, optimizer and host time: everything but ``wa
 compared across ranks, never its step time:
 
 - steps are cut into windows of :data:`WINDOW` steps (wider for long runs, so the work stays
-  bounded); each rank's window value is the median over the window's steps (one descheduled
-  step moves nothing);
-- a rank's *slowdown* in a window is its own time over the median rank's, less one;
+  bounded); each rank's window value is the :data:`FLOOR` quantile (0.2) of the window's steps
+  (descheduled steps only add time, so they move nothing);
+- a rank's *slowdown* in a window is its own time over the median of the *other* ranks', less
+  one (a median that held the straggler itself would halve its slowdown in a 2-rank run);
 - a rank is a straggler when its slowdown is at least ``threshold`` (default 5 %) and the
   largest of the run in :data:`SUSTAIN` consecutive windows; it is named once per streak,
   from the streak's first step (``since_step``);
-- its *cause* is the part whose excess over the median rank's is the largest over the streak:
+- its *cause* is the part whose excess over the other ranks' median is the largest over the streak:
   ``data`` (the wait before the first forward), ``compute`` (forward, backward and optimizer) or
   ``host`` (the loop's own code inside the step).
 
@@ -45,7 +46,7 @@ SUSTAIN = 3
 WARMUP = 5
 """First steps of a history left out."""
 THRESHOLD = 0.05
-"""Default slowdown (own time over the median rank's, less one) that names a straggler."""
+"""Default slowdown (own time over the other ranks' median, less one) that names a straggler."""
 FLOOR = 0.2
 """The quantile of a window's steps that is its value: interference from outside the run (other
 processes, a shared cache) only ever adds time, so a low quantile is the work's own cost."""
@@ -57,7 +58,7 @@ CAUSES = ("data", "compute", "host")
 def find_stragglers(run: RunDir, damage: ReadWarnings | None = None,
                     threshold: float = THRESHOLD) -> list[dict[str, Any]]:
     """The run's stragglers, the largest slowdown first: ``rank``, ``cause``, ``slowdown`` (a
-    fraction: 0.15 is 15 % slower than the median rank), ``since_step``, ``until_step`` (the
+    fraction: 0.15 is 15 % slower than the other ranks' median), ``since_step``, ``until_step`` (the
     last step of the streak) and ``excess_seconds`` (per step, by cause). Empty without step
     parts (histories written before them, or one rank)."""
     damage = damage if damage is not None else ReadWarnings()
@@ -81,7 +82,8 @@ def _window_width(steps: Any) -> int:
 
 def rank_windows(columns: dict[str, Any], width: int
                  ) -> dict[int, tuple[float, float, float, float]]:
-    """``window -> (own, data, compute, host)``, the medians of one rank's steps in each window
+    """``window -> (own, data, compute, host)``, the :data:`FLOOR` quantiles of one rank's steps
+    in each window
     (``step // width``), warm-up and steps without parts left out."""
     steps = columns["step"]
     if "wait_seconds" not in columns or not len(steps):
@@ -119,10 +121,10 @@ def name_stragglers(windows: dict[int, dict[int, tuple[float, float, float, floa
         here = {r: mine[w] for r, mine in windows.items() if w in mine}
         leader = None
         if len(here) >= 2:
-            values = np.array([v for v in here.values()])
-            median = np.median(values, axis=0)
+            rank = max(here, key=lambda r: here[r][0])
+            # the others' median: with the leader in it, 2 ranks would halve its slowdown
+            median = np.median(np.array([v for r, v in here.items() if r != rank]), axis=0)
             if median[0] > 0:
-                rank = max(here, key=lambda r: here[r][0])
                 slowdown = here[rank][0] / median[0] - 1.0
                 if slowdown >= threshold:
                     leader = (rank, slowdown, np.array(here[rank][1:]) - median[1:])
@@ -157,11 +159,11 @@ def _close(current: dict[str, Any] | None, streaks: list[dict[str, Any]], width:
 
 
 def describe(straggler: dict[str, Any]) -> str:
-    """One line: ``rank 2 was 15.1 % slower than the median rank (cause: compute) from step 40
-    to 299``."""
+    """One line: ``rank 2 was 15.1 % slower than the other ranks' median (cause: compute) from
+    step 40 to 299``."""
     return (f"rank {straggler['rank']} was {100 * straggler['slowdown']:.1f} % slower than the "
-            f"median rank (cause: {straggler['cause']}) from step {straggler['since_step']} to "
-            f"{straggler['until_step']}")
+            f"other ranks' median (cause: {straggler['cause']}) from step "
+            f"{straggler['since_step']} to {straggler['until_step']}")
 
 
 def html_section(stragglers: list[dict[str, Any]] | None) -> str:

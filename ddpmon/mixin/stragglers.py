@@ -1,5 +1,6 @@
 """Straggler attribution in PromQL: each rank's own time per step, its slowdown against the run's
-median rank and the cause; the records and the ``DdpmonStraggler`` alert.
+median rank (the other rank in a 2-rank run: :func:`reference_expr`) and the cause; the records
+and the ``DdpmonStraggler`` alert.
 
 Under DDP every rank's step lasts as long as the slowest rank's, so step time cannot name a
 straggler: the fast ranks spend the difference waiting in the all-reduce. Each rank exports its
@@ -61,9 +62,26 @@ def by_cause_expr(cfg: MixinConfig) -> str:
     )
 
 
+def reference_expr(series: str, labels: str) -> str:
+    """What a rank is compared with, per ``labels`` (the run, or the run and cause): the median
+    rank's value where the run has 3 ranks or more, else the smaller rank's. The median holds
+    the rank compared too; with one straggler among 3 or more ranks it is another rank's value,
+    but with 2 ranks it is their mean, which would halve the straggler's slowdown: there the
+    slower rank is compared with the other one (the minimum; the faster rank reads 0).
+    A median of the *other* ranks per rank is not expressible in PromQL without a join per
+    rank (16,384 ranks)."""
+    return (
+        f"(\n  quantile by ({labels}) (0.5, {series})\n"
+        f"  and on ({labels}) count by ({labels}) ({series}) > 2\n"
+        f"  or\n  min by ({labels}) ({series})\n)"
+    )
+
+
 def slowdown_expr(cfg: MixinConfig, own: str = n.OWN_MEAN) -> str:
-    """Own time over the run's median rank's, less one (0.15: 15 % slower)."""
-    return f"{own}\n/ {cfg.on_run} group_left ()\nquantile {cfg.by_run} (0.5, {own})\n- 1"
+    """Own time over the run's reference rank's (:func:`reference_expr`), less one (0.15: 15 %
+    slower)."""
+    run = ", ".join(cfg.run_labels)
+    return f"{own}\n/ {cfg.on_run} group_left ()\n{reference_expr(own, run)}\n- 1"
 
 
 def cause_expr(cfg: MixinConfig) -> str:
@@ -72,7 +90,7 @@ def cause_expr(cfg: MixinConfig) -> str:
     run = ", ".join(cfg.run_labels)
     return (
         f"topk without (cause) (1,\n  {n.OWN_BY_CAUSE}\n  - on ({run}, cause) group_left ()\n"
-        f"  quantile by ({run}, cause) (0.5, {n.OWN_BY_CAUSE})\n)"
+        f"  {reference_expr(n.OWN_BY_CAUSE, run + ', cause')}\n)"
     )
 
 
@@ -96,9 +114,8 @@ def alert(cfg: MixinConfig):
     # mixin.alerts imports this module for the alert list: imported at call, not a cycle
     from ddpmon.mixin.alerts import RANK, Alert
 
-    excess = (
-        f"{n.OWN_MEAN} - {cfg.on_run} group_left ()\nquantile {cfg.by_run} (0.5, {n.OWN_MEAN})"
-    )
+    run = ", ".join(cfg.run_labels)
+    excess = f"{n.OWN_MEAN} - {cfg.on_run} group_left ()\n{reference_expr(n.OWN_MEAN, run)}"
     since = (
         f'{{{{ with printf `{m.STEP.name}{{job="%s",instance="%s"}} offset '
         f'{cfg.straggler_for}` $labels.job $labels.instance | query }}}}'

@@ -49,8 +49,8 @@ def test_a_rank_that_computes_15_percent_more_from_step_100_is_named_from_there(
     assert (named["rank"], named["cause"], named["since_step"]) == (3, "compute", 100)
     assert named["until_step"] == 299
     assert named["slowdown"] == round(0.015 / 0.1015, 4)  # rounded to 4 places
-    assert "rank 3 was 14.8 % slower than the median rank (cause: compute) from step 100" in (
-        describe(named))
+    assert ("rank 3 was 14.8 % slower than the other ranks' median (cause: compute) "
+            "from step 100") in describe(named)
 
 
 def test_data_and_host_causes_and_the_largest_slowdown_first():
@@ -126,3 +126,34 @@ def test_step_split_on_cpu_counts_the_threads_cpu_time_and_the_rest_as_wait():
     data, fwd, bwd, opt, host, wait = phases
     assert data == 0.0 and fwd > 0 and opt == 0.0
     assert sum(phases) == pytest.approx(100.0)  # the wall time not spent working is the wait
+
+
+def test_two_ranks_compare_with_the_other_rank_not_a_median_holding_the_straggler():
+    # own times 0.1015 and 0.1105 (+8.9 %): against the 2-rank median (their mean) it would be
+    # +4.2 %, under the 5 % threshold, and the slow rank would never be named
+    ranks = {0: _columns(100, 0.1), 1: _columns(100, 0.109)}
+    (named,) = name_stragglers(_windows(ranks), WINDOW)
+    assert (named["rank"], named["cause"]) == (1, "compute")
+    assert named["slowdown"] == round(0.009 / 0.1015, 4)
+    assert named["excess_seconds"]["compute"] == pytest.approx(0.009)
+
+
+def test_top_compares_each_rank_with_the_median_of_the_others():
+    from ddpmon import metrics
+    from ddpmon.commands._top_stragglers import straggler_scores
+
+    step, data, part = metrics.STEP_DURATION, metrics.DATA_WAIT, metrics.STEP_PART_SECONDS.name
+
+    def scraped(compute: float) -> dict:  # 100 steps: compute, 1 ms data wait, 10 ms wait
+        return {step.sample("count"): 100.0, step.sample("sum"): 100 * (compute + 0.01),
+                data.sample("sum"): 0.1, data.sample("count"): 100.0,
+                f'{part}{{part="compute"}}': 100 * compute, f'{part}{{part="wait"}}': 1.0}
+
+    scores = straggler_scores({"a": scraped(0.1), "b": scraped(0.109)}, {})
+    # own: 0.101 and 0.110 s per step; the 2-rank median would give +4.3 % and no cause
+    assert scores["b"]["slowdown"] == pytest.approx(0.009 / 0.101, abs=1e-4)
+    assert scores["b"]["cause"] == "compute"
+    assert scores["a"]["slowdown"] == pytest.approx(0.101 / 0.11 - 1, abs=1e-4)
+    four = straggler_scores({str(i): scraped(0.1) for i in range(3)} | {"s": scraped(0.115)}, {})
+    assert four["s"]["slowdown"] == pytest.approx(0.015 / 0.101, abs=1e-4)
+    assert four["0"]["slowdown"] == pytest.approx(0.0, abs=1e-9)
