@@ -146,6 +146,11 @@ class Config:
     per-group weight norm, update norm ``||dw||``, update/weight ratio and Adam moment norms are
     measured on the device (docs/loss-spikes.md); 0 turns them off. A sampled step copies this
     rank's local weights once."""
+    update_copy_budget_mib: int = 1024
+    """The most memory (MiB) that copy may take on the device: a model whose local weights are
+    larger (a 7B fp32 model under DDP: 28 GB at the optimizer step's peak) gets no update
+    figures; the skipped samples are counted and logged once, so the probe never pushes
+    training out of memory."""
     update_series: bool = False
     """Also export ``ddpmon_update_ratio{group}`` (up to ``max_groups`` series per rank; off by
     default: the figures are in the history, ``compare`` and ``report``)."""
@@ -223,6 +228,7 @@ class Config:
         _check_int("evidence_tensor_max_elements", self.evidence_tensor_max_elements, 0, 10**8)
         self.step_metrics = _check_step_metrics(self.step_metrics)
         _check_int("update_every", self.update_every, 0, 10**6)
+        _check_int("update_copy_budget_mib", self.update_copy_budget_mib, 0, 10**8)
         _check_int("spike_window", self.spike_window, 8, 4096)
         _check_float("spike_threshold", self.spike_threshold, 0.0, None)
         _check_float("spike_min_ratio", self.spike_min_ratio, 1.0, None)

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..state import StepRecord
 
 MAD_SIGMA = 1.4826
@@ -115,8 +117,9 @@ class SpikeDetector:
         self.events = 0
 
     def note_samples(self, step: int, ids: Any) -> None:
-        """The batch's sample ids of ``step`` (kept by reference, read only for a spike)."""
-        self._samples.append((step, ids))
+        """The batch's sample ids of ``step``, copied (a reused or prefetched buffer holds a
+        later batch's ids by the time a spike is read) without a host read: see ``_copy_ids``."""
+        self._samples.append((step, _copy_ids(ids)))
 
     def on_record(self, record: StepRecord) -> None:
         self._ratio_bounds = {}
@@ -192,12 +195,11 @@ class SpikeDetector:
                group: str | None = None) -> None:
         leader = self._leader(step)
         onset = min(step, leader[0]) if leader is not None else step
-        self._open = _Open(signal, onset, step, bounds[1], group=group)
+        spike = _Open(signal, onset, step, bounds[1], group=group)
         if onset == self._last_onset:  # the same spike, seen again in another signal
-            self._open.told = False
+            spike.told = False
+            self._open = spike
             return
-        self._last_onset = onset
-        self.events += 1
         fields: dict[str, Any] = {
             "signal": signal, "value": value, "baseline": bounds[0], "limit": bounds[1],
             "detected_step": step,
@@ -209,24 +211,26 @@ class SpikeDetector:
         if ids is not None:
             fields["sample_ids"] = ids
         self._emit("loss_spike", onset, **fields)
+        # only once told: an emit that fails leaves no open spike, the next record tries again
+        self._open, self._last_onset = spike, onset
+        self.events += 1
         if self._on_spike is not None:
             self._on_spike()
 
     def _follow(self, step: int, value: float | None) -> None:
         spike = self._open
         if value is not None and math.isfinite(value) and value <= spike.limit:
-            self._open = None
-            if not spike.told and not spike.paged:
-                return  # a spike seen again in another signal: its first recovery was told
-            self._emit("loss_spike_recovered", spike.onset, signal=spike.signal,
-                       recovered_step=step, steps=step - spike.detected)
+            if spike.told or spike.paged:  # else: seen again in another signal, already told
+                self._emit("loss_spike_recovered", spike.onset, signal=spike.signal,
+                           recovered_step=step, steps=step - spike.detected)
+            self._open = None  # after the emit: a failed one is tried again at the next record
             if spike.paged:
                 self._on_page(None)
             return
         if not spike.paged and step - spike.detected >= self.s.recover_steps:
-            spike.paged = True
             self._emit("loss_spike_unrecovered", spike.onset, signal=spike.signal,
                        steps=step - spike.detected, limit=spike.limit)
+            spike.paged = True
             self._on_page(spike.onset)
 
     def close(self) -> None:
@@ -235,7 +239,7 @@ class SpikeDetector:
             self._on_close()
 
     def _ids(self, step: int) -> list | None:
-        for seen, ids in reversed(self._samples):
+        for seen, ids in reversed(list(self._samples)):  # a snapshot: the training thread appends
             if seen == step:
                 return _id_list(ids)
         return None
@@ -245,6 +249,24 @@ def _median(ordered: list[float]) -> float:
     n = len(ordered)
     mid = n // 2
     return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def _copy_ids(ids: Any) -> Any:
+    """The first ``MAX_SAMPLE_IDS`` ids, copied where they are noted (training thread). A
+    tensor is never read here: on the CPU a clone; on an accelerator a non-blocking copy into
+    pinned host memory, which the record thread reads much later, with no device sync. Other
+    values: a list of the first ones."""
+    try:
+        if isinstance(ids, torch.Tensor):
+            head = ids.detach().reshape(-1)[:MAX_SAMPLE_IDS]
+            if head.device.type == "cpu":
+                return head.clone()
+            return head.to("cpu", non_blocking=True)
+        if isinstance(ids, list | tuple):
+            return list(ids[:MAX_SAMPLE_IDS])
+    except Exception:
+        return None
+    return ids
 
 
 def _id_list(ids: Any) -> list | None:

@@ -36,7 +36,8 @@ class SpikeParts:
             with guard("updates"):
                 parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
                                             lambda: pipeline.step, guard.error,
-                                            sharded_reduction(monitor.index.params))
+                                            sharded_reduction(monitor.index.params),
+                                            copy_budget=config.update_copy_budget_mib << 20)
                 if config.update_series:
                     state.update_ratios = {}
         if config.logit_modules:

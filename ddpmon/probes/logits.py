@@ -18,9 +18,19 @@ from typing import Any
 import torch
 
 from .._torch_compat import dtensor_local
+from ..terminal import clean_line
 
 MAX_LOGIT_MODULES = 16
 """Each module is one series per rank (``ddpmon_logit_max{module}``)."""
+MAX_LABEL_CHARS = 160
+"""A module name longer than this is exported by its last characters (as ``user_frame``)."""
+
+
+def module_label(name: str) -> str:
+    """A module name as a ``module`` label: control characters spelled out, at most
+    ``MAX_LABEL_CHARS`` characters (the end kept: it names the module)."""
+    text = clean_line(name)
+    return text if len(text) <= MAX_LABEL_CHARS else "..." + text[-(MAX_LABEL_CHARS - 3):]
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -49,7 +59,8 @@ class LogitProbe:
         missing = [n for n in names if n not in modules]
         if missing:
             raise ValueError(f"logit_modules: no module named {', '.join(map(repr, missing))}")
-        self.names = tuple(names)
+        self.names = tuple(module_label(n) for n in names)
+        """The exported labels (cleaned and capped), in ``names`` order."""
         self._on_error = on_error
         self._max: list[torch.Tensor | None] = [None] * len(self.names)
         self._handles = [
@@ -95,4 +106,4 @@ class LogitProbe:
         self._handles.clear()
 
 
-__all__ = ["MAX_LOGIT_MODULES", "LogitProbe"]
+__all__ = ["MAX_LABEL_CHARS", "MAX_LOGIT_MODULES", "LogitProbe", "module_label"]

@@ -28,6 +28,8 @@ rendezvous with the peers, at sampled steps only.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -38,6 +40,32 @@ from .grads import ParamIndex, per_param_norms
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Optimizer state entries measured where present (the Adam family's first and second moment)."""
+DEFAULT_COPY_BUDGET = 1 << 30
+"""Bytes the sampled step's weight copy may take (``Config.update_copy_budget_mib``)."""
+
+log = logging.getLogger("ddpmon")
+
+
+def keeps_moments(optimizer: torch.optim.Optimizer) -> bool:
+    """The optimizer is of the Adam family (its parameter groups carry ``betas``): decided from
+    the optimizer itself, the same on every rank, never from which state a rank holds (a rank
+    whose shard has no state yet must still send as many values as its peers)."""
+    return any("betas" in group for group in optimizer.param_groups)
+
+
+def copy_bytes(params: Sequence[torch.Tensor]) -> int:
+    """Bytes of the sampled step's copy of this rank's pieces, an upper bound computed from the
+    global shapes and placements only, so every rank of a sharded model decides alike."""
+    total = 0
+    for p in params:
+        shape = list(p.shape)
+        mesh = getattr(p, "device_mesh", None)
+        for dim, placement in enumerate(getattr(p, "placements", ()) if mesh is not None else ()):
+            shard_dim = getattr(placement, "dim", None)
+            if isinstance(shard_dim, int) and shape:
+                shape[shard_dim] = -(-shape[shard_dim] // mesh.size(dim))  # the largest chunk
+        total += math.prod(shape) * p.element_size()
+    return total
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -60,7 +88,8 @@ class UpdateProbe:
 
     The vector holds, for the ``n`` indexed parameters in index order, the global squared norms
     of: the weights after the step, the update, then (only when the optimizer keeps them) the
-    first and second moments: ``2n`` or ``4n`` values."""
+    first and second moments: ``2n`` or ``4n`` values, decided once from the optimizer
+    (``keeps_moments``), the same on every rank."""
 
     def __init__(
         self,
@@ -70,9 +99,12 @@ class UpdateProbe:
         step_of: Callable[[], int],
         on_error: Callable[[str, BaseException], None],
         reduction: Reduction | None = None,
+        copy_budget: int = DEFAULT_COPY_BUDGET,
     ) -> None:
         """``reduction``: the sum over the mesh dims of a sharded model (None: the parameters
-        are full and replicated, nothing is communicated)."""
+        are full and replicated, nothing is communicated). ``copy_budget``: the bytes the weight
+        copy may take; a larger copy is never made (the samples are skipped, counted in
+        ``skipped``, logged once), so the probe cannot push training out of memory."""
         if every < 1:
             raise ValueError(f"update sampling interval {every}: expected >= 1")
         self.optimizer = optimizer
@@ -81,6 +113,11 @@ class UpdateProbe:
         self._step_of = step_of
         self._on_error = on_error
         self.plan = reduction
+        self.moments = keeps_moments(optimizer)
+        self.copy_bytes = copy_bytes(index.params)
+        self.copy_budget = copy_budget
+        self.skipped = 0
+        """Sampled steps not measured: the weight copy would exceed ``copy_budget``."""
         self.sample_next = False
         """Set on the host (a spike was seen): sample the next step too. Honoured only where
         no collective is needed (one process, DDP), since ranks do not agree on when they
@@ -113,11 +150,22 @@ class UpdateProbe:
             if not self.due(self._step_of()):
                 return
             self.sample_next = False
+            if self.copy_bytes > self.copy_budget:
+                self._skip()
+                return
             with torch.no_grad():
                 self._before = [_local(p).detach().clone() for p in self.index.params]
         except Exception as exc:
             self._before = None
             self._on_error("updates", exc)
+
+    def _skip(self) -> None:
+        if self.skipped == 0:
+            log.warning(
+                "ddpmon: update figures skipped: the sampled step's weight copy would take "
+                "%.1f MiB, over update_copy_budget_mib=%.1f (raise it, or set update_every=0)",
+                self.copy_bytes / 2**20, self.copy_budget / 2**20)
+        self.skipped += 1
 
     def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         before, self._before = self._before, None
@@ -139,9 +187,8 @@ class UpdateProbe:
         updates = per_param_norms(list(before))
         device = weights.device
         parts = [weights, updates]
-        moments = self._moments(params, device)
-        if moments is not None:
-            parts.extend(moments)
+        if self.moments:
+            parts.extend(self._moments(params, device))
         vector = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts])
         vector = vector * vector
         if self.plan is None:
@@ -152,11 +199,9 @@ class UpdateProbe:
             work.wait()  # a stream wait under NCCL; gloo: the peers' share, sampled steps only
         return vector
 
-    def _moments(self, params: Sequence[torch.Tensor], device: torch.device) -> list | None:
-        """Norms of each moment per parameter (zeros where a parameter has no state yet), or
-        None when the optimizer keeps no moment for any parameter (SGD)."""
+    def _moments(self, params: Sequence[torch.Tensor], device: torch.device) -> list:
+        """Norms of each moment per parameter (zeros where a parameter has no state here)."""
         state = self.optimizer.state
-        found = False
         out = []
         for name in MOMENTS:
             where, tensors = [], []
@@ -166,7 +211,6 @@ class UpdateProbe:
                 if isinstance(value, torch.Tensor) and value.numel() > 0:
                     where.append(i)
                     tensors.append(_local(value).detach())
-            found = found or bool(where)
             if len(where) == len(params):  # the usual step: every parameter has its state
                 out.append(per_param_norms(tensors).to(device=device, dtype=torch.float64))
                 continue
@@ -175,7 +219,7 @@ class UpdateProbe:
                 measured = per_param_norms(tensors).to(device=device, dtype=torch.float64)
                 norms.index_copy_(0, self._positions(where, device), measured)
             out.append(norms)
-        return out if found else None
+        return out
 
     def _positions(self, where: list[int], device: torch.device) -> torch.Tensor:
         """``where`` as a device index, copied to the device once per distinct set (a host to
@@ -185,8 +229,10 @@ class UpdateProbe:
         if index is None:
             if len(self._index_cache) >= 8:  # bounded: states appear once, then stay
                 self._index_cache.clear()
-            index = self._index_cache[key] = torch.tensor(where, dtype=torch.long,
-                                                          device=device)
+            index = torch.tensor(where, dtype=torch.long)
+            if device.type == "cuda":  # pinned and non-blocking: no wait for the stream
+                index = index.pin_memory()
+            index = self._index_cache[key] = index.to(device, non_blocking=True)
         return index
 
     def take(self) -> torch.Tensor | None:
@@ -205,4 +251,4 @@ class UpdateProbe:
         self._handles.clear()
 
 
-__all__ = ["MOMENTS", "UpdateProbe"]
+__all__ = ["DEFAULT_COPY_BUDGET", "MOMENTS", "UpdateProbe", "copy_bytes", "keeps_moments"]

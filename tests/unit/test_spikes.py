@@ -92,3 +92,67 @@ def test_memory_is_bounded_by_the_window_and_the_groups():
     assert len(detector._groups) == 2 and all(len(b.values) <= 16
                                               for b in detector._groups.values())
     assert len(detector._samples) <= 8 and len(detector._jumps) <= 16
+
+
+def _spike_at_40(detector, emitted_before=40) -> None:
+    for step in range(emitted_before):
+        detector.on_record(record(step, 1.0 + 0.01 * (step % 3)))
+
+
+def test_a_failed_emit_loses_no_event():
+    """The open spike is set only once its event was written: an emit that fails (a full disk)
+    is tried again at the next record instead of being lost."""
+    emitted, failures = [], [1]
+
+    def emit(kind, step, **fields):
+        if failures:
+            failures.pop()
+            raise OSError("disk full")
+        emitted.append((kind, step))
+
+    detector = SpikeDetector(SpikeSettings(window=32, recover_steps=5, warmup=8), emit,
+                             lambda step: None)
+    _spike_at_40(detector)
+    with pytest.raises(OSError):
+        detector.on_record(record(40, 5.0))
+    detector.on_record(record(41, 5.0))
+    assert emitted == [("loss_spike", 41)] and detector.events == 1
+
+
+def test_sample_ids_are_copied_when_noted_not_read_from_a_reused_buffer():
+    import torch
+
+    emitted = []
+    detector = SpikeDetector(SpikeSettings(window=32, warmup=8),
+                             lambda kind, step, **f: emitted.append(f), lambda step: None)
+    buffer = torch.arange(4)
+    _spike_at_40(detector)
+    detector.note_samples(40, buffer)
+    buffer.fill_(-1)  # a prefetching loader reuses its buffer for the next batch
+    detector.on_record(record(40, 5.0))
+    assert emitted[0]["sample_ids"] == [0, 1, 2, 3]
+
+
+class _AppendsWhenCompared(int):
+    """A step noted while the record thread looks the ids up: comparing it appends another
+    note, as the training thread does concurrently."""
+
+    detector = None
+
+    def __eq__(self, other):
+        self.detector.note_samples(int(self) + 1000, [0])
+        return int(self) == other
+
+    __hash__ = int.__hash__
+
+
+def test_reading_ids_while_the_training_thread_notes_more_does_not_fail():
+    emitted = []
+    detector = SpikeDetector(SpikeSettings(window=32, warmup=8),
+                             lambda kind, step, **f: emitted.append(f), lambda step: None)
+    _spike_at_40(detector)
+    _AppendsWhenCompared.detector = detector
+    detector.note_samples(_AppendsWhenCompared(40), [8])
+    detector.note_samples(_AppendsWhenCompared(41), [9])  # looked at first: it appends
+    detector.on_record(record(40, 5.0))
+    assert emitted[0]["sample_ids"] == [8]
