@@ -88,6 +88,11 @@ class _Open:
     """A ``loss_spike`` event was written for it (False: the same onset, seen again)."""
 
 
+SAMPLE_STEPS_KEPT = 1024 + 64
+"""Steps whose sample ids are kept: the readback's bound on pending steps (1,024), plus the
+lookback."""
+
+
 class SpikeDetector:
     """``on_record`` per step record; emits ``loss_spike`` events (see the module doc)."""
 
@@ -110,7 +115,9 @@ class SpikeDetector:
                          for name in ("loss", "grad_norm")}
         self._groups: dict[tuple[str, str], Baseline] = {}
         self._jumps: deque[tuple[int, str, str, float]] = deque(maxlen=4 * settings.lookback)
-        self._samples: deque[tuple[int, Any]] = deque(maxlen=settings.lookback + 4)
+        # the record thread can trail the loop by as many steps as the readback holds (on a
+        # loaded host, tens): ids are kept that long, copies of at most MAX_SAMPLE_IDS each
+        self._samples: deque[tuple[int, Any]] = deque(maxlen=SAMPLE_STEPS_KEPT)
         self._open: _Open | None = None
         self._ratio_bounds: dict[str, tuple[float, tuple[float, float]]] = {}
         self._last_onset: int | None = None
