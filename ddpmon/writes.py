@@ -48,8 +48,15 @@ class WriteGap:
     lost: dict[str, int] = field(default_factory=dict)
     first_step: int | None = None
     last_step: int | None = None
+    opened_by: str = ""
+    """The writer whose failure opened the episode."""
+    retrying: set[str] = field(default_factory=set)
+    """Writers that kept what failed to write it again (``lost=0``: the history's rows)."""
 
     def note(self, probe: str, lost: int, steps: Iterable[int | None]) -> None:
+        self.opened_by = self.opened_by or probe
+        if not lost:
+            self.retrying.add(probe)
         self.failures[probe] = self.failures.get(probe, 0) + 1
         self.lost[probe] = self.lost.get(probe, 0) + int(lost)
         for step in steps:
@@ -126,13 +133,17 @@ class WriteHealth:
             pass
 
     def succeeded(self, probe: str) -> None:
-        """A write of ``probe`` worked: ends the episode if this writer had failed in it."""
+        """A write of ``probe`` worked. The episode ends when the writer that opened it writes
+        again, or one that kept its items to retry wrote them: on a full disk a small append of
+        another writer can still land in a page its file holds, which is not space coming back."""
         if self._gap is None:  # the common case: one attribute read
             return
         try:
             with self._lock:
                 gap = self._gap
                 if gap is None or probe not in gap.failures:
+                    return
+                if probe != gap.opened_by and probe not in gap.retrying:
                     return
                 self._gap = None
             fields = gap.fields(time.time(), probe)

@@ -62,15 +62,12 @@ def run(args: argparse.Namespace) -> int:
                      "goodput": goodput.to_json() if goodput else None},
                     indent=1, sort_keys=False))
     else:
-        _render(tl, show_steps=args.steps, slurm=slurm)
-        if goodput is not None:
-            from ddpmon.forensics.goodput.text import render  # at run: a light CLI start
-
-            render(goodput)
+        _render(tl, show_steps=args.steps, slurm=slurm, goodput=goodput)
     return 3 if tl.missing_ranks else 0
 
 
-def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
+def _render(tl, show_steps: bool, slurm: dict | None = None, goodput=None) -> None:
+    """The timeline as text; the verdict is its last line (what a reader and a script look for)."""
     from rich.table import Table  # rich loads only when used: a light CLI start
 
     # loaded when the command runs: a light CLI start
@@ -136,14 +133,18 @@ def _render(tl, show_steps: bool, slurm: dict | None = None) -> None:
         from ddpmon.forensics.slurm_outcome import line
 
         console.print(f"[bold]Slurm:[/bold] {shown(line(slurm))}")
-    if tl.verdict:
-        console.print(f"[bold]Verdict:[/bold] {shown(tl.verdict['line'])}")
+    if goodput is not None:
+        from ddpmon.forensics.goodput.text import render  # at run: a light CLI start
+
+        render(goodput)
     if tl.stragglers:
         # loaded when the command runs: a light CLI start
         from ddpmon.forensics.stragglers import describe as straggler
 
         for s in tl.stragglers:
             console.print(f"[bold]Straggler:[/bold] {shown(straggler(s))}")
+    if tl.verdict:
+        console.print(f"[bold]Verdict:[/bold] {shown(tl.verdict['line'])}")
 
 
 def _render_recovery(console, rec: dict) -> None:

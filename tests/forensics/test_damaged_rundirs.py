@@ -28,8 +28,9 @@ T, C, R, M = "timeline", "compare", "report", "manifest"
 KINDS = (
     FileKind("events.rank0.jsonl", "jsonl", 0, frozenset({T, C, R})),
     FileKind("progress.rank0.json", "json", 0, frozenset({T, R})),
-    FileKind("history.rank1.arrow", "arrow", 1, frozenset({C, R})),
-    FileKind("history.rank0.tail.arrow", "arrow", 0, frozenset({C, R})),
+    # the timeline reads the histories too: goodput's step rows, the stragglers' step parts
+    FileKind("history.rank1.arrow", "arrow", 1, frozenset({T, C, R})),
+    FileKind("history.rank0.tail.arrow", "arrow", 0, frozenset({T, C, R})),
     FileKind("crash.rank0.txt", "text", 0, frozenset({T, R})),
     FileKind("sigterm.rank0.txt", "text", 0, frozenset({T, R})),
     FileKind("manifest.json", "json", None, frozenset({C, R, M})),

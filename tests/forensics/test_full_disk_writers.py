@@ -43,8 +43,8 @@ def test_one_line_per_episode_and_a_gap_event_naming_what_was_lost(caplog):
         health.failed("eventlog", full, lost=1, steps=(12,))
         health.succeeded("progress")  # never failed in this episode: the gap goes on
         assert health.failing and not events
-        health.succeeded("history")
-        health.succeeded("eventlog")  # the episode is over: nothing more
+        health.succeeded("history")  # its kept rows landed: the episode is over
+        health.succeeded("eventlog")  # nothing more
     assert counter.counts == {"eventlog": 2, "history": 1}
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
@@ -57,6 +57,21 @@ def test_one_line_per_episode_and_a_gap_event_naming_what_was_lost(caplog):
     assert (fields["first_step"], fields["last_step"]) == (5, 12)
     assert fields["resumed_by"] == "history" and fields["seconds"] >= 0
     assert "lost: eventlog 2" in fields["detail"]
+
+
+def test_an_episode_also_ends_when_a_writer_that_retries_writes_again():
+    events = []
+    health = WriteHealth(Counter())
+    health.connect(rank=0, run_path="/runs/x", emit=lambda k, s, **f: events.append(f))
+    full = OSError(28, "No space left on device")
+    health.failed("evidence", full, steps=(3,))  # opens it; bundles are rare: may never retry
+    health.failed("eventlog", full, steps=(4,))  # a line lost
+    health.failed("history", full, lost=0, steps=(4,))  # rows kept, to write again
+    health.succeeded("eventlog")  # a short line may fit a page the log already holds
+    assert health.failing and not events
+    health.succeeded("history")  # its kept rows landed: space is back
+    [fields] = events
+    assert fields["resumed_by"] == "history" and not health.failing
 
 
 def test_event_log_keeps_whole_lines_on_a_full_disk_and_records_the_gap(tmp_path, caplog):

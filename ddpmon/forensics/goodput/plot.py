@@ -53,7 +53,7 @@ def _bars(g: Goodput) -> str:
     attempts = g.attempts
     if len(attempts) > MAX_BARS:
         attempts = attempts[: MAX_BARS // 2] + attempts[-MAX_BARS // 2:]
-    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.35 * len(attempts)), layout="constrained")
+    fig, ax = plt.subplots(figsize=(10, max(2.6, 0.5 + 0.35 * len(attempts))), layout="constrained")
     ax.set_title("Wall-clock time by attempt", fontsize=10, loc="left")
     ax.set_xlabel("seconds", fontsize=8)
     ax.tick_params(labelsize=7)
