@@ -18,13 +18,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpmon.commands._top_stragglers import straggler_scores
+from ddpmon.damage import ReadWarnings
 from ddpmon.export.scrape import flatten
+from ddpmon.forensics.history_read import iter_histories
 from ddpmon.forensics.report import build_report
 from ddpmon.forensics.timeline import build_timeline
+from ddpmon.rundir import RunDir
 from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,6 +70,16 @@ def _parts(out: Path, case: str, rank: int) -> dict[str, float]:
     }
 
 
+def _median_compute(run: Path) -> dict[int, float]:
+    """Each rank's median compute (forward + backward + optimizer) per step, from step 10."""
+    out = {}
+    for rank, h in iter_histories(RunDir(run), ReadWarnings()):
+        c = h.columns
+        compute = c["forward_seconds"] + c["backward_seconds"] + c["optimizer_seconds"]
+        out[rank] = float(np.median(compute[c["step"] >= 10]))
+    return out
+
+
 def test_a_rank_with_15_percent_more_compute_is_named_first_with_cause_compute(runs):
     out, _ = runs
     doc = _timeline_json(_run_dir(out, "compute"))
@@ -75,9 +89,12 @@ def test_a_rank_with_15_percent_more_compute_is_named_first_with_cause_compute(r
     assert (first["rank"], first["cause"]) == (2, "compute"), named
     assert first["since_step"] <= 50 and first["slowdown"] > 0
     assert first["excess_seconds"]["compute"] > 0
-    # what the agent exports: the slow rank's compute is the largest of the run
-    computes = [_parts(out, "compute", r)["compute"] for r in range(WORLD)]
-    assert max(range(WORLD), key=computes.__getitem__) == 2, computes
+    # what the agent writes: the slow rank's compute per step is the largest of the run (the
+    # median past the first steps: the totals since start carry one-off start-up work, which
+    # rank 0's manifest and first writes make the largest under a loaded host)
+    computes = _median_compute(_run_dir(out, "compute"))
+    assert max(computes, key=computes.__getitem__) == 2, computes
+    assert all(_parts(out, "compute", r)["compute"] > 0 for r in range(WORLD))  # exported
 
 
 def test_a_rank_with_20ms_more_data_wait_is_named_first_with_cause_data(runs):
