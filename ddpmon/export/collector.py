@@ -146,7 +146,7 @@ class DdpmonCollector(Collector):
             samples = values.pop(metric, None)
             if samples is not None:
                 yield _family(metric, base, samples)
-        for metric, samples in values.items():  # a per-step metric declared outside metrics.py
+        for metric, samples in values.items():  # a per-step metric declared outside the catalogue
             yield _family(metric, base, samples)
 
     def _scraped(self) -> dict[m.Metric, Samples]:

@@ -17,7 +17,7 @@ def metrics_page() -> str:
     out = [
         header(
             "Metrics",
-            "`ddpmon/metrics.py`",
+            "`ddpmon/metrics/`",
             """
 Every series a rank's `/metrics` endpoint exposes, by layer (the order of dashboard rows,
 `ddpmon top` columns and alert groups). Every series also carries the labels

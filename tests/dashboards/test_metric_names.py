@@ -1,5 +1,5 @@
 """Every agent metric the rules, alerts and dashboards select is one of the metric catalogue's
-(``ddpmon/metrics.py``): a rename there that misses the mixin fails here."""
+(``ddpmon/metrics/``): a rename there that misses the mixin fails here."""
 
 from __future__ import annotations
 

@@ -43,9 +43,7 @@ def alerts(c: MixinConfig) -> list[Alert]:
         f" > {c.nonfinite_persistent_steps}"
     )
     origin_sel = sel(c, m.GRAD_NONFINITE_ORIGIN_STEPS.name)
-    norm = sel(c, m.GRAD_NORM.name, BY_RUN)
     largest_local = f"{sel(c, m.GRAD_LOCAL_NORM.name, BY_RUN)} < +Inf"
-    replicas, rw = sel(c, m.REPLICA_MISMATCH.name), c.replica_mismatch_window
     return [
         Alert(
             "DdpmonLossScaleAtFloor", L, "critical",
@@ -118,6 +116,16 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "`ddpmon timeline` names the module group whose update ratio or gradient norm "
             "jumped first, and the batch's sample ids (docs/loss-spikes.md).",
         ),
+        *_divergence_alerts(c),
+    ]
+
+
+def _divergence_alerts(c: MixinConfig) -> list[Alert]:
+    """Ranks or replicas that should agree and do not: reduced norms, the trainer's own norm,
+    parameter checksums."""
+    norm = sel(c, m.GRAD_NORM.name, BY_RUN)
+    replicas, rw = sel(c, m.REPLICA_MISMATCH.name), c.replica_mismatch_window
+    return [
         Alert(
             "DdpmonGradDesync", L, "critical",
             f"{n.GRAD_NORM_RUN_SPREAD} > {c.grad_desync_relative:g}",

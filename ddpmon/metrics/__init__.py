@@ -12,9 +12,55 @@ samples add ``_bucket``, ``_count`` and ``_sum``).
 
 from __future__ import annotations
 
-from typing import Any
+from ..metric_types import BASE_LABELS, Layer, Metric, MetricType
 
-from .metric_types import BASE_LABELS, Layer, Metric, MetricType
+# the parts' entries are names of this module too (metrics.MFU, metrics.NODE_GPUS)
+from .figures import (
+    ACHIEVED_FLOPS,
+    FIGURES,
+    FLOPS_PER_STEP,
+    GOODPUT_ETTR,
+    GOODPUT_RATIO,
+    GOODPUT_SECONDS,
+    GOODPUT_WALL,
+    MFU,
+    PEAK_FLOPS,
+    TOKENS_PER_SECOND,
+)
+from .memory import (
+    CUDA_ALLOC_RETRIES,
+    CUDA_MEMORY_ALLOCATED,
+    CUDA_MEMORY_PEAK_ALLOCATED,
+    CUDA_MEMORY_RESERVED,
+    CUDA_OOMS,
+    GPU_MEMORY_TOTAL,
+    GPU_MEMORY_USED,
+    GPU_POWER,
+    GPU_TEMPERATURE,
+    GPU_UTILIZATION,
+    MEMORY,
+    PROCESS_CPU_SECONDS,
+    PROCESS_RESIDENT_MEMORY,
+)
+from .node import (
+    COLLECTOR_DURATION,
+    DAEMON_JOBS,
+    DAEMON_REGISTERED_RANKS,
+    GPU_ECC_UNCORRECTED,
+    NODE_CATALOGUE,
+    NODE_CPU_SECONDS,
+    NODE_CPUS,
+    NODE_DISK_FREE,
+    NODE_DISK_TOTAL,
+    NODE_GPU_INFO,
+    NODE_GPUS,
+    NODE_INFO,
+    NODE_LOAD1,
+    NODE_MEMORY_AVAILABLE,
+    NODE_MEMORY_TOTAL,
+    NODE_NETWORK_RECEIVE,
+    NODE_NETWORK_TRANSMIT,
+)
 
 __all__ = [
     "BASE_LABELS",
@@ -312,101 +358,6 @@ STUCK = Metric(
     when="after hang_seconds without progress",
 )
 
-# -- memory (live sources, read at scrape time) --------------------------------------------
-_ALLOC = "with the CUDA allocator"
-CUDA_MEMORY_ALLOCATED = Metric(
-    "ddpmon_cuda_memory_allocated_bytes",
-    G,
-    "Allocator: bytes in tensors.",
-    L.MEMORY,
-    unit="bytes",
-    when=_ALLOC,
-)
-CUDA_MEMORY_RESERVED = Metric(
-    "ddpmon_cuda_memory_reserved_bytes",
-    G,
-    "Allocator: bytes reserved.",
-    L.MEMORY,
-    unit="bytes",
-    when=_ALLOC,
-)
-CUDA_MEMORY_PEAK_ALLOCATED = Metric(
-    "ddpmon_cuda_memory_peak_allocated_bytes",
-    G,
-    "Allocator: peak bytes in tensors.",
-    L.MEMORY,
-    unit="bytes",
-    when=_ALLOC,
-)
-CUDA_ALLOC_RETRIES = Metric(
-    "ddpmon_cuda_alloc_retries_total", C, "Allocator retries.", L.MEMORY, when=_ALLOC
-)
-CUDA_OOMS = Metric(
-    "ddpmon_cuda_ooms_total", C, "Allocator out-of-memory errors.", L.MEMORY, when=_ALLOC
-)
-_NVML = "with NVML"
-GPU_MEMORY_USED = Metric(
-    "ddpmon_gpu_memory_used_bytes",
-    G,
-    "NVML: device memory used.",
-    L.MEMORY,
-    unit="bytes",
-    labels=("gpu",),
-    when=_NVML,
-)
-GPU_MEMORY_TOTAL = Metric(
-    "ddpmon_gpu_memory_total_bytes",
-    G,
-    "NVML: device memory total.",
-    L.MEMORY,
-    unit="bytes",
-    labels=("gpu",),
-    when=_NVML,
-)
-GPU_UTILIZATION = Metric(
-    "ddpmon_gpu_utilization_ratio",
-    G,
-    "NVML: GPU utilisation 0-1.",
-    L.MEMORY,
-    unit="ratio",
-    labels=("gpu",),
-    when=_NVML,
-)
-GPU_TEMPERATURE = Metric(
-    "ddpmon_gpu_temperature_celsius",
-    G,
-    "NVML: GPU temperature.",
-    L.MEMORY,
-    unit="celsius",
-    labels=("gpu",),
-    when=_NVML,
-)
-GPU_POWER = Metric(
-    "ddpmon_gpu_power_watts",
-    G,
-    "NVML: power draw.",
-    L.MEMORY,
-    unit="watts",
-    labels=("gpu",),
-    when=_NVML,
-)
-PROCESS_RESIDENT_MEMORY = Metric(
-    "ddpmon_process_resident_memory_bytes",
-    G,
-    "Resident memory of this rank's process.",
-    L.MEMORY,
-    unit="bytes",
-    when="with psutil",
-)
-PROCESS_CPU_SECONDS = Metric(
-    "ddpmon_process_cpu_seconds_total",
-    C,
-    "CPU time of this rank's process.",
-    L.MEMORY,
-    unit="seconds",
-    when="with psutil",
-)
-
 # -- agent health --------------------------------------------------------------------------
 COLLECTOR_SUCCESS = Metric(
     "ddpmon_collector_success",
@@ -465,134 +416,18 @@ CHECKPOINT_SIZE = Metric(
     when="after a checkpoint save of known size",
 )
 
-# -- goodput (rank 0, from the run dir; docs/goodput.md) -----------------------------------
-_GOODPUT_WHEN = "rank 0, once goodput_seconds after attach (goodput_seconds=0: never)"
-GOODPUT_SECONDS = Metric(
-    "ddpmon_goodput_seconds",
-    G,
-    "The run's wall-clock time since its first process start, split into buckets that add up "
-    "to ddpmon_goodput_wall_seconds (productive, wasted_progress_from_disruption, "
-    "initialization, program_startup, data_loading_sync, unproductive_checkpoint_save, "
-    "unproductive_checkpoint_restore, failure_detection, restart_gap, custom_badput_events, "
-    "other); every attempt of the run counted, mean over ranks.",
-    L.IDENTITY,
-    unit="seconds",
-    labels=("bucket",),
-    when=_GOODPUT_WHEN,
-)
-GOODPUT_WALL = Metric(
-    "ddpmon_goodput_wall_seconds",
-    G,
-    "The run's wall-clock time from its first attempt's first process start to now.",
-    L.IDENTITY,
-    unit="seconds",
-    when=_GOODPUT_WHEN,
-)
-GOODPUT_RATIO = Metric(
-    "ddpmon_goodput_ratio",
-    G,
-    "Productive step time (steps whose progress was kept) over the wall-clock time.",
-    L.IDENTITY,
-    unit="ratio",
-    when=_GOODPUT_WHEN,
-)
-GOODPUT_ETTR = Metric(
-    "ddpmon_goodput_ettr_ratio",
-    G,
-    "ETTR-compatible ratio (Kokolis et al. 2025): productive runtime (kept steps, their data "
-    "wait and warm-up, marked phases) over the wall-clock time.",
-    L.IDENTITY,
-    unit="ratio",
-    when=_GOODPUT_WHEN,
-)
 
-
-# -- FLOPs and MFU (per rank; docs/goodput.md, MFU) -----------------------------------------
-_MFU_WHEN = "with FLOPs per step (mon.count_flops or flops_per_step), after a step since"
-FLOPS_PER_STEP = Metric(
-    "ddpmon_flops_per_step", G,
-    "FLOPs of one optimizer step on this rank (FlopCounterMode on one step, or given).",
-    L.DATA_SUPPLY, when="after mon.count_flops or with flops_per_step",
+# The memory layer, the run figures and the node daemon's series live in their own modules
+# (memory.py, figures.py, node.py); their entries are names of this module too (``metrics.MFU``).
+_HERE: tuple[Metric, ...] = tuple(
+    v for v in list(globals().values())
+    if isinstance(v, Metric) and v not in (*MEMORY, *FIGURES, *NODE_CATALOGUE)
 )
-PEAK_FLOPS = Metric(
-    "ddpmon_peak_flops", G,
-    "Dense peak FLOP/s of this rank's device in the training dtype (the table, or peak_flops).",
-    L.DATA_SUPPLY, when="with peak_flops, or a device and dtype the table knows",
-)
-TOKENS_PER_SECOND = Metric(
-    "ddpmon_tokens_per_second", G,
-    "Tokens (or samples) this rank processes per second since the FLOPs or tokens were set.",
-    L.DATA_SUPPLY, when="with tokens_per_step, after a step",
-)
-ACHIEVED_FLOPS = Metric(
-    "ddpmon_achieved_flops", G,
-    "FLOP/s this rank achieved: FLOPs per step x steps per second.", L.DATA_SUPPLY,
-    when=_MFU_WHEN,
-)
-MFU = Metric(
-    "ddpmon_mfu_ratio", G,
-    "Model FLOPs utilisation: achieved FLOP/s over the peak; a figure over 1 is never exported.",
-    L.DATA_SUPPLY, unit="ratio", when=_MFU_WHEN + ", with a peak",
-)
-
-
-CATALOGUE: tuple[Metric, ...] = tuple(
-    v for v in list(globals().values()) if isinstance(v, Metric)
-)
-"""Every metric, in exposition order."""
+_AGENT = _HERE.index(COLLECTOR_SUCCESS)  # the memory layer comes before the agent's health
+CATALOGUE: tuple[Metric, ...] = (*_HERE[:_AGENT], *MEMORY, *_HERE[_AGENT:], *FIGURES)
+"""Every metric of a rank, in exposition order."""
 
 BY_NAME: dict[str, Metric] = {m.name: m for m in CATALOGUE}
-
-# -- the node daemon's own series (ddpmon/daemon/node.py) -----------------------------------
-# One per node, without run or rank, so after CATALOGUE (a rank's series). The daemon also
-# serves GPU_* and COLLECTOR_SUCCESS above, with their extra labels only.
-_NODE, _HOST = "from the node daemon", "from the node daemon, through psutil"
-
-
-def _node(name: str, kind: MetricType, help_: str, layer: Layer, **more: Any) -> Metric:
-    return Metric(name, kind, help_, layer, base_labels=(), **{"when": _NODE, **more})
-
-
-NODE_GPUS = _node("ddpmon_node_gpus", G, "GPUs NVML reports on this node.", L.IDENTITY)
-NODE_GPU_INFO = _node("ddpmon_node_gpu_info", G, "GPU identity (value 1).", L.IDENTITY,
-                      labels=("gpu", "gpu_uuid", "name", "pci_bus_id"))
-GPU_ECC_UNCORRECTED = _node(
-    "ddpmon_gpu_ecc_uncorrected_errors_total", C,
-    "Uncorrected ECC errors since boot (NVML, aggregate), where supported.", L.MEMORY,
-    labels=("gpu",),
-)
-NODE_INFO = _node("ddpmon_node_info", G, "This node (value 1).", L.IDENTITY, labels=("node",))
-NODE_CPU_SECONDS = _node("ddpmon_node_cpu_seconds_total", C, "CPU time of the host by mode.",
-                         L.IDENTITY, unit="seconds", labels=("mode",), when=_HOST)
-NODE_CPUS = _node("ddpmon_node_cpus", G, "Logical CPUs of the host.", L.IDENTITY, when=_HOST)
-NODE_LOAD1 = _node("ddpmon_node_load1", G, "1-minute load average.", L.IDENTITY, when=_HOST)
-NODE_MEMORY_TOTAL = _node("ddpmon_node_memory_total_bytes", G, "Host memory size.", L.MEMORY,
-                          unit="bytes", when=_HOST)
-NODE_MEMORY_AVAILABLE = _node("ddpmon_node_memory_available_bytes", G, "Host memory available.",
-                              L.MEMORY, unit="bytes", when=_HOST)
-NODE_DISK_TOTAL = _node("ddpmon_node_disk_total_bytes", G, "Filesystem size.", L.IDENTITY,
-                        unit="bytes", labels=("path",), when=_HOST)
-NODE_DISK_FREE = _node("ddpmon_node_disk_free_bytes", G, "Filesystem space free.", L.IDENTITY,
-                       unit="bytes", labels=("path",), when=_HOST)
-NODE_NETWORK_RECEIVE = _node("ddpmon_node_network_receive_bytes_total", C,
-                             "Bytes received per interface.", L.COMMUNICATION, unit="bytes",
-                             labels=("device",), when=_HOST)
-NODE_NETWORK_TRANSMIT = _node("ddpmon_node_network_transmit_bytes_total", C,
-                              "Bytes sent per interface.", L.COMMUNICATION, unit="bytes",
-                              labels=("device",), when=_HOST)
-DAEMON_JOBS = _node("ddpmon_daemon_jobs", G, "Jobs known to the daemon by state.", L.IDENTITY,
-                    labels=("state",))
-DAEMON_REGISTERED_RANKS = _node("ddpmon_daemon_registered_ranks", G, "Live ranks listed by /sd.",
-                                L.IDENTITY)
-COLLECTOR_DURATION = _node("ddpmon_collector_duration_seconds", G,
-                           "Time spent reading the source.", L.IDENTITY, unit="seconds",
-                           labels=("collector",))
-
-NODE_CATALOGUE: tuple[Metric, ...] = tuple(
-    v for v in list(globals().values()) if isinstance(v, Metric) and v not in CATALOGUE
-)
-"""The node daemon's own series, in exposition order (it serves GPU_* and COLLECTOR_SUCCESS
-of CATALOGUE too)."""
 
 
 def by_layer(layer: Layer) -> tuple[Metric, ...]:
