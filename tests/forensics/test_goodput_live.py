@@ -36,12 +36,18 @@ def goodput_series(port: int) -> dict:
     return {k: v for k, v in scrape(port).items() if k[0].startswith("ddpmon_goodput")}
 
 
-def test_rank0_serves_goodput_that_adds_up(tmp_path):
+def attached(tmp_path, run_id: str, goodput_seconds: float):
+    """A one-rank monitor serving on a free port: (model, optimizer, monitor, port)."""
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     port = free_port()
     mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", run_dir=str(tmp_path),
-                        run_id="gl", goodput_seconds=0.5, linger_seconds=0)
+                        run_id=run_id, goodput_seconds=goodput_seconds, linger_seconds=0)
+    return model, opt, mon, port
+
+
+def test_rank0_serves_goodput_that_adds_up(tmp_path):
+    model, opt, mon, port = attached(tmp_path, "gl", 0.5)
     try:
         train(mon, model, opt, 10, tmp_path)
         mon.flush()
@@ -68,11 +74,7 @@ def test_rank0_serves_goodput_that_adds_up(tmp_path):
 
 
 def test_goodput_seconds_zero_serves_none(tmp_path):
-    model = nn.Linear(8, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    port = free_port()
-    mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", run_dir=str(tmp_path),
-                        run_id="off", goodput_seconds=0, linger_seconds=0)
+    model, opt, mon, port = attached(tmp_path, "off", 0)
     try:
         train(mon, model, opt, 3, tmp_path)
         assert mon.goodput is None
