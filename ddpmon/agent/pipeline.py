@@ -129,7 +129,7 @@ class StepPipeline(StepPhase):
     def observe_loss(self, loss: Any) -> None:
         with self.guard("loss"):
             self._loss = None  # one that cannot be read is dropped (counted), not the last one
-            self._loss = plain(loss) if isinstance(loss, torch.Tensor) else float(loss)
+            self._loss = plain(loss, shares=True) if isinstance(loss, torch.Tensor) else float(loss)
 
     @property
     def backward_pending(self) -> bool:

@@ -45,7 +45,9 @@ class TrainerNorms:
         thread): queued with the step's values, or, for an earlier step given as a number,
         compared now."""
         if isinstance(value, torch.Tensor):
-            self._queued = (plain(value), step)
+            whole = plain(value)
+            if whole is not None:  # None: a one-element Shard another rank holds
+                self._queued = (whole, step)
             return
         number = as_float(value)
         if number is None:

@@ -74,7 +74,8 @@ COLUMN_DOCS = {
     "step": "optimizer step (the loop's own counter)",
     "wall_time": "`time.time()` when the step completed",
     "loss": "this rank's loss of the step (`observe_loss`, an integration), unscaled; null "
-    "when not reported",
+    "when not reported (a `Partial` DTensor loss: this rank's share, the ranks' mean is the "
+    "full loss)",
     "grad_norm": "global L2 norm of the reduced, unscaled gradients, before clipping",
     "grad_local_norm": "this rank's norm before the reduction (null when not measured that step)",
     "grad_nonfinite": "the reduced gradients held NaN/Inf",
