@@ -82,6 +82,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "scaleout/": ("services",),
     "scaleout/test_sharded_path.py": ("ranks", "services"),
     "security/": (),
+    "security/test_discovery_squatting.py": ("ranks",),  # the daemon starts the demo's ranks
     "security/test_stack_escapes.py": ("services",),
     "slurm/": ("ranks", "services"),
     "sync/": ("ranks",),
