@@ -64,10 +64,13 @@ class CommProbe:
         group: Any = None,
     ) -> None:
         """``group``: the DDP module's process group (``None``: the default one), over which
+        the gradients are all-reduced without a user hook (as DDP's own reduction does) and
         the duplicate-data check gathers."""
         if inner_hook is None:
+            # allreduce_hook with no state reduces over the default (WORLD) group: a DDP on a
+            # subgroup (DDP beside PP or TP, a group with its own timeout) must keep its own
             inner_hook = allreduce_hook
-            inner_state = None  # allreduce_hook uses the default process group
+            inner_state = group
         self.index = index
         self.inner_hook = inner_hook
         self.inner_state = inner_state
