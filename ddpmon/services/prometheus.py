@@ -104,6 +104,8 @@ class Prometheus(PrometheusAPI, ManagedServer):
         self.workdir = Path(workdir)
         self.flags = list(flags or [])
         """Extra command-line flags (e.g. ``--query.timeout=30m`` for a backfill)."""
+        self._port_picked = port is None
+        """The port was probed free here, so another one may be tried if it is taken first."""
         self.port = port or free_port()
         super().__init__(f"http://127.0.0.1:{self.port}")
         self.config = prometheus_config(
@@ -119,6 +121,20 @@ class Prometheus(PrometheusAPI, ManagedServer):
         self._process: ManagedProcess | None = None
 
     def start(self, timeout: float = 30.0) -> Prometheus:
+        """Start and wait until ready. A port probed free can be bound by another process before
+        Prometheus binds it: with a port picked here, up to two other free ports are tried."""
+        for attempt in range(3):
+            try:
+                return self._start_once(timeout)
+            except StackError as exc:
+                if (not self._port_picked or attempt == 2
+                        or "address already in use" not in str(exc)):
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> Prometheus:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         cmd = [
