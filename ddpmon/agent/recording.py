@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..forensics.crash import CrashCapture
-from ..forensics.eventlog import EventLog, ProgressFile
-from ..forensics.evidence import EvidenceWriter
-from ..forensics.manifest import write_run_manifest
-from ..forensics.watchdog import StallWatchdog, request_flight_recorder_dump
-from ..identity import build_versions
+from ..job.identity import build_versions
+from ..recorder.crash import CrashCapture
+from ..recorder.eventlog import EventLog, ProgressFile
+from ..recorder.evidence import EvidenceWriter
+from ..recorder.manifest import write_run_manifest
+from ..recorder.watchdog import StallWatchdog, request_flight_recorder_dump
 from .context import RunContext
 from .guard import Guard
 from .inflight import InFlight
