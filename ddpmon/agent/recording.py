@@ -1,6 +1,6 @@
-"""The rank's forensic files: event log, progress, evidence, crash capture, stall watchdog and
-manifest. Each part is optional: an unwritable run dir turns them off with one error line, and
-metrics are still served."""
+"""The rank's recorder (``ddpmon/recorder/``): event log, progress, evidence, crash capture,
+stall watchdog and manifest, wired into a monitor. Each part is optional: an unwritable run dir
+turns them off with one error line, and metrics are still served."""
 
 from __future__ import annotations
 
