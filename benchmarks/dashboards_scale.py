@@ -43,9 +43,9 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ddpmon import step_metrics  # noqa: E402
 from ddpmon.config import DEFAULT_PORT, SERIES_PROFILES, Config  # noqa: E402
 from ddpmon.export.collector import exports_group_norms  # noqa: E402
+from ddpmon.metrics import step_metrics  # noqa: E402
 from ddpmon.mixin import dashboards  # noqa: E402
 from ddpmon.mixin.render import ALERTS_FILE, RULES_FILE  # noqa: E402
 from ddpmon.mixin.render import generate as generate_rules  # noqa: E402

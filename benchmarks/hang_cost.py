@@ -100,7 +100,7 @@ def _per_call(at, n: int = 200_000) -> float:
     """Thread CPU seconds of one ``_at`` call on a bare phase holder (median of 5)."""
     from types import SimpleNamespace
 
-    from ddpmon.forensics.live_step import NO_LIVE
+    from ddpmon.recorder.live_step import NO_LIVE
 
     holder = SimpleNamespace(phase=0, step=0, live=NO_LIVE, phase_since=0.0)
     runs = []

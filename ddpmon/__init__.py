@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "LossScaleFloorError",
     "Monitor",
+    "StepRecord",
     "__version__",
     "attach",
 ]
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from . import agent  # torch: `import ddpmon` stays light
 
         return getattr(agent, name)
+    if name == "StepRecord":  # what a sink gets (attach(sinks=[...])), from ddpmon.metrics.state
+        from .metrics.state import StepRecord  # kept lazy like the names above: a light import
+
+        return StepRecord
     raise AttributeError(f"module 'ddpmon' has no attribute {name!r}")

@@ -323,7 +323,7 @@ def _check_step_metrics(value: Any) -> tuple[str, ...]:
         )
     if not value:
         return ()
-    from .step_metrics import AVAILABLE  # imports torch: only when some are asked for
+    from .metrics.step_metrics import AVAILABLE  # imports torch: only when some are asked for
 
     unknown = [v for v in value if v not in AVAILABLE]
     if unknown:

@@ -1,7 +1,7 @@
 """The per-rank agent, as small parts: see ``monitor`` for how they fit together."""
 
-from ..clip import clip_grad_norm_
 from .api import NullMonitor, attach
+from .clip import clip_grad_norm_
 from .floor import LossScaleFloorError
 from .monitor import Monitor
 from .policy import NonFiniteGradientError

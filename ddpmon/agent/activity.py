@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import metrics as m
 from .._torch_compat import flight_recorder_state
-from ..forensics.live_step import AFTER_BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER
+from ..recorder.live_step import AFTER_BACKWARD, CHECKPOINT, DATA, FORWARD, OPTIMIZER
 from .user_frame import innermost_user_frame
 
 PHASE_NAMES = {DATA: "data", FORWARD: "forward_backward", AFTER_BACKWARD: "after_backward",

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from .._torch_compat import dcp_logger
-from ..forensics.eventlog import read_progress
-from ..slurm import restart_count
-from ..state import CHECKPOINT_KINDS, MetricState
+from ..job.slurm import restart_count
+from ..metrics.state import CHECKPOINT_KINDS, MetricState
+from ..recorder.eventlog import read_progress
 
 log = logging.getLogger("ddpmon.checkpoints")
 

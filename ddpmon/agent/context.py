@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from ..config import Config, ConfigError, label_problem
-from ..forensics.clock import measure_clock_offset
-from ..forensics.rng import rng_fingerprints
-from ..identity import RankIdentity, detect_identity
-from ..rundir import RunDir
-from ..slurm import from_environ
+from ..job.identity import RankIdentity, detect_identity
+from ..job.slurm import from_environ
+from ..recorder.clock import measure_clock_offset
+from ..recorder.rng import rng_fingerprints
+from ..rundir.layout import RunDir
 from .guard import Guard
 
 

@@ -18,13 +18,13 @@ from ..export.delivery import linger_until
 from ..export.discovery import FileSDPublisher
 from ..export.registration import deregister_rank, register_rank
 from ..export.server import MetricsServer, PortInUseError
-from ..identity import RankIdentity, build_versions
-from ..rundir import sd_filename
-from ..slurm import from_environ
+from ..job.identity import RankIdentity, build_versions
+from ..job.slurm import from_environ
+from ..metrics.state import MetricState
+from ..rundir.layout import sd_filename
 from ..sources.allocator import AllocatorSource
 from ..sources.host import ProcessSource
 from ..sources.nvml import NvmlSource
-from ..state import MetricState
 from .guard import Guard
 
 log = logging.getLogger("ddpmon")

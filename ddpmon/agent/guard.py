@@ -3,8 +3,8 @@
 ``with guard("grads"): ...`` replaces a try/except around every probe: the failure increments
 ``ddpmon_agent_errors_total{probe="grads"}``, is logged once per probe (later ones are only
 counted) and the training loop goes on. A failure to write to the run dir (a full disk, see
-:mod:`ddpmon.writes`) goes to the rank's :class:`~ddpmon.writes.WriteHealth` instead, which
-counts it the same way but logs one line per rank for all writers together.
+:mod:`ddpmon.rundir.writes`) goes to the rank's :class:`~ddpmon.rundir.writes.WriteHealth`
+instead, which counts it the same way but logs one line per rank for all writers together.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..writes import WriteHealth, is_write_error
+from ..rundir.writes import WriteHealth, is_write_error
 
 log = logging.getLogger("ddpmon")
 

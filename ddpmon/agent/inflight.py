@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..forensics.live_step import PHASES
+from ..metrics.state import StepRecord
 from ..probes.grads import summarize_host
-from ..state import StepRecord
+from ..recorder.live_step import PHASES
 from ..strategies.base import GradSummaries
 
 

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from ..config import Config
-from ..forensics.annotations import check_fields, write_annotations
+from ..metrics.state import MetricState, possible_skippers
+from ..metrics.step_metrics import chosen
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
-from ..state import MetricState, possible_skippers
-from ..step_metrics import chosen
+from ..recorder.annotations import check_fields, write_annotations
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
 from ..strategies.pipeline_parallel import PipelineSource
@@ -39,15 +39,15 @@ from .checkpoints import (
 from .context import RunContext
 from .drainer import RecordThread
 from .endpoint import Endpoint
-from .forensics import Forensics
 from .goodput_live import FiguresApi, start_figures
 from .guard import Guard
+from .host_facts import manifest_extra, start_fields, states_present
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
 from .precision import read_precision
 from .record_sinks import RecordSinks
+from .recording import Forensics
 from .rerun import StepRerun, run_step
-from .run_facts import manifest_extra, start_fields, states_present
 from .sinks import Sink
 from .step_markers import StepMarkers
 from .update_wiring import SpikeParts

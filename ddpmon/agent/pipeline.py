@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from .. import step_slots as slot
-from ..forensics.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
 from ..host_reads import host_read_free
+from ..metrics import step_slots as slot
+from ..metrics.state import StepRecord
+from ..metrics.step_metrics import StepInputs, StepMetric, evaluate
 from ..probes.grads import ParamIndex, host_finite
-from ..state import StepRecord
-from ..step_metrics import StepInputs, StepMetric, evaluate
+from ..recorder.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
 from .observed import plain
@@ -49,7 +49,7 @@ from .rerun import decide_recorded, wrap_closure
 from .step_detection import GradSentinel, is_inert_step
 from .step_phase import StepPhase
 from .step_split import StepSplit
-from .stepvector import STEP_SLOTS, StepVectorLayout
+from .step_vector import STEP_SLOTS, StepVectorLayout
 from .trainer_norms import TrainerNorms
 from .unmeasured import UnmeasuredSteps
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ..errors import NonFiniteGradientError
+from ..metrics.state import StepRecord
 from ..probes.grads import ParamIndex, summarize_host
-from ..state import StepRecord
 from ..strategies.base import NormVector
 
 

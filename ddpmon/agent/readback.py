@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..host_reads import host_read_free_all
-from .stepvector import Packed, StepVectorLayout
+from .step_vector import Packed, StepVectorLayout
 
 
 @dataclass(slots=True)

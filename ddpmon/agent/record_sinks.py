@@ -9,17 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..atomic import write_json_atomic
 from ..config import Config
-from ..forensics.history import HistorySink
+from ..metrics.state import MetricState
 from ..probes.grads import ParamIndex
-from ..state import MetricState
+from ..recorder.history import HistorySink
+from ..rundir.atomic import write_json_atomic
 from .checkpoints import tag_evidence
 from .context import RunContext
 from .floor import FloorPolicy
-from .forensics import Forensics, manifest_writer
 from .guard import Guard
-from .run_facts import scaler_state
+from .host_facts import scaler_state
+from .recording import Forensics, manifest_writer
 from .sinks import IncidentSink, ManifestSink, MetricSink, ProgressSink, SummarySink
 
 

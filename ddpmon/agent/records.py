@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import step_slots as slot
 from ..metrics import Metric
+from ..metrics import step_slots as slot
+from ..metrics.state import StepRecord
 from ..probes.grads import ParamIndex, summarize_host
-from ..state import StepRecord
 from ..strategies.base import GradSummaries, NormVector
 from .guard import Guard
 

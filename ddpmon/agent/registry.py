@@ -2,7 +2,7 @@
 
 ``ddpmon.clip_grad_norm_`` asks for the monitor of *its* parameters, so two monitors in one
 process (two models) each serve their own; nothing global decides which one is "active".
-Importing this module registers ``monitor_for`` with ``ddpmon.clip`` (which sits below the
+Importing this module registers ``monitor_for`` with ``ddpmon.agent.clip`` (which sits below the
 agent and so cannot import it).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..clip import set_monitor_lookup
+from .clip import set_monitor_lookup
 
 _live: weakref.WeakSet[Any] = weakref.WeakSet()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from ..metrics import COLLECTIVE_OPS
-from ..state import MetricState, StepRecord
+from ..metrics.state import MetricState, StepRecord
 
 
 @runtime_checkable

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..state import StepRecord
+from ..metrics.state import StepRecord
 
 MAD_SIGMA = 1.4826
 """MAD to standard deviation for normal noise."""

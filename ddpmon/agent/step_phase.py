@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ..forensics.live_step import CHECKPOINT
-from ..state import StepRecord
+from ..metrics.state import StepRecord
+from ..recorder.live_step import CHECKPOINT
 from ..strategies.base import GradSummaries
 
 PHASE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..state import StepRecord
+from ..metrics.state import StepRecord
 from .observed import plain
 from .policy import as_float, norm_mismatch
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .. import step_slots as slot
 from ..config import Config
+from ..metrics import step_slots as slot
 from ..probes.logits import LogitProbe
 from ..probes.updates import UpdateProbe
 from ..strategies.dtensor_norms import build_plan, is_dtensor, reduce_async

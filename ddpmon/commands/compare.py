@@ -14,7 +14,7 @@ import sys
 
 from rich import box
 
-from ddpmon.atomic import dumps
+from ddpmon.rundir.atomic import dumps
 from ddpmon.terminal import SafeConsole as Console
 from ddpmon.terminal import shown as escape  # markup-escaped and control codes spelled out
 

@@ -10,8 +10,8 @@ import stat
 import sys
 from pathlib import Path
 
-from ..agent_socket import SOCKET_NAME, AgentSocketError
 from ..config import DEFAULT_PORT
+from ..web.agent_socket import SOCKET_NAME, AgentSocketError
 from ..web.config import WebConfigError, load_web_config
 
 log = logging.getLogger("ddpmon.daemon")

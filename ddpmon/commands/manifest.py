@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpmon.damage import ReadWarnings
-from ddpmon.rundir import RunDir
-from ddpmon.safe_read import MAX_DOCUMENT_BYTES, open_regular
+from ddpmon.rundir.damage import ReadWarnings
+from ddpmon.rundir.layout import RunDir
+from ddpmon.rundir.safe_read import MAX_DOCUMENT_BYTES, open_regular
 from ddpmon.terminal import clean, clean_line
 
 
@@ -31,9 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # loaded when the command runs: a light CLI start
-    from ddpmon.forensics.manifest import CHECKLIST, check_manifest
     from ddpmon.forensics.run_facts import load_manifest
     from ddpmon.forensics.timeline import RunDirError, resolve_run_path
+    from ddpmon.recorder.manifest import CHECKLIST, check_manifest
 
     from ._damage import print_damage  # loaded when the command runs: a light CLI start
 

@@ -9,8 +9,8 @@ import argparse
 import importlib.util
 import sys
 
-from ddpmon.atomic import write_text_atomic
-from ddpmon.damage import ReadWarnings
+from ddpmon.rundir.atomic import write_text_atomic
+from ddpmon.rundir.damage import ReadWarnings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

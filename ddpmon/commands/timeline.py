@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from ddpmon.atomic import dumps
+from ddpmon.rundir.atomic import dumps
 from ddpmon.terminal import SafeConsole as Console
 from ddpmon.terminal import clean_line, shown
 

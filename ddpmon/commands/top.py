@@ -16,9 +16,9 @@ from pathlib import Path
 from ddpmon.terminal import SafeConsole as Console
 
 from .. import metrics
-from ..damage import ReadWarnings
+from ..daemon.hang_naming import RankActivity, name_hang, parse_activity
 from ..export.scrape import ScrapeClient, ScrapeConfigError, ScrapeError, flatten, read_sd_dir
-from ..hang_naming import RankActivity, name_hang, parse_activity
+from ..rundir.damage import ReadWarnings
 from ..terminal import clean_line, shown
 from ._top_stragglers import cell as straggler_cell
 from ._top_stragglers import straggler_scores

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._version import __version__
-from ..agent_socket import Peer
-from ..safe_read import Unreadable, open_regular
+from ..rundir.safe_read import Unreadable, open_regular
+from ..web.agent_socket import Peer
 from .jobs import DuplicateJobError, JobError, JobManager, JobNotFound, JobStateConflict
 from .ranks import RankRegistry, RegistrationRefused
 from .store import JOB_STATES, StoreError

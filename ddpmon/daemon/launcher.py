@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json_atomic
+from ..rundir.atomic import write_json_atomic
 
 
 def _signal_name(num: int) -> str:

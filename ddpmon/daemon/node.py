@@ -19,8 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .. import metrics as m
-from ..metric_types import Metric as Series
-from ..metric_types import MetricType
+from ..metrics.types import Metric as Series
+from ..metrics.types import MetricType
 from ..sources.nvml import NvmlSource
 from .store import JOB_STATES
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from ..forensics.failure import exit_order, failure_tier, saw_only_reduced
 from ..forensics.timeline import build_timeline
-from ..rundir import EVENTS_RE, RunDir
-from ..safe_read import json_lines, load_json
+from ..rundir.layout import EVENTS_RE, RunDir
+from ..rundir.safe_read import json_lines, load_json
 
 log = logging.getLogger("ddpmon.daemon")
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from ..agent_socket import Peer
+from ..web.agent_socket import Peer
 from .processes import descends_from, in_slurm_job, process_start_time, same_process
 from .store import JobRecord, Store
 

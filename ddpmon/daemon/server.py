@@ -38,8 +38,8 @@ from urllib.parse import unquote
 
 import h11
 
-from ..agent_socket import Peer, listen, peer_credentials
 from ..web import hostcheck
+from ..web.agent_socket import Peer, listen, peer_credentials
 from ..web.config import WebConfig
 from ..web.framing import reason, status_line
 from ..web.limits import Limits, count_status, oldest_idle, server_stats

@@ -26,7 +26,7 @@ from shutil import which
 
 from ddpmon.forensics import slurm_outcome
 
-from ..slurm import ENDED, ended
+from ..job.slurm import ENDED, ended
 from .jobs import JobError, JobManager, JobStateConflict
 from .store import JobRecord
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .. import metrics
 from ..export.scrape import ScrapeClient, ScrapeError, Target
-from ..hang_naming import RankActivity, name_hang, parse_activity
-from ..safe_read import load_json
+from ..rundir.safe_read import load_json
+from .hang_naming import RankActivity, name_hang, parse_activity
 
 HEADLINE = {
     metrics.STEP.name: "step",

@@ -25,11 +25,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from .. import metrics as m
-from ..identity import RankIdentity
+from ..job.identity import RankIdentity
+from ..metrics.state import Histogram, MetricState
 from ..sources.allocator import AllocatorReading
 from ..sources.host import ProcessReading
 from ..sources.nvml import GpuReading
-from ..state import Histogram, MetricState
 from ..strategies.table import reduced_norms_identical
 
 log = logging.getLogger("ddpmon.collector")

@@ -5,10 +5,10 @@ removes it on close, so Prometheus (which watches the directory) starts scraping
 as it serves and drops it when it exits cleanly. A rank that is killed leaves its file behind:
 that target then reads ``up == 0`` and DdpmonRankDown fires, which is the point.
 
-Writes go through :func:`ddpmon.atomic.write_json_atomic` (temporary file in the same
+Writes go through :func:`ddpmon.rundir.atomic.write_json_atomic` (temporary file in the same
 directory, fsync, ``os.replace``, mode 0644): Prometheus never reads a half-written file, and
 the temporary name starts with ``.`` so a ``*.json`` glob in prometheus.yml never matches it.
-The per-rank file name is :func:`ddpmon.rundir.sd_filename`.
+The per-rank file name is :func:`ddpmon.rundir.layout.sd_filename`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from ..atomic import write_json_atomic
+from ..rundir.atomic import write_json_atomic
 
 
 class FileSDPublisher:

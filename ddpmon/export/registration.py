@@ -16,7 +16,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from ..agent_socket import connect
+from ..web.agent_socket import connect
 
 log = logging.getLogger("ddpmon.registration")
 

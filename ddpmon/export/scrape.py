@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from .. import metrics
-from ..damage import ReadWarnings, parse_json_object, type_name
+from ..rundir.damage import ReadWarnings, parse_json_object, type_name
 from .scrape_config import (
     BasicAuth,
     ScrapeConfig,

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from ..damage import ReadWarnings
-from ..rundir import HISTORY_RE, RunDir
-from .annotations import load_annotations
-from .history_read import History, iter_histories
+from ..recorder.annotations import load_annotations
+from ..recorder.history_read import History, iter_histories
+from ..rundir.damage import ReadWarnings
+from ..rundir.layout import HISTORY_RE, RunDir
 from .run_facts import Resume, load_manifest, ranks_present, resumes
 from .timeline import RunDirError, resolve_run_path
 from .update_views import both_sampled, ratio_series
@@ -114,7 +114,7 @@ class Comparison:
     resumes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Per run: each resume from a checkpoint (attempt, step, states it did not restore)."""
     damaged: list[dict[str, str]] = field(default_factory=list)
-    """Every damaged file of both runs (:class:`~ddpmon.damage.Damage` records)."""
+    """Every damaged file of both runs (:class:`~ddpmon.rundir.damage.Damage` records)."""
 
     @property
     def diverged(self) -> bool:

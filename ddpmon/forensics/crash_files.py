@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..damage import ReadWarnings
-from ..safe_read import open_regular
-from .live_step import dumps, running
+from ..recorder.live_step import dumps, running
+from ..rundir.damage import ReadWarnings
+from ..rundir.safe_read import open_regular
 
 SIGNALS = {
     "Segmentation fault": ("SIGSEGV", 11),

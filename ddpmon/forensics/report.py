@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ..damage import ReadWarnings
-from ..rundir import RunDir
+from ..recorder.annotations import load_annotations
+from ..recorder.history_read import History
+from ..rundir.damage import ReadWarnings
+from ..rundir.layout import RunDir
 from . import report_plots as rp
-from .annotations import load_annotations
 from .compare import CompareError, compare_runs, resolve_run
 from .goodput.plot import section as goodput_section
-from .history_read import History
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present
 from .stragglers import html_section

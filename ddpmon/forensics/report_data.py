@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..damage import ReadWarnings, read_json
-from ..rundir import PROGRESS_RE, RunDir
+from ..recorder.history_read import History, iter_histories
+from ..rundir.damage import ReadWarnings, read_json
+from ..rundir.layout import PROGRESS_RE, RunDir
 from . import report_plots as rp
-from .history_read import History, iter_histories
 
 PER_RANK = (
     "loss",

@@ -2,7 +2,7 @@
 run's event logs record (what each resume did not restore).
 
 Why a module of its own: ``compare``, ``report`` and ``manifest`` read the same files and must
-say the same thing when one is damaged (see :mod:`ddpmon.damage`).
+say the same thing when one is damaged (see :mod:`ddpmon.rundir.damage`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..damage import ReadWarnings, check_version, read_json, read_json_lines
-from ..rundir import EVENTS_RE, HISTORY_JOURNAL_RE, HISTORY_RE, PROGRESS_RE, RunDir
+from ..rundir.damage import ReadWarnings, check_version, read_json, read_json_lines
+from ..rundir.layout import EVENTS_RE, HISTORY_JOURNAL_RE, HISTORY_RE, PROGRESS_RE, RunDir
 from . import attempts as att
 
 MANIFEST_SCHEMA = 1

@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from ..safe_read import load_json
-from ..slurm import ended
+from ..job.slurm import ended
+from ..rundir.safe_read import load_json
 
 _JOB_ID = re.compile(r"^[0-9]+(_[0-9]+)?$")
 

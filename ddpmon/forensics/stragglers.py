@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from ..damage import ReadWarnings
-from ..rundir import RunDir
-from .history_read import iter_histories
+from ..recorder.history_read import iter_histories
+from ..rundir.damage import ReadWarnings
+from ..rundir.layout import RunDir
 
 WINDOW = 10
 """Steps per window (short runs)."""

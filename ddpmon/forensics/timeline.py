@@ -4,7 +4,7 @@ Inputs (all optional, all per rank, under one ``run_dir/<run_id>/``): ``events.r
 ``progress.rank<R>.json`` (last completed step), ``crash.rank<R>.txt`` (faulthandler after a
 fatal signal), ``sigterm.rank<R>.txt`` (stacks at SIGTERM), ``evidence/`` bundles and
 ``flight_recorder/fr_trace_rank_<R>.json`` dumps (or ``flight_recorder.rank<R>.json``, where
-older versions put them). Every name comes from :mod:`ddpmon.rundir`.
+older versions put them). Every name comes from :mod:`ddpmon.rundir.layout`.
 
 Alignment: every event's ``t`` is its ``ts`` plus the ``clock_offset_seconds`` of the rank's
 latest ``start`` event before it (rank 0's clock). Synthetic events: a crash file becomes a
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..damage import ReadWarnings, read_json, read_json_lines
-from ..rundir import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
+from ..rundir.damage import ReadWarnings, read_json, read_json_lines
+from ..rundir.layout import CRASH_RE, EVENTS_RE, PROGRESS_RE, SIGTERM_RE, RunDir, parse_bundle_name
 from . import attempts as att
 from .crash_files import crash_event, running_step, sigterm_event
 from .failure import ending, first_failure, read_exits

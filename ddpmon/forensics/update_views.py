@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..recorder.history_read import History
 from . import report_plots as rp
-from .history_read import History
 
 RATIO_PREFIX = "ratio:"
 

@@ -12,8 +12,6 @@ samples add ``_bucket``, ``_count`` and ``_sum``).
 
 from __future__ import annotations
 
-from ..metric_types import BASE_LABELS, Layer, Metric, MetricType
-
 # the parts' entries are names of this module too (metrics.MFU, metrics.NODE_GPUS)
 from .figures import (
     ACHIEVED_FLOPS,
@@ -61,6 +59,7 @@ from .node import (
     NODE_NETWORK_RECEIVE,
     NODE_NETWORK_TRANSMIT,
 )
+from .types import BASE_LABELS, Layer, Metric, MetricType
 
 __all__ = [
     "BASE_LABELS",

@@ -3,7 +3,7 @@ Part of the catalogue (``ddpmon.metrics``), between communication and the agent'
 
 from __future__ import annotations
 
-from ..metric_types import Layer, Metric, MetricType
+from .types import Layer, Metric, MetricType
 
 G, C, H = MetricType.GAUGE, MetricType.COUNTER, MetricType.HISTOGRAM
 L = Layer

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..metric_types import Layer, Metric, MetricType
+from .types import Layer, Metric, MetricType
 
 G, C, H = MetricType.GAUGE, MetricType.COUNTER, MetricType.HISTOGRAM
 L = Layer

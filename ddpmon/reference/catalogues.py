@@ -8,8 +8,8 @@ import dataclasses
 import inspect
 
 from .. import config, metrics
-from ..forensics import event_kinds, history_schema
-from ..rundir_catalogue import FILES
+from ..recorder import event_kinds, history_schema
+from ..rundir.catalogue import FILES
 from .markdown import code, header, table
 
 
@@ -98,7 +98,7 @@ def events_page() -> str:
     out = [
         header(
             "Events",
-            "`ddpmon/forensics/event_kinds.py`",
+            "`ddpmon/recorder/event_kinds.py`",
             """
 Each rank appends one JSON object per line to `events.rank<R>.jsonl` in its run dir
 (`run_dir/<run_id>/`). Lines are strict JSON (NaN and ±Inf are written as the strings `"nan"`,
@@ -134,11 +134,11 @@ def files_page() -> str:
     return (
         header(
             "Run-dir files",
-            "`ddpmon/rundir_catalogue.py` and `ddpmon/forensics/history_schema.py`",
+            "`ddpmon/rundir/catalogue.py` and `ddpmon/recorder/history_schema.py`",
             """
 Every rank writes its story to `run_dir/<run_id>/` (`run_dir` option, default
-`ddpmon-runs`). Each name is defined once, in `ddpmon/rundir.py`; every file other than the
-append-only logs is written atomically (temp file, fsync, rename) through `ddpmon/atomic.py`,
+`ddpmon-runs`). Each name is defined once, in `ddpmon/rundir/layout.py`; every file other than the
+append-only logs is written atomically (temp file, fsync, rename) through `ddpmon/rundir/atomic.py`,
 so a reader sees a whole file or none. What the files mean for a post-mortem is in
 [Forensics](../forensics/index.md).
 """,

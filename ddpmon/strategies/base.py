@@ -27,9 +27,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..metrics.step_slots import Slot
 from ..probes.comm import CollectiveRecorder, CommTiming
 from ..probes.grads import NormVector, ParamIndex, per_param_norms
-from ..step_slots import Slot
 from .reduction import DeferredReduction
 from .replicas import ReplicaScope
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import batch_p2p, set_batch_p2p
-from ..step_slots import Slot
+from ..metrics.step_slots import Slot
 from .base import StepExtension
 from .pp_setup import (
     PipelineSetup,

@@ -17,7 +17,6 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddpmon.agent_socket import Peer
 from ddpmon.daemon import outcome
 from ddpmon.daemon.node import NodeCollector, build_registry
 from ddpmon.daemon.ranks import RankRegistry, RegistrationRefused
@@ -25,6 +24,7 @@ from ddpmon.daemon.settings import DaemonSettings, SettingsError
 from ddpmon.daemon.store import DuplicateJobError, JobRecord, Store
 from ddpmon.daemon.token import TokenFileError, load_or_create
 from ddpmon.sources.nvml import NvmlSource
+from ddpmon.web.agent_socket import Peer
 
 
 def test_store_persists_and_rejects_duplicates(tmp_path: Path) -> None:

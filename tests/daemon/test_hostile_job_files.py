@@ -17,7 +17,7 @@ from ddpmon.daemon import summary as outcome_summary
 from ddpmon.daemon.jobs import JobManager
 from ddpmon.daemon.settings import DaemonSettings
 from ddpmon.daemon.store import JobRecord, Store
-from ddpmon.safe_read import BadLine, json_lines, load_json
+from ddpmon.rundir.safe_read import BadLine, json_lines, load_json
 
 NESTED = b"[" * 200_000 + b"]" * 200_000
 SEGV = {"kind": "signal", "rank": 1, "ts": 1000.0, "signal": "SIGSEGV", "step": 7}

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily
 from ddpmon import metrics
 from ddpmon.daemon import node
 from ddpmon.daemon.node import NodeCollector
-from ddpmon.metric_types import MetricType
+from ddpmon.metrics.types import MetricType
 from ddpmon.sources.nvml import NvmlSource
 from tests.daemon.test_daemon_units import FakeNvml
 

@@ -21,10 +21,11 @@ import pytest
 import yaml
 
 import ddpmon.reference as reference
-from ddpmon import metrics, rundir_catalogue
-from ddpmon.forensics import event_kinds, history_schema
+from ddpmon import metrics
 from ddpmon.mixin import shipped
+from ddpmon.recorder import event_kinds, history_schema
 from ddpmon.reference import catalogues, rules
+from ddpmon.rundir import catalogue as rundir_catalogue
 from tests.support.alert_contract import alerts_table
 
 ROOT = Path(__file__).resolve().parents[2]

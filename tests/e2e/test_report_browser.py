@@ -107,8 +107,8 @@ def test_report_of_a_nan_run_renders_and_names_the_first_failure(nan_run, tmp_pa
 
 def test_a_thousand_ranks_stay_readable(tmp_path):
     """1024 synthetic rank histories: bands for the many, lines for the outliers only."""
-    from ddpmon.forensics.history import HistoryWriter, row_of
-    from ddpmon.state import StepRecord
+    from ddpmon.metrics.state import StepRecord
+    from ddpmon.recorder.history import HistoryWriter, row_of
 
     run = tmp_path / "big"
     run.mkdir()

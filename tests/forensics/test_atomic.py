@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpmon.atomic import (
+from ddpmon.recorder.eventlog import jsonable
+from ddpmon.rundir.atomic import (
     dumps,
     json_safe,
     publish_dir,
@@ -20,7 +21,6 @@ from ddpmon.atomic import (
     write_file_synced,
     write_json_atomic,
 )
-from ddpmon.forensics.eventlog import jsonable
 
 
 def _strict(text: str):
@@ -85,7 +85,7 @@ def test_failed_write_keeps_the_old_file_and_removes_its_temp(tmp_path: Path) ->
 
 WRITER = """
 import sys
-from ddpmon.atomic import write_bytes_atomic
+from ddpmon.rundir.atomic import write_bytes_atomic
 target, n = sys.argv[1], 0
 print("ready", flush=True)
 while True:

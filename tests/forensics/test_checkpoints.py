@@ -12,8 +12,8 @@ from torch import nn
 
 import ddpmon
 from ddpmon.agent.checkpoints import detect_attempt
-from ddpmon.forensics.eventlog import read_events
-from ddpmon.rundir import RunDir
+from ddpmon.recorder.eventlog import read_events
+from ddpmon.rundir.layout import RunDir
 from tests.support.ports import free_port
 from tests.support.scrape import scrape
 

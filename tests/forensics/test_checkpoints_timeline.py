@@ -7,10 +7,10 @@ import json
 import subprocess
 import sys
 
-from ddpmon.forensics.eventlog import EventLog, ProgressFile
-from ddpmon.forensics.manifest import previous_attempts, recovery_gaps
 from ddpmon.forensics.timeline import build_timeline
-from ddpmon.rundir import RunDir
+from ddpmon.recorder.eventlog import EventLog, ProgressFile
+from ddpmon.recorder.manifest import previous_attempts, recovery_gaps
+from ddpmon.rundir.layout import RunDir
 
 
 def write_attempt(rd: RunDir, attempt: int, last_steps: dict[int, int], saves: dict[int, list],

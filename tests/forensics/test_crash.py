@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from ddpmon.forensics.crash import CrashCapture, crash_path, sigterm_path
-from ddpmon.forensics.eventlog import EventLog, events_path, read_events
-from ddpmon.forensics.live_step import LINE_RE, dumps
 from ddpmon.forensics.timeline import build_timeline
+from ddpmon.recorder.crash import CrashCapture, crash_path, sigterm_path
+from ddpmon.recorder.eventlog import EventLog, events_path, read_events
+from ddpmon.recorder.live_step import LINE_RE, dumps
 
 PRELUDE = """
 import os, sys, threading, time
-from ddpmon.forensics.crash import CrashCapture
-from ddpmon.forensics.eventlog import EventLog
+from ddpmon.recorder.crash import CrashCapture
+from ddpmon.recorder.eventlog import EventLog
 run = sys.argv[1]
 log = EventLog(run, 1)
 log.emit("start", None, clock_offset_seconds=0.0, world_size=1)

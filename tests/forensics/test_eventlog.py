@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from ddpmon.forensics.eventlog import (
+from ddpmon.recorder.eventlog import (
     EventLog,
     ProgressFile,
     events_path,
@@ -89,7 +89,7 @@ def test_emit_never_raises(tmp_path):
 def test_progress_file_survives_sigkill(tmp_path, procs):
     code = """
     import os, signal, sys
-    from ddpmon.forensics.eventlog import ProgressFile
+    from ddpmon.recorder.eventlog import ProgressFile
     p = ProgressFile(sys.argv[1], 1)
     for step in range(1000):
         p.update(step, ts=1000.0 + step)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from ddpmon.forensics.evidence import (
+from ddpmon.recorder.evidence import (
     EvidenceWriter,
     list_bundles,
     parse_bundle_name,
@@ -125,7 +125,7 @@ def test_write_never_raises(tmp_path):
 
 KILL_WRITER = """
 import sys, torch
-from ddpmon.forensics.evidence import EvidenceWriter
+from ddpmon.recorder.evidence import EvidenceWriter
 w = EvidenceWriter(sys.argv[1] if len(sys.argv) > 1 else {run!r}, 0, include_tensors=True)
 huge = torch.ones(48 * 1024 * 1024)  # 192 MiB: long enough a write to be killed inside
 print("ready", flush=True)

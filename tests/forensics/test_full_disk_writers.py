@@ -11,10 +11,10 @@ import time
 import pytest
 
 from ddpmon.agent.guard import Guard
-from ddpmon.atomic import write_json_atomic
-from ddpmon.forensics.eventlog import EventLog, read_events
-from ddpmon.forensics.evidence import EvidenceWriter
-from ddpmon.writes import WriteHealth
+from ddpmon.recorder.eventlog import EventLog, read_events
+from ddpmon.recorder.evidence import EvidenceWriter
+from ddpmon.rundir.atomic import write_json_atomic
+from ddpmon.rundir.writes import WriteHealth
 from tests.support.tmpfs import small_tmpfs
 
 
@@ -110,8 +110,8 @@ def _history_blocks(disk) -> int:
 
 def test_history_journal_stays_readable_and_rows_wait_for_space(tmp_path):
     pytest.importorskip("pyarrow")
-    from ddpmon.forensics.history import HistoryWriter, row_of
-    from ddpmon.forensics.history_read import read_history
+    from ddpmon.recorder.history import HistoryWriter, row_of
+    from ddpmon.recorder.history_read import read_history
     from tests.forensics.test_history import GROUPS, record
 
     with small_tmpfs(tmp_path / "disk", "512k") as disk:
@@ -148,8 +148,8 @@ def test_history_journal_stays_readable_and_rows_wait_for_space(tmp_path):
 
 def test_history_drops_rows_beyond_its_bound_and_counts_them(tmp_path):
     pytest.importorskip("pyarrow")
-    from ddpmon.forensics.history import HistoryWriter, row_of
-    from ddpmon.forensics.history_read import read_history
+    from ddpmon.recorder.history import HistoryWriter, row_of
+    from ddpmon.recorder.history_read import read_history
     from tests.forensics.test_history import GROUPS, record
 
     events: list = []
@@ -196,7 +196,7 @@ def test_evidence_and_atomic_files_leave_nothing_half_written(tmp_path, caplog):
 
 def rows(path) -> int:
     """Rows readable now (0 while the first batch is still being written)."""
-    from ddpmon.forensics.history_read import read_history
+    from ddpmon.recorder.history_read import read_history
 
     try:
         return len(read_history(path))
@@ -214,7 +214,7 @@ def wait_for(cond, timeout: float = 10.0) -> None:
 
 def test_history_closed_on_a_full_disk_keeps_its_journal_and_counts_the_rest(tmp_path):
     pytest.importorskip("pyarrow")
-    from ddpmon.forensics.history import HistoryWriter, journal_path, row_of
+    from ddpmon.recorder.history import HistoryWriter, journal_path, row_of
     from tests.forensics.test_history import GROUPS, record
 
     with small_tmpfs(tmp_path / "disk", "256k") as disk:

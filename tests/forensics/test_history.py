@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("pyarrow")
 
-from ddpmon.forensics.history import (  # noqa: E402
+from ddpmon.metrics.state import StepRecord  # noqa: E402
+from ddpmon.recorder.history import (  # noqa: E402
     Downsampler,
     HistoryWriter,
     journal_path,
     row_of,
 )
-from ddpmon.forensics.history_read import read_history  # noqa: E402
-from ddpmon.state import StepRecord  # noqa: E402
+from ddpmon.recorder.history_read import read_history  # noqa: E402
 
 GROUPS = ("embed", "encoder", "head")
 
@@ -70,7 +70,7 @@ def test_files_with_the_old_allreduce_columns_still_read(tmp_path):
     """Files written before the collective_* rename name the columns allreduce_*."""
     import pyarrow as pa
 
-    from ddpmon.forensics.history_schema import OLD_NAMES
+    from ddpmon.recorder.history_schema import OLD_NAMES
 
     path = tmp_path / "history.rank0.arrow"
     w = HistoryWriter(path, GROUPS, meta={"rank": "0"}, flush_seconds=0.05)
@@ -94,9 +94,9 @@ def test_sigkill_loses_at_most_the_last_flush(tmp_path, procs):
         """
         import sys, time
         from pathlib import Path
-        from ddpmon.forensics.history import HistoryWriter, journal_path, row_of
-        from ddpmon.forensics.history_read import read_history
-        from ddpmon.state import StepRecord
+        from ddpmon.recorder.history import HistoryWriter, journal_path, row_of
+        from ddpmon.recorder.history_read import read_history
+        from ddpmon.metrics.state import StepRecord
         groups = ("a", "b")
         w = HistoryWriter(sys.argv[1], groups, flush_seconds=0.2, seal_rows=300)
         def rec(s):

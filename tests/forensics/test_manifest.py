@@ -2,7 +2,8 @@ import json
 
 from ddpmon.cli import main
 from ddpmon.config import Config
-from ddpmon.forensics.manifest import (
+from ddpmon.job.identity import RankIdentity, build_versions
+from ddpmon.recorder.manifest import (
     CHECKLIST,
     REDACTED,
     build_manifest,
@@ -11,7 +12,6 @@ from ddpmon.forensics.manifest import (
     write_manifest,
     write_run_manifest,
 )
-from ddpmon.identity import RankIdentity, build_versions
 
 ENV = {
     "MASTER_ADDR": "10.0.0.1",

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from ddpmon.forensics.crash import crash_path, sigterm_path
-from ddpmon.forensics.eventlog import events_path, progress_path
-from ddpmon.forensics.evidence import EvidenceWriter
-from ddpmon.forensics.manifest import manifest_path
 from ddpmon.forensics.timeline import build_timeline
-from ddpmon.forensics.watchdog import flight_recorder_path
-from ddpmon.rundir import (
+from ddpmon.recorder.crash import crash_path, sigterm_path
+from ddpmon.recorder.eventlog import events_path, progress_path
+from ddpmon.recorder.evidence import EvidenceWriter
+from ddpmon.recorder.manifest import manifest_path
+from ddpmon.recorder.watchdog import flight_recorder_path
+from ddpmon.rundir.layout import (
     BUNDLE_RE,
     CRASH_RE,
     EVENTS_RE,

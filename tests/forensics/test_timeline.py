@@ -2,8 +2,8 @@ import json
 import os
 
 from ddpmon.cli import main
-from ddpmon.forensics.eventlog import EventLog
 from ddpmon.forensics.timeline import build_timeline
+from ddpmon.recorder.eventlog import EventLog
 
 
 def _write(run, rank, events):

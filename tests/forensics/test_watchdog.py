@@ -2,7 +2,7 @@ import json
 import threading
 import time
 
-from ddpmon.forensics.watchdog import (
+from ddpmon.recorder.watchdog import (
     StallWatchdog,
     flight_recorder_path,
     read_flight_recorder_status,
@@ -67,8 +67,8 @@ if skew:
     time.time = lambda: _real() + skew  # this rank's wall clock runs `skew` seconds ahead
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=30))
-from ddpmon.forensics.clock import measure_clock_offset
-from ddpmon.forensics.watchdog import StallWatchdog, flight_recorder_path, \
+from ddpmon.recorder.clock import measure_clock_offset
+from ddpmon.recorder.watchdog import StallWatchdog, flight_recorder_path, \
     request_flight_recorder_dump
 print(json.dumps(measure_clock_offset()), flush=True)
 t = torch.ones(4)

@@ -98,7 +98,7 @@ def run_case(args: argparse.Namespace, rank: int, case_id: str) -> dict:
         data_check_interval=2,
     )
     scales, raised, clip_checks = [], None, []
-    import ddpmon.clip as clip_module
+    import ddpmon.agent.clip as clip_module
 
     passes = {"n": 0}
     original_norms = clip_module.per_param_norms

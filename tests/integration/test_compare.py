@@ -199,8 +199,8 @@ def test_a_directory_without_history_is_a_clear_error(tmp_path):
 
 def synthetic(path: Path, factor_from: dict[int, float], noise: float, seed: int,
               group_b_nan_at: int | None = None) -> Path:
-    from ddpmon.forensics.history import HistoryWriter, row_of
-    from ddpmon.state import StepRecord
+    from ddpmon.metrics.state import StepRecord
+    from ddpmon.recorder.history import HistoryWriter, row_of
 
     path.mkdir(parents=True)
     rng = np.random.default_rng(seed)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ddpmon.demo.faults import DEFAULT_PARAM
-from ddpmon.forensics.evidence import read_bundle
+from ddpmon.recorder.evidence import read_bundle
 from tests.support.demo import DemoRun
 
 REPO = Path(__file__).resolve().parents[2]

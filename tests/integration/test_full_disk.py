@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import time
 
-from ddpmon.forensics.eventlog import read_events
 from ddpmon.forensics.timeline import build_timeline, describe
+from ddpmon.recorder.eventlog import read_events
 from tests.support.demo import DemoRun
 from tests.support.scrape import scrape as scrape_metrics
 from tests.support.tmpfs import small_tmpfs
@@ -108,7 +108,7 @@ def test_a_full_disk_mid_run_costs_the_files_nothing_but_the_gap(tmp_path):
             assert read_events(run / f"events.rank{rank}.jsonl")[1] == 0
 
         # the history was readable up to its last good batch while full, and is complete now
-        from ddpmon.forensics.history_read import read_history
+        from ddpmon.recorder.history_read import read_history
 
         for rank in range(demo.nproc):
             assert during[rank] and max(during[rank]) < FREE_AT
@@ -144,7 +144,7 @@ def test_a_full_disk_mid_run_costs_the_files_nothing_but_the_gap(tmp_path):
 
 def read_history_now(demo: DemoRun, rank: int) -> list[int]:
     """The steps the rank's history holds right now (the disk still full)."""
-    from ddpmon.forensics.history_read import read_history
+    from ddpmon.recorder.history_read import read_history
 
     try:
         return list(read_history(demo.run_path / f"history.rank{rank}.arrow").columns["step"])

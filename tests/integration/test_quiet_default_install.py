@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ddpmon.forensics.history_read import read_history
+from ddpmon.recorder.history_read import read_history
 from tests.support.default_install import default_install_env, extras_only_modules
 from tests.support.ports import free_port_pair
 

@@ -23,12 +23,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddpmon.commands._top_stragglers import straggler_scores
-from ddpmon.damage import ReadWarnings
 from ddpmon.export.scrape import flatten
-from ddpmon.forensics.history_read import iter_histories
 from ddpmon.forensics.report import build_report
 from ddpmon.forensics.timeline import build_timeline
-from ddpmon.rundir import RunDir
+from ddpmon.recorder.history_read import iter_histories
+from ddpmon.rundir.damage import ReadWarnings
+from ddpmon.rundir.layout import RunDir
 from tests.support.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(600)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpmon.forensics.history_read import read_history
 from ddpmon.forensics.timeline import build_timeline
+from ddpmon.recorder.history_read import read_history
 from tests.support.ranks import RankOutput, run_launcher
 
 HERE = Path(__file__).parent / "pytorch_examples"

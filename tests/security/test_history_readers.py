@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("pyarrow")
 
 from ddpmon.cli import main  # noqa: E402
-from ddpmon.damage import ReadWarnings  # noqa: E402
-from ddpmon.forensics import arrow_frames, history_read  # noqa: E402
-from ddpmon.forensics.arrow_frames import MAX_HISTORY_BYTES, marker_run  # noqa: E402
+from ddpmon.recorder import arrow_frames, history_read  # noqa: E402
+from ddpmon.recorder.arrow_frames import MAX_HISTORY_BYTES, marker_run  # noqa: E402
+from ddpmon.rundir.damage import ReadWarnings  # noqa: E402
 from tests.support.histories import history_bytes, history_run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ def test_lengths_a_file_claims_are_checked_before_reading(tmp_path, claim):
 
 def _body_length_offset(stream: bytearray) -> int:
     """Where the bodyLength of the stream's second message (its record batch) lies."""
-    from ddpmon.forensics.arrow_frames import _field, _u32
+    from ddpmon.recorder.arrow_frames import _field, _u32
 
     schema_len = int.from_bytes(stream[4:8], "little")
     at = 8 + schema_len  # the record batch message: continuation, length, flatbuffer

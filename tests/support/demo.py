@@ -146,7 +146,7 @@ class DemoRun:
 
     def progress_step(self, rank: int) -> int | None:
         """The last step ``rank`` completed, from its progress file (None before the first)."""
-        from ddpmon.forensics.eventlog import progress_path, read_progress
+        from ddpmon.recorder.eventlog import progress_path, read_progress
 
         found = read_progress(progress_path(self.run_path, rank))
         return None if found is None else found["step"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ddpmon.forensics.history import _ipc_options, batch_of, row_of, schema_for
-from ddpmon.state import StepRecord
+from ddpmon.metrics.state import StepRecord
+from ddpmon.recorder.history import _ipc_options, batch_of, row_of, schema_for
 
 GROUPS = ("embed", "encoder", "head")
 

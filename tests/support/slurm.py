@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ddpmon.slurm import ENDED
+from ddpmon.job.slurm import ENDED
 from tests.support.netns import Cluster, NetnsUnavailable, check_available, create
 from tests.support.ports import free_port
 

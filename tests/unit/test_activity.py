@@ -12,8 +12,8 @@ from ddpmon import metrics as m
 from ddpmon.agent.activity import Activity, op_name, read_collectives
 from ddpmon.agent.step_phase import MAX_LOOP_PHASES, StepPhase
 from ddpmon.agent.user_frame import innermost_user_frame
-from ddpmon.forensics.live_step import CHECKPOINT, DATA, FORWARD, NO_LIVE
-from ddpmon.hang_naming import RankActivity, name_hang, parse_activity
+from ddpmon.daemon.hang_naming import RankActivity, name_hang, parse_activity
+from ddpmon.recorder.live_step import CHECKPOINT, DATA, FORWARD, NO_LIVE
 
 
 def entry(seq, state="scheduled", group="0", op="gloo:all_reduce", at=100.0):
@@ -294,7 +294,7 @@ def test_a_stall_whose_activity_fails_is_still_an_event_and_counted(tmp_path):
     from torch import nn
 
     import ddpmon
-    from ddpmon.rundir import RunDir
+    from ddpmon.rundir.layout import RunDir
 
     model = nn.Linear(2, 1)
     mon = ddpmon.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), port=0,

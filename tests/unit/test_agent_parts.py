@@ -15,7 +15,7 @@ import ddpmon
 from ddpmon.agent.guard import Guard
 from ddpmon.agent.pipeline import StepPipeline
 from ddpmon.agent.policy import NonFiniteGradientError, NonFinitePolicy
-from ddpmon.agent.stepvector import STEP_SLOTS, Slot, StepVectorLayout
+from ddpmon.agent.step_vector import STEP_SLOTS, Slot, StepVectorLayout
 from ddpmon.probes.grads import NormVector, ParamIndex
 from ddpmon.strategies.base import GradientSource, GradSummaries, StepExtension
 

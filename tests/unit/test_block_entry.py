@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpmon.state import StepRecord
+from ddpmon.metrics.state import StepRecord
 from ddpmon.strategies.block_entry import BlockEntry, tensor_parallel, top_level_blocks
 
 

@@ -12,11 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddpmon import metrics
 from ddpmon.agent.activity import Activity
 from ddpmon.export.collector import DdpmonCollector, Exposition, LiveSources
-from ddpmon.identity import RankIdentity
+from ddpmon.job.identity import RankIdentity
+from ddpmon.metrics.state import FirstNonfinite, MetricState, StepRecord
 from ddpmon.sources.allocator import AllocatorSource
 from ddpmon.sources.host import ProcessSource
 from ddpmon.sources.nvml import NvmlSource
-from ddpmon.state import FirstNonfinite, MetricState, StepRecord
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "exposition.txt"
 
@@ -241,7 +241,7 @@ def test_series_budget_holds_for_every_strategy_op_set(ops, replicas):
     exports them: every core probe's error counter at zero, the default group cap, the replica
     check's counter where the strategy has replicas."""
     from ddpmon.config import Config
-    from ddpmon.state import CORE_PROBES
+    from ddpmon.metrics.state import CORE_PROBES
 
     state = make_state(groups=Config().max_groups, opt_in=False, replicas=replicas)
     state.agent_errors = dict.fromkeys(CORE_PROBES, 0)
@@ -347,7 +347,7 @@ def test_docs_state_the_default_series_per_rank():
     """docs/deployment.md's per-rank counts and 16k totals are this collector's, with the
     default group cap and every core probe counted (an agent exports all of them at zero)."""
     from ddpmon.config import Config
-    from ddpmon.state import CORE_PROBES
+    from ddpmon.metrics.state import CORE_PROBES
 
     def count(profile: str, rank: int) -> int:
         state = make_state(groups=Config().max_groups, opt_in=False)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddpmon.metrics.state import MetricState, StepRecord
 from ddpmon.probes.comm import OPS, CollectiveRecorder, tensor_bytes
-from ddpmon.state import MetricState, StepRecord
 from tests.support.ports import free_ports
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from ddpmon.agent.guard import Guard
 from ddpmon.agent.records import StepMeta, build_record
+from ddpmon.metrics.state import StepRecord
 from ddpmon.probes.grads import NormVector
-from ddpmon.state import StepRecord
 from ddpmon.strategies.base import GradSummaries
 from ddpmon.strategies.pp_probes import NO_EVENT, PPStep
 

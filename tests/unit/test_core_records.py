@@ -11,8 +11,8 @@ import torch
 from ddpmon.agent.guard import Guard
 from ddpmon.agent.policy import OriginTracker
 from ddpmon.agent.records import StepMeta, build_record
+from ddpmon.metrics.state import StepRecord
 from ddpmon.probes.grads import NormVector, ParamIndex
-from ddpmon.state import StepRecord
 from ddpmon.strategies.base import GradSummaries
 
 
@@ -171,10 +171,10 @@ def test_reset_starts_a_new_attempt_clean():
 
 
 def test_every_step_slot_is_named_by_one_constant():
-    """The slots' names live in ddpmon.step_slots: STEP_SLOTS declares exactly those, and the
-    records and the pipeline source read them through the constants."""
-    from ddpmon import step_slots
-    from ddpmon.agent.stepvector import STEP_SLOTS
+    """The slots' names live in ddpmon.metrics.step_slots: STEP_SLOTS declares exactly those, and
+    the records and the pipeline source read them through the constants."""
+    from ddpmon.agent.step_vector import STEP_SLOTS
+    from ddpmon.metrics import step_slots
 
     constants = [v for k, v in vars(step_slots).items() if k.isupper()]
     assert sorted(s.name for s in STEP_SLOTS) == sorted(constants)

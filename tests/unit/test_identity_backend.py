@@ -14,7 +14,7 @@ SCRIPT = """
 import sys
 import torch
 import torch.distributed as dist
-from ddpmon.identity import detect_identity
+from ddpmon.job.identity import detect_identity
 how = sys.argv[1]
 if how == "mesh":
     from torch.distributed.device_mesh import init_device_mesh

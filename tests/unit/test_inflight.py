@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import ddpmon
-from ddpmon.rundir import RunDir
+from ddpmon.rundir.layout import RunDir
 
 
 def events(run_path) -> list[dict]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ddpmon import step_slots as slot
 from ddpmon.agent.observed import plain
 from ddpmon.agent.readback import Readback
-from ddpmon.agent.stepvector import StepVectorLayout
+from ddpmon.agent.step_vector import StepVectorLayout
+from ddpmon.metrics import step_slots as slot
 
 
 @pytest.mark.parametrize("placement", [Replicate(), Partial(), Shard(0)], ids=str)

@@ -10,14 +10,13 @@ import torch
 from torch import nn
 
 import ddpmon
-from ddpmon import step_metrics
 from ddpmon.agent.guard import Guard
 from ddpmon.agent.pipeline import StepPipeline
 from ddpmon.agent.policy import NonFinitePolicy
 from ddpmon.config import ConfigError
-from ddpmon.metrics import Layer, Metric, MetricType
+from ddpmon.metrics import Layer, Metric, MetricType, step_metrics
+from ddpmon.metrics.step_metrics import StepMetric
 from ddpmon.probes.grads import NormVector, ParamIndex
-from ddpmon.step_metrics import StepMetric
 from ddpmon.strategies.base import GradientSource, GradSummaries
 from tests.support.ports import free_port
 from tests.support.scrape import scrape

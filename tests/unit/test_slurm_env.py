@@ -1,7 +1,7 @@
-"""``ddpmon.slurm``: what the agent takes from Slurm's environment, and what it refuses. A real
+"""``ddpmon.job.slurm``: what the agent takes from Slurm's environment, and what it refuses. A real
 Slurm runs these through ``tests/slurm/``; here the variables themselves, hostile ones too."""
 
-from ddpmon import slurm
+from ddpmon.job import slurm
 
 
 def test_outside_slurm_there_is_no_job():

@@ -12,7 +12,7 @@ import pytest
 
 import ddpmon
 from ddpmon.agent.spikes import SAMPLE_STEPS_KEPT, SpikeDetector, SpikeSettings
-from ddpmon.state import StepRecord
+from ddpmon.metrics.state import StepRecord
 from tests.support.spikes import model_and_optimizer, train
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ddpmon
-from ddpmon.forensics.history_read import read_history
+from ddpmon.recorder.history_read import read_history
 from tests.support.ports import free_port
 from tests.support.scrape import scrape
 from tests.support.updates import Reference, TinyTransformer, batch, loss_of, relative_errors

@@ -9,7 +9,7 @@ from torch import nn
 
 import ddpmon
 from ddpmon.agent.sinks import Sink
-from ddpmon.state import StepRecord
+from ddpmon.metrics.state import StepRecord
 from tests.support.ports import free_port
 from tests.support.scrape import scrape
 

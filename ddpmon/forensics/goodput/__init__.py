@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...rundir import RunDir
+from ...rundir.layout import RunDir
 from .account import Goodput, account
 from .buckets import BUCKETS, NAMES
 from .rows import rows_by_rank

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...damage import ReadWarnings
-from ...rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
-from ...rundir import history_journal_of as journal_path
-from ..history_read import pa_errors, scan_streams
+from ...recorder.history_read import pa_errors, scan_streams
+from ...rundir.damage import ReadWarnings
+from ...rundir.layout import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
+from ...rundir.layout import history_journal_of as journal_path
 
 MAX_ROWS_PER_RANK = 2_000_000
 """Rows a reader takes per rank (the history's own byte caps bound them first)."""

@@ -8,7 +8,7 @@ and the highest sequence number they wait in, is the hung collective; a rank who
 sequence number on that group is below it never entered it: the others wait for it. One alert
 per such rank (a cause on one rank), with its phase and innermost user frame as labels; none
 while it is in a quiet phase (a checkpoint, before its first step, a ``mon.phase()``). The
-same rule, in Python, is ``ddpmon.hang_naming`` (``ddpmon top``).
+same rule, in Python, is ``ddpmon.daemon.hang_naming`` (``ddpmon top``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .probes.grads import per_param_norms
+from ..probes.grads import per_param_norms
 
 MonitorLookup = Callable[[Sequence[torch.Tensor]], Any]
 """The live monitor whose model owns the given parameters, or None."""

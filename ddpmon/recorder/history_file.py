@@ -3,7 +3,7 @@
 Why not ``pyarrow.ipc.new_stream(open(path))``: when the disk fills, the stream writer has
 already handed part of a batch to the file, and every batch after it lands behind a torn
 message that readers must stop at. Here the writer encodes into memory; the bytes of each batch
-go to the file with :func:`ddpmon.atomic.append_whole`, which cuts a short write back to the
+go to the file with :func:`ddpmon.rundir.atomic.append_whole`, which cuts a short write back to the
 last whole message. A failed batch therefore leaves the file exactly as it was (readable up to
 its last good batch) and can simply be written again once there is space.
 """
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..atomic import append_whole
+from ..rundir.atomic import append_whole
 
 
 class _Memory:

@@ -26,8 +26,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import metrics as m
-from .terminal import clean_line
+from .. import metrics as m
+from ..terminal import clean_line
 
 
 @dataclass(slots=True)

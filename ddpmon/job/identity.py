@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ._version import __version__
+from .._version import __version__
 from .slurm import task_env
 
 

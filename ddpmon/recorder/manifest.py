@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json_atomic
-from ..damage import parse_json_object
-from ..rundir import RunDir
-from ..safe_read import MAX_DOCUMENT_BYTES, open_regular
+from ..rundir.atomic import write_json_atomic
+from ..rundir.damage import parse_json_object
+from ..rundir.layout import RunDir
+from ..rundir.safe_read import MAX_DOCUMENT_BYTES, open_regular
 from ..sources.nvml import NvmlSource
 from .rng import rng_fingerprints
 

@@ -24,7 +24,7 @@ are written when space returns; while writes fail, at most ``max_pending`` rows 
 beyond that are dropped and counted (``rows_lost``). Failures and the resume are reported to the
 agent's write health (one log line per rank, a ``write_gap`` event).
 
-Reading back: :mod:`ddpmon.forensics.history_read`.
+Reading back: :mod:`ddpmon.recorder.history_read`.
 
 Bounded: the first ``full_rows`` steps (default 100,000) are kept at every step; after that the
 stride doubles every ``segment_rows`` kept rows (every 2nd step, then every 4th...), so rows grow
@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-from ..atomic import write_bytes_atomic
-from ..rundir import RunDir, history_journal_of
-from ..state import StepRecord
-from ..writes import is_write_error
+from ..metrics.state import StepRecord
+from ..rundir.atomic import write_bytes_atomic
+from ..rundir.layout import RunDir, history_journal_of
+from ..rundir.writes import is_write_error
 from .history_file import StreamAppender
 from .history_read import read_streams
 from .history_schema import (  # noqa: F401  (re-exported: the history's public names)
@@ -194,7 +194,7 @@ class HistoryWriter:
     on_error: Any = None
     """``on_error(probe, exc)``: counts writer-thread failures in ddpmon_agent_errors_total."""
     health: Any = None
-    """The agent's :class:`ddpmon.writes.WriteHealth`: told of failed writes (a full
+    """The agent's :class:`ddpmon.rundir.writes.WriteHealth`: told of failed writes (a full
     disk) and of the next good one; None: such failures go to ``on_error`` too."""
     max_pending: int = 8192
     """Rows kept in memory while writes fail; later rows are dropped (bounded memory)."""

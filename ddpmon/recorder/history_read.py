@@ -1,4 +1,4 @@
-"""Reading ``history.rank<R>.arrow`` back (the writer is :mod:`ddpmon.forensics.history`).
+"""Reading ``history.rank<R>.arrow`` back (the writer is :mod:`ddpmon.recorder.history`).
 
 A file may hold several streams (one per attempt of a restarted run), end in a torn message (a
 writer killed mid-write) and have a journal beside it (rows not yet sealed): the reader takes
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..damage import ReadWarnings, type_name
-from ..rundir import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
-from ..rundir import history_journal_of as journal_path
-from ..safe_read import open_regular, parse_json
+from ..rundir.damage import ReadWarnings, type_name
+from ..rundir.layout import HISTORY_JOURNAL_RE, HISTORY_RE, RunDir
+from ..rundir.layout import history_journal_of as journal_path
+from ..rundir.safe_read import open_regular, parse_json
 from .arrow_frames import (
     MAX_HISTORY_BYTES,
     MAX_HISTORY_DECODED_BYTES,

@@ -11,11 +11,11 @@ rank's ``start`` event to get rank 0's clock), ``rank``, ``step`` (``null`` when
 step), ``kind`` and the caller's fields. Non-JSON values are stringified; NaN and +/-Inf become
 the strings ``"nan"``, ``"inf"``, ``"-inf"`` so every line is strict JSON.
 
-The kinds ddpmon writes and their fields are declared in :mod:`ddpmon.forensics.event_kinds`
+The kinds ddpmon writes and their fields are declared in :mod:`ddpmon.recorder.event_kinds`
 (the reference page ``docs/reference/events.md`` is generated from it). ``emit`` never
 raises into training. A write that fails (a full disk) is cut back to the last whole line, so the
 file stays readable, and the event is lost: with a ``health`` (the agent's
-:class:`ddpmon.writes.WriteHealth`) it is counted there and later events are tried again;
+:class:`ddpmon.rundir.writes.WriteHealth`) it is counted there and later events are tried again;
 without one the failure is logged once.
 """
 
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..atomic import append_whole, json_safe
-from ..rundir import RunDir
-from ..safe_read import BadLine, json_lines, load_json
+from ..rundir.atomic import append_whole, json_safe
+from ..rundir.layout import RunDir
+from ..rundir.safe_read import BadLine, json_lines, load_json
 from .event_kinds import EVENT_KINDS
 
 log = logging.getLogger("ddpmon.eventlog")
@@ -45,7 +45,7 @@ def events_path(run_path: Path | str, rank: int) -> Path:
 
 
 jsonable = json_safe
-"""The one JSON sanitiser (:func:`ddpmon.atomic.json_safe`), under its former name."""
+"""The one JSON sanitiser (:func:`ddpmon.rundir.atomic.json_safe`), under its former name."""
 
 
 class EventLog:

@@ -1,7 +1,7 @@
 """What each file of a run directory holds, who writes it and how: the table behind
 ``docs/reference/files.md``.
 
-The names themselves live in :mod:`ddpmon.rundir`; this table describes them. A test checks
+The names themselves live in :mod:`ddpmon.rundir.layout`; this table describes them. A test checks
 that every name and pattern ``rundir`` declares has exactly one entry here, so a new file
 cannot ship undocumented.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import rundir
+from . import layout as rundir
 
 __all__ = ["FILES", "RunDirFile"]
 
@@ -20,7 +20,7 @@ class RunDirFile:
     name: str
     """The name as users see it (``<R>`` is the global rank, ``<S>`` the step)."""
     source: str
-    """The ``ddpmon.rundir`` constant that names it (its regex or constant)."""
+    """The ``ddpmon.rundir.layout`` constant that names it (its regex or constant)."""
     written: str
     contents: str
     read_by: str
@@ -131,7 +131,7 @@ FILES: tuple[RunDirFile, ...] = (
 
 
 def declared_names() -> set[str]:
-    """Every public name or pattern ``ddpmon.rundir`` declares for a file."""
+    """Every public name or pattern ``ddpmon.rundir.layout`` declares for a file."""
     return {
         name for name, value in vars(rundir).items()
         if name.isupper() and not name.startswith("_")

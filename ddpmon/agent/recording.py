@@ -1,6 +1,6 @@
-"""The rank's forensic files: event log, progress, evidence, crash capture, stall watchdog and
-manifest. Each part is optional: an unwritable run dir turns them off with one error line, and
-metrics are still served."""
+"""The rank's recorder (``ddpmon/recorder/``): event log, progress, evidence, crash capture,
+stall watchdog and manifest, wired into a monitor. Each part is optional: an unwritable run dir
+turns them off with one error line, and metrics are still served."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..forensics.crash import CrashCapture
-from ..forensics.eventlog import EventLog, ProgressFile
-from ..forensics.evidence import EvidenceWriter
-from ..forensics.manifest import write_run_manifest
-from ..forensics.watchdog import StallWatchdog, request_flight_recorder_dump
-from ..identity import build_versions
+from ..job.identity import build_versions
+from ..recorder.crash import CrashCapture
+from ..recorder.eventlog import EventLog, ProgressFile
+from ..recorder.evidence import EvidenceWriter
+from ..recorder.manifest import write_run_manifest
+from ..recorder.watchdog import StallWatchdog, request_flight_recorder_dump
 from .context import RunContext
 from .guard import Guard
 from .inflight import InFlight

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import torch
 
-from ..slurm import from_environ
+from ..job.slurm import from_environ
 
 if TYPE_CHECKING:
     from .monitor import Monitor

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import step_slots as names
 from ..host_reads import host_read_free
-from ..step_slots import Slot
+from ..metrics import step_slots as names
+from ..metrics.step_slots import Slot
 
 __all__ = ["STEP_SLOTS", "Packed", "Slot", "StepVectorLayout"]
 

@@ -6,7 +6,7 @@ names). Writers ask :class:`RunDir` for a path; readers use the same class or th
 
 Layout (``<R>`` is the global rank)::
 
-    events.rank<R>.jsonl          append-only event log (forensics/eventlog.py)
+    events.rank<R>.jsonl          append-only event log (recorder/eventlog.py)
     progress.rank<R>.json         last completed step, overwritten in place
     summary.rank<R>.json          end-of-run summary, written at close
     manifest.json                 the run manifest, written once by rank 0

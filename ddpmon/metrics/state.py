@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import MetricType
+from .types import MetricType
 
 STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DATA_WAIT_SECONDS_BUCKETS = (
@@ -152,7 +152,7 @@ class StepRecord:
     origin_decided: bool = False
     """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
     step_values: dict[Any, float] = field(default_factory=dict)
-    """The per-step metrics' values (``ddpmon.step_metrics``), keyed by their ``Metric``."""
+    """The per-step metrics' values (``ddpmon.metrics.step_metrics``), keyed by their ``Metric``."""
     phase_seconds: tuple[float, ...] | None = None
     """Where the step's time went: data, forward, backward, optimizer, host, wait
     (``agent.step_split.PHASES``); None where the step had no start."""
@@ -236,7 +236,7 @@ class MetricState:
     checkpoint_duration: dict[str, Histogram] = field(default_factory=dict)
     """``save``/``load`` -> histogram, created at the first observation of that kind."""
     step_values: dict[Any, float] = field(default_factory=dict)
-    """The per-step metrics (``ddpmon.step_metrics``) by ``Metric``: a gauge's last value, a
+    """The per-step metrics (``ddpmon.metrics.step_metrics``) by ``Metric``: a gauge's last value, a
     counter's sum."""
     replica_mismatch_total: int | None = None
     """Replica checks at which this rank differed from its replicas' majority; None where the

@@ -25,9 +25,9 @@ from typing import Any
 import torch.distributed as dist
 
 from .._torch_compat import flight_recorder_dumps
-from ..atomic import write_bytes_atomic
-from ..rundir import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, RunDir
-from ..safe_read import load_json
+from ..rundir.atomic import write_bytes_atomic
+from ..rundir.layout import FLIGHT_RECORDER_DIR, FLIGHT_RECORDER_PREFIX, RunDir
+from ..rundir.safe_read import load_json
 
 log = logging.getLogger("ddpmon.watchdog")
 

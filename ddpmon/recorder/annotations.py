@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json_atomic
-from ..damage import ReadWarnings, read_json
-from ..rundir import ANNOTATIONS  # noqa: E402
-from ..safe_read import load_json
+from ..rundir.atomic import write_json_atomic
+from ..rundir.damage import ReadWarnings, read_json
+from ..rundir.layout import ANNOTATIONS  # noqa: E402
+from ..rundir.safe_read import load_json
 
 KNOWN = ("global_batch", "micro_batch", "accumulation", "seed")
 """Fields ``ddpmon compare`` reads; any other JSON-able field is kept as well."""

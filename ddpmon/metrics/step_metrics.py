@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from . import metrics
-from .host_reads import host_read_free
-from .metrics import Metric, MetricType
+from .. import metrics
+from ..host_reads import host_read_free
+from . import Metric, MetricType
 from .step_slots import Slot
 
 __all__ = ["AVAILABLE", "StepInputs", "StepMetric", "chosen", "evaluate", "learning_rate"]

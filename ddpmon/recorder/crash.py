@@ -44,8 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_text_atomic
-from ..rundir import RunDir
+from ..rundir.atomic import write_text_atomic
+from ..rundir.layout import RunDir
 from .live_step import LINE_LEN, LiveStep
 
 log = logging.getLogger("ddpmon.crash")

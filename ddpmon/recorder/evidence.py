@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..atomic import dumps, publish_dir, synced_open, write_file_synced
-from ..rundir import (
+from ..rundir.atomic import dumps, publish_dir, synced_open, write_file_synced
+from ..rundir.layout import (
     BUNDLE_TMP_RE,
     RunDir,
     bundle_name,
@@ -49,7 +49,7 @@ from ..rundir import (
     parse_bundle_name,
     safe_kind,
 )
-from ..safe_read import load_json
+from ..rundir.safe_read import load_json
 from .rng import rng_fingerprints, rng_states
 
 log = logging.getLogger("ddpmon.evidence")
