@@ -16,9 +16,9 @@ import torch
 
 from ..config import Config, ConfigError
 from ..strategies.accelerate import deepspeed_engine, parts_from_accelerator, unwrap_optimizer
-from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
+from ..strategies.deepspeed.source import BARE_MODULE_WARNING, attach_error, is_engine
 from ..strategies.detect import detect_strategy
-from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
+from ..strategies.pipeline.setup import PipelineSetup, PipelineSetupError
 from ..strategies.wrappers import unwrap
 from .checkpoints import NullTimer
 from .monitor import Monitor

@@ -30,7 +30,7 @@ class StepHooks:
         engine_steps: bool = False,
     ) -> None:
         """``engine_steps``: the model is an engine that decides its own optimizer steps
-        (DeepSpeed, ``strategies.deepspeed_steps.EngineSteps``); only the forward pre-hook is
+        (DeepSpeed, ``strategies.deepspeed.steps.EngineSteps``); only the forward pre-hook is
         used."""
         self.pipeline = pipeline
         self.amp = amp

@@ -24,7 +24,7 @@ from ..state import MetricState, possible_skippers
 from ..step_metrics import chosen
 from ..strategies.base import SourceEnv
 from ..strategies.detect import detect_strategy, make_source
-from ..strategies.pipeline_parallel import PipelineSource
+from ..strategies.pipeline.source import PipelineSource
 from ..strategies.replicas import ReplicaCheck
 from . import registry
 from .activity import LoopPhases
@@ -414,7 +414,7 @@ class Monitor(LoopPhases, FiguresApi):
             self.floor.after_step(self.pipeline.step - 1, scale)  # may raise, deliberately
 
     def _on_engine_step(self, facts: Any) -> None:
-        """DeepSpeed ended an optimizer step (``strategies.deepspeed_steps.StepFacts``)."""
+        """DeepSpeed ended an optimizer step (``strategies.deepspeed.steps.StepFacts``)."""
         if self._closed:
             return
         if facts.engine_step and self.pipeline.step == 0:

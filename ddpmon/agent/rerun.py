@@ -196,6 +196,11 @@ class StepRerun:
             log.warning(message)
 
     # ------------------------------------------------------------------ per step
+    @staticmethod
+    def reading(reduced_finite: bool, local_finite: bool) -> StepReading:
+        """A reading made by a strategy's own rerun (no global norm: NaN)."""
+        return StepReading(reduced_finite, local_finite, math.nan)
+
     def read(self, s: GradSummaries) -> StepReading | None:
         """The one host read (None: nothing to decide on, e.g. no reduced norms)."""
         if s.reduced is None or s.deferred is not None:

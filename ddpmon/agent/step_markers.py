@@ -16,9 +16,9 @@ import torch
 from ..probes.amp import ScalerProbe
 from ..strategies.base import GradientSource
 from ..strategies.block_entry import BlockEntry, tensor_parallel
-from ..strategies.deepspeed_steps import EngineSteps
-from ..strategies.pp_probes import ScheduleStep
-from .engine_rerun import EngineRerun
+from ..strategies.deepspeed.rerun import EngineRerun
+from ..strategies.deepspeed.steps import EngineSteps
+from ..strategies.pipeline.probes import ScheduleStep
 from .hooks import StepHooks
 from .pipeline import StepPipeline
 

@@ -4,7 +4,7 @@
 that FSDP2/DTensor code is only loaded where it is used). A model ddpmon cannot analyse
 (FSDP1; a pipelining module attached without ``schedule=``) gets one warning and local numbers
 only. Pipeline parallel proper goes through ``attach(model_parts, opt, schedule=)``
-(``pipeline_parallel``).
+(``pipeline``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import torch
 
 from .base import GradientSource, SourceEnv
-from .deepspeed import is_engine
+from .deepspeed.source import is_engine
 from .table import STRATEGIES
 
 log = logging.getLogger("ddpmon")
@@ -47,7 +47,7 @@ def detect_strategy(model: torch.nn.Module) -> str:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return "ddp"
     try:  # the sharded strategies live in their own module (it knows their details)
-        from .fsdp import detect_sharded  # guarded: torch builds without FSDP2
+        from .fsdp.source import detect_sharded  # guarded: torch builds without FSDP2
     except ImportError:
         detect_sharded = None
     if detect_sharded is not None:

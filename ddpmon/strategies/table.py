@@ -25,7 +25,7 @@ class Strategy:
     train different things) is not."""
 
 
-_FSDP = "ddpmon.strategies.fsdp:FSDPSource"
+_FSDP = "ddpmon.strategies.fsdp.source:FSDPSource"
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("plain", "ddpmon.strategies.plain:PlainSource", reduced_identical=False),
     Strategy("ddp", "ddpmon.strategies.ddp:DDPSource"),
@@ -34,7 +34,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("tp", "ddpmon.strategies.tensor_parallel:TensorParallelSource", sharded=True),
     Strategy("fsdp2+tp", _FSDP, sharded=True),
     Strategy("hsdp+tp", _FSDP, sharded=True),
-    Strategy("deepspeed", "ddpmon.strategies.deepspeed:DeepSpeedSource"),
+    Strategy("deepspeed", "ddpmon.strategies.deepspeed.source:DeepSpeedSource"),
 )}
 """By detected name. A DeepSpeed source renames itself ``deepspeed-zero<N>`` once it knows the
 stage; pipeline parallel (``pp``, ``pp+<inner>``) is built by ``attach(..., schedule=)``, not

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import batch_p2p, set_batch_p2p
-from ..step_slots import Slot
-from .base import StepExtension
-from .pp_setup import (
+from ..._torch_compat import batch_p2p, set_batch_p2p
+from ...step_slots import Slot
+from ..base import StepExtension
+from .setup import (
     PipelineSetup,
     StageInfo,
 )

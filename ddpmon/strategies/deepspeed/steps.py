@@ -2,7 +2,7 @@
 moves ``engine.global_steps`` is one optimizer step, skipped when ``engine.skipped_steps``
 moved too. Host counters only: no device read. At a boundary call the source measures the
 reduced gradients first; ``before_step``/``after_step`` let the rerun policy decide around
-DeepSpeed's own step (``agent.engine_rerun``)."""
+DeepSpeed's own step (``.rerun``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
-from .deepspeed import DeepSpeedSource, attached_engines
+from ...errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
+from .source import DeepSpeedSource, attached_engines
 
 __all__ = ["EngineSteps", "StepFacts"]
 
@@ -46,7 +46,7 @@ class EngineSteps:
         DeepSpeed skipped it."""
         self.before_step: Callable[[], None] | None = None
         """Called at a boundary ``engine.step`` once the reduced norms are measured, before
-        DeepSpeed steps (``on_nonfinite='rerun'``: ``agent.engine_rerun``); its
+        DeepSpeed steps (``on_nonfinite='rerun'``: ``.rerun``); its
         ``NonFiniteGradientError`` reaches the loop, anything else is counted."""
         self.engine = engine
         self.source = source

@@ -5,7 +5,7 @@ objects; DeepSpeed's private names used (version-fragile, each failure is counte
 are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``averaged_gradients``
 (ZeRO-3) and ``loss_scaler``/``cur_scale`` (fp16). See ``docs/parallelism.md`` (DeepSpeed ZeRO).
 
-- **Step** (``EngineSteps``, :mod:`.deepspeed_steps`): ``engine.step`` is wrapped on the
+- **Step** (``EngineSteps``, :mod:`.steps`): ``engine.step`` is wrapped on the
   instance; a call that moves ``engine.global_steps`` is one optimizer step, skipped when
   ``engine.skipped_steps`` moved too. Host counters only: no device read.
 - **Global norm** (``DeepSpeedSource.measure_reduced``): at the entry of the ``engine.step`` that
@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
-from ..host_reads import host_read_free
-from ..probes.grads import per_param_norms
-from . import data_check
-from .base import GradientSource, GradSummaries, NormVector
-from .deepspeed_comm import CommTimer
-from .reduction import FlaggedSum, Issued
-from .replicas import ReplicaScope
+from ...host_reads import host_read_free
+from ...probes.grads import per_param_norms
+from .. import data_check
+from ..base import GradientSource, GradSummaries, NormVector
+from ..reduction import FlaggedSum, Issued
+from ..replicas import ReplicaScope
+from .comm import CommTimer
 
 log = logging.getLogger("ddpmon")
 
@@ -380,7 +380,7 @@ class DeepSpeedSource(GradientSource):
                     positions.append(pos)
         return tensors, positions
 
-    # ------------------------------------------------------------------ for agent.engine_rerun
+    # ------------------------------------------------------------------ for the rerun (.rerun)
     def reduced_now(self) -> NormVector | None:
         """The step's reduced norms now (the all-reduce waited), kept for ``collect``."""
         if self._ready is None:
