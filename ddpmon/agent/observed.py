@@ -4,7 +4,7 @@ A DTensor is read as the value the user means, its full value, without a collect
 
 - every placement ``Replicate`` (torchtitan's loss under loss-parallel TP, ``full_dtensor``):
   the local tensor is the full value (``to_local()``, a view, no copy, no communication);
-- ``Partial`` or ``Shard`` only on mesh dimensions of size 1 (a one-rank FSDP mesh beside TP):
+- ``Partial`` or ``Shard`` only on mesh dimensions of size 1 (a one-rank sharding mesh beside TP):
   the local tensor is the full value too;
 - ``Partial`` or ``Shard`` over more than one rank: the full value is a sum over the other ranks.
   ddpmon does not reduce it: that is a collective on the training thread every step, and no

@@ -90,8 +90,9 @@ class Outcome:
     skip: bool
     raises: bool
     action: str | None = None
-    """What happened to the step where the engine decided it (DeepSpeed: ``replace``, the
-    rerun's gradients went on, or ``skip``); None: from ``skip`` and ``raises``."""
+    """What happened to the step where the engine decided it (an engine's own rerun:
+    ``replace``, the rerun's gradients went on, or ``skip``); None: from ``skip`` and
+    ``raises``."""
 
 
 @dataclass(slots=True)
@@ -354,7 +355,7 @@ def wrap_closure(
 
 def run_step(pipeline: Any, closure: Callable[[], Any]) -> Any:
     """``mon.run_step(closure)``: run the step's forward and backward now and keep them in
-    hand, so that the ``optimizer.step()`` (or DeepSpeed's ``engine.step()``) that follows can
+    hand, so that the ``optimizer.step()`` (or an engine's ``engine.step()``) that follows can
     rerun them. The closure's own exceptions are the loop's."""
     rerun: StepRerun = pipeline.rerun
     rng, replayable = None, not pipeline.backward_pending

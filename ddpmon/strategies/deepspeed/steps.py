@@ -2,18 +2,22 @@
 moves ``engine.global_steps`` is one optimizer step, skipped when ``engine.skipped_steps``
 moved too. Host counters only: no device read. At a boundary call the source measures the
 reduced gradients first; ``before_step``/``after_step`` let the rerun policy decide around
-DeepSpeed's own step (``.rerun``)."""
+DeepSpeed's own step (``.rerun``). ``source``: the engine's ``DeepSpeedSource`` (it imports this
+module, so it is not named here)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ...errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
-from .source import DeepSpeedSource, attached_engines
 
-__all__ = ["EngineSteps", "StepFacts"]
+__all__ = ["EngineSteps", "StepFacts", "attached_engines"]
+
+attached_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Engines a live monitor is attached to (a second attach is refused)."""
 
 
 @dataclass(slots=True)
@@ -36,7 +40,7 @@ class EngineSteps:
     def __init__(
         self,
         engine: Any,
-        source: DeepSpeedSource,
+        source: Any,
         on_step: Callable[[StepFacts], None],
         on_error: Callable[[str, BaseException], None],
         on_min_scale: Callable[[BaseException, float | None], None] | None = None,

@@ -43,8 +43,8 @@ from ...probes.grads import per_param_norms
 from .. import data_check
 from ..base import GradSummaries, NormVector, SourceEnv
 from ..dtensor_norms import ShardedNorms
-from ..kinds import detect_sharded, fsdp_modules
 from ..local_sampling import LocalNormSampler
+from ..registry import detect_sharded, fsdp_modules
 from ..replicas import ReplicaScope, tp_replica_scope
 from ..sharded_source import ShardedSource
 from .comms import (

@@ -41,6 +41,7 @@ class PPStep(StepExtension):
 
     replaces_global_norm = True
     """A stage's reduced norms cover its own stages; the global norm is summed over all."""
+    elsewhere = "another pipeline stage"
 
     source: Any
     norm: torch.Tensor
@@ -370,6 +371,9 @@ class ScheduleStep:
         step.__wrapped__ = original  # type: ignore[attr-defined]
         schedule.step = step
         self._step = step
+
+    def close(self) -> None:
+        self.uninstall()
 
     def uninstall(self) -> None:
         self.closed = True

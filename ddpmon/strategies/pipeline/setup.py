@@ -13,7 +13,7 @@ import torch
 
 from ..._torch_compat import schedule_microbatches, schedule_stages
 from ...probes.grads import unwrap_model
-from ..kinds import detect_sharded
+from ..registry import detect_sharded
 
 log = logging.getLogger("ddpmon")
 

@@ -45,11 +45,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ...host_reads import host_read_free
 from ...probes.grads import NormVector, full_pass
 from .. import data_check
-from ..base import GradientSource, GradSummaries, SourceEnv
+from ..base import GradientSource, GradSummaries, SourceEnv, StepHost
 from ..ddp import CommProbe
-from ..detect import SOURCES, make_source
 from ..dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
 from ..reduction import FlaggedSum, failed_vector
+from ..registry import SOURCES, make_source
 from ..replicas import ReplicaScope
 from ..sharded_source import ShardedSource
 from .origin import StageOrigin
@@ -58,6 +58,7 @@ from .probes import (
     PP_NORM,
     P2PTiming,
     PPStep,
+    ScheduleStep,
     StageProbes,
 )
 from .setup import PipelineSetup
@@ -116,6 +117,12 @@ class PipelineSource(GradientSource):
         """The inner source's reduction also sums over the pp group (no pp all-reduce here)."""
 
     # ------------------------------------------------------------------ install / close
+    def markers(self, host: StepHost) -> list[Any]:
+        """A step is one ``schedule.step()``: its forward and backward."""
+        step = ScheduleStep(self.setup, host.steps, host.on_error)
+        step.install()
+        return [step]
+
     def install(self) -> None:
         kind = self.setup.inner
         if kind == "ddp":
