@@ -9,15 +9,17 @@ model ddpmon cannot analyse (FSDP1; a pipelining module attached without ``sched
 one warning and local numbers only. Pipeline parallel proper goes through
 ``attach(model_parts, opt, schedule=)`` (``attach_args``, ``pipeline``), not detection.
 
-To add a strategy: a row in ``STRATEGIES`` (or ``register``) and its source class; detection
-(``detect_strategy``, ``detect_sharded``) must return the row's name, or the caller passes the
-name to ``make_source`` itself.
+To add a strategy: its source class (a ``base.GradientSource``: how it measures, what marks its
+steps, what it adds to the manifest) and its row: in ``STRATEGIES`` with detection here for one
+ddpmon ships, or ``register(Strategy(name, SourceClass, claims=...))`` for one it does not
+(``tests/unit/test_recipe_strategy.py``).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +39,18 @@ log = logging.getLogger("ddpmon")
 @dataclass(frozen=True, slots=True)
 class Strategy:
     name: str
-    source: str
+    source: str | type[GradientSource]
     """``module:Class`` of its gradient source, imported lazily (FSDP2/DTensor code is only
-    loaded where it is used)."""
+    loaded where it is used), or the class itself (a strategy ddpmon does not ship)."""
     sharded: bool = False
     """Parameters are DTensors (FSDP2, HSDP, TP and their mixes)."""
     reduced_identical: bool = True
     """Every rank computes the same reduced global and group norms (the whole model's): under
     ``series_profile="large"`` rank 0's copy stands for all. ``plain`` (no wrapper: ranks may
     train different things) is not."""
+    claims: Callable[[torch.nn.Module], bool] | None = None
+    """A registered strategy's test: True when the attached model is one of its (asked before
+    ddpmon's own detection, in registration order)."""
 
 
 _FSDP = "ddpmon.strategies.fsdp.source:FSDPSource"
@@ -67,15 +72,26 @@ SHARDED = tuple(name for name, s in STRATEGIES.items() if s.sharded)
 SHARDED_KINDS = SHARDED
 """The sharded rows (what ``detect_sharded`` may return, besides ``unsupported:fsdp1``)."""
 
-SOURCES: dict[str, str] = {name: s.source for name, s in STRATEGIES.items()}
-"""Strategy name -> its source's ``module:Class``."""
+SOURCES: dict[str, str | type[GradientSource]] = {n: s.source for n, s in STRATEGIES.items()}
+"""Strategy name -> its source's ``module:Class`` (or class)."""
 
 
-def register(strategy: Strategy) -> None:
-    """Add (or replace) a strategy's row: ``make_source(strategy.name, env)`` then builds its
-    source, and the exporter reads its facts. For a strategy ddpmon does not ship."""
+def register(strategy: Strategy) -> Strategy | None:
+    """Add (or replace) a strategy's row, for a strategy ddpmon does not ship: a model its
+    ``claims`` accepts is then measured by its source (``make_source``), and the exporter reads
+    its facts. Returns the row it replaced, if any (``unregister`` puts it back)."""
+    before = STRATEGIES.get(strategy.name)
     STRATEGIES[strategy.name] = strategy
     SOURCES[strategy.name] = strategy.source
+    return before
+
+
+def unregister(name: str, before: Strategy | None = None) -> None:
+    """Take a registered row out again (or put back the row ``register`` replaced)."""
+    STRATEGIES.pop(name, None)
+    SOURCES.pop(name, None)
+    if before is not None:
+        register(before)
 
 
 def reduced_norms_identical(strategy: str) -> bool:
@@ -98,7 +114,9 @@ def detect_strategy(model: torch.nn.Module) -> str:
     """plain | ddp | fsdp2 | hsdp | tp | fsdp2+tp | deepspeed | unsupported:<what>
     (``deepspeed``: a ``DeepSpeedEngine``; its source labels itself ``deepspeed-zero<stage>``)."""
     kind = type(model).__module__ + "." + type(model).__name__
-
+    for name, row in list(STRATEGIES.items()):  # registered strategies first
+        if row.claims is not None and row.claims(model):
+            return name
     if is_engine(model):
         if type(model).__name__ == "PipelineEngine":
             return "unsupported:deepspeed-pipeline"
@@ -163,6 +181,8 @@ def make_source(strategy: str, env: SourceEnv) -> GradientSource:
             strategy.split(":", 1)[-1],
         )
         target = SOURCES["plain"]
+    if not isinstance(target, str):
+        return target(env)  # a registered class
     module_name, _, cls_name = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), cls_name)
@@ -175,5 +195,5 @@ def make_source(strategy: str, env: SourceEnv) -> GradientSource:
 __all__ = [
     "PIPELINE_HINT", "SHARDED", "SHARDED_KINDS", "SOURCES", "STRATEGIES", "Strategy",
     "detect_sharded", "detect_strategy", "fsdp_modules", "make_source", "reduced_norms_identical",
-    "register",
+    "register", "unregister",
 ]
