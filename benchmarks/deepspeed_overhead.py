@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import ddpmon
-    from ddpmon.strategies import deepspeed as ds_source
+    from ddpmon.strategies.deepspeed import source as ds_source
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)

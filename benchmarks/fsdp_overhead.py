@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace) -> None:
     import ddpmon
     from ddpmon.probes.grads import ParamIndex
     from ddpmon.strategies.base import SourceEnv
-    from ddpmon.strategies.fsdp import FSDPSource
+    from ddpmon.strategies.fsdp.source import FSDPSource
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

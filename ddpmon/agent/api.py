@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..config import Config, ConfigError
-from ..strategies.accelerate import deepspeed_engine, parts_from_accelerator, unwrap_optimizer
-from ..strategies.deepspeed import BARE_MODULE_WARNING, attach_error, is_engine
-from ..strategies.detect import detect_strategy
-from ..strategies.pp_setup import PipelineSetup, PipelineSetupError
-from ..strategies.wrappers import unwrap
+from ..strategies.attach_args import Refused, resolve
 from .checkpoints import NullTimer
 from .monitor import Monitor
 from .sinks import Sink
@@ -44,15 +39,14 @@ def attach(
     A bad option never stops training: the error is logged precisely and a disabled monitor is
     returned (``mon.enabled`` is False, ``mon.error`` says why).
     ``comm_hook``/``comm_state``: your own DDP communication hook (e.g. PowerSGD); ddpmon wraps it.
-    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used. Under DeepSpeed,
-    the engine it prepared is monitored (``model`` may be the engine or the module inside it).
+    ``accelerator``: a Hugging Face ``Accelerator``; its GradScaler is used. Where it prepared
+    an engine, the engine is monitored (``model`` may be the engine or the module inside it).
     Lightning Fabric: ``attach(model, optimizer)`` with what ``fabric.setup`` returned; the
     strategy's module and the real optimizer inside Fabric's wrappers are measured.
-    A DeepSpeed engine: ``attach(engine)`` after ``deepspeed.initialize``; the engine's
-    optimizer, loss scaler and ZeRO stage are found from it (docs/parallelism.md, DeepSpeed).
-    ``schedule``: pipeline parallel; ``model`` is then this rank's stage module or the list of
-    them (``model_parts``), and a step is one ``schedule.step()`` (docs/parallelism.md,
-    Pipeline parallel).
+    An engine that carries its own optimizer: ``attach(engine)``; its optimizer, loss scaler and
+    stage are found from it (docs/parallelism.md).
+    ``schedule``: ``model`` is then this rank's stage module or the list of them
+    (``model_parts``), and a step is one ``schedule.step()`` (docs/parallelism.md).
     ``sinks``: your own ``Sink`` objects (``ddpmon.agent.sinks.Sink``: ``probe``,
     ``on_record(record)``, ``close()``); each step record goes to them after ddpmon's sinks.
     """
@@ -69,53 +63,16 @@ def attach(
         log.error("ddpmon disabled: %s", reason)
         return NullMonitor(reason)
     try:
-        pp = None
-        if schedule is not None:
-            try:
-                pp = PipelineSetup(model, schedule, scaler)
-            except PipelineSetupError as exc:
-                log.error("ddpmon disabled: %s", exc)
-                return NullMonitor(str(exc))
-            model = pp.container
-        if accelerator is not None:  # under DeepSpeed: the engine, not the module inside it
-
-            engine = deepspeed_engine(accelerator, model)
-            if engine is not None:
-                model, optimizer = engine, engine.optimizer
-        if pp is None:  # Fabric's wrappers, or DDP inside another wrapper (strategies/wrappers)
-
-            model, optimizer = unwrap(model, optimizer)
-        reason = _refused(model, optimizer)
-        if reason is not None:
-            log.error("ddpmon disabled: %s", reason)
-            return NullMonitor(reason)
-        if optimizer is None:
-            optimizer = model.optimizer  # a DeepSpeedEngine (checked by _refused)
-        if accelerator is not None:
-            optimizer = unwrap_optimizer(optimizer)
-            if scaler is None:
-                scaler = parts_from_accelerator(accelerator).get("scaler")
-        return Monitor.build(model, optimizer, scaler, config, comm_hook, comm_state, pp=pp,
-                             sinks=tuple(sinks))
+        try:
+            got = resolve(model, optimizer, scaler, accelerator=accelerator, schedule=schedule)
+        except Refused as exc:
+            log.error("ddpmon disabled: %s", exc)
+            return NullMonitor(str(exc))
+        return Monitor.build(got.model, got.optimizer, got.scaler, config, comm_hook, comm_state,
+                             plan=got.plan, sinks=tuple(sinks))
     except Exception as exc:  # never into training: an agent that cannot start stays off
         log.error("ddpmon disabled: could not attach (%s: %s)", type(exc).__name__, exc)
         return NullMonitor(f"could not attach: {type(exc).__name__}: {exc}")
-
-
-def _refused(model: Any, optimizer: Any) -> str | None:
-    """Why these arguments cannot be monitored (checked before anything is built), or None."""
-
-    if "deepspeed" in sys.modules or "deepspeed" in type(model).__module__:
-        reason = attach_error(model, optimizer)
-        if reason is not None or is_engine(model):
-            return reason
-        if optimizer is not None and detect_strategy(model) == "plain":
-            # maybe before deepspeed.initialize: say so
-            log.warning(BARE_MODULE_WARNING)
-    if optimizer is None:
-        return "attach(model, optimizer): the optimizer is required (only a DeepSpeedEngine " \
-            "carries its own)"
-    return None
 
 
 class NullMonitor:

@@ -2,7 +2,7 @@
 where ddpmon already measured the norms.
 
 - The monitor that owns the parameters knows the strategy: under DDP it reuses the comm hook's
-  reduced per-bucket norms (no pass at all); under FSDP2/HSDP/TP its source sums the shards'
+  reduced per-bucket norms (no pass at all); under a sharded strategy its source sums the shards'
   partial squares over the right mesh dimensions (one pass, one tiny all-reduce).
 - Without a monitor: replicated gradients (the local norm is the global one), or
   ``sharded=True`` (each rank owns a disjoint slice): the squared local norm is all-reduced

@@ -7,24 +7,25 @@ K-th such step acts once per episode (a scale above the floor ends the episode):
 - ``record``: one ``loss_scale_floor`` event, derived on the record thread from the step records
   (no host read on the hot path); training goes on.
 - ``raise``: decided on the training thread at the call that ended the K-th step
-  (``scaler.update()`` for a GradScaler, ``engine.step()`` for DeepSpeed). It reads the scale
-  after each step on the host (GradScaler: one ``.item()`` per step, the documented cost of this
-  mode; DeepSpeed keeps its scale as a host float already).
+  (``scaler.update()`` for a GradScaler, ``engine.step()`` for an engine that decides its own
+  steps). It reads the scale after each step on the host (GradScaler: one ``.item()`` per step,
+  the documented cost of this mode; an engine's scaler keeps its scale as a host float already).
 
 Why every rank decides alike without a per-step collective: the rule uses only the scale, which
 is the same on every rank by construction (a GradScaler under DDP updates from the all-reduced
-gradients, ShardedGradScaler all-reduces ``found_inf``, DeepSpeed MAX-all-reduces its overflow
-flag), so every rank reaches the K-th step at the same step. Only then do the ranks meet in one
-``all_gather_object`` to agree on one message: each rank contributes the steps at which its own
-local gradients were the origin of an overflow and the last checkpoint it saved. A rank whose
-own contribution fails still joins the collective (its entry then carries the error), and a
-failed collective raises with this rank's own facts: no rank is left waiting, and every rank
-raises the same ``LossScaleFloorError``.
+gradients, ShardedGradScaler all-reduces ``found_inf``, an engine's scaler all-reduces its
+overflow flag), so every rank reaches the K-th step at the same step. Only then do the ranks
+meet in one ``all_gather_object`` to agree on one message: each rank contributes the steps at
+which its own local gradients were the origin of an overflow and the last checkpoint it saved. A
+rank whose own contribution fails still joins the collective (its entry then carries the error),
+and a failed collective raises with this rank's own facts: no rank is left waiting, and every
+rank raises the same ``LossScaleFloorError``.
 
-DeepSpeed's own "loss scale already at minimum" ``Exception`` is the same condition reached by
-DeepSpeed's rule: ddpmon records it as a ``loss_scale_floor`` event (``source="deepspeed"``);
-under ``raise`` it is re-raised as ``LossScaleFloorError`` chained from DeepSpeed's exception,
-under ``record`` DeepSpeed's exception propagates unchanged.
+An engine's own "loss scale already at minimum" exception is the same condition reached by the
+engine's rule; its strategy hands it over as an ``EngineFloor`` (``strategies.base``), which
+names the event's ``source`` and the error's first sentence: ddpmon records it as a
+``loss_scale_floor`` event; under ``raise`` it is re-raised as ``LossScaleFloorError`` chained
+from the engine's exception, under ``record`` the engine's exception propagates unchanged.
 """
 
 from __future__ import annotations
@@ -35,12 +36,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-# The error and DeepSpeed's minimum-scale test live in ``ddpmon.errors`` (strategies use them).
-from ..errors import DEEPSPEED_MIN_SCALE, LossScaleFloorError, is_deepspeed_min_scale
+from ..errors import LossScaleFloorError
+from ..strategies.base import EngineFloor
 
 log = logging.getLogger("ddpmon")
 
-__all__ = ["DEEPSPEED_MIN_SCALE", "FloorStreak", "LossScaleFloorError", "is_deepspeed_min_scale"]
+__all__ = ["FloorStreak", "LossScaleFloorError"]
 
 
 class FloorStreak:
@@ -107,17 +108,19 @@ class FloorPolicy:
         if self.mode == "raise" and self.streak.update(scale):
             self._act(step, scale, source="ddpmon", cause=None)
 
-    def deepspeed_min_scale(self, step: int, scale: float | None, exc: BaseException) -> None:
-        """DeepSpeed raised at its own minimum scale (on every rank: its overflow flag is
+    def engine_floor(self, step: int, floor: EngineFloor) -> None:
+        """An engine raised at its own minimum scale (on every rank: its overflow flag is
         all-reduced). Recorded either way; re-raised as ``LossScaleFloorError`` under raise."""
         if self.raises:
-            self._act(step, scale, source="deepspeed", cause=exc)
+            self._act(step, floor.scale, source=floor.source, cause=floor.cause,
+                      head=floor.head(step))
         self._emit(
-            "loss_scale_floor", step, action="record", source="deepspeed", loss_scale=scale,
-            floor=self.streak.floor, message=str(exc)[:500],
+            "loss_scale_floor", step, action="record", source=floor.source,
+            loss_scale=floor.scale, floor=self.streak.floor, message=str(floor.cause)[:500],
         )
 
-    def _act(self, step: int, scale: float | None, *, source: str, cause: BaseException | None):
+    def _act(self, step: int, scale: float | None, *, source: str, cause: BaseException | None,
+             head: str | None = None):
         mine: dict[str, Any] = {"rank": self.rank}
         try:
             self._flush()  # this rank's records up to this step, origins included
@@ -129,7 +132,7 @@ class FloorPolicy:
         entries, gather_error = _gather(mine)
         origin_ranks = sorted(e["rank"] for e in entries if e.get("origin_steps"))
         checkpoint = _last_checkpoint(entries)
-        message = _message(step, scale, self.streak, source, entries, origin_ranks, checkpoint,
+        message = _message(step, scale, self.streak, head, entries, origin_ranks, checkpoint,
                            gather_error, cause)
         self._emit(
             "loss_scale_floor", step, action="raise", source=source, loss_scale=scale,
@@ -169,12 +172,9 @@ def _fmt_scale(scale: float | None) -> str:
     return "unknown" if scale is None else f"{scale:g}"
 
 
-def _message(step, scale, streak, source, entries, origin_ranks, checkpoint, gather_error,
+def _message(step, scale, streak, head, entries, origin_ranks, checkpoint, gather_error,
              cause) -> str:
-    if source == "deepspeed":
-        head = (f"ddpmon: DeepSpeed's loss scale reached its minimum ({_fmt_scale(scale)}) and "
-                f"overflowed again at step {step}")
-    else:
+    if head is None:  # ddpmon's own rule (an engine's floor brings its own first sentence)
         head = (f"ddpmon: loss scale {_fmt_scale(scale)} at or below loss_scale_floor="
                 f"{streak.floor:g} for {streak.steps} consecutive steps, at step {step}")
     if origin_ranks:

@@ -3,8 +3,8 @@
 - forward pre-hook on the model: a (micro-)step's first forward, the batch shapes;
 - forward hook: a grad hook on the outputs that, when backward reaches them, queues a callback
   for the end of that backward pass. The callback re-queues itself once so that it runs after
-  the autograd engine's other final callbacks (DDP's and FSDP2's post-backward work), when every
-  gradient of the pass is in place;
+  the autograd engine's other final callbacks (a data-parallel wrapper's post-backward work),
+  when every gradient of the pass is in place;
 - optimizer step pre/post hooks, or ``scaler.update()`` when a GradScaler decides the step.
 """
 
@@ -30,8 +30,8 @@ class StepHooks:
         engine_steps: bool = False,
     ) -> None:
         """``engine_steps``: the model is an engine that decides its own optimizer steps
-        (DeepSpeed, ``strategies.deepspeed_steps.EngineSteps``); only the forward pre-hook is
-        used."""
+        (``GradientSource.decides_steps``: its own markers report the steps); only the forward
+        pre-hook is used."""
         self.pipeline = pipeline
         self.amp = amp
         self.closed = False

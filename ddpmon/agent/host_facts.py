@@ -43,8 +43,7 @@ def manifest_extra(mon: Monitor) -> dict:
     """What the manifest says about the run beyond the config: precision, strategy, sizes,
     hosts, attempt and recovery."""
     extra = {}
-    if mon.engine_facts is not None:
-        extra["deepspeed"] = mon.engine_facts.manifest()
+    extra.update(mon.source.manifest_extra())  # the strategy's own facts
 
     job = from_environ()
     if job is not None:

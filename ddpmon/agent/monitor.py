@@ -22,9 +22,10 @@ from ..metrics.step_metrics import chosen
 from ..probes.amp import ScalerProbe
 from ..probes.grads import ParamIndex
 from ..recorder.annotations import check_fields, write_annotations
-from ..strategies.base import SourceEnv
-from ..strategies.detect import detect_strategy, make_source
-from ..strategies.pipeline_parallel import PipelineSource
+from ..strategies.attach_args import Plan
+from ..strategies.base import EngineFloor, SourceEnv
+from ..strategies.precision import read_precision
+from ..strategies.registry import detect_strategy, make_source
 from ..strategies.replicas import ReplicaCheck
 from . import registry
 from .activity import LoopPhases
@@ -44,7 +45,6 @@ from .guard import Guard
 from .host_facts import manifest_extra, start_fields, states_present
 from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
-from .precision import read_precision
 from .record_sinks import RecordSinks
 from .recording import Forensics
 from .rerun import StepRerun, run_step
@@ -78,7 +78,7 @@ class Monitor(LoopPhases, FiguresApi):
         config: Config,
         comm_hook: Callable | None = None,
         comm_state: Any = None,
-        pp: Any = None,
+        plan: Plan | None = None,
         sinks: tuple[Sink, ...] = (),
     ) -> Monitor:
         state = MetricState(
@@ -87,28 +87,28 @@ class Monitor(LoopPhases, FiguresApi):
         self = cls(config, state, Guard(state.count_error))
         self.user_sinks = sinks
         try:
-            self._assemble(model, optimizer, scaler, comm_hook, comm_state, pp)
+            self._assemble(model, optimizer, scaler, comm_hook, comm_state, plan)
         except BaseException:
             self._abort()  # leave no hook, thread or server behind
             raise
         return self
 
-    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state, pp=None) -> None:
+    def _assemble(self, model, optimizer, scaler, comm_hook, comm_state, plan=None) -> None:
         """Build the parts in order: who this rank is, what measures, where records go..."""
-        self._settle(model, optimizer, scaler, pp)
-        self._measure(comm_hook, comm_state, pp)
-        self._pipeline(self._sinks(), pp)
+        self._settle(model, optimizer, scaler, plan)
+        self._measure(comm_hook, comm_state, plan)
+        self._pipeline(self._sinks(), plan)
         self._observe_and_serve()
 
-    def _settle(self, model, optimizer, scaler, pp) -> None:
+    def _settle(self, model, optimizer, scaler, plan) -> None:
         """Identity, run dir, parameter index, forensic files, attempt, the scaler probe."""
         config, state, guard = self.config, self._state, self.guard
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.ctx = ctx = RunContext.establish(model, config, guard)
         self.identity, self.run_id, self.run_path = ctx.identity, ctx.run_id, ctx.run_path
-        # Pipeline parallel: names start with stage<k>, groups are per stage (one level deeper)
-        depth = config.group_depth + (1 if pp is not None and config.group_depth > 0 else 0)
-        self.index = ParamIndex(model, depth, config.max_groups)
+        # A plan may name groups one level deeper (a split model: stage<k> first)
+        levels = plan.group_levels if plan is not None and config.group_depth > 0 else 0
+        self.index = ParamIndex(model, config.group_depth + levels, config.max_groups)
         self.forensics = Forensics.open(ctx, config, guard)
         rank = ctx.identity.rank
         self.attempt = detect_attempt(ctx.run_dir.events(rank), ctx.run_dir.progress(rank))
@@ -123,7 +123,7 @@ class Monitor(LoopPhases, FiguresApi):
             )
             state.amp_enabled = self.amp.enabled()
 
-    def _measure(self, comm_hook, comm_state, pp) -> None:
+    def _measure(self, comm_hook, comm_state, plan) -> None:
         """The gradient source of this strategy, installed."""
         config, state, guard = self.config, self._state, self.guard
         model = self.model
@@ -138,21 +138,21 @@ class Monitor(LoopPhases, FiguresApi):
             amp=self.amp,
             defer_reduction_wait=config.on_nonfinite == "record",
         )
-        if pp is not None:
-            strategy = pp.strategy
-            self.source = PipelineSource(env, pp)
+        if plan is not None:
+            strategy = plan.strategy
+            self.source = plan.make_source(env)
         else:
             strategy = detect_strategy(model)
             self.source = make_source(strategy, env)
         state.strategy = self.source.name if ":" not in strategy else strategy
-        self.engine_facts = getattr(self.source, "facts", None)
+        self.engine_facts = self.source.engine_facts
         if self.engine_facts is not None:
             state.amp_enabled = self.engine_facts.precision == "fp16"
         self.precision = read_precision(model, self.index.params, self.scaler, self.engine_facts,
                                         state, self.identity.device)
-        deepspeed = self.engine_facts is not None
+        engine = self.engine_facts is not None
         state.steps_skipped_total = dict.fromkeys(
-            possible_skippers(deepspeed, state.amp_enabled, config.on_nonfinite), 0
+            possible_skippers(engine, state.amp_enabled, config.on_nonfinite), 0
         )
         with guard("grads"):
             self.source.install()
@@ -173,9 +173,9 @@ class Monitor(LoopPhases, FiguresApi):
         self.floor, self.incidents, self.manifest = sinks.floor, sinks.incidents, sinks.manifest
         return [*sinks.all, *self.user_sinks]
 
-    def _pipeline(self, sinks: list[Sink], pp) -> None:
-        """The step pipeline over the source and sinks, what marks its steps (hooks, the
-        schedule or the engine), and the record thread."""
+    def _pipeline(self, sinks: list[Sink], plan) -> None:
+        """The step pipeline over the source and sinks, what marks its steps (hooks and the
+        strategy's own markers), and the record thread."""
         config, guard, ctx, emit = self.config, self.guard, self.ctx, self._emit
         model, optimizer = self.model, self.optimizer
         policy = NonFinitePolicy(config.on_nonfinite, self.index, ctx.identity.rank, emit)
@@ -197,11 +197,11 @@ class Monitor(LoopPhases, FiguresApi):
             if self.pipeline.replicas is not None:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
         self.forensics.follow(self.pipeline, self.incidents, emit, guard)
-        self.spikes = SpikeParts.install(self, pp, self._state, emit)  # before markers
+        self.spikes = SpikeParts.install(self, plan, self._state, emit)  # before markers
         self.markers = StepMarkers(
-            model, optimizer, self.pipeline, self.source, amp=self.amp, pp=pp,
+            model, optimizer, self.pipeline, self.source, amp=self.amp,
             on_error=guard.error, on_engine_step=self._on_engine_step,
-            on_min_scale=self._on_deepspeed_min_scale,
+            on_engine_floor=self._on_engine_floor,
         )
         self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
         self.pipeline.background = True
@@ -263,8 +263,8 @@ class Monitor(LoopPhases, FiguresApi):
 
     def observe_loss(self, loss: Any) -> None:
         """Record this step's loss; a tensor is kept on its device, never read here. Under
-        pipeline parallel only the last stage has a loss: other stages ignore it (no sample)."""
-        if not self._closed and getattr(self.source, "has_loss", True):
+        a strategy whose rank never sees the loss (``source.has_loss``) it is ignored."""
+        if not self._closed and self.source.has_loss:
             self.pipeline.observe_loss(loss)
 
     def observe_samples(self, ids: Any) -> None:
@@ -276,7 +276,7 @@ class Monitor(LoopPhases, FiguresApi):
 
     def run_step(self, closure: Callable[[], Any]) -> Any:
         """Run the step's forward and backward (``closure``, returning the loss) and keep it in
-        hand for ``on_nonfinite='rerun'``: the ``optimizer.step()`` or DeepSpeed
+        hand for ``on_nonfinite='rerun'``: the ``optimizer.step()`` or an engine's
         ``engine.step()`` that follows reruns it once when the step triggers. For loops whose
         optimizer takes no closure. Without the rerun policy it just calls ``closure()``."""
         if self._closed or self.pipeline.rerun is None:
@@ -414,7 +414,7 @@ class Monitor(LoopPhases, FiguresApi):
             self.floor.after_step(self.pipeline.step - 1, scale)  # may raise, deliberately
 
     def _on_engine_step(self, facts: Any) -> None:
-        """DeepSpeed ended an optimizer step (``strategies.deepspeed_steps.StepFacts``)."""
+        """An engine that decides its own steps ended one (``StepHost.on_engine_step``)."""
         if self._closed:
             return
         if facts.engine_step and self.pipeline.step == 0:
@@ -425,10 +425,10 @@ class Monitor(LoopPhases, FiguresApi):
         if self.floor.raises:
             self.floor.after_step(self.pipeline.step - 1, facts.scale_after)  # may raise
 
-    def _on_deepspeed_min_scale(self, exc: BaseException, scale: float | None) -> None:
-        """DeepSpeed's scaler raised at its minimum scale inside ``engine.step()``."""
+    def _on_engine_floor(self, floor: EngineFloor) -> None:
+        """An engine's scaler raised at its minimum scale inside its step."""
         if not self._closed:
-            self.floor.deepspeed_min_scale(self.pipeline.step, scale, exc)
+            self.floor.engine_floor(self.pipeline.step, floor)
 
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the

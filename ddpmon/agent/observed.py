@@ -5,7 +5,7 @@ on the training thread every step would be a new collective per step, and would 
 observes its loss on one rank only):
 
 - every placement ``Replicate`` (torchtitan's loss under loss-parallel TP, ``full_dtensor``), or
-  ``Partial``/``Shard`` only on mesh dimensions of size 1 (a one-rank FSDP mesh beside TP): the
+  ``Partial``/``Shard`` only on mesh dimensions of size 1 (a one-rank sharding mesh beside TP): the
   local tensor is the full value (``to_local()``, a view, no copy, no communication);
 - a **loss** that is ``Partial`` (``sum`` or ``avg``) over more than one rank: each rank records
   its *share*, its local piece times the size of every ``sum`` dimension, so that the mean of

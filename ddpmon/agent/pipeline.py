@@ -19,7 +19,7 @@ What counts as a step (docs/concepts.md, The step): one optimizer step, whoever 
 - an *inert* step is not a step: ``optimizer.step()`` with no forward and no backward since the
   last step, at lr 0 in every parameter group. It cannot change a weight; it is how torch's
   ``_init_optim_state`` creates optimizer state inside checkpoint loaders (DCP's
-  ``set_optimizer_state_dict``, the FSDP2 example's loader), so attaching before or after such a
+  ``set_optimizer_state_dict``, the sharded examples' loader), so attaching before or after such a
   load numbers the steps alike (:func:`is_inert_step`).
 """
 
@@ -39,10 +39,10 @@ from ..metrics.step_metrics import StepInputs, StepMetric, evaluate
 from ..probes.grads import ParamIndex, host_finite
 from ..recorder.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
 from ..strategies.base import GradientSource, GradSummaries
+from ..strategies.precision import Precision, saw_forward
 from .guard import Guard
 from .observed import plain
 from .policy import NonFinitePolicy, OriginTracker
-from .precision import Precision, saw_forward
 from .readback import Arrived, Readback
 from .records import StepMeta, build_record
 from .rerun import decide_recorded, wrap_closure
@@ -212,7 +212,7 @@ class StepPipeline(StepPhase):
         if self.policy.reads:
             self._policy_skipped = self.policy.before_step(
                 self._collected.reduced, self.step, skip_allowed=True,
-                extra=_global_norm(self._collected),
+                extra=self._collected.extension,
             )
         return None
 
@@ -266,7 +266,7 @@ class StepPipeline(StepPhase):
         host_scale_after: float | None = None,
     ) -> None:
         """Close the step in progress: queue its device values for readback. ``host_*``: facts
-        an engine that decides its own steps (DeepSpeed) keeps on the host."""
+        an engine that decides its own steps keeps on the host."""
         urgent = False
         try:
             with self.guard("step"):
@@ -276,7 +276,7 @@ class StepPipeline(StepPhase):
                     # closure or scaler steps: the update already happened; raise still can
                     self.policy.before_step(
                         summaries.reduced, self.step, skip_allowed=False,
-                        extra=_global_norm(summaries),
+                        extra=summaries.extension,
                     )
                 urgent = self._package(
                     summaries, skipped_by, found, grad_scale, scale_after,
@@ -435,12 +435,6 @@ class StepPipeline(StepPhase):
         if self.entry is not None:
             self.entry.mark(record, parts.get(slot.ENTRY_BLOCKS))
         return record
-
-
-def _global_norm(s: GradSummaries) -> torch.Tensor | None:
-    """The strategy's own whole-step norm where the reduced norms are not it (pipeline parallel:
-    summed over stages, identical on every stage): a skip/raise decision the same on every rank."""
-    return s.extension.decision_norm() if s.extension is not None else None
 
 
 def _host_nonfinite(norms: torch.Tensor | None) -> bool:

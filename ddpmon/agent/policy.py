@@ -21,7 +21,7 @@ import torch
 from ..errors import NonFiniteGradientError
 from ..metrics.state import StepRecord
 from ..probes.grads import ParamIndex, summarize_host
-from ..strategies.base import NormVector
+from ..strategies.base import NormVector, StepExtension
 
 
 class NonFinitePolicy:
@@ -43,21 +43,23 @@ class NonFinitePolicy:
         step: int,
         *,
         skip_allowed: bool,
-        extra: torch.Tensor | None = None,
+        extra: StepExtension | None = None,
     ) -> bool:
         """True when the step was skipped (gradients dropped on every rank alike). ``extra``:
-        a norm that must be finite too (pipeline parallel: the sum over every stage)."""
+        the strategy's part of the step, whose ``decision_norm`` must be finite too (its
+        whole-step norm) and whose ``elsewhere`` names where else a non-finite value was."""
         if self.mode == "record" or reduced is None:
             return False
         finite = torch.isfinite(reduced.norms).all()
-        if extra is not None:
-            finite = finite & torch.isfinite(extra.to(finite.device)).all()
+        whole = extra.decision_norm() if extra is not None else None
+        if whole is not None:
+            finite = finite & torch.isfinite(whole.to(finite.device)).all()
         if bool(finite):  # the one documented host read
             return False
         summary = summarize_host(reduced, reduced.norms.tolist(), self.index)
         param, kind = self.index.name(summary.first_position), summary.kind
-        if summary.first_position < 0:  # finite here: another pipeline stage is non-finite
-            param, kind = "another pipeline stage", "nan"
+        if summary.first_position < 0:  # finite here: non-finite in the strategy's other part
+            param, kind = (extra or StepExtension).elsewhere, "nan"
         if self.mode == "raise":
             self._emit("nonfinite", step, param=param, nonfinite=kind, action="raise")
             raise NonFiniteGradientError(

@@ -34,9 +34,9 @@ class StepMeta:
     trainer_norm_step: int | None
     skipped_by: str | None
     host_skipped: bool | None = None
-    """Skipped by the optimizer's own overflow check, known on the host (DeepSpeed's counters)."""
+    """Skipped by the optimizer's own overflow check, known on the host (an engine's counters)."""
     host_scale_after: float | None = None
-    """The loss scale after the step, a host value (DeepSpeed fp16 keeps it as a float)."""
+    """The loss scale after the step, a host value (an engine's fp16 scaler keeps it as a float)."""
     step_metrics: dict[str, Metric] | None = None
     """The per-step metrics queued in the step vector this step, by slot name."""
     step_values_host: dict[Metric, float] | None = None
@@ -107,7 +107,7 @@ def build_record(
     if meta.host_scale_after is not None:
         record.loss_scale = meta.host_scale_after
     if meta.host_skipped:
-        # DeepSpeed skipped the step: its loss scaler under fp16 (a scale after the step), its
+        # The engine skipped the step: its loss scaler under fp16 (a scale after the step), its
         # own overflow check under bf16/fp32 (no scale at all).
         if meta.host_scale_after is not None:
             record.amp_skipped = True

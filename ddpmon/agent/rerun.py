@@ -90,8 +90,9 @@ class Outcome:
     skip: bool
     raises: bool
     action: str | None = None
-    """What happened to the step where the engine decided it (DeepSpeed: ``replace``, the
-    rerun's gradients went on, or ``skip``); None: from ``skip`` and ``raises``."""
+    """What happened to the step where the engine decided it (an engine's own rerun:
+    ``replace``, the rerun's gradients went on, or ``skip``); None: from ``skip`` and
+    ``raises``."""
 
 
 @dataclass(slots=True)
@@ -196,6 +197,11 @@ class StepRerun:
             log.warning(message)
 
     # ------------------------------------------------------------------ per step
+    @staticmethod
+    def reading(reduced_finite: bool, local_finite: bool) -> StepReading:
+        """A reading made by a strategy's own rerun (no global norm: NaN)."""
+        return StepReading(reduced_finite, local_finite, math.nan)
+
     def read(self, s: GradSummaries) -> StepReading | None:
         """The one host read (None: nothing to decide on, e.g. no reduced norms)."""
         if s.reduced is None or s.deferred is not None:
@@ -349,7 +355,7 @@ def wrap_closure(
 
 def run_step(pipeline: Any, closure: Callable[[], Any]) -> Any:
     """``mon.run_step(closure)``: run the step's forward and backward now and keep them in
-    hand, so that the ``optimizer.step()`` (or DeepSpeed's ``engine.step()``) that follows can
+    hand, so that the ``optimizer.step()`` (or an engine's ``engine.step()``) that follows can
     rerun them. The closure's own exceptions are the loop's."""
     rerun: StepRerun = pipeline.rerun
     rng, replayable = None, not pipeline.backward_pending

@@ -311,7 +311,8 @@ def _entry_fields(r: StepRecord) -> dict:
 
 
 def _pp_fields(where: dict | None) -> dict:
-    """Pipeline parallel origin: the stage, micro-batch and site, as event fields."""
+    """A staged origin (``record.pp_origin``): the stage, micro-batch and site, as event
+    fields."""
     if not where:
         return {}
     return {"stage": where["stage"], "microbatch": where["microbatch"], "site": where["site"]}

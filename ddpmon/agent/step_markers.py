@@ -1,9 +1,9 @@
 """What tells the step pipeline where a step is, by kind of loop: torch's module and optimizer
-hooks (``hooks.StepHooks``) always; a pipeline schedule's ``step()`` under pipeline parallel
-(``ScheduleStep``); DeepSpeed's ``engine.step()`` where the engine decides the optimizer
-steps (``EngineSteps``, with ``EngineRerun`` under the rerun policy); under tensor parallel,
-the block-output checks that say where a NaN entered (``strategies.block_entry``). Installed all or
-nothing, removed together."""
+hooks (``hooks.StepHooks``) always; whatever the strategy marks its own steps with
+(``GradientSource.markers``: a loop driver's or an engine's ``step()``), asked of the
+source through a ``StepHost`` and never named here; under tensor parallel, the block-output
+checks that say where a NaN entered (``strategies.block_entry``). Installed all or nothing,
+removed together."""
 
 from __future__ import annotations
 
@@ -14,11 +14,8 @@ from typing import Any
 import torch
 
 from ..probes.amp import ScalerProbe
-from ..strategies.base import GradientSource
+from ..strategies.base import EngineFloor, GradientSource, StepHost
 from ..strategies.block_entry import BlockEntry, tensor_parallel
-from ..strategies.deepspeed_steps import EngineSteps
-from ..strategies.pp_probes import ScheduleStep
-from .engine_rerun import EngineRerun
 from .hooks import StepHooks
 from .pipeline import StepPipeline
 
@@ -32,14 +29,13 @@ class StepMarkers:
         source: GradientSource,
         *,
         amp: ScalerProbe | None,
-        pp: Any,
         on_error: Callable[[str, BaseException], None],
         on_engine_step: Callable[[Any], None],
-        on_min_scale: Callable[[BaseException, float | None], None],
+        on_engine_floor: Callable[[EngineFloor], None],
     ) -> None:
         self.hooks: StepHooks | None = None
-        self.schedule_step: Any = None
-        self.engine_steps: Any = None
+        self.own: list[Any] = []
+        """The strategy's own markers (``GradientSource.markers``)."""
         self.entry: BlockEntry | None = None
         try:
             self.hooks = StepHooks(
@@ -47,17 +43,9 @@ class StepMarkers:
             )
             if tensor_parallel(source.name):  # where a NaN entered: the parameters cannot say
                 pipeline.entry = self.entry = BlockEntry.install(model, on_error)
-            if pp is not None:
-                self.schedule_step = ScheduleStep(pp, pipeline, on_error)
-                self.schedule_step.install()
-            if source.decides_steps:
-                self.engine_steps = EngineSteps(
-                    model, source, on_engine_step, on_error, on_min_scale=on_min_scale
-                )
-                if pipeline.rerun is not None:
-                    rerun = EngineRerun(pipeline, source, model)
-                    self.engine_steps.before_step = rerun.before_step
-                    self.engine_steps.after_step = rerun.after_step
+            host = StepHost(model=model, optimizer=optimizer, steps=pipeline, on_error=on_error,
+                            on_engine_step=on_engine_step, on_engine_floor=on_engine_floor)
+            self.own = list(source.markers(host))
         except BaseException:
             with contextlib.suppress(Exception):  # all or nothing; the first error is raised
                 self.close()
@@ -67,14 +55,11 @@ class StepMarkers:
         """Remove every marker; one that fails to come off does not keep the others on (the
         first failure is raised after all were tried)."""
         first: BaseException | None = None
-        for part, method in (
-            (self.hooks, "close"), (self.schedule_step, "uninstall"), (self.engine_steps, "close"),
-            (self.entry, "close"),
-        ):
+        for part in (self.hooks, *self.own, self.entry):
             if part is None:
                 continue
             try:
-                getattr(part, method)()
+                part.close()
             except Exception as exc:
                 first = first or exc
         if first is not None:

@@ -30,7 +30,7 @@ from ..metrics.state import Histogram, MetricState
 from ..sources.allocator import AllocatorReading
 from ..sources.host import ProcessReading
 from ..sources.nvml import GpuReading
-from ..strategies.table import reduced_norms_identical
+from ..strategies.registry import reduced_norms_identical
 
 log = logging.getLogger("ddpmon.collector")
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .._torch_compat import scaler_scale
-from ..strategies.deepspeed import is_engine
+from ..strategies.deepspeed.source import is_engine
 from ._common import NormForwarder, attach_monitor, close_monitor, report_resume
 
 log = logging.getLogger("ddpmon")

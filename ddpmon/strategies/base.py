@@ -36,11 +36,13 @@ from .replicas import ReplicaScope
 __all__ = [
     "CommTiming",
     "DeferredReduction",
+    "EngineFloor",
     "GradSummaries",
     "GradientSource",
     "NormVector",
     "SourceEnv",
     "StepExtension",
+    "StepHost",
 ]
 
 
@@ -78,6 +80,9 @@ class StepExtension(ABC):
     ``replaces_global_norm`` (a pipeline stage's reduced norms cover only its own stages)."""
 
     replaces_global_norm: ClassVar[bool] = False
+    elsewhere: ClassVar[str] = "another rank"
+    """Where a non-finite value was when ``decision_norm`` is non-finite but this rank's
+    reduced norms are finite (the ``param`` of its ``nonfinite`` event)."""
 
     @abstractmethod
     def values(self) -> dict[str, torch.Tensor | None]:
@@ -130,6 +135,35 @@ class SourceEnv:
         return amp.current_scale() if amp is not None and amp.enabled() else None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineFloor:
+    """An engine's own loss scaler gave up at its minimum scale inside its step (its exception,
+    ``cause``). The strategy says whose floor it was: the event's ``source`` and the error's
+    first sentence (``head(step)``); the agent's floor policy records or re-raises it."""
+
+    source: str
+    scale: float | None
+    cause: BaseException
+    head: Callable[[int], str]
+
+
+@dataclass(slots=True)
+class StepHost:
+    """What the agent hands a strategy's ``markers``: its own objects, passed in, so that a
+    strategy marks its steps without the agent knowing which strategy it is."""
+
+    model: torch.nn.Module
+    optimizer: Any
+    steps: Any
+    """The agent's step pipeline: ``forward_started(args)``, ``backward_ended()``, ``step``,
+    ``rerun`` (None unless ``on_nonfinite='rerun'``)."""
+    on_error: Callable[[str, BaseException], None]
+    on_engine_step: Callable[[Any], None]
+    """An engine that decides its own steps ended one (facts: ``skipped``, ``scale_after``,
+    ``engine_step``)."""
+    on_engine_floor: Callable[[EngineFloor], None]
+
+
 class GradientSource(ABC):
     """One strategy. Lifecycle: ``install()`` once, then per optimizer step any number of
     ``on_backward_end()`` calls (one per backward pass: gradient-accumulation micro-steps
@@ -140,7 +174,10 @@ class GradientSource(ABC):
     """Step-vector slots of this strategy's own (``StepExtension.values``)."""
     decides_steps: ClassVar[bool] = False
     """True when the wrapped engine decides optimizer steps itself (DeepSpeed): the agent then
-    takes steps from the engine, not from optimizer hooks or dropped gradients."""
+    takes steps from the engine (``markers`` reports them through ``StepHost.on_engine_step``),
+    not from optimizer hooks or dropped gradients."""
+    has_loss: bool = True
+    """False on a rank that never sees the loss (a pipeline stage before the last)."""
 
     def __init__(self, env: SourceEnv) -> None:
         self.env = env
@@ -162,6 +199,21 @@ class GradientSource(ABC):
 
     def install(self) -> None:  # noqa: B027 (optional hook)
         """Register the hooks this strategy needs (default: none)."""
+
+    def markers(self, host: StepHost) -> list[Any]:
+        """What marks this strategy's steps beyond torch's module and optimizer hooks (a
+        schedule's ``step()``, an engine's ``step()``), installed now; each has ``close()``.
+        The agent removes them together. Default: none."""
+        return []
+
+    engine_facts: Any = None
+    """Facts of an engine that decides its own precision and loss scale (``precision``:
+    ``fp32``/``bf16``/``fp16``), None when the loop's optimizer and scaler decide
+    (:mod:`.precision` reads it)."""
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """What this strategy adds to the run manifest (default: nothing)."""
+        return {}
 
     def on_backward_end(self) -> None:  # noqa: B027 (optional hook)
         """A backward pass has finished (every gradient of it is accumulated). Default: no-op."""

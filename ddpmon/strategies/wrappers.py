@@ -13,7 +13,7 @@ place (one warning naming the wrapper), else one warning names the wrapper and w
 A bare module on several ranks while Fabric is loaded (attached before ``fabric.setup``) is
 warned about once too.
 FSDP1, FSDP2 and DTensor parameters are found inside any wrapper by detection itself
-(:mod:`.kinds` reads ``model.modules()`` and the parameters). Nothing here imports Lightning:
+(:mod:`.registry` reads ``model.modules()`` and the parameters). Nothing here imports Lightning:
 the wrapper classes are looked up in ``sys.modules`` (a Fabric object exists only once it is).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .detect import detect_strategy
+from .registry import detect_strategy
 
 log = logging.getLogger("ddpmon")
 

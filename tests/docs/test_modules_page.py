@@ -13,7 +13,7 @@ def test_every_module_of_the_package_has_its_line():
     on_disk = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
                if "__pycache__" not in p.parts and p.read_text().strip()}
     assert set(rows) == on_disk
-    assert rows["strategies/table.py"].startswith("Every strategy ddpmon knows")
+    assert rows["strategies/registry.py"].startswith("Every strategy ddpmon knows")
 
 
 def test_a_module_without_a_docstring_is_refused(tmp_path):

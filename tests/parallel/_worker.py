@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from ddpmon.probes.grads import ParamIndex
 from ddpmon.strategies.base import NormVector, SourceEnv
-from ddpmon.strategies.detect import detect_strategy, make_source
+from ddpmon.strategies.registry import detect_strategy, make_source
 
 D = 8
 NAN_PARAM = "blocks.1.w_in.weight"

@@ -246,7 +246,7 @@ def test_unknown_optimizer_wrapper_warns_and_keeps_local_numbers(runs):
 
 
 def test_bare_module_before_initialize_warns(runs):
-    from ddpmon.strategies.deepspeed import BARE_MODULE_WARNING
+    from ddpmon.strategies.deepspeed.source import BARE_MODULE_WARNING
 
     for rank in (0, 1):
         assert runs["ranks"][rank]["early_enabled"]  # measured as a plain model, never refused

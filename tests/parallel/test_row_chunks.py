@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddpmon.strategies import fsdp_comms
+from ddpmon.strategies.fsdp import comms as fsdp_comms
 
 
 def _input(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, list[int]]:

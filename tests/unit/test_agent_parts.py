@@ -162,6 +162,7 @@ def test_step_markers_install_all_or_nothing():
     from types import SimpleNamespace
 
     from ddpmon.agent.step_markers import StepMarkers
+    from ddpmon.strategies.pipeline.probes import ScheduleStep
 
     class SlottedSchedule:  # no instance dict: the schedule step cannot be wrapped
         __slots__ = ()
@@ -169,13 +170,20 @@ def test_step_markers_install_all_or_nothing():
         def step(self):
             pass
 
+    class ScheduledSource(ScriptedSource):  # a strategy whose steps a schedule marks
+        def markers(self, host):
+            step = ScheduleStep(SimpleNamespace(schedule=SlottedSchedule()), host.steps,
+                                host.on_error)
+            step.install()
+            return [step]
+
     pipe, _, _, _ = make_pipeline([])
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    source = ScheduledSource(pipe.source.index, [])
     with pytest.raises(TypeError):
-        StepMarkers(model, opt, pipe, pipe.source, amp=None,
-                    pp=SimpleNamespace(schedule=SlottedSchedule()), on_error=print,
-                    on_engine_step=print, on_min_scale=print)
+        StepMarkers(model, opt, pipe, source, amp=None, on_error=print,
+                    on_engine_step=print, on_engine_floor=print)
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 

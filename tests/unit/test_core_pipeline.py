@@ -18,7 +18,7 @@ from ddpmon.agent.records import StepMeta, build_record
 from ddpmon.metrics.state import StepRecord
 from ddpmon.probes.grads import NormVector
 from ddpmon.strategies.base import GradSummaries
-from ddpmon.strategies.pp_probes import NO_EVENT, PPStep
+from ddpmon.strategies.pipeline.probes import NO_EVENT, PPStep
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
@@ -144,7 +144,7 @@ def test_a_torch_without_batch_p2p_loses_only_the_send_recv_times(monkeypatch, c
     so once, and never raises into attach."""
     from torch.distributed.pipelining import schedules
 
-    from ddpmon.strategies.pp_probes import P2PTiming
+    from ddpmon.strategies.pipeline.probes import P2PTiming
 
     monkeypatch.delattr(schedules, "_batch_p2p")
     timing = P2PTiming(setup=None, recorder=None, on_error=None)  # type: ignore[arg-type]

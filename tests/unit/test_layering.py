@@ -116,3 +116,22 @@ else lives in a package named for its job (docs/architecture.md)."""
 def test_few_modules_sit_loose_in_the_package_root():
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(loose) <= LOOSE, loose
+STRATEGY_DOORS = frozenset({
+    "strategies.base", "strategies.registry", "strategies.attach_args", "strategies.precision",
+    "strategies.replicas", "strategies.block_entry", "strategies.dtensor_norms",
+})
+"""What ``agent/`` may import of ``strategies/``: the extension point (``base``), the registry,
+what attach's arguments mean, and helpers every strategy shares; never a strategy itself (its
+subpackage or source module). A strategy reaches the agent through its source, passed in."""
+STRATEGY_WORDS = ("deepspeed", "fsdp", "pipelining", "pipeline parallel", "pp_probes")
+
+
+def test_the_agent_names_no_strategy():
+    wrong = []
+    for path in sorted((PACKAGE / "agent").rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        wrong += [f"{rel} -> {t}" for t in sorted(_imports(path))
+                  if t.startswith("strategies") and t not in STRATEGY_DOORS]
+        text = path.read_text().lower()
+        wrong += [f"{rel}: {word}" for word in STRATEGY_WORDS if word in text]
+    assert wrong == []

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 import ddpmon
-from ddpmon.strategies.pp_setup import SCALER_REFUSED
+from ddpmon.strategies.pipeline.setup import SCALER_REFUSED
 
 
 def _schedule(*modules: torch.nn.Module) -> SimpleNamespace:

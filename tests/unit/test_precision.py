@@ -1,4 +1,4 @@
-"""Precision as it is (ddpmon/agent/precision.py), through a real ``attach`` on one process: the
+"""Precision as it is (strategies/precision.py), through a real ``attach`` on one process: the
 parameters' dtype, autocast seen at the first forward, the GradScaler; the manifest and
 ``ddpmon_rank_info{precision}`` agree and stay within the declared labels. FSDP2's
 MixedPrecisionPolicy is checked on real ranks (tests/parallel/test_mesh_shapes.py)."""
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ddpmon
-from ddpmon.agent.precision import LABELS
+from ddpmon.strategies.precision import LABELS
 
 
 def _run(tmp_path, name: str, *, dtype=torch.float32, autocast=None, scaler=False) -> dict:

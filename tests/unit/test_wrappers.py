@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpmon
-from ddpmon.strategies.detect import detect_strategy
+from ddpmon.strategies.registry import detect_strategy
 from ddpmon.strategies.wrappers import MISSING_WITHOUT_DDP, unwrap
 
 

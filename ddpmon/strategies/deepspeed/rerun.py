@@ -29,13 +29,11 @@ DeepSpeed's own overflow skip, and ddpmon says so once.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
-from ..strategies.base import GradSummaries
-from .rerun import Outcome, StepReading, StepRerun
+from ..base import GradSummaries
 
 
 class EngineRerun:
@@ -43,10 +41,10 @@ class EngineRerun:
         self.pipeline = pipeline
         self.source = source
         self.engine = engine
-        self._pending: Outcome | None = None
+        self._pending: Any = None  # the agent's rerun Outcome
 
     def before_step(self) -> None:
-        rerun: StepRerun = self.pipeline.rerun
+        rerun = self.pipeline.rerun
         if rerun.norm_jump > 0:
             rerun.say_once("ddpmon: rerun_norm_jump is not applied under DeepSpeed (its buffers "
                            "keep both runs' gradients); non-finite steps are rerun")
@@ -88,11 +86,11 @@ class EngineRerun:
             return
         outcome.skip = skipped
         outcome.action = "skip" if skipped else "replace"
-        rerun: StepRerun = self.pipeline.rerun
+        rerun = self.pipeline.rerun
         rerun.report(self.pipeline.step, outcome)
         rerun.counted(outcome.fault)
 
-    def _rerun_reading(self) -> StepReading:
+    def _rerun_reading(self) -> Any:
         """Whether this rank's rerun and every rank's rerun were finite (one MIN all-reduce,
         one host read)."""
         local = self.source.local_now()
@@ -105,7 +103,7 @@ class EngineRerun:
             torch.distributed.all_reduce(flags[1:], op=torch.distributed.ReduceOp.MIN,
                                          group=group)
         local_finite, all_finite = flags.tolist()  # a triggered step only
-        return StepReading(bool(all_finite), bool(local_finite), math.nan)
+        return self.pipeline.rerun.reading(bool(all_finite), bool(local_finite))
 
 
 def _accumulation_steps(engine: Any) -> int:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import batch_p2p, set_batch_p2p
-from ..metrics.step_slots import Slot
-from .base import StepExtension
-from .pp_setup import (
+from ..._torch_compat import batch_p2p, set_batch_p2p
+from ...metrics.step_slots import Slot
+from ..base import StepExtension
+from .setup import (
     PipelineSetup,
     StageInfo,
 )
@@ -41,6 +41,7 @@ class PPStep(StepExtension):
 
     replaces_global_norm = True
     """A stage's reduced norms cover its own stages; the global norm is summed over all."""
+    elsewhere = "another pipeline stage"
 
     source: Any
     norm: torch.Tensor
@@ -370,6 +371,9 @@ class ScheduleStep:
         step.__wrapped__ = original  # type: ignore[attr-defined]
         schedule.step = step
         self._step = step
+
+    def close(self) -> None:
+        self.uninstall()
 
     def uninstall(self) -> None:
         self.closed = True

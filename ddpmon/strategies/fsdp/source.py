@@ -13,7 +13,7 @@ Where each number comes from (why: see the Parallelism section of the docs):
   pass) is read on the host, free on CPU, and only a non-finite sum runs the norm pass, right
   there: the origin stays exact on every step. A one-rank reduce-scatter group (a size-1 dp
   mesh beside TP, HSDP with a size-1 shard dim) has no reduce-scatter call: its input is seen
-  at the allocation of its output (``fsdp_comms.ProbedReduceScatter.allocate``).
+  at the allocation of its output (``comms.ProbedReduceScatter.allocate``).
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
   one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
   async all-reduce of the per-parameter partial squares over the shard dim(s)
@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import (
+from ..._torch_compat import (
     dtensor_local,
     fsdp_group_comms,
     fsdp_param_groups,
@@ -39,11 +39,15 @@ from .._torch_compat import (
     fsdp_unsharded_param,
     set_all_reduce_hook,
 )
-from ..probes.grads import per_param_norms
-from . import data_check
-from .base import GradSummaries, NormVector, SourceEnv
-from .dtensor_norms import ShardedNorms
-from .fsdp_comms import (
+from ...probes.grads import per_param_norms
+from .. import data_check
+from ..base import GradSummaries, NormVector, SourceEnv
+from ..dtensor_norms import ShardedNorms
+from ..local_sampling import LocalNormSampler
+from ..registry import detect_sharded, fsdp_modules
+from ..replicas import ReplicaScope, tp_replica_scope
+from ..sharded_source import ShardedSource
+from .comms import (
     AllReduceTimer,
     DefaultAllGather,
     DefaultReduceScatter,
@@ -52,10 +56,6 @@ from .fsdp_comms import (
     TimedAllGather,
     row_chunk_norms,
 )
-from .kinds import detect_sharded, fsdp_modules
-from .local_sampling import LocalNormSampler
-from .replicas import ReplicaScope, tp_replica_scope
-from .sharded_source import ShardedSource
 
 log = logging.getLogger("ddpmon")
 

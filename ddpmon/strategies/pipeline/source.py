@@ -20,7 +20,7 @@ this rank holds (two for interleaved and V schedules). Why each piece looks the 
   all-reduce over the pp group. Either is issued on every rank at every end of
   ``schedule.step()``, failures included (a failure flag, never a NaN). Group and local norms
   stay per stage.
-- NaN origin (decided in ``pp_origin``): a stage is the origin when its weights entering the
+- NaN origin (decided in ``origin``): a stage is the origin when its weights entering the
   step were finite and the first non-finite thing it touched was something it *produced* (an
   activation it sent, its output, an activation gradient it sent, a parameter gradient), not
   something it *received*.
@@ -42,25 +42,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from ..host_reads import host_read_free
-from ..probes.grads import NormVector, full_pass
-from . import data_check
-from .base import GradientSource, GradSummaries, SourceEnv
-from .ddp import CommProbe
-from .detect import SOURCES, make_source
-from .dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
-from .pp_origin import StageOrigin
-from .pp_probes import (
+from ...host_reads import host_read_free
+from ...probes.grads import NormVector, full_pass
+from .. import data_check
+from ..base import GradientSource, GradSummaries, SourceEnv, StepHost
+from ..ddp import CommProbe
+from ..dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
+from ..reduction import FlaggedSum, failed_vector
+from ..registry import SOURCES, make_source
+from ..replicas import ReplicaScope
+from ..sharded_source import ShardedSource
+from .origin import StageOrigin
+from .probes import (
     PP_FLAGS,
     PP_NORM,
     P2PTiming,
     PPStep,
+    ScheduleStep,
     StageProbes,
 )
-from .pp_setup import PipelineSetup
-from .reduction import FlaggedSum, failed_vector
-from .replicas import ReplicaScope
-from .sharded_source import ShardedSource
+from .setup import PipelineSetup
 
 log = logging.getLogger("ddpmon")
 
@@ -116,6 +117,12 @@ class PipelineSource(GradientSource):
         """The inner source's reduction also sums over the pp group (no pp all-reduce here)."""
 
     # ------------------------------------------------------------------ install / close
+    def markers(self, host: StepHost) -> list[Any]:
+        """A step is one ``schedule.step()``: its forward and backward."""
+        step = ScheduleStep(self.setup, host.steps, host.on_error)
+        step.install()
+        return [step]
+
     def install(self) -> None:
         kind = self.setup.inner
         if kind == "ddp":

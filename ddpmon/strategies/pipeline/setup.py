@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import schedule_microbatches, schedule_stages
-from ..probes.grads import unwrap_model
-from .kinds import detect_sharded
+from ..._torch_compat import schedule_microbatches, schedule_stages
+from ...probes.grads import unwrap_model
+from ..registry import detect_sharded
 
 log = logging.getLogger("ddpmon")
 

@@ -5,7 +5,7 @@ objects; DeepSpeed's private names used (version-fragile, each failure is counte
 are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``averaged_gradients``
 (ZeRO-3) and ``loss_scaler``/``cur_scale`` (fp16). See ``docs/parallelism.md`` (DeepSpeed ZeRO).
 
-- **Step** (``EngineSteps``, :mod:`.deepspeed_steps`): ``engine.step`` is wrapped on the
+- **Step** (``EngineSteps``, :mod:`.steps`): ``engine.step`` is wrapped on the
   instance; a call that moves ``engine.global_steps`` is one optimizer step, skipped when
   ``engine.skipped_steps`` moved too. Host counters only: no device read.
 - **Global norm** (``DeepSpeedSource.measure_reduced``): at the entry of the ``engine.step`` that
@@ -35,20 +35,21 @@ are ``_hp_mapping``/``_index_in_param_group`` (ZeRO-1/2), ``fp16_groups``/``aver
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from ..host_reads import host_read_free
-from ..probes.grads import per_param_norms
-from . import data_check
-from .base import GradientSource, GradSummaries, NormVector
-from .deepspeed_comm import CommTimer
-from .reduction import FlaggedSum, Issued
-from .replicas import ReplicaScope
+from ...host_reads import host_read_free
+from ...probes.grads import per_param_norms
+from .. import data_check
+from ..base import GradientSource, GradSummaries, NormVector, StepHost
+from ..reduction import FlaggedSum, Issued
+from ..replicas import ReplicaScope
+from .comm import CommTimer
+from .markers import engine_markers
+from .steps import attached_engines
 
 log = logging.getLogger("ddpmon")
 
@@ -61,10 +62,6 @@ __all__ = [
     "engine_facts",
     "is_engine",
 ]
-
-attached_engines: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Engines a live monitor is attached to (a second attach is refused)."""
-
 
 def is_engine(obj: Any) -> bool:
     """A ``deepspeed.runtime.engine.DeepSpeedEngine`` (or subclass), told without importing it."""
@@ -188,7 +185,7 @@ class DeepSpeedSource(GradientSource):
     def __init__(self, env) -> None:
         super().__init__(env)
         self.engine = env.model
-        self.facts = engine_facts(self.engine)
+        self.facts = self.engine_facts = engine_facts(self.engine)
         self.name = f"deepspeed-zero{self.facts.stage}"  # type: ignore[misc]
         self._sq: list[torch.Tensor | None] = [None] * len(self.index)
         self._sum = FlaggedSum(self._reduce)
@@ -380,7 +377,7 @@ class DeepSpeedSource(GradientSource):
                     positions.append(pos)
         return tensors, positions
 
-    # ------------------------------------------------------------------ for agent.engine_rerun
+    # ------------------------------------------------------------------ for the rerun (.rerun)
     def reduced_now(self) -> NormVector | None:
         """The step's reduced norms now (the all-reduce waited), kept for ``collect``."""
         if self._ready is None:
@@ -417,6 +414,12 @@ class DeepSpeedSource(GradientSource):
         self._sq[:] = [None] * len(self._sq)
         return GradSummaries(reduced=reduced, local=local, local_complete=local is not None,
                              identical_ranks=identical)
+
+    def markers(self, host: StepHost) -> list[Any]:
+        return engine_markers(self, host)  # engine.step, the rerun around it, the floor
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return {"deepspeed": self.facts.manifest()}
 
     def close(self) -> None:
         super().close()

@@ -1,5 +1,5 @@
 """Where a non-finite value first appeared under pipeline parallel, decided per stage on the
-record thread from the stage probes' flags (``pp_probes.StageProbes``) and the local norms.
+record thread from the stage probes' flags (``probes.StageProbes``) and the local norms.
 
 A stage is the origin when its weights entering the step were finite and the first non-finite
 thing it touched was something it *produced* (an activation it sent, its output, an activation
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..probes.grads import ParamIndex
-from .pp_probes import NO_EVENT, PARAM_GRAD_SEQ, PP_FLAGS, PPStep
+from ...probes.grads import ParamIndex
+from .probes import NO_EVENT, PARAM_GRAD_SEQ, PP_FLAGS, PPStep
 
 
 def stage_positions(names: list[str]) -> list[int]:

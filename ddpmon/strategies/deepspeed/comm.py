@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..probes.comm import CollectiveRecorder, tensor_bytes
+from ...probes.comm import CollectiveRecorder, tensor_bytes
 
 __all__ = ["CommTimer"]
 

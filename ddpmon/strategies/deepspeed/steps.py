@@ -2,18 +2,22 @@
 moves ``engine.global_steps`` is one optimizer step, skipped when ``engine.skipped_steps``
 moved too. Host counters only: no device read. At a boundary call the source measures the
 reduced gradients first; ``before_step``/``after_step`` let the rerun policy decide around
-DeepSpeed's own step (``agent.engine_rerun``)."""
+DeepSpeed's own step (``.rerun``). ``source``: the engine's ``DeepSpeedSource`` (it imports this
+module, so it is not named here)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
-from .deepspeed import DeepSpeedSource, attached_engines
+from ...errors import LossScaleFloorError, NonFiniteGradientError, is_deepspeed_min_scale
 
-__all__ = ["EngineSteps", "StepFacts"]
+__all__ = ["EngineSteps", "StepFacts", "attached_engines"]
+
+attached_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Engines a live monitor is attached to (a second attach is refused)."""
 
 
 @dataclass(slots=True)
@@ -36,7 +40,7 @@ class EngineSteps:
     def __init__(
         self,
         engine: Any,
-        source: DeepSpeedSource,
+        source: Any,
         on_step: Callable[[StepFacts], None],
         on_error: Callable[[str, BaseException], None],
         on_min_scale: Callable[[BaseException, float | None], None] | None = None,
@@ -46,7 +50,7 @@ class EngineSteps:
         DeepSpeed skipped it."""
         self.before_step: Callable[[], None] | None = None
         """Called at a boundary ``engine.step`` once the reduced norms are measured, before
-        DeepSpeed steps (``on_nonfinite='rerun'``: ``agent.engine_rerun``); its
+        DeepSpeed steps (``on_nonfinite='rerun'``: ``.rerun``); its
         ``NonFiniteGradientError`` reaches the loop, anything else is counted."""
         self.engine = engine
         self.source = source

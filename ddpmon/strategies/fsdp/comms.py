@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..probes.comm import tensor_bytes
-from ..probes.grads import per_param_norms
+from ...probes.comm import tensor_bytes
+from ...probes.grads import per_param_norms
 
 if TYPE_CHECKING:
-    from .fsdp import FSDPSource
+    from .source import FSDPSource
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter

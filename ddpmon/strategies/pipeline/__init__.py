@@ -1,0 +1,1 @@
+"""Pipeline parallel (``torch.distributed.pipelining``): set-up, stage probes, origin, source."""
