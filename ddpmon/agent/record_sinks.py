@@ -14,6 +14,7 @@ from ..config import Config
 from ..forensics.history import HistorySink
 from ..probes.grads import ParamIndex
 from ..state import MetricState
+from ..step_metrics import chosen
 from .checkpoints import tag_evidence
 from .context import RunContext
 from .floor import FloorPolicy
@@ -94,6 +95,7 @@ class RecordSinks:
                     ctx.identity.device,
                     on_error=guard.error,
                     health=guard.writes,
+                    step_metrics=chosen(config.step_metrics),
                 )
                 if history is not None:
                     sinks.append(history)

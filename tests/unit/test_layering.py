@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, frozenset[str]]] = [
     })),
     ("names and who: catalogues, damage, identity",
      frozenset({"metrics", "rundir_catalogue", "damage", "identity"})),
+    ("the step fields, declared on the catalogue", frozenset({"step_fields"})),
     ("built on the catalogue", frozenset({"state", "step_metrics", "mixin", "hang_naming"})),
     ("options and device probes", frozenset({"config", "probes", "services", "flops"})),
     ("strategies", frozenset({"strategies", "clip"})),
