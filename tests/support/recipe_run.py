@@ -49,7 +49,7 @@ def one_run(run_dir: Path, shift: float, steps: int = 6, **options) -> dict:
 def reach(tmp: Path, column: str, **options) -> dict:
     """Runs A and B, and what each layer shows of ``column``."""
     a = one_run(tmp / "a", 0.0, **options)
-    b = one_run(tmp / "b", 3.0, **options)
+    one_run(tmp / "b", 3.0, **options)
     history = read_history(tmp / "a" / "r" / "history.rank0.arrow")
     comparison = compare_runs(tmp / "a" / "r", tmp / "b" / "r")
     series = {s.name: s.first_step for s in comparison.series}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import ddpmon
 from ddpmon import step_fields, step_metrics
 from ddpmon.config import ConfigError
 from ddpmon.forensics import history_schema
@@ -108,7 +109,6 @@ def test_a_per_step_metric_reaches_metrics_history_compare_and_report(tmp_path):
 
 def test_a_per_step_metric_object_is_checked_at_attach():
     with pytest.raises(ConfigError, match="a history column already"):
-        StepMetric("loss", TOKENS, tokens).name and __import__("ddpmon").Config(
-            step_metrics=[StepMetric("loss", TOKENS, tokens)])
+        ddpmon.Config(step_metrics=[StepMetric("loss", TOKENS, tokens)])
     with pytest.raises(ConfigError, match="PerStepMetric protocol"):
-        __import__("ddpmon").Config(step_metrics=[object()])
+        ddpmon.Config(step_metrics=[object()])
