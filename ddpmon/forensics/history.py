@@ -83,12 +83,9 @@ _MEM = COL["memory_bytes"]
 journal_path = history_journal_of
 
 
-def row_of(
-    record: StepRecord, groups: tuple[str, ...], memory: int | None, step_metrics: tuple = ()
-) -> tuple:
-    """The history row of one step record: a plain tuple in :data:`ROW_FIELDS` order, built by
-    column name (a column the schema gains and this misses is a ``KeyError``, not a shift),
-    then the values of ``step_metrics`` (their ``Metric``s; None: none this step)."""
+def row_of(record: StepRecord, groups: tuple, memory: int | None, step_metrics=()) -> tuple:
+    """One step's row: :data:`ROW_FIELDS` by name (a missing column is a ``KeyError``, not a
+    shift), then the values of ``step_metrics`` (their ``Metric``s; None: none this step)."""
     ar = [t for times in record.collective_seconds.values() for t in times]
     values = {f.name: getattr(record, f.name) for f in IN_HISTORY}  # the declared fields
     values.update({
@@ -101,10 +98,8 @@ def row_of(
         GROUPS_COLUMN: tuple(record.group_norms.get(g) for g in groups),
         **update_values(record.update_stats, groups),
     })
-    row = tuple(values[name] for name in ROW_FIELDS)
-    if step_metrics:
-        row += tuple(record.step_values.get(metric) for metric in step_metrics)
-    return row
+    steps = tuple(record.step_values.get(metric) for metric in step_metrics)
+    return tuple(values[name] for name in ROW_FIELDS) + steps
 
 
 def _notable(row: tuple) -> bool:
@@ -143,11 +138,8 @@ class Downsampler:
         return True
 
 
-def schema_for(
-    groups: tuple[str, ...], meta: dict[str, str] | None = None, step_columns: tuple = ()
-):
-    """The file's schema; ``step_columns``: the per-step metrics' float64 columns, after the
-    rest (named in the ``step_values`` metadata, which files without any lack)."""
+def schema_for(groups: tuple[str, ...], meta: dict | None = None, step_columns: tuple = ()):
+    """The file's schema; ``step_columns``: per-step metrics' float64 columns, at the end."""
     import pyarrow as pa  # pyarrow loads on the history thread only
 
     fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCALAR_COLUMNS]
@@ -202,8 +194,7 @@ class HistoryWriter:
     disk) and of the next good one; None: such failures go to ``on_error`` too."""
     max_pending: int = 8192
     """Rows kept in memory while writes fail; later rows are dropped (bounded memory)."""
-    step_columns: tuple[str, ...] = ()
-    """The per-step metrics' columns (``step_metrics.column_of``), after the others."""
+    step_columns: tuple[str, ...] = ()  # the per-step metrics' columns, after the others
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -402,13 +393,10 @@ class HistorySink:
 
     probe = "history"
 
-    def __init__(
-        self, writer: HistoryWriter, memory: Any = None, step_metrics: tuple = ()
-    ) -> None:
+    def __init__(self, writer: HistoryWriter, memory: Any = None, step_metrics=()) -> None:
         self.writer = writer
         self._groups = writer.groups
-        self._step_metrics = tuple(step_metrics)
-        """The per-step metrics' ``Metric``s, in ``writer.step_columns`` order."""
+        self._step_metrics = tuple(step_metrics)  # their Metrics, in step_columns order
         self._memory = memory
         """Cheap host-side reading (CUDA allocator counters); None on CPU (the writer fills
         the process RSS instead)."""
@@ -424,9 +412,8 @@ class HistorySink:
         health: Any = None,
         step_metrics: tuple = (),
     ) -> HistorySink | None:
-        """The sink for one rank, or None (one log line) when pyarrow is missing: a dependency
-        of ddpmon, so only a broken install lacks it. Nothing imports pyarrow here.
-        ``step_metrics``: the per-step metrics, each a column of its own."""
+        """The sink for one rank (``step_metrics``: each a column), or None (one log line)
+        when pyarrow is missing. Nothing imports pyarrow here."""
         if importlib.util.find_spec("pyarrow") is None:
             log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
                         "pyarrow); the numerics history (compare, report) is off")
