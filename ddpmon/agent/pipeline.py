@@ -38,7 +38,7 @@ from ..host_reads import host_read_free
 from ..probes.grads import ParamIndex, host_finite
 from ..state import StepRecord
 from ..step_fields import COMPUTED
-from ..step_metrics import StepInputs, StepMetric, evaluate
+from ..step_metrics import PerStepMetric, StepInputs, evaluate
 from ..strategies.base import GradientSource, GradSummaries
 from .guard import Guard
 from .observed import plain
@@ -68,7 +68,7 @@ class StepPipeline(StepPhase):
         layout: StepVectorLayout | None = None,
         readback: Readback | None = None,
         optimizer: Any = None,
-        step_metrics: Sequence[StepMetric] = (),
+        step_metrics: Sequence[PerStepMetric] = (),
         precision: Precision | None = None,
     ) -> None:
         self.source = source
