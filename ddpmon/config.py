@@ -136,7 +136,7 @@ class Config:
     grad_norm_tolerance: float = 1e-3
     """Relative difference above which a trainer-reported grad norm (``observe_grad_norm``)
     counts as a mismatch with ddpmon's own."""
-    step_metrics: tuple[str, ...] = ()
+    step_metrics: tuple[str, ...] = ()  # or objects: step_metrics.PerStepMetric
     """Opt-in per-step metrics, by name: ``learning_rate`` (``ddpmon_learning_rate``, the first
     parameter group's lr at each step). Each adds one series per rank, so none is on by default:
     a rank issuing four collective ops is at its 150-series budget without them. As a variable:
@@ -314,24 +314,31 @@ def _check_float(name: str, value: Any, low: float, high: float | None) -> None:
         raise ConfigError(f"{name}={value!r}: expected a finite number {bound}")
 
 
-def _check_step_metrics(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(
-        isinstance(v, str) for v in value
-    ):
+def _check_step_metrics(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
         raise ConfigError(
-            f"step_metrics={value!r}: expected a list of names, such as ['learning_rate']"
+            f"step_metrics={value!r}: expected a list of names, such as ['learning_rate'], "
+            "or per-step metric objects"
         )
     if not value:
         return ()
-    from .metrics.step_metrics import AVAILABLE  # imports torch: only when some are asked for
+    from .metrics.step_metrics import (  # imports torch: only when some are asked for
+        AVAILABLE,  # imports torch: only when some are asked for
+        problem,
+    )
 
-    unknown = [v for v in value if v not in AVAILABLE]
+    unknown = [v for v in value if isinstance(v, str) and v not in AVAILABLE]
     if unknown:
         raise ConfigError(
             f"step_metrics={list(value)!r}: unknown {', '.join(map(repr, unknown))}; "
             f"known: {', '.join(AVAILABLE)}"
         )
-    return tuple(dict.fromkeys(value))
+    for entry in value:
+        why = None if isinstance(entry, str) else problem(entry)
+        if why is not None:
+            raise ConfigError(f"step_metrics: {why}")
+    by_name = {v if isinstance(v, str) else v.name: v for v in value}
+    return tuple(by_name.values())
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")

@@ -35,7 +35,8 @@ import torch
 from ..host_reads import host_read_free
 from ..metrics import step_slots as slot
 from ..metrics.state import StepRecord
-from ..metrics.step_metrics import StepInputs, StepMetric, evaluate
+from ..metrics.step_fields import COMPUTED
+from ..metrics.step_metrics import PerStepMetric, StepInputs, evaluate
 from ..probes.grads import ParamIndex, host_finite
 from ..recorder.live_step import AFTER_BACKWARD, DATA, FORWARD, NO_LIVE, OPTIMIZER
 from ..strategies.base import GradientSource, GradSummaries
@@ -67,7 +68,7 @@ class StepPipeline(StepPhase):
         layout: StepVectorLayout | None = None,
         readback: Readback | None = None,
         optimizer: Any = None,
-        step_metrics: Sequence[StepMetric] = (),
+        step_metrics: Sequence[PerStepMetric] = (),
         precision: Precision | None = None,
     ) -> None:
         self.source = source
@@ -83,7 +84,8 @@ class StepPipeline(StepPhase):
         self.rerun: Any = None  # agent.rerun.StepRerun under on_nonfinite='rerun'
         self.probes: Any = None  # agent.update_wiring.SpikeParts: update squares, max logits
         self.layout = layout or StepVectorLayout(
-            (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics))
+            (*STEP_SLOTS, *source.extra_slots, *(m.slot for m in self.step_metrics),
+             *(f.slot for f in COMPUTED))
         )
         self.readback = readback or Readback(self.layout)
         self.readback.on_unreadable = self._unreadable
@@ -364,10 +366,11 @@ class StepPipeline(StepPhase):
         }
         if s.extension is not None:
             values.update(s.extension.values())
+        inputs = StepInputs(self.step, self.optimizer, self._loss, s)
         queued, on_host = (None, None) if not self.step_metrics else evaluate(
-            self.step_metrics, StepInputs(self.step, self.optimizer, self._loss, s), self.guard,
-            values,
+            self.step_metrics, inputs, self.guard, values,
         )
+        fields = evaluate(COMPUTED, inputs, self.guard, values, key=None) if COMPUTED else None
         meta = StepMeta(
             step=self.step,
             wall_time=end_wall,
@@ -380,6 +383,7 @@ class StepPipeline(StepPhase):
             skipped_by=skipped_by, host_skipped=host[0], host_scale_after=host[1],
             step_metrics=queued,
             step_values_host=on_host,
+            fields=fields,
             replica_check=replica_check,
             extras=self.probes,
         )

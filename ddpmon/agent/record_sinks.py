@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import Config
 from ..metrics.state import MetricState
+from ..metrics.step_metrics import chosen
 from ..probes.grads import ParamIndex
 from ..recorder.history import HistorySink
 from ..rundir.atomic import write_json_atomic
@@ -94,6 +95,7 @@ class RecordSinks:
                     ctx.identity.device,
                     on_error=guard.error,
                     health=guard.writes,
+                    step_metrics=chosen(config.step_metrics),
                 )
                 if history is not None:
                     sinks.append(history)

@@ -47,6 +47,9 @@ class StepMeta:
     """``agent.update_wiring.SpikeParts``: finishes the record from its own slots."""
     phases: tuple[float, ...] | None = None
     """The step's phase seconds (``step_split.PHASES`` order), None where unknown."""
+    fields: tuple[dict | None, dict | None] | None = None
+    """The computed step fields (``step_fields.COMPUTED``): (slot name -> field of the queued
+    ones, field -> host value)."""
 
 
 def build_record(
@@ -125,6 +128,13 @@ def build_record(
     for name, metric in (meta.step_metrics or {}).items():
         if name in parts:
             record.step_values[metric] = parts[name][0]
+    if meta.fields is not None:
+        queued, on_host = meta.fields
+        for field, value in (on_host or {}).items():
+            setattr(record, field.name, value)
+        for name, field in (queued or {}).items():
+            if name in parts:
+                setattr(record, field.name, parts[name][0])
     if meta.extras is not None:
         meta.extras.finish(record, parts, index, guard)
     if meta.replica_check is not None:

@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..metrics import COLLECTIVE_OPS
 from ..metrics.state import MetricState, StepRecord
+from ..metrics.step_fields import summary_values
 
 
 @runtime_checkable
@@ -252,24 +253,16 @@ class SummarySink:
             **self._head(),
             "steps": s.steps_total,
             "last_step": s.step,
-            "loss": s.loss,
-            "grad_norm": s.grad_norm,
-            "grad_local_norm": s.grad_local_norm,
-            "grad_nonfinite_steps": s.grad_nonfinite_steps_total,
-            "grad_nonfinite_origin_steps": s.grad_nonfinite_origin_steps_total,
-            "grad_nonfinite_poisoned_steps": s.grad_nonfinite_poisoned_steps_total,
+            **summary_values(s),  # the declared step fields (step_fields.IN_SUMMARY)
             "first_nonfinite": (
                 {"step": first.step, "param": first.param, "kind": first.kind} if first else None
             ),
-            "loss_scale": s.loss_scale,
-            "amp_skipped_steps": s.amp_skipped_steps_total,
             "steps_skipped": dict(s.steps_skipped_total),
             "skipped_steps": sum(s.steps_skipped_total.values()),
             "collective_p50_seconds": self.quantile(0.5),
             "collective_p99_seconds": self.quantile(0.99),
             "collective_count": s.collective_count(),
             "collectives": self.collectives(),
-            "grad_norm_mismatches": s.grad_norm_mismatch_total,
             "agent_errors": dict(s.agent_errors),
             "strategy": s.strategy,
         }

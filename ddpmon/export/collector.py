@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from .. import metrics as m
 from ..job.identity import RankIdentity
 from ..metrics.state import Histogram, MetricState
+from ..metrics.step_fields import EXPORTED, Fold
 from ..sources.allocator import AllocatorReading
 from ..sources.host import ProcessReading
 from ..sources.nvml import GpuReading
@@ -188,16 +189,10 @@ class DdpmonCollector(Collector):
             m.STEP: _one(s.step),
             m.STEPS: _one(s.steps_total),
             m.LAST_STEP_TIMESTAMP: _one(s.last_step_timestamp or s.started_at),
-            m.STEP_DURATION: s.step_duration,
-            m.DATA_WAIT: s.data_wait,
             **_step_parts(s),
-            m.DATA_IDENTICAL_BATCHES: _one(s.data_identical_batches_total),
             m.LOSS_NONFINITE: _one(s.loss_nonfinite_total),
-            m.GRAD_NONFINITE_STEPS: _one(s.grad_nonfinite_steps_total),
-            m.GRAD_NONFINITE_ORIGIN_STEPS: _one(s.grad_nonfinite_origin_steps_total),
-            m.GRAD_NONFINITE_POISONED_STEPS: _one(s.grad_nonfinite_poisoned_steps_total),
-            m.GRAD_NORM_MISMATCH: _one(s.grad_norm_mismatch_total),
             m.AGENT_ERRORS: [((probe,), n) for probe, n in sorted(dict(s.agent_errors).items())],
+            **_step_fields(s),
         }
         if s.replica_mismatch_total is not None:
             out[m.REPLICA_MISMATCH] = _one(s.replica_mismatch_total)
@@ -206,12 +201,6 @@ class DdpmonCollector(Collector):
             out[m.STEP_RERUNS] = [((v,), float(n)) for v, n in sorted(dict(reruns).items())]
         if s.stall_threshold_seconds is not None:
             out[m.STALL_THRESHOLD] = _one(s.stall_threshold_seconds)
-        if s.loss is not None:
-            out[m.LOSS] = _one(s.loss)
-        if s.grad_norm is not None:
-            out[m.GRAD_NORM] = _one(s.grad_norm)
-        if s.grad_local_norm is not None:
-            out[m.GRAD_LOCAL_NORM] = _one(s.grad_local_norm)
         if s.group_norms and exports_group_norms(self.series_profile, ident.rank, s.strategy):
             out[m.GRAD_GROUP_NORM] = [((g, ), v) for g, v in list(s.group_norms.items())]
         if s.update_ratios:
@@ -266,6 +255,19 @@ def _by_op(values: dict) -> list[tuple[str, Any]]:
     an op)."""
     items = dict(values)
     return sorted(items.items(), key=lambda kv: _OP_ORDER.get(kv[0], len(_OP_ORDER)))
+
+
+def _step_fields(s: MetricState) -> dict[m.Metric, Samples]:
+    """The declared step fields' series (``step_fields.EXPORTED``): a histogram, a count of
+    steps (from 0), or a last value (once there is one)."""
+    out: dict[m.Metric, Samples] = {}
+    for f in EXPORTED:
+        value = getattr(s, f.state_name)
+        if f.fold is Fold.HISTOGRAM:
+            out[f.metric] = value
+        elif value is not None:
+            out[f.metric] = _one(value)
+    return out
 
 
 def _step_parts(s: MetricState) -> dict[m.Metric, Samples]:

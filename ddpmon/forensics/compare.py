@@ -39,6 +39,7 @@ from ..recorder.history_read import History, iter_histories
 from ..rundir.damage import ReadWarnings
 from ..rundir.layout import HISTORY_RE, RunDir
 from .run_facts import Resume, load_manifest, ranks_present, resumes
+from .step_values import value_series
 from .timeline import RunDirError, resolve_run_path
 from .update_views import both_sampled, ratio_series
 
@@ -238,6 +239,7 @@ def _series(
     for g in first.groups:
         series[f"group:{g}"] = first.group(g)
     series.update(ratio_series(first))  # update/weight ratios, sampled steps (update_views)
+    series.update(value_series(first))  # declared step fields and per-step metrics
     return c["step"], series, first.groups, ranks, complete
 
 

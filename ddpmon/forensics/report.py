@@ -28,6 +28,7 @@ from .compare import CompareError, compare_runs, resolve_run
 from .goodput.plot import section as goodput_section
 from .report_data import RunView, load_view, rank_mean, single
 from .run_facts import load_manifest, ranks_present
+from .step_values import value_figures
 from .stragglers import html_section
 from .timeline import RunDirError, build_timeline, describe
 from .update_views import update_figures
@@ -318,6 +319,7 @@ def _plots(view: RunView, other: RunView | None) -> str:
     ax.plot(maxima.x, p99, color=rp.COLORS[3], lw=1.2, label=rp.plain("p99"))
     _safe_log(ax)
     out.append(_fig("collectives", fig))
+    out += value_figures(first, _fig)  # step values no view above names (step_values)
     return "".join(out)
 
 

@@ -10,26 +10,20 @@ import bisect
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
-from .types import MetricType
-
-STEP_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-DATA_WAIT_SECONDS_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    10.0,
+from . import MetricType
+from .step_fields import (  # noqa: F401  (the buckets re-exported: their old home)
+    DATA_WAIT_SECONDS_BUCKETS,
+    FOLDED,
+    REQUIRED,
+    STEP_FIELDS,
+    STEP_SECONDS_BUCKETS,
+    Fold,
+    state_default,
 )
+
 COLLECTIVE_SECONDS_BUCKETS = (0.0005, 0.004, 0.032, 0.256)
 """Factor-8 bounds, 0.5 ms to 0.25 s: 8 series per op (5 buckets, sum, count and the bytes
 counter), so a rank using four ops (PP+FSDP2) stays within the per-rank series budget with 32
@@ -107,63 +101,8 @@ class FirstNonfinite:
     kind: str  # "nan" | "inf"
 
 
-@dataclass(slots=True)
-class StepRecord:
-    """One completed step as read back from the device: plain Python numbers only."""
-
-    step: int
-    wall_time: float
-    duration_seconds: float | None
-    data_wait_seconds: float | None
-    loss: float | None = None
-    grad_norm: float | None = None
-    grad_local_norm: float | None = None
-    group_norms: dict[str, float] = field(default_factory=dict)
-    grad_nonfinite: bool = False
-    grad_nonfinite_param: str | None = None
-    grad_nonfinite_kind: str | None = None
-    local_nonfinite: bool = False
-    local_nonfinite_param: str | None = None
-    local_nonfinite_kind: str | None = None
-    loss_scale: float | None = None
-    amp_skipped: bool = False
-    collective_seconds: dict[str, list[float]] = field(default_factory=dict)
-    """``op -> durations`` of the collectives timed during the step (``probes.comm.OPS``)."""
-    collective_bytes: dict[str, int] = field(default_factory=dict)
-    data_identical_ranks: int | None = None
-    skipped_by: str | None = None
-    """Who skipped this optimizer step: ``scaler`` (a GradScaler or DeepSpeed fp16 found
-    Inf/NaN), ``engine`` (DeepSpeed's overflow check under bf16/fp32), ``policy``
-    (``on_nonfinite='skip'``), ``loop`` (the user's loop never called ``optimizer.step()``)."""
-    origin: bool = False
-    """This rank's local gradients went non-finite while the weights entering the step were
-    finite: the rank (and step) where a NaN/Inf started."""
-    poisoned: bool = False
-    """Local gradients non-finite only because an earlier non-finite step reached the weights."""
-    trainer_grad_norm: float | None = None
-    grad_norm_mismatch: bool = False
-    pp_origin: dict | None = None
-    """Pipeline parallel: where this rank's stage started a NaN/Inf (``stage``, ``microbatch``,
-    ``site``: activation, output, activation_grad or param_grad; ``param``)."""
-    entry_block: str | None = None
-    """Tensor parallel: the block nearest the loss whose output gradient was non-finite on this
-    rank (``strategies.block_entry``); ``entry_depth``: its place from the loss end (0: last)."""
-    entry_depth: int | None = None
-    origin_decided: bool = False
-    """The source classified origin/poisoned itself (pipeline parallel: per stage)."""
-    step_values: dict[Any, float] = field(default_factory=dict)
-    """The per-step metrics' values (``ddpmon.metrics.step_metrics``), keyed by their ``Metric``."""
-    phase_seconds: tuple[float, ...] | None = None
-    """Where the step's time went: data, forward, backward, optimizer, host, wait
-    (``agent.step_split.PHASES``); None where the step had no start."""
-    replica_divergence: dict | None = None
-    """A replica check at this step found replicas that differ from their group's majority
-    (``strategies.replicas.Divergence`` as a dict: ``ranks``, ``this_rank``, ``group``...)."""
-    update_stats: dict[str, dict[str, float]] | None = None
-    """A sampled step's per-group weight norm, update norm, update/weight ratio and moment
-    norms (``probes.updates``; ``agent.update_records.FIELDS``)."""
-    logit_max: dict[str, float] = field(default_factory=dict)
-    """The largest output of each ``logit_modules`` module at this step (``probes.logits``)."""
+class _RecordMethods:
+    __slots__ = ()
 
     def as_dict(self) -> dict:
         out = {}
@@ -177,50 +116,93 @@ class StepRecord:
         return out
 
 
+def _record_field(f) -> tuple:
+    if f.factory is not None:
+        return (f.name, f.dtype, field(default_factory=f.factory))
+    if f.default is REQUIRED:
+        return (f.name, f.dtype)
+    return (f.name, f.dtype, field(default=f.default))
+
+
+StepRecord = make_dataclass(
+    "StepRecord", [_record_field(f) for f in STEP_FIELDS], bases=(_RecordMethods,),
+    slots=True,
+)
+StepRecord.__module__ = __name__
+StepRecord.__doc__ = """One completed step as read back from the device: plain Python numbers only.
+Generated from ``step_fields.STEP_FIELDS`` (one declaration per field). What the fields hold:
+
+- ``collective_seconds``: ``op -> durations`` of the collectives timed during the step
+  (``probes.comm.OPS``); ``collective_bytes``: ``op -> bytes``.
+- ``skipped_by``: who skipped this optimizer step: ``scaler`` (a GradScaler or DeepSpeed fp16
+  found Inf/NaN), ``engine`` (DeepSpeed's overflow check under bf16/fp32), ``policy``
+  (``on_nonfinite='skip'``), ``loop`` (the user's loop never called ``optimizer.step()``).
+- ``origin``: this rank's local gradients went non-finite while the weights entering the step
+  were finite: the rank (and step) where a NaN/Inf started. ``poisoned``: local gradients
+  non-finite only because an earlier non-finite step reached the weights.
+- ``pp_origin``: pipeline parallel: where this rank's stage started a NaN/Inf (``stage``,
+  ``microbatch``, ``site``: activation, output, activation_grad or param_grad; ``param``).
+- ``entry_block``: tensor parallel: the block nearest the loss whose output gradient was
+  non-finite on this rank (``strategies.block_entry``); ``entry_depth``: its place from the
+  loss end (0: last). ``origin_decided``: the source classified origin/poisoned itself.
+- ``step_values``: the per-step metrics' values (``ddpmon.metrics.step_metrics``), keyed by
+  ``Metric``.
+- ``phase_seconds``: where the step's time went: data, forward, backward, optimizer, host, wait
+  (``agent.step_split.PHASES``); None where the step had no start.
+- ``replica_divergence``: a replica check at this step found replicas that differ from their
+  group's majority (``strategies.replicas.Divergence`` as a dict).
+- ``update_stats``: a sampled step's per-group weight norm, update norm, update/weight ratio
+  and moment norms (``probes.updates``; ``agent.update_records.FIELDS``).
+- ``logit_max``: the largest output of each ``logit_modules`` module (``probes.logits``).
+"""
+
+
 def _jsonable(value):
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
 
 
+def _state_field(f) -> tuple:
+    if f.fold is Fold.HISTOGRAM:
+        return (f.state_name, Histogram, field(default_factory=lambda: Histogram(f.buckets)))
+    kind = int if f.fold is Fold.COUNT else f.dtype
+    return (f.state_name, kind, field(default=state_default(f)))
+
+
+_FoldedState = make_dataclass(
+    "_FoldedState", [_state_field(f) for f in FOLDED], slots=True
+)
+_FoldedState.__module__ = __name__
+"""The step fields' folded values (``step_fields.FOLDED``: a last value, a count of steps, a
+histogram), named by their declarations' ``state``."""
+
+
 @dataclass(slots=True)
-class MetricState:
-    """Latest values and counters of one rank, exactly what the collector exposes."""
+class MetricState(_FoldedState):
+    """Latest values and counters of one rank, exactly what the collector exposes: the folded
+    step fields (generated: ``_FoldedState``) and what needs more than a fold."""
 
     step: int = -1
     steps_total: int = 0
     last_step_timestamp: float = 0.0
     started_at: float = field(default_factory=time.time)
-    loss: float | None = None
     loss_nonfinite_total: int = 0
-    grad_norm: float | None = None
-    grad_local_norm: float | None = None
     group_norms: dict[str, float] = field(default_factory=dict)
-    grad_nonfinite_steps_total: int = 0
-    grad_nonfinite_origin_steps_total: int = 0
     first_nonfinite: FirstNonfinite | None = None
     amp_enabled: bool = False
-    loss_scale: float | None = None
     loss_scale_floor: float = 1.0
-    amp_skipped_steps_total: int = 0
     steps_skipped_total: dict[str, int] = field(default_factory=dict)
     """``by -> steps skipped``: the skippers this rank can have, each from 0
     (:func:`possible_skippers`)."""
     collective_bytes_total: dict[str, int] = field(default_factory=dict)
     """``op -> bytes``; an op appears at its first observation (only ops in use are exported)."""
-    data_identical_batches_total: int = 0
-    step_duration: Histogram = field(default_factory=lambda: Histogram(STEP_SECONDS_BUCKETS))
-    data_wait: Histogram = field(default_factory=lambda: Histogram(DATA_WAIT_SECONDS_BUCKETS))
     collective_duration: dict[str, Histogram] = field(default_factory=dict)
     """``op -> histogram``, created at the first observation of that op."""
     agent_errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CORE_PROBES, 0))
     """Pre-set to 0 for the core probes so ``increase()`` sees their first failure."""
     version: int = 0
     """Bumped after every change so the exposition cache knows when to re-render."""
-    grad_nonfinite_poisoned_steps_total: int = 0
-    """Local non-finite steps caused by an earlier non-finite update, not by this rank."""
-    grad_norm_mismatch_total: int = 0
-    """Steps where a trainer-reported norm differed from ddpmon's beyond the tolerance."""
     stall_threshold_seconds: float | None = None
     """The agent's ``stall_seconds``, exported so alerts compare against it; None: not set."""
     strategy: str = "plain"
@@ -289,50 +271,36 @@ class MetricState:
         self.step = record.step
         self.steps_total += 1
         self.last_step_timestamp = record.wall_time
-        if record.duration_seconds is not None:
-            self.step_duration.observe(record.duration_seconds)
-        if record.data_wait_seconds is not None:
-            self.data_wait.observe(record.data_wait_seconds)
+        for f in FOLDED:
+            value = getattr(record, f.name)
+            if f.fold is Fold.LAST:
+                if value is not None:
+                    setattr(self, f.state_name, value)
+            elif f.fold is Fold.COUNT:
+                if value:
+                    setattr(self, f.state_name, getattr(self, f.state_name) + 1)
+            elif value is not None:  # Fold.HISTOGRAM
+                getattr(self, f.state_name).observe(value)
         if record.phase_seconds is not None:
             _, forward, backward, optimizer, _, wait = record.phase_seconds
             parts = self.step_part_seconds_total
             parts["compute"] = parts.get("compute", 0.0) + forward + backward + optimizer
             parts["wait"] = parts.get("wait", 0.0) + wait
-        if record.loss is not None:
-            self.loss = record.loss
-            if not math.isfinite(record.loss):
-                self.loss_nonfinite_total += 1
-        if record.grad_norm is not None:
-            self.grad_norm = record.grad_norm
-        if record.grad_local_norm is not None:
-            self.grad_local_norm = record.grad_local_norm
+        if record.loss is not None and not math.isfinite(record.loss):
+            self.loss_nonfinite_total += 1
         if record.group_norms:
             self.group_norms = record.group_norms
-        if record.grad_nonfinite:
-            self.grad_nonfinite_steps_total += 1
-        if record.poisoned:
-            self.grad_nonfinite_poisoned_steps_total += 1
-        if record.grad_norm_mismatch:
-            self.grad_norm_mismatch_total += 1
         for op, nbytes in record.collective_bytes.items():
             self.collective_bytes_total[op] = self.collective_bytes_total.get(op, 0) + nbytes
-        if record.origin:
-            self.grad_nonfinite_origin_steps_total += 1
-            if self.first_nonfinite is None:
-                self.first_nonfinite = FirstNonfinite(
-                    record.step,
-                    record.local_nonfinite_param or "unknown",
-                    record.local_nonfinite_kind or "nan",
-                )
-        if record.loss_scale is not None:
-            self.loss_scale = record.loss_scale
-        if record.amp_skipped:
-            self.amp_skipped_steps_total += 1
+        if record.origin and self.first_nonfinite is None:
+            self.first_nonfinite = FirstNonfinite(
+                record.step,
+                record.local_nonfinite_param or "unknown",
+                record.local_nonfinite_kind or "nan",
+            )
         if record.skipped_by is not None:
             by = record.skipped_by
             self.steps_skipped_total[by] = self.steps_skipped_total.get(by, 0) + 1
-        if record.data_identical_ranks:
-            self.data_identical_batches_total += 1
         divergence = record.replica_divergence
         if divergence is not None and divergence.get("this_rank"):
             self.replica_mismatch_total = (self.replica_mismatch_total or 0) + 1

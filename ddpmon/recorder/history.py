@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from ..metrics.state import StepRecord
+from ..metrics.step_fields import IN_HISTORY
 from ..rundir.atomic import write_bytes_atomic
 from ..rundir.layout import RunDir, history_journal_of
 from ..rundir.writes import is_write_error
@@ -61,7 +62,9 @@ from .history_schema import (  # noqa: F401  (re-exported: the history's public 
     SCALAR_COLUMNS,
     SKIPPED_CODES,
     SKIPPED_NAMES,
+    STEP_VALUES_KEY,
     UPDATE_COLUMNS,
+    column_of,
     phase_columns,
     update_values,
 )
@@ -80,25 +83,13 @@ _MEM = COL["memory_bytes"]
 journal_path = history_journal_of
 
 
-def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> tuple:
-    """The history row of one step record: a plain tuple in :data:`ROW_FIELDS` order, built by
-    column name (a column the schema gains and this misses is a ``KeyError``, not a shift)."""
+def row_of(record: StepRecord, groups: tuple, memory: int | None, step_metrics=()) -> tuple:
+    """One step's row: :data:`ROW_FIELDS` by name (a missing column is a ``KeyError``, not a
+    shift), then the values of ``step_metrics`` (their ``Metric``s; None: none this step)."""
     ar = [t for times in record.collective_seconds.values() for t in times]
-    values = {
-        "step": record.step,
-        "wall_time": record.wall_time,
-        "loss": record.loss,
-        "grad_norm": record.grad_norm,
-        "grad_local_norm": record.grad_local_norm,
-        "grad_nonfinite": record.grad_nonfinite,
-        "local_nonfinite": record.local_nonfinite,
-        "origin": record.origin,
-        "poisoned": record.poisoned,
-        "loss_scale": record.loss_scale,
-        "amp_skipped": record.amp_skipped,
+    values = {f.name: getattr(record, f.name) for f in IN_HISTORY}  # the declared fields
+    values.update({
         "skipped_by": SKIPPED_CODES.get(record.skipped_by, 0),
-        "duration_seconds": record.duration_seconds,
-        "data_wait_seconds": record.data_wait_seconds,
         "collective_count": len(ar),
         "collective_mean_seconds": (sum(ar) / len(ar)) if ar else None,
         "collective_max_seconds": max(ar) if ar else None,
@@ -106,8 +97,9 @@ def row_of(record: StepRecord, groups: tuple[str, ...], memory: int | None) -> t
         **phase_columns(record.phase_seconds),
         GROUPS_COLUMN: tuple(record.group_norms.get(g) for g in groups),
         **update_values(record.update_stats, groups),
-    }
-    return tuple(values[name] for name in ROW_FIELDS)
+    })
+    steps = tuple(record.step_values.get(metric) for metric in step_metrics)
+    return tuple(values[name] for name in ROW_FIELDS) + steps
 
 
 def _notable(row: tuple) -> bool:
@@ -146,16 +138,19 @@ class Downsampler:
         return True
 
 
-def schema_for(groups: tuple[str, ...], meta: dict[str, str] | None = None):
+def schema_for(groups: tuple[str, ...], meta: dict | None = None, step_columns: tuple = ()):
+    """The file's schema; ``step_columns``: per-step metrics' float64 columns, at the end."""
     import pyarrow as pa  # pyarrow loads on the history thread only
 
     fields = [pa.field(name, getattr(pa, kind)()) for name, kind in SCALAR_COLUMNS]
     fields.append(pa.field(GROUPS_COLUMN, pa.list_(pa.float32(), len(groups))))
     fields += [pa.field(name, pa.list_(pa.float32(), len(groups))) for name in UPDATE_COLUMNS]
+    fields += [pa.field(name, pa.float64()) for name in step_columns]
     metadata = {
         "ddpmon.history": "1",
         "groups": json.dumps(list(groups)),
         "skipped_by": json.dumps({str(v): k for k, v in SKIPPED_CODES.items()}),
+        **({STEP_VALUES_KEY: json.dumps(list(step_columns))} if step_columns else {}),
         **(meta or {}),
     }
     return pa.schema(fields, metadata=metadata)
@@ -172,7 +167,8 @@ def batch_of(rows: list[tuple], schema) -> Any:
     flat = [v for norms in columns[len(SCALAR_COLUMNS)] for v in norms]
     child = pa.array(flat, type=pa.float32()) if flat else pa.array([], pa.float32())
     arrays.append(pa.FixedSizeListArray.from_arrays(child, width))
-    for name, values in zip(UPDATE_COLUMNS, columns[len(SCALAR_COLUMNS) + 1:], strict=True):
+    rest = schema.names[len(SCALAR_COLUMNS) + 1:]  # the update columns, then step values
+    for name, values in zip(rest, columns[len(SCALAR_COLUMNS) + 1:], strict=True):
         arrays.append(pa.array(values, type=schema.field(name).type))
     return pa.record_batch(arrays, schema=schema)
 
@@ -198,6 +194,7 @@ class HistoryWriter:
     disk) and of the next good one; None: such failures go to ``on_error`` too."""
     max_pending: int = 8192
     """Rows kept in memory while writes fail; later rows are dropped (bounded memory)."""
+    step_columns: tuple[str, ...] = ()  # the per-step metrics' columns, after the others
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -236,7 +233,7 @@ class HistoryWriter:
     # ---------------------------------------------------------------- writer thread
     def _run(self) -> None:
         try:
-            self._schema = schema_for(self.groups, self.meta)
+            self._schema = schema_for(self.groups, self.meta, self.step_columns)
         except Exception as exc:
             self._dead = True
             self._queue.clear()
@@ -396,9 +393,10 @@ class HistorySink:
 
     probe = "history"
 
-    def __init__(self, writer: HistoryWriter, memory: Any = None) -> None:
+    def __init__(self, writer: HistoryWriter, memory: Any = None, step_metrics=()) -> None:
         self.writer = writer
         self._groups = writer.groups
+        self._step_metrics = tuple(step_metrics)  # their Metrics, in step_columns order
         self._memory = memory
         """Cheap host-side reading (CUDA allocator counters); None on CPU (the writer fills
         the process RSS instead)."""
@@ -412,9 +410,10 @@ class HistorySink:
         device: str,
         on_error: Any = None,
         health: Any = None,
+        step_metrics: tuple = (),
     ) -> HistorySink | None:
-        """The sink for one rank, or None (one log line) when pyarrow is missing: a dependency
-        of ddpmon, so only a broken install lacks it. Nothing imports pyarrow here."""
+        """The sink for one rank (``step_metrics``: each a column), or None (one log line)
+        when pyarrow is missing. Nothing imports pyarrow here."""
         if importlib.util.find_spec("pyarrow") is None:
             log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
                         "pyarrow); the numerics history (compare, report) is off")
@@ -430,12 +429,13 @@ class HistorySink:
             memory=None if memory is not None else process_rss,
             on_error=on_error,
             health=health,
+            step_columns=tuple(column_of(e) for e in step_metrics),
         )
-        return cls(writer, memory)
+        return cls(writer, memory, tuple(e.metric for e in step_metrics))
 
     def on_record(self, record: StepRecord) -> None:
         mem = self._memory() if self._memory is not None else None
-        self.writer.put(row_of(record, self._groups, mem))
+        self.writer.put(row_of(record, self._groups, mem, self._step_metrics))
 
     def close(self) -> None:
         self.writer.close()

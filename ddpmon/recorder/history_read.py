@@ -8,7 +8,7 @@ every complete batch of both files and keeps the last row of each step.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from .history_schema import (
     OLD_NAMES,
     OPTIONAL_COLUMNS,
     SCALAR_COLUMNS,
+    STEP_VALUES_KEY,
     UPDATE_COLUMNS,
 )
 
@@ -49,6 +50,8 @@ class History:
     memory_kind: str | None = None
     torn: bool = False
     """The file ended in a torn message (the writer was killed mid-write); rows before it kept."""
+    step_values: list[str] = field(default_factory=list)
+    """The per-step metrics' columns this file has (``step_values`` schema metadata)."""
 
     def __len__(self) -> int:
         return len(self.columns["step"])
@@ -164,6 +167,9 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
         cols[GROUPS_COLUMN] = np.full((len(table), 0), np.nan)
     for name in UPDATE_COLUMNS:  # absent from files written before them: all NaN
         cols[name] = _group_list(table, name, len(groups))
+    step_values = step_value_columns(meta.get(STEP_VALUES_KEY), schema, cols)
+    for name in step_values:
+        cols[name] = table.column(name).to_numpy(zero_copy_only=False).astype("float64")
     # last row of each step wins (journal rows re-read after a seal), sorted by step
     steps = cols["step"]
     order = np.lexsort((np.arange(len(steps)), steps))
@@ -173,7 +179,24 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
     keep = order[last]
     cols = {k: v[keep] for k, v in cols.items()}
     r = rank if rank is not None else _int(meta.get("rank"), -1)
-    return History(r, groups, cols, meta.get("memory_kind"), torn)
+    return History(r, groups, cols, meta.get("memory_kind"), torn, step_values)
+
+
+def step_value_columns(text: str | None, schema: Any, taken: dict) -> list[str]:
+    """The per-step metrics' columns named in the ``step_values`` metadata (hostile JSON):
+    names of float columns of the schema that are no column of the format; others ignored."""
+    import pyarrow as pa  # with numpy, only where a history is read: a light CLI start
+
+    if not text:
+        return []
+    try:
+        names = parse_json(text)
+    except ValueError:
+        return []
+    if not isinstance(names, list):
+        return []
+    return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in taken
+            and n in schema.names and pa.types.is_floating(schema.field(n).type)]
 
 
 def _group_list(table: Any, name: str, width: int) -> Any:

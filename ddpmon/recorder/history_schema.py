@@ -3,26 +3,14 @@
 
 from __future__ import annotations
 
+from ..metrics.step_fields import IN_HISTORY
+
 SKIPPED_CODES = {None: 0, "scaler": 1, "policy": 2, "loop": 3, "engine": 4}
 """``skipped_by`` as a small integer column; the mapping is also in the schema metadata."""
 SKIPPED_NAMES = {v: k for k, v in SKIPPED_CODES.items()}
 
-SCALAR_COLUMNS = (
-    # name, arrow type name
-    ("step", "int64"),
-    ("wall_time", "float64"),
-    ("loss", "float32"),
-    ("grad_norm", "float32"),
-    ("grad_local_norm", "float32"),
-    ("grad_nonfinite", "bool_"),
-    ("local_nonfinite", "bool_"),
-    ("origin", "bool_"),
-    ("poisoned", "bool_"),
-    ("loss_scale", "float32"),
-    ("amp_skipped", "bool_"),
-    ("skipped_by", "uint8"),
-    ("duration_seconds", "float32"),
-    ("data_wait_seconds", "float32"),
+DERIVED_COLUMNS = (
+    # name, arrow type name: columns no single step field holds (built in ``history.row_of``)
     ("collective_count", "int32"),
     ("collective_mean_seconds", "float32"),
     ("collective_max_seconds", "float32"),
@@ -33,6 +21,17 @@ SCALAR_COLUMNS = (
     ("host_seconds", "float32"),
     ("wait_seconds", "float32"),
 )
+FORMAT_ORDER = (
+    "step", "wall_time", "loss", "grad_norm", "grad_local_norm", "grad_nonfinite",
+    "local_nonfinite", "origin", "poisoned", "loss_scale", "amp_skipped", "skipped_by",
+    "duration_seconds", "data_wait_seconds", *(name for name, _ in DERIVED_COLUMNS),
+)
+"""The order the columns have been written in since the format's first files (frozen: readers
+index by name, but a file's layout follows it). A step field declared later
+(``step_fields.IN_HISTORY``) is appended after these, and reads as null from older files."""
+_TYPES = {f.name: f.column for f in IN_HISTORY} | dict(DERIVED_COLUMNS)
+ADDED_COLUMNS = tuple(f.name for f in IN_HISTORY if f.name not in FORMAT_ORDER)
+SCALAR_COLUMNS = tuple((name, _TYPES[name]) for name in (*FORMAT_ORDER, *ADDED_COLUMNS))
 """The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
 OLD_NAMES = {
     "collective_count": "allreduce_count",
@@ -44,7 +43,7 @@ PHASE_COLUMNS = (
     "forward_seconds", "backward_seconds", "optimizer_seconds", "host_seconds", "wait_seconds"
 )
 """A step's parts after its data wait (``agent.step_split.PHASES[1:]``)."""
-OPTIONAL_COLUMNS = frozenset(PHASE_COLUMNS)
+OPTIONAL_COLUMNS = frozenset((*PHASE_COLUMNS, *ADDED_COLUMNS))
 """Columns added since files were first written: a file without them reads them as null."""
 
 
@@ -52,6 +51,16 @@ def phase_columns(phases: tuple[float, ...] | None) -> dict[str, float | None]:
     """The phase columns of a record's ``phase_seconds`` (all null where unknown)."""
     values = phases[1:] if phases is not None else (None,) * len(PHASE_COLUMNS)
     return dict(zip(PHASE_COLUMNS, values, strict=True))
+
+
+STEP_VALUES_KEY = "step_values"
+"""Schema metadata: the per-step metrics' columns (a JSON list), in a file that has any."""
+
+
+def column_of(entry) -> str:
+    """A per-step metric's history column: its name (``Config.step_metrics``); one that would
+    shadow a column of the format is refused when the metric is chosen."""
+    return entry.name
 
 
 GROUPS_COLUMN = "group_norms"
@@ -71,23 +80,7 @@ COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 cheaply; everyone else indexes them by name through this table)."""
 
 COLUMN_DOCS = {
-    "step": "optimizer step (the loop's own counter)",
-    "wall_time": "`time.time()` when the step completed",
-    "loss": "this rank's loss of the step (`observe_loss`, an integration), unscaled; null "
-    "when not reported (a `Partial` DTensor loss: this rank's share, the ranks' mean is the "
-    "full loss)",
-    "grad_norm": "global L2 norm of the reduced, unscaled gradients, before clipping",
-    "grad_local_norm": "this rank's norm before the reduction (null when not measured that step)",
-    "grad_nonfinite": "the reduced gradients held NaN/Inf",
-    "local_nonfinite": "this rank's local gradients held NaN/Inf",
-    "origin": "this rank was an origin of non-finite gradients at this step",
-    "poisoned": "non-finite only because an earlier non-finite step was applied",
-    "loss_scale": "AMP loss scale (null without a loss scaler)",
-    "amp_skipped": "the loss scaler (a GradScaler or DeepSpeed fp16) skipped the step",
-    "skipped_by": "who skipped the step: 0 none, 1 scaler, 2 policy (`on_nonfinite=skip`), "
-    "3 loop, 4 engine (DeepSpeed bf16/fp32)",
-    "duration_seconds": "step time",
-    "data_wait_seconds": "end of the previous step to the first forward of this one",
+    **{f.name: f.column_doc for f in IN_HISTORY},
     "collective_count": "collectives timed in the step, every op (DDP: one per bucket)",
     "collective_mean_seconds": "mean collective time (null without timed collectives)",
     "collective_max_seconds": "slowest collective of the step",

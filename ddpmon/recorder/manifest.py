@@ -97,6 +97,8 @@ def build_manifest(
     ``nvml`` (an ``NvmlSource``) is injectable for tests."""
     ident = _as_dict(identity)
     cfg = _as_dict(config)
+    if cfg.get("step_metrics"):  # a per-step metric object is written by its name
+        cfg["step_metrics"] = [getattr(v, "name", v) for v in cfg["step_metrics"]]
     extra = dict(extra or {})
     versions = dict(versions or {})
     not_applicable: dict[str, str] = {}

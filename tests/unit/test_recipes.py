@@ -44,16 +44,15 @@ MODEL_PARAMS: list[torch.Tensor] = []
 
 
 @pytest.fixture
-def declared(monkeypatch):
-    """The recipe's two steps, for three made-up metrics (the real ones sit in
-    ``step_metrics.AVAILABLE`` the same way)."""
-    for entry in (
+def declared():
+    """The recipe's two steps, for three made-up metrics: objects passed to ``attach`` beside
+    a built-in's name (the built-in ones sit in ``step_metrics.AVAILABLE`` the same way)."""
+    return [
         StepMetric("weight_abs_max", WEIGHT_MAX, lambda i: weight_abs_max(i).max()),
         StepMetric("tokens", TOKENS, tokens),
         StepMetric("broken", Metric("ddpmon_test_broken", MetricType.GAUGE, "Never set.",
                                     Layer.NUMERICS), broken),
-    ):
-        monkeypatch.setitem(step_metrics.AVAILABLE, entry.name, entry)
+    ]
 
 
 def test_a_per_step_metric_is_its_declaration_and_its_computation(declared, tmp_path, caplog):
@@ -65,7 +64,7 @@ def test_a_per_step_metric_is_its_declaration_and_its_computation(declared, tmp_
     with caplog.at_level(logging.ERROR, logger="ddpmon"):
         mon = ddpmon.attach(model, opt, port=free_port(), bind="127.0.0.1",
                             run_dir=str(tmp_path),
-                            step_metrics=["learning_rate", "weight_abs_max", "tokens", "broken"])
+                            step_metrics=["learning_rate", *declared])
     try:
         lrs = []
         for _ in range(3):
