@@ -139,8 +139,16 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for kind, idx in kinds.items():
         if idx:
             part = [tensors[i] for i in idx]
-            norms[idx] = _CPU_NORMS[kind](part).to(torch.float64)
+            norms[_as_slice(idx)] = _CPU_NORMS[kind](part).to(torch.float64)
     return _widen_checked(norms, tensors)
+
+
+def _as_slice(idx: list[int]) -> slice | list[int]:
+    """Evenly spaced positions (interleaved weights, biases) as a slice: no index tensor."""
+    step = idx[1] - idx[0] if len(idx) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(idx, idx[1:], strict=False)):
+        return slice(idx[0], idx[-1] + 1, step)
+    return idx
 
 
 _WIDE = (torch.float32, torch.float64)

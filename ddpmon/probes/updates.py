@@ -181,19 +181,23 @@ class UpdateProbe:
     def _measure(self, before: Sequence[torch.Tensor]) -> torch.Tensor:
         params = self.index.params
         after = [_local(p).detach() for p in params]
-        weights = per_param_norms(after)
-        for mine, now in zip(before, after, strict=True):  # our copies: the update in place
-            mine.sub_(now)  # w_before - w_after: the update's norm, its sign aside
-        updates = per_param_norms(list(before))
-        device = weights.device
-        parts = [weights, updates]
+        # our copies: the update in place, w_before - w_after (its norm, the sign aside); one
+        # foreach call, the same elementwise subtraction as a sub_ per tensor
+        if after:
+            torch._foreach_sub_(list(before), after)
+        # weights and updates in one norm pass: each tensor's norm is its own reduction, the
+        # same bits as two passes, in half the calls and without a concatenation
+        vector = per_param_norms([*after, *before]).to(dtype=torch.float64)
+        device = vector.device
+        parts = 2
         if self.moments:
-            parts.extend(self._moments(params, device))
-        vector = torch.cat([p.to(device=device, dtype=torch.float64) for p in parts])
+            moments = self._moments(params, device)
+            vector = torch.cat([vector, *moments])
+            parts += 2
         vector = vector * vector
         if self.plan is None:
             return vector
-        vector = vector.to(self.plan.device) * self.plan.mask.repeat(len(parts))
+        vector = vector.to(self.plan.device) * self.plan.mask.repeat(parts)
         work = self.plan.start(vector)
         if work is not None:
             work.wait()  # a stream wait under NCCL; gloo: the peers' share, sampled steps only
@@ -202,7 +206,7 @@ class UpdateProbe:
     def _moments(self, params: Sequence[torch.Tensor], device: torch.device) -> list:
         """Norms of each moment per parameter (zeros where a parameter has no state here)."""
         state = self.optimizer.state
-        out = []
+        found = []
         for name in MOMENTS:
             where, tensors = [], []
             for i, p in enumerate(params):
@@ -211,7 +215,13 @@ class UpdateProbe:
                 if isinstance(value, torch.Tensor) and value.numel() > 0:
                     where.append(i)
                     tensors.append(_local(value).detach())
-            if len(where) == len(params):  # the usual step: every parameter has its state
+            found.append((where, tensors))
+        if all(len(where) == len(params) for where, _ in found):  # the usual step: all state
+            both = [t for _, tensors in found for t in tensors]  # one norm pass for both
+            return [per_param_norms(both).to(device=device, dtype=torch.float64)]
+        out = []
+        for where, tensors in found:
+            if len(where) == len(params):
                 out.append(per_param_norms(tensors).to(device=device, dtype=torch.float64))
                 continue
             norms = torch.zeros(len(params), dtype=torch.float64, device=device)
