@@ -1,7 +1,8 @@
 """Step-time overhead of ddpmon on FSDP2, measured side by side in one 2-rank gloo job on CPU.
 
-Modes (each with its own identical ``fully_shard``-ed replica in the same job, interleaved step
-by step in a shuffled order per round, so that drift and noise hit every mode alike):
+Modes (each with its own identical ``fully_shard``-ed replica in the same job; a round runs
+``--block`` steps of each mode back to back, the modes in a shuffled order, so that drift and
+noise hit every mode alike):
   base     unmonitored FSDP2
   source   the FSDP2 gradient source's per-step work alone, as the agent runs it by default
            (``on_nonfinite='record'``): the wrapped reduce-scatter (one norm pass over the
@@ -10,8 +11,10 @@ by step in a shuffled order per round, so that drift and noise hit every mode al
            thread finishes it, as the agent's record thread does)
   agent    ``ddpmon.attach(...)`` on the replica (source + step pipeline + readback + endpoint)
 
-Reports medians and quartiles of per-round ratios source/base and agent/base.
-Usage: python benchmarks/fsdp_overhead.py [--rounds N] [--d-model D] [--layers L] [--batch B]
+Reports medians, quartiles and min-max of per-round ratios (of block sums) source/base and
+agent/base.
+Usage: python benchmarks/fsdp_overhead.py [--rounds N] [--block N] [--d-model D] [--layers L]
+       [--batch B]
 (rank processes are launched by this script; --worker is internal).
 """
 

@@ -2,16 +2,17 @@
 CPU, measured side by side.
 
 Modes (each with its own identical split model, ``PipelineStage`` and ``ScheduleGPipe`` in the
-same job, interleaved step by step in a shuffled order per round, the same order on both ranks
-since every ``schedule.step()`` is collective):
+same job; a round runs ``--block`` steps of each mode back to back, the modes in a shuffled
+order, the same order on both ranks since every ``schedule.step()`` is collective):
   base     unmonitored
   agent    ``ddpmon.attach(part, opt, schedule=schedule)`` (stage probes per micro-batch, one norm
            pass after ``schedule.step()``, the 2-number pp all-reduce, step pipeline, readback,
            endpoint)
 
-Reports the median and quartiles of per-round ratios agent/base, and the time inside ddpmon's
-pipeline source per step.
-Usage: python benchmarks/pp_overhead.py [--rounds N] [--d-model D] [--layers L] [--batch B]
+Reports the median, quartiles and min-max of per-round ratios (of block sums) agent/base, and
+the time inside ddpmon's pipeline source per step.
+Usage: python benchmarks/pp_overhead.py [--rounds N] [--block N] [--d-model D] [--layers L]
+       [--batch B]
 (rank processes are launched by this script; --worker is internal).
 """
 
