@@ -73,6 +73,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return dtensor_local(tensor) if hasattr(tensor, "device_mesh") else tensor
 
 
+def _pieces(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [_local(p).detach() for p in params]
+
+
+def _plain_pieces(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach() for p in params]
+
+
 class Reduction(Protocol):
     """What the probe needs of the strategies' reduction plan (``dtensor_norms``)."""
 
@@ -122,6 +130,9 @@ class UpdateProbe:
         """Set on the host (a spike was seen): sample the next step too. Honoured only where
         no collective is needed (one process, DDP), since ranks do not agree on when they
         read their records."""
+        self._pieces = (_pieces if any(hasattr(p, "device_mesh") for p in index.params)
+                        else _plain_pieces)
+        """This rank's pieces of the parameters (plain tensors: themselves, decided once)."""
         self._before: list[torch.Tensor] | None = None
         self._result: torch.Tensor | None = None
         self._index_cache: dict[tuple, torch.Tensor] = {}
@@ -154,7 +165,7 @@ class UpdateProbe:
                 self._skip()
                 return
             with torch.no_grad():
-                self._before = [_local(p).detach().clone() for p in self.index.params]
+                self._before = [p.clone() for p in self._pieces(self.index.params)]
         except Exception as exc:
             self._before = None
             self._on_error("updates", exc)
@@ -180,7 +191,7 @@ class UpdateProbe:
 
     def _measure(self, before: Sequence[torch.Tensor]) -> torch.Tensor:
         params = self.index.params
-        after = [_local(p).detach() for p in params]
+        after = self._pieces(params)
         # our copies: the update in place, w_before - w_after (its norm, the sign aside); one
         # foreach call, the same elementwise subtraction as a sub_ per tensor
         if after:
