@@ -1,7 +1,8 @@
 """Step-time overhead of ddpmon on FSDP2, measured side by side in one 2-rank gloo job on CPU.
 
-Modes (each with its own identical ``fully_shard``-ed replica in the same job, interleaved step
-by step in a shuffled order per round, so that drift and noise hit every mode alike):
+Modes (each with its own identical ``fully_shard``-ed replica in the same job; a round runs
+``--block`` steps of each mode back to back, the modes in a shuffled order, so that drift and
+noise hit every mode alike):
   base     unmonitored FSDP2
   source   the FSDP2 gradient source's per-step work alone, as the agent runs it by default
            (``on_nonfinite='record'``): the wrapped reduce-scatter (one norm pass over the
@@ -10,8 +11,10 @@ by step in a shuffled order per round, so that drift and noise hit every mode al
            thread finishes it, as the agent's record thread does)
   agent    ``ddpmon.attach(...)`` on the replica (source + step pipeline + readback + endpoint)
 
-Reports medians and quartiles of per-round ratios source/base and agent/base.
-Usage: python benchmarks/fsdp_overhead.py [--rounds N] [--d-model D] [--layers L] [--batch B]
+Reports medians, quartiles and min-max of per-round ratios (of block sums) source/base and
+agent/base.
+Usage: python benchmarks/fsdp_overhead.py [--rounds N] [--block N] [--d-model D] [--layers L]
+       [--batch B]
 (rank processes are launched by this script; --worker is internal).
 """
 
@@ -119,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
             order = list(MODES)
             schedule.shuffle(order)
             inside.update(dict.fromkeys(parts, 0.0))
-            times = {mode: step(mode) for mode in order}
+            times = {mode: sum(step(mode) for _ in range(args.block)) for mode in order}
             times.update(inside)
             times["inside"] = sum(inside.values())
             rounds.append(times)
@@ -137,20 +140,27 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(data: dict, args: argparse.Namespace) -> str:
     from overhead import quartiles
 
-    rounds = data["rounds"]
+    rounds, block = data["rounds"], args.block
     rows = []
     agent_med = 0.0
     for mode in ("source", "agent"):
-        q1, med, q3 = quartiles([r[mode] / r["base"] for r in rounds])
-        rows.append(f"| {mode} / base | {med:.3f}x | {q1:.3f}x | {q3:.3f}x | {len(rounds)} |")
+        ratios = [r[mode] / r["base"] for r in rounds]
+        q1, med, q3 = quartiles(ratios)
+        rows.append(f"| {mode} / base | {med:.3f}x | {q1:.3f}x | {q3:.3f}x | "
+                    f"{min(ratios):.3f}-{max(ratios):.3f}x | {len(rounds)} |")
         if mode == "agent":
             agent_med = med
-    q1, med, q3 = quartiles([r["base"] for r in rounds])
-    i1, imed, i3 = quartiles([r["inside"] for r in rounds])
+    q1, med, q3 = (v / block for v in quartiles([r["base"] for r in rounds]))
+    i1, imed, i3 = (v / block for v in quartiles([r["inside"] for r in rounds]))
+    part_ms = {
+        k: statistics.median(r[k] for r in rounds) * 1000 / block
+        for k in ("observe_reduce_input", "on_backward_end", "collect")
+    }
     share = [r["inside"] / r["base"] for r in rounds]
     s1, smed, s3 = quartiles(share)
     cmd = (
-        f"python benchmarks/fsdp_overhead.py --rounds {args.rounds} --d-model {args.d_model} "
+        f"python benchmarks/fsdp_overhead.py --rounds {args.rounds} --block {block} "
+        f"--d-model {args.d_model} "
         f"--layers {args.layers} --batch {args.batch} --threads {args.threads}"
     )
     return "\n".join(
@@ -161,17 +171,19 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"Model: {args.layers} residual MLP blocks (d={args.d_model}, 4x hidden), "
             f"{data['params'] / 1e6:.1f}M parameters, nested fully_shard units, AdamW, batch "
             f"{args.batch}, {args.threads} thread(s) per rank, 2 ranks on {os.cpu_count()} "
-            f"cores; {args.rounds} rounds, one step of each mode per round in a shuffled order.  ",
+            f"cores; {args.rounds} rounds of {block} steps of each mode back to back, the modes "
+            f"in a shuffled order per round; a round's ratio is of its block sums. Machine load "
+            f"(1 min) at the start and the end: {data['load'][0]} and {data['load'][1]}.  ",
             f"Unmonitored step time: median {med * 1000:.1f} ms (quartiles {q1 * 1000:.1f}-"
             f"{q3 * 1000:.1f} ms). Probe errors: {len(data['errors'])}.  ",
             f"Time inside the source's own code per step (wrapped reduce-scatter look, end of "
             f"backward, collect): median {imed * 1000:.2f} ms (quartiles {i1 * 1000:.2f}-"
             f"{i3 * 1000:.2f} ms), i.e. {smed * 100:.2f}% of the unmonitored step (quartiles "
             f"{s1 * 100:.2f}-{s3 * 100:.2f}%): look at the reduce-scatter input "
-            f"{statistics.median(r['observe_reduce_input'] for r in rounds) * 1000:.2f} ms, end "
+            f"{part_ms['observe_reduce_input']:.2f} ms, end "
             f"of backward (shard pass, all-reduce issued) "
-            f"{statistics.median(r['on_backward_end'] for r in rounds) * 1000:.2f} ms, collect "
-            f"{statistics.median(r['collect'] for r in rounds) * 1000:.2f} ms (medians). The "
+            f"{part_ms['on_backward_end']:.2f} ms, collect "
+            f"{part_ms['collect']:.2f} ms (medians). The "
             f"small all-reduce is not waited for on the training thread (the record thread "
             f"finishes it; `on_nonfinite='skip'|'raise'` wait, since they read it before the "
             f"step). On a shared 2-core box the step ratios below are noisier than this direct "
@@ -181,8 +193,8 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"agent / base <= {AGENT_TARGET:.2f}x: median {agent_med:.3f}x "
             f"({'met' if agent_med <= AGENT_TARGET else 'NOT met'}).",
             "",
-            "| ratio | median | q1 | q3 | rounds |",
-            "|---|---|---|---|---|",
+            "| ratio | median | q1 | q3 | min-max | rounds |",
+            "|---|---|---|---|---|---|",
             *rows,
             "",
         ]

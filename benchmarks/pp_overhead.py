@@ -2,16 +2,17 @@
 CPU, measured side by side.
 
 Modes (each with its own identical split model, ``PipelineStage`` and ``ScheduleGPipe`` in the
-same job, interleaved step by step in a shuffled order per round, the same order on both ranks
-since every ``schedule.step()`` is collective):
+same job; a round runs ``--block`` steps of each mode back to back, the modes in a shuffled
+order, the same order on both ranks since every ``schedule.step()`` is collective):
   base     unmonitored
   agent    ``ddpmon.attach(part, opt, schedule=schedule)`` (stage probes per micro-batch, one norm
            pass after ``schedule.step()``, the 2-number pp all-reduce, step pipeline, readback,
            endpoint)
 
-Reports the median and quartiles of per-round ratios agent/base, and the time inside ddpmon's
-pipeline source per step.
-Usage: python benchmarks/pp_overhead.py [--rounds N] [--d-model D] [--layers L] [--batch B]
+Reports the median, quartiles and min-max of per-round ratios (of block sums) agent/base, and
+the time inside ddpmon's pipeline source per step.
+Usage: python benchmarks/pp_overhead.py [--rounds N] [--block N] [--d-model D] [--layers L]
+       [--batch B]
 (rank processes are launched by this script; --worker is internal).
 """
 
@@ -108,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
             order = list(MODES)
             order_rng.shuffle(order)
             inside.update(dict.fromkeys(parts, 0.0))
-            times = {mode: step(mode) for mode in order}
+            times = {mode: sum(step(mode) for _ in range(args.block)) for mode in order}
             times.update(inside)
             times["inside"] = sum(inside.values())
             rounds.append(times)
@@ -124,14 +125,16 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(data: dict, args: argparse.Namespace) -> str:
     from overhead import quartiles
 
-    rounds = data["rounds"]
-    q1, med, q3 = quartiles([r["agent"] / r["base"] for r in rounds])
-    b1, bmed, b3 = quartiles([r["base"] for r in rounds])
+    rounds, block = data["rounds"], args.block
+    ratios = [r["agent"] / r["base"] for r in rounds]
+    q1, med, q3 = quartiles(ratios)
+    b1, bmed, b3 = (v / block for v in quartiles([r["base"] for r in rounds]))
     s1, smed, s3 = quartiles([r["inside"] / r["base"] for r in rounds])
-    end = statistics.median(r["on_backward_end"] for r in rounds) * 1000
-    wait = statistics.median(r["collect"] for r in rounds) * 1000
+    end = statistics.median(r["on_backward_end"] for r in rounds) * 1000 / block
+    wait = statistics.median(r["collect"] for r in rounds) * 1000 / block
     cmd = (
-        f"python benchmarks/pp_overhead.py --rounds {args.rounds} --d-model {args.d_model} "
+        f"python benchmarks/pp_overhead.py --rounds {args.rounds} --block {block} "
+        f"--d-model {args.d_model} "
         f"--layers {args.layers} --batch {args.batch} --threads {args.threads}"
     )
     return "\n".join(
@@ -143,7 +146,9 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"{data['params'] / 1e6:.1f}M parameters split over 2 stages, GPipe with "
             f"{MICROBATCHES} micro-batches, AdamW, batch {args.batch}, {args.threads} thread(s) "
             f"per rank, 2 ranks on {os.cpu_count()} cores (shared with other work); "
-            f"{args.rounds} rounds, one step of each mode per round in a shuffled order.  ",
+            f"{args.rounds} rounds of {block} steps of each mode back to back, the modes in a "
+            f"shuffled order per round; a round's ratio is of its block sums. Machine load "
+            f"(1 min) at the start and the end: {data['load'][0]} and {data['load'][1]}.  ",
             f"Unmonitored step time: median {bmed * 1000:.1f} ms (quartiles {b1 * 1000:.1f}-"
             f"{b3 * 1000:.1f} ms). Probe errors: {data['errors']}.  ",
             f"Time inside the pipeline source per step on rank 0: median {smed * 100:.1f}% of "
@@ -153,10 +158,10 @@ def summarize(data: dict, args: argparse.Namespace) -> str:
             f"The per-micro-batch stage probes run "
             f"inside the schedule and show in the agent ratio only.",
             "",
-            "| ratio | median | q1 | q3 | rounds |",
-            "|---|---|---|---|---|",
+            "| ratio | median | q1 | q3 | min-max | rounds |",
+            "|---|---|---|---|---|---|",
             f"| agent / base (GPipe, 2 stages) | {med:.3f}x | {q1:.3f}x | {q3:.3f}x | "
-            f"{len(rounds)} |",
+            f"{min(ratios):.3f}-{max(ratios):.3f}x | {len(rounds)} |",
             "",
         ]
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from overhead import free_port
 
-WORKER_ARGS = ("rounds", "d_model", "layers", "batch", "threads")
+WORKER_ARGS = ("rounds", "block", "d_model", "layers", "batch", "threads")
 """The options a worker receives from the launcher, as given on its command line."""
 
 
@@ -25,6 +25,11 @@ def bench_parser(description: str, timeout: float = 600) -> argparse.ArgumentPar
     to write its section), plus the hidden ones its workers get."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument(
+        "--block", type=int, default=4,
+        help="steps of each mode per round, back to back (FSDP2 and pipeline benchmarks): a "
+        "round's ratio is of block sums, so one descheduled step moves it less",
+    )
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=256)

@@ -139,8 +139,15 @@ def per_param_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for kind, idx in kinds.items():
         if idx:
             part = [tensors[i] for i in idx]
-            norms[idx] = _CPU_NORMS[kind](part).to(torch.float64)
+            norms[_as_slice(idx)] = _CPU_NORMS[kind](part).to(torch.float64)
     return _widen_checked(norms, tensors)
+
+
+def _as_slice(idx: list[int]) -> slice | list[int]:
+    """Evenly spaced positions (interleaved weights, biases) as a slice: no index tensor."""
+    step = idx[1] - idx[0] if len(idx) > 1 else 1
+    even = step > 0 and all(b - a == step for a, b in zip(idx, idx[1:], strict=False))
+    return slice(idx[0], idx[-1] + 1, step) if even else idx
 
 
 _WIDE = (torch.float32, torch.float64)
@@ -164,9 +171,10 @@ def _cpu_kind(t: torch.Tensor) -> str:
     DTensor, or a strided 1-D view that rows would copy), ``exact`` (float64, other small plain
     tensors) or ``rows`` (float32 rows, when they are views: dense in some order of its
     dimensions, or strided with two or more, rows along the last one)."""
-    if type(t) is not torch.Tensor or t.numel() <= CHUNK:
+    numel = t.numel() if type(t) is torch.Tensor else 0
+    if numel <= CHUNK:
         return "whole"  # one row: within its float32 rounding (measured 8e-8 at 256)
-    if t.numel() <= SMALL_NUMEL:
+    if numel <= SMALL_NUMEL:
         return "exact"
     return "rows" if t.dim() > 1 or t.is_contiguous() else "whole"
 
