@@ -20,8 +20,9 @@ straggler, counted from its first slow step, and any other rank ever named.
 Hang. ``hang_rule_scale.py``'s activity series (all ranks but ``--holders`` wait in one
 all-reduce) in the same store; ``DdpmonHangHolder`` must name exactly the holders.
 
-Every expression is then timed as an instant query at the end (median of ``--repeats``; with
-the records inlined, an upper bound on the rule as the store evaluates it). Usage:
+The straggler records are then evaluated over the last minutes and written back into the store
+(as a rule evaluator would), and every rule's expression, reading them, is timed as an instant
+query at the end (median of ``--repeats``). Usage:
 ``python benchmarks/straggler_scale.py [--ranks 1024] [--store prometheus|victoria-metrics]
 [--step-seconds 2]``.
 """
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -180,6 +182,27 @@ class Store:
             self.server.flush()
         return self.server.url
 
+    def record(self, lines: list[str]) -> None:
+        """Recorded series (``name{labels} value seconds`` lines) written back into the store,
+        as a rule evaluator would: VictoriaMetrics' import API, or Prometheus blocks (promtool,
+        then a restart on the same data)."""
+        self.samples += len(lines)
+        if isinstance(self.server, VictoriaMetrics):
+            self.add([f"{a} {int(float(b) * 1000)}" for a, _, b in
+                      (ln.rpartition(" ") for ln in lines)])
+            self.server.flush()
+            return
+        names = sorted({ln.split("{", 1)[0] for ln in lines})
+        self.om.write_text("\n".join([*(f"# TYPE {x} unknown" for x in names), *lines,
+                                      "# EOF"]) + "\n")
+        self.server.stop()
+        subprocess.run([find_binary("promtool"), "tsdb", "create-blocks-from", "openmetrics",
+                        "-q", "--max-block-duration=24h", str(self.om),
+                        str(self.base / "prometheus" / "data")],
+                       check=True, stdout=subprocess.DEVNULL)
+        self.om.unlink()
+        self.server.start(timeout=600)
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -188,8 +211,11 @@ class Store:
 def get(url: str, path: str, params: dict[str, str]) -> tuple[float, list]:
     q = urllib.parse.urlencode(params)
     t0 = time.perf_counter()
-    with urllib.request.urlopen(f"{url}{path}?{q}", timeout=600) as resp:
-        body = json.load(resp)
+    try:
+        with urllib.request.urlopen(f"{url}{path}?{q}", timeout=600) as resp:
+            body = json.load(resp)
+    except urllib.error.HTTPError as e:
+        raise SystemExit(f"{path} {params['query']!r}: {e.read().decode()[:500]}") from None
     return time.perf_counter() - t0, body["data"]["result"]
 
 
@@ -199,6 +225,25 @@ def inline(expr: str, records: dict[str, str]) -> str:
         for name in sorted(records, key=len, reverse=True):
             expr = re.sub(rf"(?<![\w:]){re.escape(name)}(?![\w:])", f"({records[name]})", expr)
     return expr
+
+
+def materialise(store: Store, url: str, cfg: MixinConfig, end: int) -> None:
+    """The straggler records at ``end``, evaluated from the series (and the records before
+    them) and written back, in two passes: first-order records, then those reading them. One
+    evaluation only: a backfill writes no staleness markers, so a record evaluated earlier with
+    another ``cause`` would still be seen (a rule evaluator marks it stale)."""
+    recs = stragglers.records(cfg)
+    first = {n.OWN_MEAN, n.OWN_BY_CAUSE}
+    for level in ([r for r in recs if r["record"] in first],
+                  [r for r in recs if r["record"] not in first]):
+        lines = []
+        for rec in level:
+            _, result = get(url, "/api/v1/query", {"query": rec["expr"], "time": str(end)})
+            for s in result:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s["metric"].items())
+                                  if k != "__name__")
+                lines.append(f"{rec['record']}{{{labels}}} {s['value'][1]} {end}")
+        store.record(lines)
 
 
 def first_firing(series: list, for_s: float) -> dict[str, float]:
@@ -238,12 +283,18 @@ def main() -> int:  # noqa: PLR0915
     p.add_argument("--holders", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=48)
+    p.add_argument("--no-alert-range", dest="alert_range", action="store_false",
+                   help="skip the alert's range query (heavy at 16,384 ranks: the alert's step "
+                   "is then the naming step plus its for)")
+    p.add_argument("--window", default=None, help="straggler_window to try (default: shipped)")
+    p.add_argument("--for", dest="for_", default=None, help="straggler_for to try")
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args()
     STEP_S = float(args.scrape)
     args.steps = args.steps or int(14 * 60 / args.step_seconds)
     args.start = args.start or int(6 * 60 / args.step_seconds)
-    cfg = MixinConfig()
+    cfg = MixinConfig(**{k: v for k, v in (("straggler_window", args.window),
+                                           ("straggler_for", args.for_)) if v})
     straggler = random.Random(args.seed).randrange(args.ranks)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     t0 = (int(time.time()) // 60) * 60 - 3 * 3600
@@ -269,6 +320,8 @@ def main() -> int:  # noqa: PLR0915
             print(f"{store.samples:,} samples for {args.ranks:,} ranks, {args.store}, loaded in "
                   f"{out['load_seconds']} s", flush=True)
             out.update(naming(url, cfg, cum, args, straggler))
+            materialise(store, url, cfg, end)
+            url = store.server.url
             out["queries"] = timings(url, cfg, end, args)
             out["hang_named"] = next(q["named"] for q in out["queries"] if "named" in q)
             out["hang_holders"] = sorted(holders)
@@ -294,7 +347,7 @@ def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
     problem = inline(stragglers.problem_expr(cfg), records)
     alert = inline(stragglers.alert(cfg).expr, records)
     _, named = get(url, "/api/v1/query_range", {"query": problem, **rng})
-    _, firing = get(url, "/api/v1/query_range", {"query": alert, **rng})
+    firing = get(url, "/api/v1/query_range", {"query": alert, **rng})[1] if args.alert_range else []
     first = {s["metric"]["rank"]: min(float(t) for t, _ in s["values"]) for s in named}
     fired = first_firing(firing, seconds(cfg.straggler_for))
 
@@ -307,6 +360,8 @@ def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
     mine = [float(s["value"][1]) for s in last if s["metric"].get("rank") == me]
     others = sorted(float(s["value"][1]) for s in last if s["metric"].get("rank") != me)
     causes = {s["metric"].get("cause") for s in firing if s["metric"]["rank"] == me}
+    if not args.alert_range and me in first:  # the earliest the alert can fire
+        fired[me] = first[me] + seconds(cfg.straggler_for)
     res = {
         "named_at_step": steps_after(first.get(me)),
         "alert_fires_at_step": steps_after(fired.get(me)),
@@ -327,13 +382,12 @@ def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
 
 
 def timings(url: str, cfg: MixinConfig, end: int, args: argparse.Namespace) -> list[dict]:
-    """Each straggler record, problem and alert (records inlined) and the hang alert's queries,
-    as instant queries at the end: median and max of ``--repeats``."""
-    records = {r["record"]: r["expr"] for r in stragglers.records(cfg)}
-    queries = {f"record {name}": inline(expr, {k: v for k, v in records.items() if k != name})
-               for name, expr in records.items()}
-    queries["straggler problem (rank-health table)"] = inline(stragglers.problem_expr(cfg), records)
-    queries["DdpmonStraggler expr"] = inline(stragglers.alert(cfg).expr, records)
+    """Each straggler record, the rank-health problem and the alert, reading the records as the
+    store holds them (:func:`materialise`), and the hang alert's queries, as instant queries at
+    the end: median and max of ``--repeats``."""
+    queries = {f"record {r['record']}": r["expr"] for r in stragglers.records(cfg)}
+    queries["straggler problem (rank-health table)"] = stragglers.problem_expr(cfg)
+    queries["DdpmonStraggler expr"] = stragglers.alert(cfg).expr
     queries["DdpmonHangHolder expr"] = hangs.alerts(cfg)[0].expr
     queries["DdpmonHangHolder description: waiting ranks"] = (
         f"topk({cfg.alert_rank_cap}, " + hangs.waiting(cfg, 'run="big",group="0"') + ")")
