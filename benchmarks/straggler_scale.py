@@ -176,7 +176,8 @@ class Store:
             self.om.unlink()
             (self.base / "sd").mkdir()
             self.server = Prometheus(self.base / "prometheus", sd_dir=self.base / "sd",
-                                     flags=["--query.max-samples=500000000"])
+                                     flags=["--query.max-samples=500000000",
+                                            "--query.timeout=30m"])
             self.server.start(timeout=600)
         else:
             self.server.flush()
@@ -352,7 +353,9 @@ def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
     rng = {"start": str(grid - 5 * 60), "end": str(int(ends[-1])), "step": str(args.scrape)}
     problem = inline(stragglers.problem_expr(cfg), records)
     alert = inline(stragglers.alert(cfg).expr, records)
-    _, named = get(url, "/api/v1/query_range", {"query": problem, **rng})
+    # The naming needs the minutes after the start only (a full range times out at 16,384).
+    near = {**rng, "start": str(grid - 60), "end": str(min(int(ends[-1]), grid + 300))}
+    _, named = get(url, "/api/v1/query_range", {"query": problem, **near})
     firing = get(url, "/api/v1/query_range", {"query": alert, **rng})[1] if args.alert_range else []
     first = {s["metric"]["rank"]: min(float(t) for t, _ in s["values"]) for s in named}
     fired = first_firing(firing, seconds(cfg.straggler_for))
