@@ -398,6 +398,7 @@ def timings(url: str, cfg: MixinConfig, end: int, args: argparse.Namespace) -> l
     queries["straggler problem (rank-health table)"] = stragglers.problem_expr(cfg)
     queries["DdpmonStraggler expr"] = stragglers.alert(cfg).expr
     queries["DdpmonHangHolder expr"] = hangs.alerts(cfg)[0].expr
+    queries["DdpmonCollectiveMismatch expr"] = hangs.alerts(cfg)[1].expr
     queries["DdpmonHangHolder description: waiting ranks"] = (
         f"topk({cfg.alert_rank_cap}, " + hangs.waiting(cfg, 'run="big",group="0"') + ")")
     rows = []
