@@ -284,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     p.add_argument("--holders", type=int, default=3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=48)
-    p.add_argument("--no-alert-range", dest="alert_range", action="store_false",
-                   help="skip the alert's range query (heavy at 16,384 ranks: the alert's step "
-                   "is then the naming step plus its for)")
+    p.add_argument("--alert-range", action=argparse.BooleanOptionalAction, default=None,
+                   help="evaluate the alert over the range (default: up to 4,096 ranks; past "
+                   "them the alert's step is the naming step plus its for)")
     p.add_argument("--window", default=None, help="straggler_window to try (default: shipped)")
     p.add_argument("--for", dest="for_", default=None, help="straggler_for to try")
     p.add_argument("--no-timings", dest="timings", action="store_false",
@@ -294,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     p.add_argument("--json", default=None, help="write the figures here too")
     args = p.parse_args(argv)
     STEP_S = float(args.scrape)
+    if args.alert_range is None:
+        args.alert_range = args.ranks <= 4096
     args.steps = args.steps or int(14 * 60 / args.step_seconds)
     args.start = args.start or int(6 * 60 / args.step_seconds)
     cfg = MixinConfig(**{k: v for k, v in (("straggler_window", args.window),
