@@ -216,7 +216,7 @@ def get(url: str, path: str, params: dict[str, str]) -> tuple[float, list]:
         with urllib.request.urlopen(f"{url}{path}?{q}", timeout=600) as resp:
             body = json.load(resp)
     except urllib.error.HTTPError as e:
-        raise SystemExit(f"{path} {params['query']!r}: {e.read().decode()[:500]}") from None
+        raise SystemExit(f"{path}: {e.read().decode()[-800:]}") from None
     return time.perf_counter() - t0, body["data"]["result"]
 
 
@@ -366,8 +366,8 @@ def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
         return None if t is None else int(np.searchsorted(ends, t, side="right")) - args.start
 
     me = str(straggler)
-    _, last = get(url, "/api/v1/query", {"query": inline(n.STRAGGLER_SLOWDOWN, records),
-                                          "time": str(int(ends[-1]))})
+    slowest = f"topk(2, {inline(n.STRAGGLER_SLOWDOWN, records)})"
+    _, last = get(url, "/api/v1/query", {"query": slowest, "time": str(int(ends[-1]))})
     mine = [float(s["value"][1]) for s in last if s["metric"].get("rank") == me]
     others = sorted(float(s["value"][1]) for s in last if s["metric"].get("rank") != me)
     causes = {s["metric"].get("cause") for s in firing if s["metric"]["rank"] == me}
