@@ -137,7 +137,8 @@ class Store:
         self.samples = 0
         if kind == "victoria-metrics":
             self.server = VictoriaMetrics(base / "vm", extra_args=["-search.disableCache",
-                                                                   "-search.maxUniqueTimeseries=10000000"])
+                                                                   "-search.maxUniqueTimeseries=10000000",
+                                                                   "-search.maxQueryDuration=30m"])
             self.server.start(timeout=120)
             self._file = None
         else:
