@@ -227,6 +227,9 @@ def _hang_line(hang: dict) -> str:
     c = hang["collective"]
     held = "; ".join(f"rank {h['rank']} ({h['phase']}{', quiet' if h['quiet'] else ''}"
                      f"{', at ' + h['frame'] if h['frame'] else ''})" for h in hang["holders"])
+    held = held or "; ".join(f"rank {h['rank']} in {h['op']} instead ({h['phase']}"
+                             f"{', at ' + h['frame'] if h['frame'] else ''})"
+                             for h in hang.get("mismatch", ()))
     return (f"hang: ranks {hang['waiting']} wait in {c['op']} #{c['seq']} on group {c['group']} "
             f"for: {held or 'no rank behind it'}" + ("" if hang["pages"] else " (no page)"))
 

@@ -14,8 +14,13 @@ is stuck (``agent.activity``). From those of every rank of a run:
   checkpoint, an evaluation marked with ``mon.phase``, before the first step).
 
 The same rule is the alert ``DdpmonHangHolder`` (``mixin/alerts/hangs.py``); ``ddpmon top``
-reads it from the ranks' endpoints. Ranks that all entered the same sequence number name no
-holder (a mismatch of ops or sizes at the same number is beyond this rule).
+reads it from the ranks' endpoints.
+
+Ranks that all entered the hung sequence number name no holder; where they entered it with
+different ops (one rank in a broadcast, the others in an all-reduce: a real hang, every rank
+waits for a partner that never comes), the ranks whose op differs from the majority's are the
+*mismatch* (``DdpmonCollectiveMismatch``). Sizes are not compared: the ranks do not export them
+(gloo aborts on a size mismatch rather than hanging).
 """
 
 from __future__ import annotations
@@ -106,10 +111,23 @@ def name_hang(ranks: list[RankActivity]) -> dict[str, Any] | None:
         for a in ranks if group in a.sequences and a.sequences[group] < seq
     ]
     holders.sort(key=lambda h: (h["rank"] is None, h["rank"]))
-    pages = any(h["stuck_seconds"] is not None and not h["quiet"] for h in holders)
+    mismatch = [] if holders else mismatched(at_seq)
+    pages = any(h["stuck_seconds"] is not None and not h["quiet"] for h in holders + mismatch)
     return {
         "collective": {"op": op, "group": group, "seq": seq, "since": since},
         "waiting": sorted(a.rank for a, _ in at_seq if a.rank is not None),
         "holders": holders,
+        "mismatch": mismatch,
         "pages": pages,
     }
+
+
+def mismatched(at_seq: list[tuple[RankActivity, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The ranks in the hung collective's sequence number with an op other than the one most
+    of them are in (none on a tie: no majority to name against)."""
+    ops = Counter(f["op"] for _, f in at_seq).most_common()
+    if len(ops) < 2 or ops[0][1] == ops[1][1]:
+        return []
+    out = [{"rank": a.rank, "op": f["op"], "phase": a.phase, "frame": a.frame, "quiet": a.quiet,
+            "stuck_seconds": a.stuck_seconds} for a, f in at_seq if f["op"] != ops[0][0]]
+    return sorted(out, key=lambda h: (h["rank"] is None, h["rank"]))

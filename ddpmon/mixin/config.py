@@ -116,9 +116,13 @@ class MixinConfig:
     (``ddpmon.mixin.stragglers``)..."""
     straggler_min_seconds: float = 0.002
     """...and at least this many seconds per step above it (microsecond steps are noise)."""
-    straggler_window: str = "2m"
-    """The rate window of the straggler records: short, so that a straggler is named soon."""
+    straggler_window: str = "1m"
+    """The rate window of the straggler records: short, so that a straggler is named soon (a
+    5 % straggler within about 30 steps of 2 s among 1,024 ranks, ``benchmarks/
+    straggler_scale.py``); 4 scrapes at 15 s, 12 at the shipped 5 s."""
     straggler_for: str = "3m"
+    """The alert pages once a rank has been named this long: a page waits for a slowdown that
+    lasts, the naming (records, dashboards, ``ddpmon top``) does not."""
     collective_slow_factor: float = 4.0
     collective_slow_baseline: str = "1h"
     """A rank's mean collective time (per op) is compared with its own median over this

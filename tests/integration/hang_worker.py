@@ -6,6 +6,8 @@ periodic evaluation and checkpoint), where one rank stops at step ``--at`` in on
 - ``skip``: rank 3 skips the logging all-reduce the others enter and waits in a barrier of a
   side group instead;
 - ``user``: rank 3 spins in user code between forward and backward;
+- ``mismatch``: rank 3 calls a broadcast where the others call the logging all-reduce (the same
+  sequence number, another op: every rank waits);
 - ``eval``: every rank runs an evaluation pass marked ``with mon.phase("eval")``; rank 3's lasts
   ``--hold`` seconds, the others wait for it in the evaluation's all-reduce;
 - ``checkpoint``: rank 0 saves a checkpoint for ``--hold`` seconds (timed by
@@ -92,6 +94,8 @@ def main() -> None:
         logged = loss.detach().clone()
         if stuck and args.case == "skip" and step == args.at:
             dist.barrier(group=side)  # skipped the all-reduce below
+        elif rank == 3 and args.case == "mismatch" and step == args.at:
+            dist.broadcast(logged, 0)  # another collective at the same sequence number
         else:
             dist.all_reduce(logged)
         if stuck and args.case == "loader" and step == args.at - 1:

@@ -132,6 +132,37 @@ def test_stopped_rank_is_named_live(case, stack, tmp_path):
             kill_group(proc)
 
 
+def test_mismatched_collective_is_named_live(stack, tmp_path):
+    """Every rank enters the same sequence number, rank 3 in a broadcast, the others in an
+    all-reduce: no rank is behind, rank 3 is named as the mismatch, by top and the alert."""
+    live, sd_dir = stack
+    procs, ports = _launch(tmp_path, "mismatch", sd_dir)
+    try:
+        hang = wait_for(lambda: (_top(ports).get("hang") or {}).get("pages") and
+                        _top(ports)["hang"], timeout=NAMED_WITHIN + 30, what="mismatch: top")
+        assert hang["holders"] == [] and hang["waiting"] == [0, 1, 2, 3]
+        assert hang["collective"]["op"] == "all_reduce" and hang["collective"]["group"] == "0"
+        (odd,) = hang["mismatch"]
+        assert (odd["rank"], odd["op"], odd["phase"]) == (3, "broadcast", "data")
+        assert odd["frame"].startswith("hang_worker.py:") and "in main" in odd["frame"]
+        (alert,) = wait_for(
+            lambda: [a for a in live.prometheus.api("alerts")["alerts"]
+                     if a["labels"].get("alertname") == "DdpmonCollectiveMismatch"
+                     and a["labels"].get("run") == "mismatch" and a.get("state") == "firing"],
+            timeout=NAMED_WITHIN, what="mismatch: DdpmonCollectiveMismatch")
+        labels = alert["labels"]
+        assert (labels["rank"], labels["op"], labels["group"]) == ("3", "broadcast", "0")
+        assert labels["phase"] == "data" and labels["frame"] == odd["frame"]
+        description = alert["annotations"]["description"]
+        assert f"waits in broadcast #{hang['collective']['seq']} on process group 0" in description
+        assert "where most ranks wait in all_reduce" in description
+        assert not _holder_alerts(live, "mismatch")
+        print(f"mismatch: top {hang}; alert: {description}")
+    finally:
+        for proc in procs:
+            kill_group(proc)
+
+
 @pytest.mark.parametrize("case", ["eval", "checkpoint"])
 def test_quiet_phase_does_not_page(case, stack, tmp_path):
     live, sd_dir = stack

@@ -18,6 +18,7 @@ CONTRACT_ALERTS = {
     "DdpmonTrainingStalled": "critical",
     # Issue 48: the rank the others wait for, named live.
     "DdpmonHangHolder": "critical",
+    "DdpmonCollectiveMismatch": "critical",
     "DdpmonRankDown": "critical",
     "DdpmonRanksMissing": "critical",
     "DdpmonRankDesync": "warning",

@@ -249,6 +249,28 @@ def test_the_daemons_job_summary_names_the_hang_among_its_ranks():
         (1, "data", "d.py:7 in load")]
 
 
+def test_name_hang_names_the_rank_in_another_op_at_the_same_sequence_number():
+    from ddpmon.commands.top import _hang_line
+
+    reduce = {"0": {"op": "all_reduce", "seq": 36, "since": 5.0}}
+    ranks = [rank(r, {"0": 36}, reduce, phase="data") for r in range(3)]
+    odd = rank(3, {"0": 36}, {"0": {"op": "broadcast", "seq": 36}}, phase="data")
+    hang = name_hang([*ranks, odd])
+    assert hang["holders"] == [] and hang["waiting"] == [0, 1, 2, 3] and hang["pages"]
+    assert hang["collective"]["op"] == "all_reduce"
+    assert [(h["rank"], h["op"], h["phase"], h["frame"]) for h in hang["mismatch"]] == [
+        (3, "broadcast", "data", "f3")]
+    assert _hang_line(hang).endswith("for: rank 3 in broadcast instead (data, at f3)")
+    # A tie has no majority to name against; a quiet odd rank does not page.
+    tie = name_hang([*ranks[:2], odd, rank(2, {"0": 36}, {"0": {"op": "broadcast", "seq": 36}})])
+    assert tie["mismatch"] == [] and not tie["pages"]
+    quiet = rank(3, {"0": 36}, {"0": {"op": "broadcast", "seq": 36}}, phase="eval", quiet=True)
+    calm = name_hang([*ranks, quiet])
+    assert [h["rank"] for h in calm["mismatch"]] == [3] and not calm["pages"]
+    # Behind ranks are holders; then no mismatch is looked for.
+    assert name_hang([*ranks, rank(3, {"0": 35}, phase="data")])["mismatch"] == []
+
+
 def test_top_shows_what_each_rank_does_and_the_hang_line():
     from ddpmon.commands.top import _hang_line, _now
 

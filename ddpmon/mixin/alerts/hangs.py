@@ -48,6 +48,20 @@ stuck past its ``hang_seconds``, so the others have waited that long too."""
     )
 
 
+def mismatched(c: MixinConfig) -> str:
+    """Ranks in the hung collective's sequence number whose op is not the one most of them are
+    in (every rank entered it, so no holder is behind): with their phase and frame (value: the
+    sequence number). A tie names none."""
+    by = ", ".join(c.run_labels)
+    at_seq = f"(\n{waiting(c)}\n== on ({by}, group) group_left ()\n(\n{waited_for(c)}\n)\n)"
+    per_op = f"count by ({by}, group, op) {at_seq}"
+    minority = (f"{per_op}\n< on ({by}, group) group_left ()\n"
+                f"max by ({by}, group) ({per_op})")
+    loud = sel(c, m.STUCK.name, 'quiet="0"')
+    return (f"(\n{at_seq}\nand on ({by}, group, op)\n(\n{minority}\n)\n)\n"
+            f"+ on ({by}, rank) group_left (phase, frame)\n(0 * {loud})")
+
+
 def alerts(c: MixinConfig) -> list[Alert]:
     in_group = waiting(c, 'run="%s",group="%s"').replace("\n", " ")
     args = "$labels.run $labels.group"
@@ -67,5 +81,16 @@ def alerts(c: MixinConfig) -> list[Alert]:
             "{{ $labels.group }}, which it has not entered (its last collective there is #"
             "{{ $value }}). It is in phase {{ $labels.phase }}, at {{ $labels.frame }}. "
             f"Ranks waiting: {ranks}.",
+        ),
+        Alert(
+            "DdpmonCollectiveMismatch", Layer.COMMUNICATION, "critical",
+            mismatched(c),
+            c.hang_for,
+            "Every rank entered the hung collective, this one with another op than the others.",
+            f"{RANK} waits in {{{{ $labels.op }}}} #{{{{ $value }}}} on process group "
+            "{{ $labels.group }}, where most ranks wait in "
+            f"{collective.rpartition(' #')[0]}: the ranks called different collectives at the "
+            "same sequence number, and none can complete. It is in phase {{ $labels.phase }}, "
+            "at {{ $labels.frame }}.",
         ),
     ]
