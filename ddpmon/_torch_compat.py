@@ -12,6 +12,7 @@ justified exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 
 log = logging.getLogger("ddpmon")
 
@@ -304,3 +306,17 @@ def raw_flop_formula(fn: Any) -> Any:
     (torch >= 2.4; an older torch passes shapes, and the formulas then count nothing)."""
     fn._get_raw = True  # noqa: SLF001 - the one door to this torch flag
     return fn
+
+
+def exit_dispatch_mode(mode: Any, leave: Callable[[], Any]) -> None:
+    """``leave()`` (a dispatch mode's ``__exit__``, which pops the top of the mode stack) with
+    ``mode`` on top: modes entered above it since (a user's, still open) are popped for the
+    call and pushed back in their order. Raises RuntimeError when ``mode`` is not on the stack
+    (leaving would pop another's mode)."""
+    dispatch = _python_dispatch
+    if not any(m is mode for m in dispatch._get_current_dispatch_mode_stack()):
+        raise RuntimeError("the FLOP counter's dispatch mode left the mode stack")
+    with contextlib.ExitStack() as above:
+        while dispatch._get_current_dispatch_mode() is not mode:
+            above.enter_context(dispatch._pop_mode_temporarily())
+        leave()

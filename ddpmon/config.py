@@ -76,10 +76,15 @@ class Config:
     """Dense peak FLOP/s of one rank's device in the training dtype, for MFU; 0: the table of
     known devices (H100, H200, A100, B200, MI300X; docs/goodput.md, MFU)."""
     flops_per_step: float = 0.0
-    """FLOPs of one optimizer step on this rank; 0: counted by ``mon.count_flops(step)``."""
+    """FLOPs of one optimizer step on this rank; 0: counted by FlopCounterMode on one step
+    (``flops_count_step``, or ``mon.count_flops(step)``)."""
+    flops_count_step: int = 3
+    """FLOPs per step are counted automatically on this step of the process (after warm-up),
+    and again when the batch's shapes change (docs/goodput.md, MFU); 0 turns it off."""
     tokens_per_step: float = 0.0
-    """Tokens (or samples) one optimizer step of this rank processes, for tokens/s; 0: none,
-    or given to ``mon.count_flops(step, tokens=...)``."""
+    """Tokens (or samples) one optimizer step of this rank processes, for tokens/s; 0: read
+    from the counted step's batches (the first input's leading dims), or given to
+    ``mon.count_flops(step, tokens=...)``."""
     goodput_seconds: float = 60.0
     """Rank 0 recomputes the run's goodput (``ddpmon_goodput_*``, docs/goodput.md) from the run
     dir every this many seconds, on a thread of its own; 0 turns it off."""
@@ -208,6 +213,7 @@ class Config:
         for name in ("peak_flops", "flops_per_step", "tokens_per_step"):
             _check_float(name, getattr(self, name), 0.0, None)
         _check_int("data_check_interval", self.data_check_interval, 0, 10**6)
+        _check_int("flops_count_step", self.flops_count_step, 0, 10**6)
         _check_int("local_norm_every", self.local_norm_every, 1, 10**6)
         _check_int("replica_check_every", self.replica_check_every, 0, 10**6)
         _check_float("rerun_norm_jump", self.rerun_norm_jump, 0.0, None)

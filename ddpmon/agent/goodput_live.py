@@ -117,7 +117,9 @@ class FiguresApi:
 
     _closed: bool
     flops_per_step: int | None = None
-    """FLOPs of one step on this rank, once :meth:`count_flops` counted them."""
+    """FLOPs of one step on this rank, once counted (automatically or by :meth:`count_flops`)."""
+    flops_auto: Any = None
+    """The automatic FLOP counter (``flops.auto.AutoCount``), where one runs."""
 
     def _phase_timer(self, name: str) -> Any:
         """The goodput half of ``mon.phase`` (``agent.activity.LoopPhases``): a ``phase`` event

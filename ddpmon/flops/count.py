@@ -36,12 +36,18 @@ def count_flops(step: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``step()`` once under ``FlopCounterMode`` (DTensor ops at this rank's share); return
     its result and the FLOPs counted."""
 
-    formulas = {**flop_registry, **cpu_attention()}
-    mapping = {op: _local_share(formula) for op, formula in formulas.items()}
-    mode = FlopCounterMode(display=False, custom_mapping=mapping)
+    mode = flop_counter()
     with mode:
         result = step()
     return result, int(mode.get_total_flops())
+
+
+def flop_counter() -> FlopCounterMode:
+    """A ``FlopCounterMode`` that counts DTensor ops at this rank's share and the CPU
+    attention kernel (not entered)."""
+    formulas = {**flop_registry, **cpu_attention()}
+    mapping = {op: _local_share(formula) for op, formula in formulas.items()}
+    return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
 def cpu_attention() -> dict[Any, Callable[..., int]]:

@@ -33,25 +33,39 @@ class Throughput:
         self.tokens_per_step = tokens_per_step
         self.version = 0
         self.refused: str | None = None
-        self._since = (progress()[0], time.time())
+        self._since: tuple[int, float] | None = (progress()[0], time.time())
+        self._settle_after = 0
+        self.on_close: list[Callable[[], None]] = []
+        """Called by :meth:`close` (the automatic FLOP counter's hook)."""
 
     def set(self, *, flops_per_step: float | None = None, tokens_per_step: float | None = None,
-            peak_flops: float | None = None) -> None:
-        """New inputs (a recount after a shape change); rates restart from now."""
+            peak_flops: float | None = None, settle: bool = False) -> None:
+        """New inputs (a recount after a shape change); rates restart from now, or with
+        ``settle`` (set from a hook, where the steps read back may trail the loop) from the first
+        scrape that sees a step completed after this call."""
         for name, v in (("flops_per_step", flops_per_step), ("tokens_per_step", tokens_per_step),
                         ("peak_flops", peak_flops)):
             if v is not None:
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                     raise ValueError(f"{name}={v!r}: expected a number > 0")
                 setattr(self, name, float(v))
-        self._since = (self.progress()[0], time.time())
+        self._since = None if settle else (self.progress()[0], time.time())
+        self._settle_after = self.progress()[0]
         self.refused = None
         self.version += 1
 
+    def close(self) -> None:
+        for close in self.on_close:
+            close()
+
     def rates(self) -> dict[str, float]:
         """``steps_per_second`` since the inputs were set, and what follows from it."""
-        steps0, t0 = self._since
         steps, last = self.progress()
+        if self._since is None:  # settling: a consistent (steps, time of the last) baseline
+            if steps > self._settle_after:
+                self._since = (steps, last)
+            return {}
+        steps0, t0 = self._since
         if steps <= steps0 or last <= t0:
             return {}
         out = {"steps_per_second": (steps - steps0) / (last - t0)}

@@ -51,11 +51,11 @@ GOODPUT_ETTR = Metric(
 
 
 # -- FLOPs and MFU (per rank; docs/goodput.md, MFU) -----------------------------------------
-_MFU_WHEN = "with FLOPs per step (mon.count_flops or flops_per_step), after a step since"
+_MFU_WHEN = "with FLOPs per step (counted on an early step, or given), after a step since"
 FLOPS_PER_STEP = Metric(
     "ddpmon_flops_per_step", G,
     "FLOPs of one optimizer step on this rank (FlopCounterMode on one step, or given).",
-    L.DATA_SUPPLY, when="after mon.count_flops or with flops_per_step",
+    L.DATA_SUPPLY, when="after the counted step (flops_count_step, mon.count_flops) or given",
 )
 PEAK_FLOPS = Metric(
     "ddpmon_peak_flops", G,
@@ -65,7 +65,7 @@ PEAK_FLOPS = Metric(
 TOKENS_PER_SECOND = Metric(
     "ddpmon_tokens_per_second", G,
     "Tokens (or samples) this rank processes per second since the FLOPs or tokens were set.",
-    L.DATA_SUPPLY, when="with tokens_per_step, after a step",
+    L.DATA_SUPPLY, when="with tokens per step (read from the counted step's batch, or given)",
 )
 ACHIEVED_FLOPS = Metric(
     "ddpmon_achieved_flops", G,

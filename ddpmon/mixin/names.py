@@ -71,3 +71,10 @@ RANK_PROBLEMS = "run:ddpmon_rank_problems:count"
 stalled, behind, straggler, starved, memory. ``run:`` because it compares the rank with its run
 (leader, median compute time), so it runs where the whole run is seen, not on a shard."""
 WORLD_SIZE = "run:ddpmon_world_size:max"
+# The run's throughput: its ranks' figures added up by the ruler, which sees every rank
+# (rank 0 sees only its own rate without a collective); docs/goodput.md, MFU.
+TOKENS_RUN_RATE = "run:ddpmon_tokens_per_second:sum"
+ACHIEVED_FLOPS_RUN = "run:ddpmon_achieved_flops:sum"
+MFU_RUN = "run:ddpmon_mfu_ratio:flops_weighted"
+"""The run's achieved FLOP/s over its peak, over the ranks whose MFU is exported (a refused,
+impossible figure stays out of both sums): at most 1 as each rank's is."""

@@ -204,6 +204,22 @@ def _data_records(cfg: MixinConfig) -> list[dict]:
         {"record": n.STEP_P99_RUN_MEDIAN, "expr": _median(cfg, n.STEP_P99)},
         {"record": n.DATA_WAIT_RANKS, "expr": _ranks_bucket(cfg, n.DATA_WAIT_MEAN)},
         {"record": n.STEP_P99_RANKS, "expr": _ranks_bucket(cfg, n.STEP_P99)},
+        *_throughput_records(cfg),
+    ]
+
+
+def _throughput_records(cfg: MixinConfig) -> list[dict]:
+    """The run's tokens/s, achieved FLOP/s and MFU from its ranks' (first-order: raw series)."""
+    by_run = cfg.by_run
+    exported = f"and on (job, instance) {sel(cfg, m.MFU.name)}"
+    return [
+        {"record": n.TOKENS_RUN_RATE,
+         "expr": f"sum {by_run} ({sel(cfg, m.TOKENS_PER_SECOND.name)})"},
+        {"record": n.ACHIEVED_FLOPS_RUN,
+         "expr": f"sum {by_run} ({sel(cfg, m.ACHIEVED_FLOPS.name)})"},
+        {"record": n.MFU_RUN,
+         "expr": f"sum {by_run} ({sel(cfg, m.ACHIEVED_FLOPS.name)} {exported})\n/\n"
+                 f"sum {by_run} ({sel(cfg, m.PEAK_FLOPS.name)} {exported})"},
     ]
 
 

@@ -12,8 +12,8 @@ from tests.support import grafana
 
 BOARDS = {doc["uid"]: doc for doc in d.render_all().values()}
 RANGE = re.compile(r"\[([^\]]*)\]")
-RUN_AGG = re.compile(
-    r"^((sum|max|min|count|quantile) by \(run(, op)?\) "
+RUN_AGG = re.compile(  # per run, or per run and op or goodput bucket (11): bounded at any scale
+    r"^((sum|max|min|count|quantile) by \(run(, op|, bucket)?\) "
     r"|histogram_quantile\([0-9.]+, sum by \(run(, op)?, le\))"
     r"|^run:ddpmon_\w+:\w+\{"
 )

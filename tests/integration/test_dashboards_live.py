@@ -5,7 +5,9 @@ config and recording/alert rules, 1s scrape/eval) scrapes a real 2-rank gloo dem
 file_sd. Rank 1 gets NaN gradients at step 150, so the numerics panels that only have data after a
 fault (non-finite origin table, non-finite/skipped annotations) are exercised too, and reads rank
 0's data shard from step 160 on, so both ranks count identical batches (the agent samples every
-10th step) and the identical-batch panels have data. Every panel
+10th step) and the identical-batch panels have data. Rank 0 recomputes goodput every 2 s and both
+ranks count their FLOPs per step automatically against a given peak, so the goodput and MFU
+panels (and the run's throughput records) have data. Every panel
 query of both dashboards, variables resolved as Grafana resolves them, then runs through the HTTP
 API over the run so far:
 
@@ -51,6 +53,9 @@ STEPS = 2000  # far more than the test needs: the run must still be going when i
 STEP_DELAY = 0.05
 CHECKPOINT_EVERY = 40  # the demo saves checkpoints, so the Checkpoints annotation has data
 RUN_ONLY_ANNOTATIONS = {"Restarts"}  # no restart in this run: only checked to run
+# Goodput recomputed every 2 s (rank 0), and a peak so that MFU is exported (the demo's FLOPs
+# per step are counted automatically, its samples per step read from the batch).
+FIGURES_ENV = {"DDPMON_GOODPUT_SECONDS": "2", "DDPMON_PEAK_FLOPS": "1e12"}
 # Grafana: $__rate_interval = max(4 x scrape interval, step + scrape interval); scrape is 1s.
 RATE_INTERVAL = "4s"
 
@@ -81,7 +86,7 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
         CheckpointingRun(
             tmp_path / "demo", sd_dir, STEPS, STEP_DELAY,
             [f"nan@rank1:step{NAN_STEP}", f"dup-data@rank1:step{DUP_STEP}"],
-            run_id=RUN,
+            run_id=RUN, env=FIGURES_ENV,
         ) as demo,
     ):
         prom = stack.prometheus
@@ -108,6 +113,13 @@ def test_every_panel_query_has_data_for_every_rank(tmp_path: Path) -> None:
             and _ranks(prom.query(f"{names.OWN_MEAN}{sel}")) == RANKS,
             timeout=30,
             what="recording rules evaluated for both ranks",
+        )
+        wait_for(
+            lambda: _ranks(prom.query(f"ddpmon_mfu_ratio{sel}")) == RANKS
+            and prom.query(f"ddpmon_goodput_ratio{sel}")
+            and prom.query(f"{names.MFU_RUN}{sel}") and prom.query(f"{names.TOKENS_RUN_RATE}{sel}"),
+            timeout=60,
+            what="goodput (rank 0), MFU on both ranks and the run's throughput records",
         )
         # a few more scrapes after the fault for the rate windows
         wait_for_scrapes(prom, f"ddpmon_step{sel}", 3, timeout=60)

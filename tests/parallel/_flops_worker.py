@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import ddpmon
 from ddpmon.flops.count import cpu_attention
 from tests.support.flop_models import TP_PLANS, batch, build
+from tests.support.ports import free_ports
 
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 HEADS_SPLIT = {"gqa_swa"}
@@ -90,11 +92,18 @@ def main() -> int:
             x = batch(0 if strategy == "tp" else rank)
             model = wrap(kind, strategy, mesh)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            mon = ddpmon.attach(model, opt, port=0, run_dir=str(Path(args.out) / "runs"),
-                                run_id=f"{strategy}-{kind}", linger_seconds=0)
+            # an endpoint: the automatic count runs where the figures are served
+            port = free_ports(1) - int(os.environ["LOCAL_RANK"])
+            mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1",
+                                run_dir=str(Path(args.out) / "runs"),
+                                run_id=f"{strategy}-{kind}", linger_seconds=0,
+                                flops_count_step=2)
             assert mon.enabled, mon.error
+            for _ in range(4):  # counted on the 3rd step, closed by the 4th's forward
+                step_of(model, opt, x)()
+            automatic = mon.flops_per_step
             mon.count_flops(step_of(model, opt, x))
-            results[f"{strategy}:{kind}"] = {"counted": mon.flops_per_step,
+            results[f"{strategy}:{kind}"] = {"counted": mon.flops_per_step, "auto": automatic,
                                              "expected": expected(kind, strategy, x, world),
                                              "unsharded": expected(kind, "ddp", x, world)}
             mon.close()

@@ -1,4 +1,5 @@
-"""FLOPs per step under DDP, FSDP2 and TP (2 gloo ranks): ``mon.count_flops`` equals, within
+"""FLOPs per step under DDP, FSDP2 and TP (2 gloo ranks): ``mon.count_flops``, and the automatic
+count of a plain loop's third step (``flops_count_step=2``), equal, within
 2 %, ``FlopCounterMode``'s own count of the same step on a plain copy of the model, each
 tensor-parallel module at this rank's share, for a dense transformer layer, GQA + sliding-window
 attention and a top-1 MoE. Under TP the unscaled count (the whole model's) would be wrong."""
@@ -26,6 +27,7 @@ def test_each_rank_counts_its_own_flops(results, strategy, kind):
         r = rank[f"{strategy}:{kind}"]
         assert r["expected"] > 0
         assert r["counted"] == pytest.approx(r["expected"], rel=0.02), r
+        assert r["auto"] == pytest.approx(r["expected"], rel=0.02), r
         if strategy == "tp":  # each rank does its share, not the whole model
             assert r["counted"] < 0.9 * r["unsharded"], r
         else:

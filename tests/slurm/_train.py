@@ -7,7 +7,8 @@ business); ddpmon reads the rest from Slurm's environment.
 that rank first waits at that step until PATH exists (the test creates it once Prometheus
 scrapes every rank, so that the page can name the origin; the other ranks wait in the next
 all-reduce, serving /metrics meanwhile). Writes
-``OUT/rank<R>.attempt<A>.json``: what ddpmon settled (identity, run id, attempt)."""
+``OUT/rank<R>.attempt<A>.json``: what ddpmon settled (identity, run id, attempt), and when the
+process was born (its own clock, read before torch's import)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import os
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
+BORN = time.time()  # before torch's import: the goodput test's clock of this process's start
 
-import ddpmon
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ddpmon  # noqa: E402
 
 
 def wait_for_gate(gate: Path, timeout: float) -> None:
@@ -69,7 +72,7 @@ def main() -> None:
     ident = mon.identity
     facts = {"rank": ident.rank, "local_rank": ident.local_rank, "world_size": ident.world_size,
              "node": ident.node, "run_id": mon.run_id, "attempt": mon.attempt.number,
-             "attempt_source": mon.attempt.source, "port": mon.port}
+             "attempt_source": mon.attempt.source, "port": mon.port, "born": BORN}
     mon.close()
     out = Path(args.out) / f"rank{ident.rank}.attempt{facts['attempt']}.json"
     out.write_text(json.dumps(facts))

@@ -195,6 +195,7 @@ def test_a_killed_node_requeues_the_job_and_both_attempts_share_one_timeline(slu
     job = slurm.sbatch(script)
     run = runs / job
     _wait_started(slurm, run, job, 2)
+    killed_at = time.time()  # the last progress: steps were running until now
     slurm.kill_node("node-b")
     slurm.wait_state(job, ("PENDING", "REQUEUED", "CONFIGURING"), 60)
     slurm.start_node("node-b")
@@ -208,6 +209,24 @@ def test_a_killed_node_requeues_the_job_and_both_attempts_share_one_timeline(slu
     assert "Attempts (2, one clock)" in text, text
     assert (f"Slurm: job {job} COMPLETED (exit 0:0, requeued 1 time after NODE_FAIL) [sacct]"
             in text), text
+    _requeue_is_a_restart_gap(run, slurm.env, killed_at, min(r["born"] for r in facts))
+
+
+def _requeue_is_a_restart_gap(run: Path, env: dict[str, str], killed_at: float,
+                              reborn: float) -> None:
+    """Goodput across the requeue: attempt 1 starts when its processes were born (their own
+    clock), and from the last progress (the node's death) to then is attempt 0's failure
+    detection (until its last event) and its restart gap (the requeue: Slurm's requeue delay
+    and the new processes' start)."""
+    g = json.loads(timeline(run, env, "--json").stdout)["goodput"]
+    first, second = g["attempts"]
+    assert second["t_rel_start"] == pytest.approx(first["t_rel_end"], abs=1e-6)
+    gap = first["buckets"]["restart_gap"]
+    assert gap > 0, first
+    dead = first["buckets"]["failure_detection"] + gap + first["buckets"]["other"]
+    # from the last step (a step is 0.2 s) to the new process's start (Python's start-up
+    # before its clock is read)
+    assert dead == pytest.approx(reborn - killed_at, abs=3.0), (first, reborn - killed_at)
 
 
 def test_scancel_ends_the_job_with_slurms_reason_on_the_timeline(slurm, tmp_path, monkeypatch):

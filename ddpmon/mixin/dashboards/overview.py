@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddpmon.mixin.config import MixinConfig
-from ddpmon.mixin.dashboards import common
+from ddpmon.mixin.dashboards import common, goodput
 from ddpmon.mixin.dashboards.model import (
     ANY,
     DUP_DATA,
@@ -368,7 +368,8 @@ def spec(cfg: MixinConfig) -> DashboardSpec:
         return Query(expand(expr, cfg), legend, coverage, **kw)
 
     rows = tuple(
-        build(q, cfg) for build in (_run_row, _numerics_row, _data_row, _memory_row, _comm_row)
+        build(q, cfg)
+        for build in (_run_row, goodput.row, _numerics_row, _data_row, _memory_row, _comm_row)
     )
     return DashboardSpec(
         OVERVIEW_UID,
