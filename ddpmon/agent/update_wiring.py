@@ -4,16 +4,22 @@ sinks. Kept apart from ``monitor.py`` so the monitor only calls ``install`` and 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .. import step_slots as slot
 from ..config import Config
 from ..probes.logits import LogitProbe
 from ..probes.updates import UpdateProbe
+from ..probes.zero_updates import zero_probe
 from ..strategies.dtensor_norms import build_plan, is_dtensor, reduce_async
 from .spikes import SpikeDetector, SpikeSettings
 from .update_records import group_stats
+
+log = logging.getLogger("ddpmon")
 
 
 @dataclass(slots=True)
@@ -30,15 +36,10 @@ class SpikeParts:
         config: Config = monitor.config
         guard, pipeline = monitor.guard, monitor.pipeline
         parts = cls()
-        engine = getattr(monitor.source, "decides_steps", False)
-        optimizer = monitor.optimizer
-        if config.update_every > 0 and pp is None and not engine and optimizer is not None:
+        if config.update_every > 0:
             with guard("updates"):
-                parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
-                                            lambda: pipeline.step, guard.error,
-                                            sharded_reduction(monitor.index.params),
-                                            copy_budget=config.update_copy_budget_mib << 20)
-                if config.update_series:
+                parts.updates = update_probe(monitor, lambda: pipeline.step)
+                if parts.updates is not None and config.update_series:
                     state.update_ratios = {}
         if config.logit_modules:
             with guard("logits"):
@@ -103,6 +104,31 @@ class _PlanReduction:
 
     def start(self, vector: Any) -> Any:
         return reduce_async(vector, self.plan)
+
+
+def update_probe(monitor: Any, step_of: Any) -> UpdateProbe | None:
+    """The update probe for ``monitor``'s strategy: a torch optimizer's step hooks (one
+    process, DDP, FSDP2, TP, HSDP, each pipeline stage, DeepSpeed ZeRO-0 with a torch
+    optimizer), or DeepSpeed ZeRO 1-3's fp32 partitions (``probes.zero_updates``)."""
+    config, guard, index = monitor.config, monitor.guard, monitor.index
+    budget = config.update_copy_budget_mib << 20
+    facts = getattr(monitor.source, "facts", None)
+    if getattr(monitor.source, "decides_steps", False) and facts is not None:
+        engine = monitor.source.engine
+        if facts.stage in (1, 2, 3):
+            return zero_probe(engine, facts.stage, index, config.update_every, step_of,
+                              guard.error, budget)
+        optimizer = engine.optimizer  # ZeRO-0: the torch optimizer itself, or a wrapper
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            log.warning("ddpmon: update figures off under DeepSpeed: %s steps ZeRO-0",
+                        type(optimizer).__name__)
+            return None
+    else:
+        optimizer = monitor.optimizer
+    if optimizer is None or not index.params:
+        return None
+    return UpdateProbe(optimizer, index, config.update_every, step_of, guard.error,
+                       sharded_reduction(index.params), copy_budget=budget)
 
 
 def sharded_reduction(params: list[Any]) -> _PlanReduction | None:
