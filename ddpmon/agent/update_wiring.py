@@ -115,6 +115,10 @@ def update_probe(monitor: Any, step_of: Any) -> UpdateProbe | None:
     facts = getattr(monitor.source, "facts", None)
     if getattr(monitor.source, "decides_steps", False) and facts is not None:
         engine = monitor.source.engine
+        if facts.unreadable:  # what DeepSpeed steps there is not what ddpmon reads
+            log.warning("ddpmon: update figures off under DeepSpeed: %s",
+                        ", ".join(facts.unreadable))
+            return None
         if facts.stage in (1, 2, 3):
             return zero_probe(engine, facts.stage, index, config.update_every, step_of,
                               guard.error, budget)
