@@ -64,6 +64,18 @@ def version(tensor: torch.Tensor) -> int:
     return value
 
 
+def foreach_sub_(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> None:
+    """``tensors[i] -= others[i]`` in one fused multi-tensor call (``torch._foreach_sub_``), one
+    ``sub_`` per tensor where it is missing."""
+    fused = getattr(torch, "_foreach_sub_", None)
+    if fused is not None:
+        fused(tensors, others)
+        return
+    lost("torch._foreach_sub_", "updates are subtracted one tensor at a time")
+    for mine, other in zip(tensors, others, strict=True):
+        mine.sub_(other)
+
+
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype | None) -> Any:
     """One fused multi-tensor L2 norm (``torch._foreach_norm``), accumulated in ``dtype``;
     ``vector_norm`` per tensor where the fused kernel or its ``dtype`` argument is missing."""

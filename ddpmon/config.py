@@ -150,7 +150,7 @@ class Config:
     """Every this many steps (and the step after a spike, where no collective is needed), the
     per-group weight norm, update norm ``||dw||``, update/weight ratio and Adam moment norms are
     measured on the device (docs/loss-spikes.md); 0 turns them off. A sampled step copies this
-    rank's local weights once."""
+    rank's local weights once (DeepSpeed ZeRO 1-3: its fp32 master partition)."""
     update_copy_budget_mib: int = 1024
     """The most memory (MiB) that copy may take on the device: a model whose local weights are
     larger (a 7B fp32 model under DDP: 28 GB at the optimizer step's peak) gets no update

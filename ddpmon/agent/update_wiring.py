@@ -4,6 +4,7 @@ sinks. Kept apart from ``monitor.py`` so the monitor only calls ``install`` and 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,9 +12,12 @@ from ..config import Config
 from ..metrics import step_slots as slot
 from ..probes.logits import LogitProbe
 from ..probes.updates import UpdateProbe
+from ..strategies.base import UpdateSettings
 from ..strategies.dtensor_norms import build_plan, is_dtensor, reduce_async
 from .spikes import SpikeDetector, SpikeSettings
 from .update_records import group_stats
+
+log = logging.getLogger("ddpmon")
 
 
 @dataclass(slots=True)
@@ -30,15 +34,10 @@ class SpikeParts:
         config: Config = monitor.config
         guard, pipeline = monitor.guard, monitor.pipeline
         parts = cls()
-        engine = getattr(monitor.source, "decides_steps", False)
-        optimizer = monitor.optimizer
-        if config.update_every > 0 and pp is None and not engine and optimizer is not None:
+        if config.update_every > 0:
             with guard("updates"):
-                parts.updates = UpdateProbe(optimizer, monitor.index, config.update_every,
-                                            lambda: pipeline.step, guard.error,
-                                            sharded_reduction(monitor.index.params),
-                                            copy_budget=config.update_copy_budget_mib << 20)
-                if config.update_series:
+                parts.updates = update_probe(monitor, lambda: pipeline.step)
+                if parts.updates is not None and config.update_series:
                     state.update_ratios = {}
         if config.logit_modules:
             with guard("logits"):
@@ -103,6 +102,23 @@ class _PlanReduction:
 
     def start(self, vector: Any) -> Any:
         return reduce_async(vector, self.plan)
+
+
+def update_probe(monitor: Any, step_of: Any) -> UpdateProbe | None:
+    """The update probe for ``monitor``'s strategy: by default on the torch optimizer's step
+    hooks; a strategy whose engine steps something else builds its own
+    (``GradientSource.update_probe``)."""
+    config, guard, index = monitor.config, monitor.guard, monitor.index
+    settings = UpdateSettings(index, config.update_every, step_of, guard.error,
+                              config.update_copy_budget_mib << 20)
+
+    def default(optimizer: Any) -> UpdateProbe | None:
+        if optimizer is None or not index.params:
+            return None
+        return UpdateProbe(optimizer, index, settings.every, step_of, guard.error,
+                           sharded_reduction(index.params), copy_budget=settings.copy_budget)
+
+    return monitor.source.update_probe(monitor.optimizer, settings, default)
 
 
 def sharded_reduction(params: list[Any]) -> _PlanReduction | None:

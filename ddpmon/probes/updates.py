@@ -7,16 +7,19 @@ not say which; ``||dw|| / ||w||`` and the moments' norms per group do.
 
 How (one sampled step, every ``every`` steps, default 10):
 
-- the optimizer's step pre-hook copies this rank's pieces of the trainable parameters (a
-  DTensor's local shard, a plain tensor as it is): one copy of the local weights, at sampled
-  steps only, freed at the post-hook;
-- the post-hook measures per parameter, in one fused norm pass each: the weights after the step,
-  the update (after - before), and where the optimizer keeps them (Adam, AdamW, ...) the first
-  and second moments ``exp_avg`` and ``exp_avg_sq`` of this rank's pieces;
+- before the optimizer steps, the probe copies the *sources* (``probes.update_pieces``): the
+  tensors the optimizer steps on this rank. A torch optimizer steps the parameters (a DTensor's
+  local shard, a plain tensor as it is; its step hooks call the probe); DeepSpeed ZeRO 1-3 step
+  flat fp32 partitions, this rank's disjoint slice of the model (``probes.zero_updates`` wraps
+  the ZeRO optimizer's ``step``). One copy, at sampled steps only, freed after the step;
+- after the step: the copies become the update in place (one fused subtraction), then ONE fused
+  norm pass measures every piece's weights, update and, where the optimizer keeps them (Adam,
+  AdamW, ...), first and second moments ``exp_avg`` and ``exp_avg_sq``;
 - the squares go into one float64 vector, masked so a replicated piece counts once, and are
   SUMmed over the mesh dims on which parameters are sharded (``dtensor_norms.build_plan``: FSDP2,
-  HSDP's shard dim, TP, FSDP2+TP): squared norms add over disjoint shards, nothing is gathered.
-  DDP and one process have full replicated parameters: no collective at all;
+  HSDP's shard dim, TP, FSDP2+TP) or over DeepSpeed's data-parallel group (ZeRO 1-3): squared
+  norms add over disjoint shards, nothing is gathered. DDP, one process and a pipeline stage
+  with full parameters: no collective at all (each stage measures the groups it holds);
 - the vector joins the step's other device values (``UPDATE_SQUARES`` slot) and is read back
   lazily with them; the record thread folds it per group (``update_stats.group_stats``).
 
@@ -29,14 +32,14 @@ rendezvous with the peers, at sampled steps only.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from .._torch_compat import dtensor_local
+from .._torch_compat import foreach_sub_
 from .grads import ParamIndex, per_param_norms
+from .update_pieces import Pieces, copy_bytes, keeps_moments, local
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """Optimizer state entries measured where present (the Adam family's first and second moment)."""
@@ -46,45 +49,12 @@ DEFAULT_COPY_BUDGET = 1 << 30
 log = logging.getLogger("ddpmon")
 
 
-def keeps_moments(optimizer: torch.optim.Optimizer) -> bool:
-    """The optimizer is of the Adam family (its parameter groups carry ``betas``): decided from
-    the optimizer itself, the same on every rank, never from which state a rank holds (a rank
-    whose shard has no state yet must still send as many values as its peers)."""
-    return any("betas" in group for group in optimizer.param_groups)
-
-
-def copy_bytes(params: Sequence[torch.Tensor]) -> int:
-    """Bytes of the sampled step's copy of this rank's pieces, an upper bound computed from the
-    global shapes and placements only, so every rank of a sharded model decides alike."""
-    total = 0
-    for p in params:
-        shape = list(p.shape)
-        mesh = getattr(p, "device_mesh", None)
-        for dim, placement in enumerate(getattr(p, "placements", ()) if mesh is not None else ()):
-            shard_dim = getattr(placement, "dim", None)
-            if isinstance(shard_dim, int) and shape:
-                shape[shard_dim] = -(-shape[shard_dim] // mesh.size(dim))  # the largest chunk
-        total += math.prod(shape) * p.element_size()
-    return total
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's own piece (its ``device_mesh`` says it is one), a plain tensor as it is."""
-    return dtensor_local(tensor) if hasattr(tensor, "device_mesh") else tensor
-
-
-def _pieces(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [_local(p).detach() for p in params]
-
-
-def _plain_pieces(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.detach() for p in params]
-
-
 class Reduction(Protocol):
     """What the probe needs of the strategies' reduction plan (``dtensor_norms``)."""
 
-    mask: torch.Tensor
+    mask: torch.Tensor | None
+    """Per parameter: 1 where this rank's piece counts, 0 for a replica counted elsewhere
+    (None: every piece counts, e.g. DeepSpeed's disjoint partitions)."""
     device: torch.device
 
     def start(self, vector: torch.Tensor) -> Any:
@@ -101,18 +71,22 @@ class UpdateProbe:
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         index: ParamIndex,
         every: int,
         step_of: Callable[[], int],
         on_error: Callable[[str, BaseException], None],
         reduction: Reduction | None = None,
         copy_budget: int = DEFAULT_COPY_BUDGET,
+        pieces: Pieces | None = None,
     ) -> None:
-        """``reduction``: the sum over the mesh dims of a sharded model (None: the parameters
+        """``reduction``: the sum over the ranks holding disjoint pieces (None: the parameters
         are full and replicated, nothing is communicated). ``copy_budget``: the bytes the weight
         copy may take; a larger copy is never made (the samples are skipped, counted in
-        ``skipped``, logged once), so the probe cannot push training out of memory."""
+        ``skipped``, logged once), so the probe cannot push training out of memory.
+        ``pieces``: where the stepped weights and moments live (default: the parameters and
+        ``optimizer.state``, hooked by the torch optimizer's step hooks; any other is called by
+        its owner through ``before_step``/``after_step``, e.g. ``probes.zero_updates``)."""
         if every < 1:
             raise ValueError(f"update sampling interval {every}: expected >= 1")
         self.optimizer = optimizer
@@ -121,8 +95,9 @@ class UpdateProbe:
         self._step_of = step_of
         self._on_error = on_error
         self.plan = reduction
-        self.moments = keeps_moments(optimizer)
-        self.copy_bytes = copy_bytes(index.params)
+        self.pieces = pieces if pieces is not None else Pieces(optimizer, index.params)
+        self.moments = self.pieces.moments
+        self.copy_bytes = self.pieces.copy_bytes()
         self.copy_budget = copy_budget
         self.skipped = 0
         """Sampled steps not measured: the weight copy would exceed ``copy_budget``."""
@@ -130,13 +105,10 @@ class UpdateProbe:
         """Set on the host (a spike was seen): sample the next step too. Honoured only where
         no collective is needed (one process, DDP), since ranks do not agree on when they
         read their records."""
-        self._pieces = (_pieces if any(hasattr(p, "device_mesh") for p in index.params)
-                        else _plain_pieces)
-        """This rank's pieces of the parameters (plain tensors: themselves, decided once)."""
         self._before: list[torch.Tensor] | None = None
         self._result: torch.Tensor | None = None
         self._index_cache: dict[tuple, torch.Tensor] = {}
-        self._handles = [
+        self._handles: list[Any] = [] if pieces is not None else [
             optimizer.register_step_pre_hook(self._pre),
             optimizer.register_step_post_hook(self._post),
         ]
@@ -153,6 +125,14 @@ class UpdateProbe:
         return self.sample_next and not self.collective
 
     def _pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self.before_step()
+
+    def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self.after_step()
+
+    def before_step(self) -> None:
+        """Before the optimizer steps: at a sampled step, copy the sources (this rank's pieces
+        of the stepped weights), the one copy the update's norm needs."""
         if self.closed:
             return
         self._result = None
@@ -165,7 +145,7 @@ class UpdateProbe:
                 self._skip()
                 return
             with torch.no_grad():
-                self._before = [p.clone() for p in self._pieces(self.index.params)]
+                self._before = [t.clone() for t in self.pieces.sources()]
         except Exception as exc:
             self._before = None
             self._on_error("updates", exc)
@@ -178,7 +158,8 @@ class UpdateProbe:
                 self.copy_bytes / 2**20, self.copy_budget / 2**20)
         self.skipped += 1
 
-    def _post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+    def after_step(self) -> None:
+        """After the optimizer stepped: measure the sampled step (no-op at other steps)."""
         before, self._before = self._before, None
         if self.closed or before is None:
             return
@@ -189,58 +170,47 @@ class UpdateProbe:
             self._result = None
             self._on_error("updates", exc)
 
-    def _measure(self, before: Sequence[torch.Tensor]) -> torch.Tensor:
-        params = self.index.params
-        after = self._pieces(params)
-        # our copies: the update in place, w_before - w_after (its norm, the sign aside); one
-        # foreach call, the same elementwise subtraction as a sub_ per tensor
-        if after:
-            torch._foreach_sub_(list(before), after)
-        # weights and updates in one norm pass: each tensor's norm is its own reduction, the
-        # same bits as two passes, in half the calls and without a concatenation
-        vector = per_param_norms([*after, *before]).to(dtype=torch.float64)
-        device = vector.device
-        parts = 2
+    def _measure(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """One fused norm pass over every piece's weights, update and moments; the squares
+        placed at ``block * n + position`` of one float64 vector, summed over the plan."""
+        pieces, n = self.pieces, len(self.index)
+        sources = pieces.sources()
+        foreach_sub_(before, sources)  # our copies become w_before - w_after in place
+        tensors, targets = [], []
+        for block, values in enumerate((sources, before)):
+            tensors.extend(piece.view(values[piece.source]) for piece in pieces.layout)
+            targets.extend(block * n + piece.position for piece in pieces.layout)
+        blocks = 2
         if self.moments:
-            moments = self._moments(params, device)
-            vector = torch.cat([vector, *moments])
-            parts += 2
+            state, keys = pieces.state()
+            for name in MOMENTS:
+                values = [_moment(state, key, name) for key in keys]
+                for piece in pieces.layout:
+                    value = values[piece.source]
+                    if value is not None:
+                        tensors.append(piece.view(value))
+                        targets.append(blocks * n + piece.position)
+                blocks += 1
+        device = sources[0].device if sources else self.index.params[0].device
+        if self.plan is not None:
+            device = self.plan.device
+        norms = per_param_norms(tensors).to(device=device, dtype=torch.float64) if tensors else None
+        if len(targets) == blocks * n and targets == list(range(blocks * n)):
+            vector = norms
+        else:
+            vector = torch.zeros(blocks * n, dtype=torch.float64, device=device)
+            if norms is not None:
+                vector.index_copy_(0, self._positions(targets, device), norms)
         vector = vector * vector
         if self.plan is None:
             return vector
-        vector = vector.to(self.plan.device) * self.plan.mask.repeat(parts)
+        mask = self.plan.mask
+        if mask is not None:
+            vector = vector * mask.repeat(blocks)
         work = self.plan.start(vector)
         if work is not None:
             work.wait()  # a stream wait under NCCL; gloo: the peers' share, sampled steps only
         return vector
-
-    def _moments(self, params: Sequence[torch.Tensor], device: torch.device) -> list:
-        """Norms of each moment per parameter (zeros where a parameter has no state here)."""
-        state = self.optimizer.state
-        found = []
-        for name in MOMENTS:
-            where, tensors = [], []
-            for i, p in enumerate(params):
-                entry = state.get(p)
-                value = entry.get(name) if isinstance(entry, dict) else None
-                if isinstance(value, torch.Tensor) and value.numel() > 0:
-                    where.append(i)
-                    tensors.append(_local(value).detach())
-            found.append((where, tensors))
-        if all(len(where) == len(params) for where, _ in found):  # the usual step: all state
-            both = [t for _, tensors in found for t in tensors]  # one norm pass for both
-            return [per_param_norms(both).to(device=device, dtype=torch.float64)]
-        out = []
-        for where, tensors in found:
-            if len(where) == len(params):
-                out.append(per_param_norms(tensors).to(device=device, dtype=torch.float64))
-                continue
-            norms = torch.zeros(len(params), dtype=torch.float64, device=device)
-            if where:
-                measured = per_param_norms(tensors).to(device=device, dtype=torch.float64)
-                norms.index_copy_(0, self._positions(where, device), measured)
-            out.append(norms)
-        return out
 
     def _positions(self, where: list[int], device: torch.device) -> torch.Tensor:
         """``where`` as a device index, copied to the device once per distinct set (a host to
@@ -256,6 +226,14 @@ class UpdateProbe:
             index = self._index_cache[key] = index.to(device, non_blocking=True)
         return index
 
+    def drop(self) -> None:
+        """The step raised: nothing of it is measured."""
+        self._before = None
+
+    def add_handle(self, handle: Any) -> None:
+        """Something with ``remove()`` that ``close`` undoes (a wrapped step)."""
+        self._handles.append(handle)
+
     def take(self) -> torch.Tensor | None:
         """The sampled step's device vector (None: not sampled), cleared for the next step."""
         result, self._result = self._result, None
@@ -270,6 +248,15 @@ class UpdateProbe:
             except Exception:
                 pass
         self._handles.clear()
+
+
+def _moment(state: Any, key: Any, name: str) -> torch.Tensor | None:
+    """The optimizer's ``name`` entry for ``key`` (its local piece), None where absent."""
+    entry = state.get(key)
+    value = entry.get(name) if isinstance(entry, dict) else None
+    if isinstance(value, torch.Tensor) and value.numel() > 0:
+        return local(value).detach()
+    return None
 
 
 __all__ = ["DEFAULT_COPY_BUDGET", "MOMENTS", "UpdateProbe", "copy_bytes", "keeps_moments"]

@@ -164,6 +164,17 @@ class StepHost:
     on_engine_floor: Callable[[EngineFloor], None]
 
 
+@dataclass(frozen=True, slots=True)
+class UpdateSettings:
+    """What an update probe is built with (``GradientSource.update_probe``)."""
+
+    index: Any
+    every: int
+    step_of: Callable[[], int]
+    on_error: Callable[[str, BaseException], None]
+    copy_budget: int
+
+
 class GradientSource(ABC):
     """One strategy. Lifecycle: ``install()`` once, then per optimizer step any number of
     ``on_backward_end()`` calls (one per backward pass: gradient-accumulation micro-steps
@@ -214,6 +225,13 @@ class GradientSource(ABC):
     def manifest_extra(self) -> dict[str, Any]:
         """What this strategy adds to the run manifest (default: nothing)."""
         return {}
+
+    def update_probe(self, optimizer: Any, settings: UpdateSettings,
+                     default: Callable[[Any], Any]) -> Any:
+        """The per-group update probe (``probes.updates``) for the optimizer step this strategy
+        takes, or None (figures off): by default ``default(optimizer)``, on the torch
+        optimizer's step hooks. A strategy whose engine steps something else overrides it."""
+        return default(optimizer)
 
     def on_backward_end(self) -> None:  # noqa: B027 (optional hook)
         """A backward pass has finished (every gradient of it is accumulated). Default: no-op."""

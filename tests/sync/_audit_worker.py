@@ -249,11 +249,14 @@ def audited(run: str, monitored: bool) -> dict:
         steps = loop.mon.state.steps_total
         entry = getattr(loop.mon.markers, "entry", None)  # TP: where a NaN entered, per block
         entry_blocks = len(entry.names) if entry is not None else 0
+        loop.mon.flush()
+        sampled = sum(1 for r in loop.mon.recent_steps() if r.update_stats)  # update_every=1
         loop.mon.close()
     else:
-        errors, steps, entry_blocks = {}, STEPS, 0
+        errors, steps, entry_blocks, sampled = {}, STEPS, 0, 0
     out = audit.report()
-    out.update(agent_errors=errors, steps=steps, entry_blocks=entry_blocks)
+    out.update(agent_errors=errors, steps=steps, entry_blocks=entry_blocks,
+               update_sampled=sampled)
     dist.barrier()
     return out
 

@@ -61,6 +61,9 @@ def test_monitored_loop_adds_no_host_sync(launched, launch, run):
         assert not any(monitored["agent_errors"].values()), monitored["agent_errors"]
         # TP's block-output checks run on the audited steps too (strategies/block_entry.py)
         assert monitored["entry_blocks"] == (5 if "tp" in run.split("+") else 0), monitored
+        # the update figures (update_every=1) were measured on every step, every strategy
+        # (DeepSpeed: its ZeRO partitions; pp: each stage's groups)
+        assert monitored["update_sampled"] == STEPS, monitored
         # not vacuous: the recorder saw the loop's own host reads (the optimizer's step
         # counters, a GradScaler's found_inf) in both runs alike
         assert unmonitored["training"], unmonitored

@@ -44,12 +44,13 @@ import torch
 from ...host_reads import host_read_free
 from ...probes.grads import per_param_norms
 from .. import data_check
-from ..base import GradientSource, GradSummaries, NormVector, StepHost
+from ..base import GradientSource, GradSummaries, NormVector, StepHost, UpdateSettings
 from ..reduction import FlaggedSum, Issued
 from ..replicas import ReplicaScope
 from .comm import CommTimer
 from .markers import engine_markers
 from .steps import attached_engines
+from .updates import engine_update_probe
 
 log = logging.getLogger("ddpmon")
 
@@ -420,6 +421,9 @@ class DeepSpeedSource(GradientSource):
 
     def manifest_extra(self) -> dict[str, Any]:
         return {"deepspeed": self.facts.manifest()}
+
+    def update_probe(self, optimizer: Any, settings: UpdateSettings, default: Any) -> Any:
+        return engine_update_probe(self.engine, self.facts, settings, default)  # its own step
 
     def close(self) -> None:
         super().close()
