@@ -47,6 +47,7 @@ class RecordSinks:
         summary_head: Callable[[], dict],
         last_checkpoint: Callable[[], Any],
         flush: Callable[[], None],
+        source: Any = None,
     ) -> RecordSinks:
         """``summary_head``: the summary's identity fields (the port is known only later);
         ``last_checkpoint`` and ``flush``: for the floor policy's ``checkpoint`` mode."""
@@ -94,7 +95,18 @@ class RecordSinks:
                     ctx.identity.device,
                     on_error=guard.error,
                     health=guard.writes,
+                    stage=stage_label(source),
                 )
                 if history is not None:
                     sinks.append(history)
         return cls(sinks, incidents, floor, manifest)
+
+
+def stage_label(source: Any) -> str | None:
+    """Pipeline parallel: this rank's stage indices (``"1"``, ``"0,2"`` interleaved), kept in
+    its history's metadata so that straggler attribution compares a stage with its peers
+    (``forensics.stragglers``); None under other strategies."""
+    stages = getattr(getattr(source, "setup", None), "stages", None)
+    if not stages:
+        return None
+    return ",".join(str(int(s.index)) for s in stages)

@@ -8,14 +8,20 @@ measures, without a device read:
 
 - ``forward``: the model's forward (pre-hook to forward hook), every micro-step summed;
 - ``backward``: the forward's end to the end of the backward pass (the loss and the backward
-  call, every micro-step summed), less the wait below;
+  call, every micro-step summed), less the wait below; under pipeline parallel one call (the
+  schedule's ``step``) runs every micro-batch's forward and backward: its time is ``backward``
+  (``forward`` 0), and the stage's bubble, where it waits for its neighbours, is ``wait``;
 - ``wait``: from the last collective the step issued during the backward
   (``CollectiveRecorder.last_issue``) to the end of that backward: the rank's work is done and
   it waits for the others (plus the transfer of that last bucket, alike on every rank); on CPU,
   see Clocks below;
 - ``optimizer``: the optimizer step (its pre-hook to the step's end);
 - ``host``: the rest of the step (first forward to step end): the loop's own code between the
-  parts above (clipping, logging, ``zero_grad`` inside the step).
+  parts above (clipping, logging, ``zero_grad`` inside the step);
+- ``communication``: the time the rank spent issuing its own collectives
+  (``probes.comm_issue``: a slow path to the network, which the others wait for). On CPU, the
+  issue calls' time off the CPU (taken out of ``wait``; their CPU time stays in the part that
+  ran them); elsewhere their wall time, taken out of ``backward``.
 
 With the step's data wait (the previous step's end to this step's first forward) these are the
 step's :data:`PHASES`. A rank's *own* time is everything but ``wait``; comparing it across ranks
@@ -40,7 +46,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-PHASES = ("data", "forward", "backward", "optimizer", "host", "wait")
+PHASES = ("data", "forward", "backward", "optimizer", "host", "wait", "communication")
 """A step's phases, in the order of :meth:`StepSplit.finish`'s tuple."""
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 """The phases whose growth is cause ``compute``."""
@@ -62,6 +68,9 @@ class StepSplit:
         self.reset()
 
     def reset(self) -> None:
+        issue = getattr(self._recorder, "issue", None)
+        if issue is not None:  # a step's issue time starts with the step
+            issue.take()
         self._forward = self._backward = self._wait = 0.0
         self._step_start: float | None = None
         self._forward_start: float | None = None
@@ -83,8 +92,10 @@ class StepSplit:
 
     def backward_ended(self) -> None:
         began = self._forward_end
-        if began is None:
-            return
+        if began is None:  # one call ran forward and backward: a pipeline schedule's step
+            began, self._forward_start = self._forward_start, None
+            if began is None:
+                return
         now = self._clock()
         span = now - began
         wait = 0.0
@@ -109,14 +120,20 @@ class StepSplit:
                 return None
             now = self._clock()
             optimizer = max(now - self._optimizer_start, 0.0) if self._optimizer_start else 0.0
-            parts = self._forward + self._backward + optimizer
+            issue = getattr(self._recorder, "issue", None)
+            wall, cpu = issue.take() if issue is not None else (0.0, 0.0)
+            backward = self._backward
             if self._on_cpu:  # the rest of the wall time: waiting, or not scheduled at all
+                parts = self._forward + backward + optimizer
                 host = max(now - self._step_start - parts, 0.0)
-                wait = max(duration - parts - host, 0.0)
+                comm = min(wall - cpu, max(duration - parts - host, 0.0))
+                wait = max(duration - parts - host - comm, 0.0)
             else:
+                comm = min(wall, backward)
+                backward -= comm
                 wait = self._wait
-                host = max(duration - parts - wait, 0.0)
-            return (data_wait or 0.0, self._forward, self._backward, optimizer, host, wait)
+                host = max(duration - self._forward - backward - optimizer - comm - wait, 0.0)
+            return (data_wait or 0.0, self._forward, backward, optimizer, host, wait, comm)
         finally:
             self.reset()
 

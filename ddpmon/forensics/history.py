@@ -411,7 +411,7 @@ class HistorySink:
         groups: list[str],
         device: str,
         on_error: Any = None,
-        health: Any = None,
+        health: Any = None, stage: str | None = None,
     ) -> HistorySink | None:
         """The sink for one rank, or None (one log line) when pyarrow is missing: a dependency
         of ddpmon, so only a broken install lacks it. Nothing imports pyarrow here."""
@@ -426,7 +426,7 @@ class HistorySink:
         writer = HistoryWriter(
             run_dir.history(rank),
             tuple(groups),
-            meta={"rank": str(rank), "memory_kind": kind},
+            meta={"rank": str(rank), "memory_kind": kind} | ({"stage": stage} if stage else {}),
             memory=None if memory is not None else process_rss,
             on_error=on_error,
             health=health,

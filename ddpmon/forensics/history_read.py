@@ -49,6 +49,9 @@ class History:
     memory_kind: str | None = None
     torn: bool = False
     """The file ended in a torn message (the writer was killed mid-write); rows before it kept."""
+    stage: str | None = None
+    """Pipeline parallel: the rank's stage indices (``"1"``, ``"0,2"``), from the schema
+    metadata; None otherwise."""
 
     def __len__(self) -> int:
         return len(self.columns["step"])
@@ -173,7 +176,8 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
     keep = order[last]
     cols = {k: v[keep] for k, v in cols.items()}
     r = rank if rank is not None else _int(meta.get("rank"), -1)
-    return History(r, groups, cols, meta.get("memory_kind"), torn)
+    stage = meta.get("stage")
+    return History(r, groups, cols, meta.get("memory_kind"), torn, stage[:64] if stage else None)
 
 
 def _group_list(table: Any, name: str, width: int) -> Any:

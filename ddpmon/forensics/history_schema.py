@@ -32,6 +32,7 @@ SCALAR_COLUMNS = (
     ("optimizer_seconds", "float32"),
     ("host_seconds", "float32"),
     ("wait_seconds", "float32"),
+    ("communication_seconds", "float32"),
 )
 """The row layout, in tuple order; ``group_norms`` (a fixed-size list) follows the scalars."""
 OLD_NAMES = {
@@ -41,7 +42,8 @@ OLD_NAMES = {
 }
 """Columns renamed since files were first written (new -> old); readers accept either."""
 PHASE_COLUMNS = (
-    "forward_seconds", "backward_seconds", "optimizer_seconds", "host_seconds", "wait_seconds"
+    "forward_seconds", "backward_seconds", "optimizer_seconds", "host_seconds", "wait_seconds",
+    "communication_seconds",
 )
 """A step's parts after its data wait (``agent.step_split.PHASES[1:]``)."""
 OPTIONAL_COLUMNS = frozenset(PHASE_COLUMNS)
@@ -96,6 +98,8 @@ COLUMN_DOCS = {
     "host_seconds": "the rest of the step: the loop's code between the parts above",
     "wait_seconds": "the backward's last collective issued to the backward's end: waiting for "
     "the other ranks (straggler attribution, `ddpmon.forensics.stragglers`)",
+    "communication_seconds": "time spent issuing this rank's own collectives (off the CPU on "
+    "CPU; `ddpmon.probes.comm_issue`)",
     "memory_bytes": "CUDA allocated bytes on a GPU, process RSS on CPU (the kind is in the "
     "schema metadata)",
     GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "

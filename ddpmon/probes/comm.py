@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..metrics import COLLECTIVE_OPS
+from .comm_issue import IssueClock
 
 __all__ = ["OPS", "CollectiveRecorder", "CommTiming", "tensor_bytes"]
 
@@ -102,6 +103,8 @@ class CollectiveRecorder:
         self.last_issue: float | None = None
         """``perf_counter`` when the last collective was issued (``agent.step_split``: the
         time after it, to the end of the backward, is time spent waiting for other ranks)."""
+        self.issue = IssueClock()
+        """Time inside the calls that issue this rank's collectives (``comm_issue``)."""
 
     # ------------------------------------------------------------------ timers
     def start(self, tensor: Any = None) -> Any:
@@ -163,7 +166,10 @@ class CollectiveRecorder:
             timer = self.start(_first_tensor(args, kwargs))
         except Exception as exc:
             self.error(exc)
+        began = self.issue.begin()
         result = fn(*args, **kwargs)
+        if _is_work(result):  # issued, not done: the call's time is this rank's own
+            self.issue.end(began)
         if timer is not None:
             if _is_work(result):
                 self.stop_at_completion(op, timer, nbytes, result)

@@ -9,10 +9,8 @@ tensor parallel, every rank the same batch), ``deepspeed`` (ZeRO-1, ``DS_ACCELER
 and ``ddp-comm`` (DDP; RANK's gradient buckets wait 4 ms in its comm hook before their
 all-reduce, as a rank with a slow path to the network does).
 
-The slow rank of the compute cases does 15 % more of its own compute: a forward pre-hook on each
-block it runs multiplies a matrix whose floating-point work is 15 % of the block's forward and
-backward matrix work on that rank (its shard under TP, its micro-batch under PP), so the
-growth is the same fraction on any CPU.
+The slow rank of the compute cases does 15 % more of its own work per step from step 5 on
+(:class:`Burner`: measured on itself, spent in its blocks' forward).
 """
 
 import argparse
@@ -39,8 +37,9 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 
 import ddpmon  # noqa: E402
 
-WIDTH, BATCH, BLOCKS, MICRO = 256, 2400, 2, 4
+WIDTH, BATCH, BLOCKS, MICRO = 256, 800, 2, 4
 EXTRA = 0.15
+CALIBRATE = 4
 COMM_DELAY_S = 0.004
 
 
@@ -63,16 +62,41 @@ class Net(nn.Module):
         return self.blocks(x)
 
 
-def burn(block: nn.Module, rows: int, shards: int) -> None:
-    """15 % more matrix work on this rank per call of ``block``: its two linears' forward and
-    backward are 3 x 2 products of rows x WIDTH x WIDTH / shards."""
-    extra_rows = max(1, round(EXTRA * 6 * rows / shards))
-    a, b = torch.randn(extra_rows, WIDTH), torch.randn(WIDTH, WIDTH)
+class Burner:
+    """15 % more of the slow rank's own work per step, measured on itself: steps 1 to
+    CALIBRATE are timed on the training thread's CPU clock (the clock ddpmon's split uses on
+    CPU; step 0 holds one-off set-up), then each call of a burning block's forward multiplies
+    small matrices for 15 % of the median step's CPU time, spread over the step's calls. The
+    growth is the same fraction of the rank's work on any CPU and under any load."""
 
-    def hook(_module, _args) -> None:
-        torch.mm(a, b)
+    def __init__(self, active: bool) -> None:
+        self.active, self.per_call, self.calls, self.costs = active, 0.0, 0, []
+        self.a, self.b = torch.randn(64, 64), torch.randn(64, 64)
 
-    block.register_forward_pre_hook(hook)
+    def burn(self, module: nn.Module) -> None:
+        if self.active:
+            module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, _module, _args) -> None:
+        if not self.per_call:
+            self.calls += 1
+            return
+        end = time.thread_time() + self.per_call
+        while time.thread_time() < end:
+            torch.mm(self.a, self.b)
+
+    def step(self, step: int, run) -> None:
+        if not self.active or self.per_call:
+            run(step)
+            return
+        self.calls = 0 if step == 1 else self.calls
+        began = time.thread_time()
+        run(step)
+        if step >= 1:
+            self.costs.append(time.thread_time() - began)
+        if len(self.costs) == CALIBRATE:
+            median = sorted(self.costs)[CALIBRATE // 2]
+            self.per_call = EXTRA * median / max(1, self.calls / CALIBRATE)
 
 
 def main() -> int:
@@ -90,9 +114,10 @@ def main() -> int:
     for spec in args.case:
         case_id, strategy, steps, slow = spec.split(":")
         began = time.perf_counter()
-        run = RUNNERS[strategy](rank, int(slow), case_id, args.out)
+        burner = Burner(rank == int(slow) and strategy != "ddp-comm")
+        run = RUNNERS[strategy](burner, rank, int(slow), case_id, args.out)
         for step in range(int(steps)):
-            run(step)
+            burner.step(step, run)
         run.mon.flush()
         results[case_id] = {"parts": dict(run.mon.state.step_part_seconds_total),
                             "seconds": time.perf_counter() - began}
@@ -129,14 +154,14 @@ class Loop:
         self.mon.observe_loss(loss)
 
 
-def sharded(rank: int, slow: int, case_id: str, out: str, dims: tuple[int, ...]) -> Loop:
+def sharded(burner: Burner, rank: int, slow: int, case_id: str, out: str,
+            dims: tuple[int, ...]) -> Loop:
     torch.manual_seed(0)
     model = Net()
     names = ("shard",) if len(dims) == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
-    if rank == slow:
-        for block in model.blocks:
-            burn(block, BATCH, 1)
+    for block in model.blocks:
+        burner.burn(block)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -144,20 +169,19 @@ def sharded(rank: int, slow: int, case_id: str, out: str, dims: tuple[int, ...])
     return Loop(model, x, case_id, out)
 
 
-def tensor_parallel(rank: int, slow: int, case_id: str, out: str) -> Loop:
+def tensor_parallel(burner: Burner, rank: int, slow: int, case_id: str, out: str) -> Loop:
     torch.manual_seed(0)
     model = Net()
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     for block in model.blocks:
         parallelize_module(block, mesh, {"w_in": ColwiseParallel(), "w_out": RowwiseParallel()})
-        if rank == slow:
-            burn(block, 4 * BATCH, world)
-    x = torch.randn(4 * BATCH, WIDTH, generator=torch.Generator().manual_seed(0))  # shared
+        burner.burn(block)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(0))  # shared
     return Loop(model, x, case_id, out)
 
 
-def ddp_comm(rank: int, slow: int, case_id: str, out: str) -> Loop:
+def ddp_comm(_burner: Burner, rank: int, slow: int, case_id: str, out: str) -> Loop:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(Net())
 
@@ -171,14 +195,13 @@ def ddp_comm(rank: int, slow: int, case_id: str, out: str) -> Loop:
 
 
 class DeepSpeedLoop:
-    def __init__(self, rank: int, slow: int, case_id: str, out: str) -> None:
+    def __init__(self, burner: Burner, rank: int, slow: int, case_id: str, out: str) -> None:
         import deepspeed  # only this case needs DeepSpeed (seconds to import)
 
         torch.manual_seed(0)
         model = Net()
-        if rank == slow:
-            for block in model.blocks:
-                burn(block, BATCH, 1)
+        for block in model.blocks:
+            burner.burn(block)
         config = {
             "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
             "optimizer": {"type": "SGD", "params": {"lr": 1e-4}},
@@ -202,13 +225,12 @@ class DeepSpeedLoop:
 class PipelineLoop:
     """2 stages x 2 replicas: stage = rank // 2 (``pp`` is the mesh's outer dimension)."""
 
-    def __init__(self, rank: int, slow: int, case_id: str, out: str) -> None:
+    def __init__(self, burner: Burner, rank: int, slow: int, case_id: str, out: str) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
         stage = mesh["pp"].get_local_rank()
         torch.manual_seed(0)
         block = Net().blocks[stage]
-        if rank == slow:
-            burn(block, BATCH // MICRO, 1)
+        burner.burn(block)
         # find_unused_parameters: torch's reducer otherwise fails at the second step's bucket
         # rebuild after the schedule's first metadata pass (tests/parallel/_pp_worker.py)
         module = nn.parallel.DistributedDataParallel(
@@ -232,8 +254,8 @@ class PipelineLoop:
 
 
 RUNNERS = {
-    "fsdp2": lambda r, s, c, o: sharded(r, s, c, o, (dist.get_world_size(),)),
-    "hsdp": lambda r, s, c, o: sharded(r, s, c, o, (2, dist.get_world_size() // 2)),
+    "fsdp2": lambda b, r, s, c, o: sharded(b, r, s, c, o, (dist.get_world_size(),)),
+    "hsdp": lambda b, r, s, c, o: sharded(b, r, s, c, o, (2, dist.get_world_size() // 2)),
     "tp": tensor_parallel,
     "deepspeed": DeepSpeedLoop,
     "pp": PipelineLoop,
