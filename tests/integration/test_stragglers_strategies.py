@@ -8,7 +8,10 @@ per step is named first with cause ``compute`` within 40 steps:
 - DeepSpeed ZeRO-1 (the engine's forward, backward and step);
 - pipeline parallel (2 stages x 2 replicas, 1F1B): the slow rank is named with its ``stage``,
   compared with its stage's other replica, and the bubble of stage 0 (which waits for stage 1
-  every step) names nobody there.
+  every step) names nobody there;
+- DDP where one rank's gradient bucket waits 4 ms in its comm hook before the all-reduce (a slow
+  path to the network): named first with cause ``communication``, by the timeline and by
+  ``ddpmon top``'s column.
 
 Nothing asserts this machine's speed: only which rank is named, why, and (where the split is
 exported) that the slow rank's own work is the run's largest at the same time.
@@ -23,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpmon.commands._top_stragglers import straggler_scores
+from ddpmon.export.scrape import flatten
 from ddpmon.forensics.stragglers import describe
 from ddpmon.forensics.timeline import build_timeline
 from tests.support.ranks import run_ranks
@@ -32,7 +37,7 @@ pytestmark = pytest.mark.timeout(600)
 WORKER = Path(__file__).with_name("straggler_strategies_worker.py")
 WORLD = 4
 STEPS = 40
-CASES = {"fsdp2": 1, "hsdp": 2, "tp": 3, "deepspeed": 0, "pp": 3}
+CASES = {"fsdp2": 1, "hsdp": 2, "tp": 3, "deepspeed": 0, "pp": 3, "ddp-comm": 2}
 """strategy -> the slow rank (pp: rank 3 holds stage 1, beside rank 2)."""
 
 
@@ -79,3 +84,21 @@ def test_a_slow_pipeline_stage_is_named_as_a_stage_against_its_replica(runs):
     assert describe(first).startswith("stage 1 (rank 3) was ")
     # the schedule's forward and backward are compute (the step's one call), not host time
     assert all(r["pp"]["parts"]["compute"] > 0 for r in results)
+
+
+def test_a_rank_whose_collectives_wait_in_its_comm_hook_is_named_with_cause_communication(runs):
+    out, results = runs
+    named = build_timeline(_run_dir(out, "ddp-comm")).stragglers
+    assert named, "ddp-comm: no straggler named"
+    first = named[0]
+    assert (first["rank"], first["cause"]) == (2, "communication"), named
+    assert first["excess_seconds"]["communication"] > 0
+    # the others wait for it in the all-reduce as they would for a slow computer: what grew
+    # is its own issue time, exported as the part "communication"
+    comm = [r["ddp-comm"]["parts"]["communication"] for r in results]
+    assert max(range(WORLD), key=comm.__getitem__) == 2, comm
+    scraped = {str(r): flatten((out / f"ddp-comm.rank{r}.metrics").read_text())
+               for r in range(WORLD)}
+    scores = straggler_scores(scraped, {})
+    slowest = max(scores, key=lambda t: scores[t]["slowdown"])
+    assert (slowest, scores[slowest]["cause"]) == ("2", "communication"), scores
