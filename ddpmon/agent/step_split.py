@@ -36,8 +36,8 @@ its work, and is not a straggler of the run). Elsewhere the parts are wall time
 (``perf_counter``) and ``wait`` is measured from the backward's last collective as above; the
 host boundaries are where the host issued the work, not where the device ran it, so a loop that
 never blocks the host inside the step shows its device time where the host waits. With NCCL,
-DDP's ``work.wait()`` does not block the host, so ``wait`` is near 0 on every rank and a slow
-GPU is not named (docs/slow-and-stuck/stragglers.md, "Known limitation on CUDA"). The clock is
+DDP's ``work.wait()`` does not block the host, so this ``wait`` is near 0 on every rank; the
+record thread raises it to the wait measured on the device (``agent.device_wait``). The clock is
 chosen once, at construction (attach), from the parameters' devices then.
 """
 

@@ -71,6 +71,8 @@ class CommTiming:
     bytes: dict[str, int] = field(default_factory=dict)
     dropped: int = 0
     """Timings not kept because the step went over the per-step bound."""
+    last_start: Any = None
+    """The start event of the last collective issued (CUDA; ``agent.device_wait``)."""
 
     def resolve(self, on_error: Callable[[str, BaseException], None] | None = None
                 ) -> dict[str, list[float]]:
@@ -119,6 +121,7 @@ class CollectiveRecorder:
             try:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(torch.cuda.current_stream(device))
+                self._timing.last_start = event
                 return event
             except Exception:
                 pass
