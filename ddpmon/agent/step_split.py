@@ -20,8 +20,9 @@ measures, without a device read:
   parts above (clipping, logging, ``zero_grad`` inside the step);
 - ``communication``: the time the rank spent issuing its own collectives
   (``probes.comm_issue``: a slow path to the network, which the others wait for). On CPU, the
-  issue calls' time off the CPU (taken out of ``wait``; their CPU time stays in the part that
-  ran them); elsewhere their wall time, taken out of ``backward``.
+  time the issue calls were blocked (neither running nor waiting for a CPU; taken out of
+  ``wait``; their CPU time stays in the part that ran them); elsewhere their wall time, taken
+  out of ``backward``.
 
 With the step's data wait (the previous step's end to this step's first forward) these are the
 step's :data:`PHASES`. A rank's *own* time is everything but ``wait``; comparing it across ranks
@@ -121,12 +122,12 @@ class StepSplit:
             now = self._clock()
             optimizer = max(now - self._optimizer_start, 0.0) if self._optimizer_start else 0.0
             issue = getattr(self._recorder, "issue", None)
-            wall, cpu = issue.take() if issue is not None else (0.0, 0.0)
+            wall, runnable = issue.take() if issue is not None else (0.0, 0.0)
             backward = self._backward
             if self._on_cpu:  # the rest of the wall time: waiting, or not scheduled at all
                 parts = self._forward + backward + optimizer
                 host = max(now - self._step_start - parts, 0.0)
-                comm = min(wall - cpu, max(duration - parts - host, 0.0))
+                comm = min(wall - runnable, max(duration - parts - host, 0.0))
                 wait = max(duration - parts - host - comm, 0.0)
             else:
                 comm = min(wall, backward)

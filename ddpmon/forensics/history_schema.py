@@ -98,8 +98,8 @@ COLUMN_DOCS = {
     "host_seconds": "the rest of the step: the loop's code between the parts above",
     "wait_seconds": "the backward's last collective issued to the backward's end: waiting for "
     "the other ranks (straggler attribution, `ddpmon.forensics.stragglers`)",
-    "communication_seconds": "time spent issuing this rank's own collectives (off the CPU on "
-    "CPU; `ddpmon.probes.comm_issue`)",
+    "communication_seconds": "time spent issuing this rank's own collectives (on CPU: blocked "
+    "inside the calls; `ddpmon.probes.comm_issue`)",
     "memory_bytes": "CUDA allocated bytes on a GPU, process RSS on CPU (the kind is in the "
     "schema metadata)",
     GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "

@@ -200,7 +200,7 @@ def test_wall_clock_issue_time_is_taken_out_of_backward(monkeypatch):
     monkeypatch.setattr(split, "_clock", lambda: next(clock))
     split.forward_started()  # 10
     split.forward_ended()  # 12
-    recorder.issue.wall, recorder.issue.cpu = 0.75, 0.01
+    recorder.issue.wall, recorder.issue.runnable = 0.75, 0.01
     recorder.last_issue = 14.0
     split.backward_ended()  # 15: backward 2, of which 1 waiting
     _, fwd, bwd, _, host, wait, comm = split.finish(6.0, data_wait=None)  # now 16
