@@ -54,6 +54,7 @@ class StepMarkers:
                 self.engine_steps = EngineSteps(
                     model, source, on_engine_step, on_error, on_min_scale=on_min_scale
                 )
+                self.engine_steps.on_call = pipeline.split.optimizer_started
                 if pipeline.rerun is not None:
                     rerun = EngineRerun(pipeline, source, model)
                     self.engine_steps.before_step = rerun.before_step

@@ -109,6 +109,8 @@ class StepSplit:
         self._forward_end = None
 
     def optimizer_started(self) -> None:
+        if self._forward_end is not None or self._forward_start is not None:
+            self.backward_ended()  # its end was not seen (an engine's step): it ends here
         self._optimizer_start = self._clock()
 
     def finish(self, duration: float | None, data_wait: float | None

@@ -230,3 +230,15 @@ def test_pipeline_ranks_are_compared_with_their_stage():
              "until_step": 39}
     assert describe(named).startswith(
         "stage 1 (rank 3) was 12.0 % slower than its stage's other ranks' median")
+
+
+def test_an_unseen_backward_end_ends_at_the_optimizer_step(monkeypatch):
+    """DeepSpeed's engine: only the forward's start and the engine's step are seen; the time
+    between is the step's forward and backward (compute), the engine's step its optimizer."""
+    clock = iter([10.0, 13.0, 13.0, 14.0])
+    split = StepSplit(None, [torch.zeros(1, device="meta")])
+    monkeypatch.setattr(split, "_clock", lambda: next(clock))
+    split.forward_started()  # 10
+    split.optimizer_started()  # 13: the backward ends here, the optimizer starts
+    _, fwd, bwd, opt, host, wait, _ = split.finish(4.0, data_wait=None)  # now 14
+    assert (fwd, bwd, opt, wait, host) == (0.0, 3.0, 1.0, 0.0, 0.0)
