@@ -163,7 +163,7 @@ class Monitor(LoopPhases, FiguresApi):
         sinks = RecordSinks.assemble(
             ctx=self.ctx, config=self.config, state=self._state, guard=self.guard,
             emit=self._emit, forensics=self.forensics, attempt=self.attempt.number,
-            index=self.index, scaler=self.scaler,
+            index=self.index, scaler=self.scaler, source=self.source,
             manifest_extra=functools.partial(manifest_extra, self),
             summary_head=lambda: {"run_id": self.run_id, "rank": self.identity.rank,
                                   "port": self.port},

@@ -48,6 +48,7 @@ class RecordSinks:
         summary_head: Callable[[], dict],
         last_checkpoint: Callable[[], Any],
         flush: Callable[[], None],
+        source: Any = None,
     ) -> RecordSinks:
         """``summary_head``: the summary's identity fields (the port is known only later);
         ``last_checkpoint`` and ``flush``: for the floor policy's ``checkpoint`` mode."""
@@ -96,6 +97,7 @@ class RecordSinks:
                     on_error=guard.error,
                     health=guard.writes,
                     step_metrics=chosen(config.step_metrics),
+                    stage=source.stage_label(),
                 )
                 if history is not None:
                     sinks.append(history)

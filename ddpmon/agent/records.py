@@ -15,6 +15,7 @@ from ..metrics import step_slots as slot
 from ..metrics.state import StepRecord
 from ..probes.grads import ParamIndex, summarize_host
 from ..strategies.base import GradSummaries, NormVector
+from .device_wait import resolve_into
 from .guard import Guard
 
 
@@ -123,6 +124,7 @@ def build_record(
         with guard("comm"):
             record.collective_bytes = dict(summaries.comm.bytes)
             record.collective_seconds = summaries.comm.resolve(guard.error)
+            resolve_into(record, summaries.comm)  # CUDA: the wait measured on the device
     if meta.step_values_host:
         record.step_values.update(meta.step_values_host)
     for name, metric in (meta.step_metrics or {}).items():

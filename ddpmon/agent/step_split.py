@@ -8,14 +8,21 @@ measures, without a device read:
 
 - ``forward``: the model's forward (pre-hook to forward hook), every micro-step summed;
 - ``backward``: the forward's end to the end of the backward pass (the loss and the backward
-  call, every micro-step summed), less the wait below;
+  call, every micro-step summed), less the wait below; where one call marked by the strategy
+  runs every micro-batch's forward and backward (a pipeline schedule's ``step``), its time is
+  ``backward`` (``forward`` 0), and a stage's bubble, waiting for its neighbours, is ``wait``;
 - ``wait``: from the last collective the step issued during the backward
   (``CollectiveRecorder.last_issue``) to the end of that backward: the rank's work is done and
   it waits for the others (plus the transfer of that last bucket, alike on every rank); on CPU,
   see Clocks below;
 - ``optimizer``: the optimizer step (its pre-hook to the step's end);
 - ``host``: the rest of the step (first forward to step end): the loop's own code between the
-  parts above (clipping, logging, ``zero_grad`` inside the step).
+  parts above (clipping, logging, ``zero_grad`` inside the step);
+- ``communication``: the time the rank spent issuing its own collectives
+  (``probes.comm_issue``: a slow path to the network, which the others wait for). On CPU, the
+  time the issue calls were blocked (neither running nor waiting for a CPU; taken out of
+  ``wait``; their CPU time stays in the part that ran them); elsewhere their wall time, taken
+  out of ``backward``.
 
 With the step's data wait (the previous step's end to this step's first forward) these are the
 step's :data:`PHASES`. A rank's *own* time is everything but ``wait``; comparing it across ranks
@@ -30,8 +37,8 @@ its work, and is not a straggler of the run). Elsewhere the parts are wall time
 (``perf_counter``) and ``wait`` is measured from the backward's last collective as above; the
 host boundaries are where the host issued the work, not where the device ran it, so a loop that
 never blocks the host inside the step shows its device time where the host waits. With NCCL,
-DDP's ``work.wait()`` does not block the host, so ``wait`` is near 0 on every rank and a slow
-GPU is not named (docs/slow-and-stuck/stragglers.md, "Known limitation on CUDA"). The clock is
+DDP's ``work.wait()`` does not block the host, so this ``wait`` is near 0 on every rank; the
+record thread raises it to the wait measured on the device (``agent.device_wait``). The clock is
 chosen once, at construction (attach), from the parameters' devices then.
 """
 
@@ -40,7 +47,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-PHASES = ("data", "forward", "backward", "optimizer", "host", "wait")
+PHASES = ("data", "forward", "backward", "optimizer", "host", "wait", "communication")
 """A step's phases, in the order of :meth:`StepSplit.finish`'s tuple."""
 COMPUTE_PHASES = ("forward", "backward", "optimizer")
 """The phases whose growth is cause ``compute``."""
@@ -62,6 +69,9 @@ class StepSplit:
         self.reset()
 
     def reset(self) -> None:
+        issue = getattr(self._recorder, "issue", None)
+        if issue is not None:  # a step's issue time starts with the step
+            issue.take()
         self._forward = self._backward = self._wait = 0.0
         self._step_start: float | None = None
         self._forward_start: float | None = None
@@ -83,8 +93,10 @@ class StepSplit:
 
     def backward_ended(self) -> None:
         began = self._forward_end
-        if began is None:
-            return
+        if began is None:  # one call ran forward and backward: a pipeline schedule's step
+            began, self._forward_start = self._forward_start, None
+            if began is None:
+                return
         now = self._clock()
         span = now - began
         wait = 0.0
@@ -97,6 +109,8 @@ class StepSplit:
         self._forward_end = None
 
     def optimizer_started(self) -> None:
+        if self._forward_end is not None or self._forward_start is not None:
+            self.backward_ended()  # its end was not seen (an engine's step): it ends here
         self._optimizer_start = self._clock()
 
     def finish(self, duration: float | None, data_wait: float | None
@@ -109,14 +123,20 @@ class StepSplit:
                 return None
             now = self._clock()
             optimizer = max(now - self._optimizer_start, 0.0) if self._optimizer_start else 0.0
-            parts = self._forward + self._backward + optimizer
+            issue = getattr(self._recorder, "issue", None)
+            wall, runnable = issue.take() if issue is not None else (0.0, 0.0)
+            backward = self._backward
             if self._on_cpu:  # the rest of the wall time: waiting, or not scheduled at all
+                parts = self._forward + backward + optimizer
                 host = max(now - self._step_start - parts, 0.0)
-                wait = max(duration - parts - host, 0.0)
+                comm = min(wall - runnable, max(duration - parts - host, 0.0))
+                wait = max(duration - parts - host - comm, 0.0)
             else:
+                comm = min(wall, backward)
+                backward -= comm
                 wait = self._wait
-                host = max(duration - parts - wait, 0.0)
-            return (data_wait or 0.0, self._forward, self._backward, optimizer, host, wait)
+                host = max(duration - self._forward - backward - optimizer - comm - wait, 0.0)
+            return (data_wait or 0.0, self._forward, backward, optimizer, host, wait, comm)
         finally:
             self.reset()
 

@@ -6,7 +6,7 @@ A rank's own time per step is its step time and data wait less its wait inside c
 (``ddpmon_step_part_seconds_total{part="wait"}``); its slowdown is that over the median of the
 *other* ranks' (with itself in the median, a 2-rank run's straggler would show half its
 slowdown), less one; its cause, where the slowdown reaches :data:`THRESHOLD`, is the part (data,
-compute, host) furthest above the others' median.
+compute, host, communication) furthest above the others' median.
 """
 
 from __future__ import annotations
@@ -15,19 +15,21 @@ from .. import metrics
 
 THRESHOLD = 0.05
 """The slowdown from which a cause is named (the shipped alert's ``straggler_slowdown``)."""
-CAUSES = ("data", "compute", "host")
+CAUSES = ("data", "compute", "host", "communication")
 _PART = metrics.STEP_PART_SECONDS.name
 
 
 def _totals(m: dict) -> tuple[float, ...] | None:
-    """``(steps, step seconds, data seconds, data waits, compute, wait)`` since start."""
+    """``(steps, step seconds, data seconds, data waits, compute, wait, communication)`` since
+    start (communication 0 from an agent that does not export it)."""
     step, data = metrics.STEP_DURATION, metrics.DATA_WAIT
     keys = (step.sample("count"), step.sample("sum"), data.sample("sum"), data.sample("count"),
             f'{_PART}{{part="compute"}}', f'{_PART}{{part="wait"}}')
     values = tuple(m.get(k) for k in keys)
     if any(not isinstance(v, float | int) for v in values):
         return None
-    return values  # type: ignore[return-value]
+    comm = m.get(f'{_PART}{{part="communication"}}', 0.0)
+    return (*values, comm if isinstance(comm, float | int) else 0.0)
 
 
 def own_per_step(m: dict, prev: dict | None) -> dict[str, float] | None:
@@ -40,13 +42,14 @@ def own_per_step(m: dict, prev: dict | None) -> dict[str, float] | None:
     grew = before is not None and all(a >= b for a, b in zip(now, before, strict=True))
     if before is not None and grew and now[0] > before[0]:
         now = tuple(a - b for a, b in zip(now, before, strict=True))
-    steps, step_s, data_s, data_n, compute, wait = now
+    steps, step_s, data_s, data_n, compute, wait, comm = now
     if steps <= 0:
         return None
     data = data_s / data_n if data_n > 0 else 0.0
-    host = max(step_s - compute - wait, 0.0) / steps
+    host = max(step_s - compute - wait - comm, 0.0) / steps
     own = max(step_s + data_s - wait, 0.0) / steps
-    return {"own": own, "data": data, "compute": compute / steps, "host": host}
+    return {"own": own, "data": data, "compute": compute / steps, "host": host,
+            "communication": comm / steps}
 
 
 def _medians_of_others(values: dict[str, float]) -> dict[str, float]:

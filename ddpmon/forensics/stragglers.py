@@ -11,15 +11,18 @@ compared across ranks, never its step time:
   (descheduled steps only add time, so they move nothing);
 - a rank's *slowdown* in a window is its own time over the median of the *other* ranks', less
   one (a median that held the straggler itself would halve its slowdown in a 2-rank run);
+  under pipeline parallel a rank is compared with the ranks of its stage (:func:`peer_groups`):
+  a stage's bubble is ``wait`` (never its own time) and a slow stage is named with ``stage``;
 - a rank is a straggler when its slowdown is at least ``threshold`` (default 5 %) and the
   largest of the run in :data:`SUSTAIN` consecutive windows; it is named once per streak,
   from the streak's first step (``since_step``);
 - its *cause* is the part whose excess over the other ranks' median is the largest over the streak:
-  ``data`` (the wait before the first forward), ``compute`` (forward, backward and optimizer) or
-  ``host`` (the loop's own code inside the step).
+  ``data`` (the wait before the first forward), ``compute`` (forward, backward and optimizer),
+  ``host`` (the loop's own code inside the step) or ``communication`` (the time it spent
+  issuing its own collectives: a slow path to the network, ``probes.comm_issue``).
 
-``communication`` is not named from these parts: a slow link slows every rank of a ring alike,
-so no rank's own time grows (the run's collective times do: ``DdpmonCollectiveSlow``).
+A link that slows a ring alike for every rank grows no rank's own time and is not named here
+(the run's collective times show it: ``DdpmonCollectiveSlow``).
 
 The warm-up (the first :data:`WARMUP` steps of a rank's history) is left out: first compiles,
 allocator growth and a first collective's connection set-up are not a straggler.
@@ -52,7 +55,7 @@ FLOOR = 0.2
 processes, a shared cache) only ever adds time, so a low quantile is the work's own cost."""
 MAX_NAMED = 16
 """Streaks listed at most (the largest slowdowns first)."""
-CAUSES = ("data", "compute", "host")
+CAUSES = ("data", "compute", "host", "communication")
 
 
 def find_stragglers(run: RunDir, damage: ReadWarnings | None = None,
@@ -63,16 +66,39 @@ def find_stragglers(run: RunDir, damage: ReadWarnings | None = None,
     parts (histories written before them, or one rank)."""
     damage = damage if damage is not None else ReadWarnings()
     width: int | None = None
-    windows: dict[int, dict[int, tuple[float, float, float, float]]] = {}
+    windows: dict[int, dict[int, tuple[float, ...]]] = {}
+    stages: dict[int, str] = {}
     for rank, history in iter_histories(run, damage):
         if width is None:
             width = _window_width(history.columns["step"])
         mine = rank_windows(history.columns, width)
         if mine:
             windows[rank] = mine
+            if history.stage is not None:
+                stages[rank] = history.stage
     if len(windows) < 2 or width is None:
         return []
-    return name_stragglers(windows, width, threshold)
+    found: list[dict[str, Any]] = []
+    for group in peer_groups(list(windows), stages):
+        named = name_stragglers({r: windows[r] for r in group}, width, threshold)
+        found += [s | {"stage": stages[s["rank"]]} if s["rank"] in stages else s for s in named]
+    found.sort(key=lambda s: (-s["slowdown"], s["rank"]))
+    return found[:MAX_NAMED]
+
+
+def peer_groups(ranks: list[int], stages: dict[int, str]) -> list[list[int]]:
+    """The ranks compared with each other. Pipeline parallel: the ranks holding the same
+    stage(s) (its data-parallel replicas do the same work), when every stage has 2 ranks or
+    more; with one rank per stage, every rank together (the stages' own times, bubbles left
+    out as waits: the slowest stage is the pipeline's bottleneck). Otherwise one group."""
+    if not stages:
+        return [ranks]
+    groups: dict[str, list[int]] = {}
+    for rank in ranks:
+        groups.setdefault(stages.get(rank, ""), []).append(rank)
+    if all(len(g) >= 2 for g in groups.values()):
+        return list(groups.values())
+    return [ranks]
 
 
 def _window_width(steps: Any) -> int:
@@ -81,10 +107,10 @@ def _window_width(steps: Any) -> int:
 
 
 def rank_windows(columns: dict[str, Any], width: int
-                 ) -> dict[int, tuple[float, float, float, float]]:
-    """``window -> (own, data, compute, host)``, the :data:`FLOOR` quantiles of one rank's steps
-    in each window
-    (``step // width``), warm-up and steps without parts left out."""
+                 ) -> dict[int, tuple[float, ...]]:
+    """``window -> (own, data, compute, host, communication)``, the :data:`FLOOR` quantiles of
+    one rank's steps in each window (``step // width``), warm-up and steps without parts left
+    out."""
     steps = columns["step"]
     if "wait_seconds" not in columns or not len(steps):
         return {}
@@ -92,26 +118,29 @@ def rank_windows(columns: dict[str, Any], width: int
     compute = (columns["forward_seconds"] + columns["backward_seconds"]
                + columns["optimizer_seconds"])
     host = columns["host_seconds"]
+    comm = columns.get("communication_seconds")  # absent before it (read as 0)
+    comm = np.zeros(len(steps)) if comm is None else np.nan_to_num(comm, nan=0.0)
     keep = np.isfinite(compute) & np.isfinite(host) & (steps >= steps.min() + WARMUP)
     if not keep.any():
         return {}
-    steps, data, compute, host = steps[keep], data[keep], compute[keep], host[keep]
-    own = data + compute + host
+    steps, data, compute, host, comm = (a[keep] for a in (steps, data, compute, host, comm))
+    own = data + compute + host + comm
     index = steps // width
     order = np.argsort(index, kind="stable")
-    index, own, data, compute, host = (a[order] for a in (index, own, data, compute, host))
+    index, own, data, compute, host, comm = (
+        a[order] for a in (index, own, data, compute, host, comm))
     bounds = np.flatnonzero(np.diff(index)) + 1
-    out: dict[int, tuple[float, float, float, float]] = {}
+    out: dict[int, tuple[float, ...]] = {}
     for chunk in np.split(np.arange(len(index)), bounds):
         if len(chunk) < max(2, width // 2):  # a window mostly missing: not compared
             continue
         out[int(index[chunk[0]])] = tuple(  # type: ignore[assignment]
-            float(np.quantile(a[chunk], FLOOR)) for a in (own, data, compute, host)
+            float(np.quantile(a[chunk], FLOOR)) for a in (own, data, compute, host, comm)
         )
     return out
 
 
-def name_stragglers(windows: dict[int, dict[int, tuple[float, float, float, float]]],
+def name_stragglers(windows: dict[int, dict[int, tuple[float, ...]]],
                     width: int, threshold: float = THRESHOLD) -> list[dict[str, Any]]:
     """The streaks of :func:`find_stragglers` from every rank's :func:`rank_windows`."""
     all_windows = sorted({w for mine in windows.values() for w in mine})
@@ -161,8 +190,11 @@ def _close(current: dict[str, Any] | None, streaks: list[dict[str, Any]], width:
 def describe(straggler: dict[str, Any]) -> str:
     """One line: ``rank 2 was 15.1 % slower than the other ranks' median (cause: compute) from
     step 40 to 299``."""
-    return (f"rank {straggler['rank']} was {100 * straggler['slowdown']:.1f} % slower than the "
-            f"other ranks' median (cause: {straggler['cause']}) from step "
+    stage = straggler.get("stage")
+    who = f"stage {stage} (rank {straggler['rank']})" if stage else f"rank {straggler['rank']}"
+    peers = "its stage's other ranks'" if stage else "the other ranks'"
+    return (f"{who} was {100 * straggler['slowdown']:.1f} % slower than "
+            f"{peers} median (cause: {straggler['cause']}) from step "
             f"{straggler['since_step']} to {straggler['until_step']}")
 
 

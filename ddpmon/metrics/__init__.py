@@ -129,9 +129,10 @@ DATA_WAIT = Metric(
 STEP_PART_SECONDS = Metric(
     "ddpmon_step_part_seconds_total",
     C,
-    "Step time by part, summed over steps: compute (forward, backward, optimizer) and wait "
-    "(inside collectives, for the other ranks); the step's host time is the step time's sum "
-    "less both. The slow rank computes most and waits least.",
+    "Step time by part, summed over steps: compute (forward, backward, optimizer), wait "
+    "(inside collectives, for the other ranks) and communication (issuing its own "
+    "collectives); the step's host time is the step time's sum less the three. The slow rank "
+    "computes (or issues) most and waits least.",
     L.DATA_SUPPLY,
     unit="seconds",
     labels=("part",),

@@ -224,7 +224,8 @@ class MetricState(_FoldedState):
     """Replica checks at which this rank differed from its replicas' majority; None where the
     check does not run (its series is then not exported)."""
     step_part_seconds_total: dict[str, float] = field(default_factory=dict)
-    """``compute``/``wait`` -> seconds summed over steps (``ddpmon_step_part_seconds_total``)."""
+    """``compute``/``wait``/``communication`` -> seconds summed over steps
+    (``ddpmon_step_part_seconds_total``)."""
     step_reruns_total: dict[str, int] | None = None
     """Reruns by fault (``transient``, ``deterministic``) under ``on_nonfinite='rerun'``;
     None otherwise (not exported)."""
@@ -282,10 +283,11 @@ class MetricState(_FoldedState):
             elif value is not None:  # Fold.HISTOGRAM
                 getattr(self, f.state_name).observe(value)
         if record.phase_seconds is not None:
-            _, forward, backward, optimizer, _, wait = record.phase_seconds
+            _, forward, backward, optimizer, _, wait, comm = record.phase_seconds
             parts = self.step_part_seconds_total
             parts["compute"] = parts.get("compute", 0.0) + forward + backward + optimizer
             parts["wait"] = parts.get("wait", 0.0) + wait
+            parts["communication"] = parts.get("communication", 0.0) + comm
         if record.loss is not None and not math.isfinite(record.loss):
             self.loss_nonfinite_total += 1
         if record.group_norms:

@@ -4,15 +4,16 @@ and the ``DdpmonStraggler`` alert.
 
 Under DDP every rank's step lasts as long as the slowest rank's, so step time cannot name a
 straggler: the fast ranks spend the difference waiting in the all-reduce. Each rank exports its
-step's parts (``ddpmon_step_part_seconds_total``: ``compute`` and ``wait``, see
+step's parts (``ddpmon_step_part_seconds_total``: ``compute``, ``wait`` and ``communication``, see
 ``ddpmon.agent.step_split``); its *own* time per step is everything but the wait:
 
     own = (step time + data wait - wait) per step
 
 and the cross-rank comparison happens here, per run, so it needs no agent-to-agent traffic:
 ``slowdown = own / median rank's own - 1``. The cause is the part whose excess over the median
-rank's is the largest: ``data`` (data wait), ``compute`` (forward, backward, optimizer) or
-``host`` (the rest of the step). Series: two records per rank (own time, slowdown), three by
+rank's is the largest: ``data`` (data wait), ``compute`` (forward, backward, optimizer),
+``host`` (the rest of the step) or ``communication`` (issuing its own collectives:
+``ddpmon.probes.comm_issue``). Series: two records per rank (own time, slowdown), four by
 cause, one cause per rank; every expression reads raw series or first-order records only.
 """
 
@@ -49,13 +50,15 @@ def own_expr(cfg: MixinConfig) -> str:
 
 
 def by_cause_expr(cfg: MixinConfig) -> str:
-    """A rank's own seconds per step by cause (``cause`` label: data, compute, host)."""
+    """A rank's own seconds per step by cause (``cause`` label: data, compute, host,
+    communication)."""
     step, data = m.STEP_DURATION.name, m.DATA_WAIT.name
     steps = _rate(cfg, step + "_count")
     causes = {
         "data": f"{_rate(cfg, data + '_sum')} / {_rate(cfg, data + '_count')}",
         "compute": f"{_part(cfg, 'compute')} / {steps}",
         "host": f"clamp_min(({_rate(cfg, step + '_sum')} - {_part(cfg)}) / {steps}, 0)",
+        "communication": f"{_part(cfg, 'communication')} / {steps}",
     }
     return "\nor\n".join(
         f'label_replace({expr}, "cause", "{cause}", "", "")' for cause, expr in causes.items()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..metrics import COLLECTIVE_OPS
+from .comm_issue import IssueClock
 
 __all__ = ["OPS", "CollectiveRecorder", "CommTiming", "tensor_bytes"]
 
@@ -70,6 +71,8 @@ class CommTiming:
     bytes: dict[str, int] = field(default_factory=dict)
     dropped: int = 0
     """Timings not kept because the step went over the per-step bound."""
+    last_start: Any = None
+    """The start event of the last collective issued (CUDA; ``agent.device_wait``)."""
 
     def resolve(self, on_error: Callable[[str, BaseException], None] | None = None
                 ) -> dict[str, list[float]]:
@@ -102,6 +105,8 @@ class CollectiveRecorder:
         self.last_issue: float | None = None
         """``perf_counter`` when the last collective was issued (``agent.step_split``: the
         time after it, to the end of the backward, is time spent waiting for other ranks)."""
+        self.issue = IssueClock()
+        """Time inside the calls that issue this rank's collectives (``comm_issue``)."""
 
     # ------------------------------------------------------------------ timers
     def start(self, tensor: Any = None) -> Any:
@@ -116,6 +121,7 @@ class CollectiveRecorder:
             try:
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(torch.cuda.current_stream(device))
+                self._timing.last_start = event
                 return event
             except Exception:
                 pass
@@ -163,7 +169,10 @@ class CollectiveRecorder:
             timer = self.start(_first_tensor(args, kwargs))
         except Exception as exc:
             self.error(exc)
+        began = self.issue.begin()
         result = fn(*args, **kwargs)
+        if _is_work(result):  # issued, not done: the call's time is this rank's own
+            self.issue.end(began)
         if timer is not None:
             if _is_work(result):
                 self.stop_at_completion(op, timer, nbytes, result)

@@ -411,9 +411,10 @@ class HistorySink:
         on_error: Any = None,
         health: Any = None,
         step_metrics: tuple = (),
+        stage: str | None = None,
     ) -> HistorySink | None:
-        """The sink for one rank (``step_metrics``: each a column), or None (one log line)
-        when pyarrow is missing. Nothing imports pyarrow here."""
+        """The sink for one rank (``step_metrics``: each a column; ``stage``: its pipeline
+        stages, in the metadata), or None (one log line) without pyarrow."""
         if importlib.util.find_spec("pyarrow") is None:
             log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
                         "pyarrow); the numerics history (compare, report) is off")
@@ -425,7 +426,7 @@ class HistorySink:
         writer = HistoryWriter(
             run_dir.history(rank),
             tuple(groups),
-            meta={"rank": str(rank), "memory_kind": kind},
+            meta={"rank": str(rank), "memory_kind": kind} | ({"stage": stage} if stage else {}),
             memory=None if memory is not None else process_rss,
             on_error=on_error,
             health=health,

@@ -52,6 +52,9 @@ class History:
     """The file ended in a torn message (the writer was killed mid-write); rows before it kept."""
     step_values: list[str] = field(default_factory=list)
     """The per-step metrics' columns this file has (``step_values`` schema metadata)."""
+    stage: str | None = None
+    """Pipeline parallel: the rank's stage indices (``"1"``, ``"0,2"``), from the schema
+    metadata; None otherwise."""
 
     def __len__(self) -> int:
         return len(self.columns["step"])
@@ -179,7 +182,9 @@ def _assemble(path: Path, reads: list[StreamRead], rank: int | None,
     keep = order[last]
     cols = {k: v[keep] for k, v in cols.items()}
     r = rank if rank is not None else _int(meta.get("rank"), -1)
-    return History(r, groups, cols, meta.get("memory_kind"), torn, step_values)
+    stage = meta.get("stage")
+    return History(r, groups, cols, meta.get("memory_kind"), torn, step_values,
+                   stage[:64] if stage else None)
 
 
 def step_value_columns(text: str | None, schema: Any, taken: dict) -> list[str]:

@@ -20,6 +20,7 @@ DERIVED_COLUMNS = (
     ("optimizer_seconds", "float32"),
     ("host_seconds", "float32"),
     ("wait_seconds", "float32"),
+    ("communication_seconds", "float32"),
 )
 FORMAT_ORDER = (
     "step", "wall_time", "loss", "grad_norm", "grad_local_norm", "grad_nonfinite",
@@ -40,7 +41,8 @@ OLD_NAMES = {
 }
 """Columns renamed since files were first written (new -> old); readers accept either."""
 PHASE_COLUMNS = (
-    "forward_seconds", "backward_seconds", "optimizer_seconds", "host_seconds", "wait_seconds"
+    "forward_seconds", "backward_seconds", "optimizer_seconds", "host_seconds", "wait_seconds",
+    "communication_seconds",
 )
 """A step's parts after its data wait (``agent.step_split.PHASES[1:]``)."""
 OPTIONAL_COLUMNS = frozenset((*PHASE_COLUMNS, *ADDED_COLUMNS))
@@ -90,6 +92,8 @@ COLUMN_DOCS = {
     "host_seconds": "the rest of the step: the loop's code between the parts above",
     "wait_seconds": "the backward's last collective issued to the backward's end: waiting for "
     "the other ranks (straggler attribution, `ddpmon.forensics.stragglers`)",
+    "communication_seconds": "time spent issuing this rank's own collectives (on CPU: blocked "
+    "inside the calls; `ddpmon.probes.comm_issue`)",
     "memory_bytes": "CUDA allocated bytes on a GPU, process RSS on CPU (the kind is in the "
     "schema metadata)",
     GROUPS_COLUMN: "per-group norms, a fixed-size list in the order of the `groups` schema "

@@ -226,6 +226,12 @@ class GradientSource(ABC):
         """What this strategy adds to the run manifest (default: nothing)."""
         return {}
 
+    def stage_label(self) -> str | None:
+        """The stages this rank runs (``"1"``, ``"0,2"`` interleaved), kept in its history's
+        metadata so that straggler attribution compares a stage with its peers
+        (``forensics.stragglers``); None for a strategy without stages."""
+        return None
+
     def update_probe(self, optimizer: Any, settings: UpdateSettings,
                      default: Callable[[Any], Any]) -> Any:
         """The per-group update probe (``probes.updates``) for the optimizer step this strategy

@@ -141,7 +141,9 @@ class CommProbe:
             start = self.collectives.start(buffer)
         except Exception as exc:
             self._on_error("comm", exc)
+        began = self.collectives.issue.begin()
         fut = self.inner_hook(self.inner_state, bucket)
+        self.collectives.issue.end(began)  # the bucket's issue: its own path to the network
         shapes = [p.numel() for p in bucket.parameters()] if positions is not None else None
 
         def done(f: torch.futures.Future) -> torch.Tensor:

@@ -3,6 +3,8 @@ on hand-made clocks: which rank is named, why, from which step, and what is not 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +18,10 @@ from ddpmon.forensics.stragglers import (
     describe,
     html_section,
     name_stragglers,
+    peer_groups,
     rank_windows,
 )
+from ddpmon.probes.comm import CollectiveRecorder
 
 
 def _columns(steps: int, compute: float, data: float = 0.001, slow_from: int | None = None,
@@ -107,8 +111,8 @@ def test_step_split_wall_clock_takes_the_wait_after_the_last_collective(monkeypa
     recorder.last_issue = 13.5
     split.backward_ended()  # 15: backward 1.5, wait 1.5
     split.optimizer_started()  # 15.5
-    data, fwd, bwd, opt, host, wait = split.finish(7.0, data_wait=0.25)  # now 16
-    assert (data, fwd, bwd, opt, wait) == (0.25, 2.0, 1.5, 0.5, 1.5)
+    data, fwd, bwd, opt, host, wait, comm = split.finish(7.0, data_wait=0.25)  # now 16
+    assert (data, fwd, bwd, opt, wait, comm) == (0.25, 2.0, 1.5, 0.5, 1.5, 0.0)
     assert host == pytest.approx(7.0 - 2.0 - 1.5 - 0.5 - 1.5)
     assert split.finish(1.0, None) is None  # reset: no forward since
 
@@ -123,8 +127,8 @@ def test_step_split_on_cpu_counts_the_threads_cpu_time_and_the_rest_as_wait():
     split.forward_ended()
     split.backward_ended()
     phases = split.finish(duration=100.0, data_wait=None)
-    data, fwd, bwd, opt, host, wait = phases
-    assert data == 0.0 and fwd > 0 and opt == 0.0
+    data, fwd, bwd, opt, host, wait, comm = phases
+    assert data == 0.0 and fwd > 0 and opt == 0.0 and comm == 0.0
     assert sum(phases) == pytest.approx(100.0)  # the wall time not spent working is the wait
 
 
@@ -157,3 +161,84 @@ def test_top_compares_each_rank_with_the_median_of_the_others():
     four = straggler_scores({str(i): scraped(0.1) for i in range(3)} | {"s": scraped(0.115)}, {})
     assert four["s"]["slowdown"] == pytest.approx(0.015 / 0.101, abs=1e-4)
     assert four["0"]["slowdown"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_time_spent_issuing_its_own_collectives_is_cause_communication():
+    ranks = {r: _columns(100, 0.1) for r in range(4)}
+    for r, cols in ranks.items():
+        cols["communication_seconds"] = np.full(100, 0.012 if r == 2 else 0.0002)
+    (named,) = name_stragglers(_windows(ranks), WINDOW)
+    assert (named["rank"], named["cause"]) == (2, "communication")
+    assert named["excess_seconds"]["communication"] == pytest.approx(0.0118)
+    del ranks[2]["communication_seconds"]  # a history written before the column: 0
+    assert name_stragglers(_windows(ranks), WINDOW) == []
+
+
+def test_on_cpu_a_stall_inside_the_issue_call_is_communication_not_wait():
+    """The slow path to the network: the issue call sleeps (off the CPU); the rest of the wall
+    time off the CPU stays the wait for the other ranks."""
+    recorder = CollectiveRecorder()
+    split = StepSplit(recorder, [torch.zeros(1)])
+    split.forward_started()
+    split.forward_ended()
+    began = recorder.issue.begin()
+    time.sleep(0.05)  # inside the issue call
+    recorder.issue.end(began)
+    split.backward_ended()
+    phases = split.finish(duration=1.0, data_wait=None)
+    *_, wait, comm = phases
+    assert 0.05 <= comm < 0.5 and wait > 0.4
+    assert sum(phases) == pytest.approx(1.0)
+    split.forward_started()
+    assert split.finish(0.1, None)[-1] == 0.0  # taken with its step: the next starts at 0
+
+
+def test_wall_clock_issue_time_is_taken_out_of_backward(monkeypatch):
+    clock = iter([10.0, 12.0, 15.0, 16.0])
+    recorder = CollectiveRecorder()
+    split = StepSplit(recorder, [torch.zeros(1, device="meta")])
+    monkeypatch.setattr(split, "_clock", lambda: next(clock))
+    split.forward_started()  # 10
+    split.forward_ended()  # 12
+    recorder.issue.wall, recorder.issue.runnable = 0.75, 0.01
+    recorder.last_issue = 14.0
+    split.backward_ended()  # 15: backward 2, of which 1 waiting
+    _, fwd, bwd, _, host, wait, comm = split.finish(6.0, data_wait=None)  # now 16
+    assert (fwd, bwd, wait, comm) == (2.0, 1.25, 1.0, 0.75)
+    assert host == pytest.approx(6.0 - 2.0 - 1.25 - 1.0 - 0.75)
+
+
+def test_a_pipeline_schedules_step_is_one_call_of_forward_and_backward(monkeypatch):
+    """The schedule's step marks the forward's start and the backward's end, nothing between:
+    its time is backward (compute), not host."""
+    clock = iter([10.0, 14.0, 14.5])
+    split = StepSplit(None, [torch.zeros(1, device="meta")])
+    monkeypatch.setattr(split, "_clock", lambda: next(clock))
+    split.forward_started()  # 10
+    split.backward_ended()  # 14
+    _, fwd, bwd, _, host, wait, _ = split.finish(5.0, data_wait=None)  # now 14.5
+    assert (fwd, bwd, wait) == (0.0, 4.0, 0.0) and host == pytest.approx(1.0)
+
+
+def test_pipeline_ranks_are_compared_with_their_stage():
+    both = {0: "0", 1: "0", 2: "1", 3: "1"}
+    assert peer_groups([0, 1, 2, 3], both) == [[0, 1], [2, 3]]
+    assert peer_groups([0, 1, 2, 3], {}) == [[0, 1, 2, 3]]
+    # one rank per stage: the stages against each other
+    assert peer_groups([0, 1], {0: "0", 1: "1"}) == [[0, 1]]
+    named = {"rank": 3, "stage": "1", "slowdown": 0.12, "cause": "compute", "since_step": 0,
+             "until_step": 39}
+    assert describe(named).startswith(
+        "stage 1 (rank 3) was 12.0 % slower than its stage's other ranks' median")
+
+
+def test_an_unseen_backward_end_ends_at_the_optimizer_step(monkeypatch):
+    """DeepSpeed's engine: only the forward's start and the engine's step are seen; the time
+    between is the step's forward and backward (compute), the engine's step its optimizer."""
+    clock = iter([10.0, 13.0, 13.0, 14.0])
+    split = StepSplit(None, [torch.zeros(1, device="meta")])
+    monkeypatch.setattr(split, "_clock", lambda: next(clock))
+    split.forward_started()  # 10
+    split.optimizer_started()  # 13: the backward ends here, the optimizer starts
+    _, fwd, bwd, opt, host, wait, _ = split.finish(4.0, data_wait=None)  # now 14
+    assert (fwd, bwd, opt, wait, host) == (0.0, 3.0, 1.0, 0.0, 0.0)

@@ -112,7 +112,7 @@ def make_state(groups=4, opt_in=True, replicas=True) -> MetricState:
     s.apply(StepRecord(step=41, wall_time=1700000042.5, duration_seconds=None,
                        data_wait_seconds=None, collective_seconds={"all_reduce": [0.0002, 0.003,
                        0.003]}, collective_bytes={"all_reduce": 1 << 20},
-                       phase_seconds=(0.004, 0.05, 0.125, 0.01, 0.005, 0.02),
+                       phase_seconds=(0.004, 0.05, 0.125, 0.01, 0.005, 0.02, 0.001),
                        step_values={metrics.LEARNING_RATE: 3e-4} if opt_in else {}))
     s.step, s.steps_total, s.last_step_timestamp = 41, 42, 1700000042.5
     s.agent_errors = {"comm": 1}

@@ -19,6 +19,8 @@ def engine_markers(source: Any, host: StepHost) -> list[Any]:
     agent runs one."""
     steps = EngineSteps(source.engine, source, host.on_engine_step, host.on_error,
                         on_min_scale=functools.partial(_floor, host.on_engine_floor))
+    # the engine's step is where its optimizer starts and its backward ends (straggler split)
+    steps.on_call = host.steps.split.optimizer_started
     if host.steps.rerun is not None:
         rerun = EngineRerun(host.steps, source, source.engine)
         steps.before_step = rerun.before_step

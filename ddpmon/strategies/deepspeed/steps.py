@@ -48,6 +48,8 @@ class EngineSteps:
         self.after_step: Callable[[bool], None] | None = None
         """Called after an ``engine.step`` that ended an optimizer step, with whether
         DeepSpeed skipped it."""
+        self.on_call: Callable[[], None] | None = None
+        """Called first in every ``engine.step`` (the step split's optimizer start)."""
         self.before_step: Callable[[], None] | None = None
         """Called at a boundary ``engine.step`` once the reduced norms are measured, before
         DeepSpeed steps (``on_nonfinite='rerun'``: ``.rerun``); its
@@ -73,6 +75,8 @@ class EngineSteps:
         before = skipped = None
         boundary = False
         try:
+            if self.on_call is not None:
+                self.on_call()
             self.source.note_scale()
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary:

@@ -74,6 +74,9 @@ class PipelineSource(GradientSource):
     name = "pp"
     extra_slots = (PP_NORM, PP_FLAGS)
 
+    def stage_label(self) -> str | None:
+        return ",".join(str(int(s.index)) for s in self.setup.stages) or None
+
     def data_check_scope(self) -> tuple[str | None, str]:
         if self.setup.inner in ("ddp", "fsdp2"):
             return "each stage's data-parallel group (the ranks that hold the same stage)", ""
