@@ -29,7 +29,7 @@ PYTEST_ARGS ?=
 PYTEST_XDIST ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 TEST_WORKERS ?= 3
 # The fast lane (`make check`): no subprocess ranks, no Debian package, no browser.
-FAST_LANE := not ranks and not services and not browser and not gpu
+FAST_LANE := not ranks and not services and not browser and not gpu and not long
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 

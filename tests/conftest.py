@@ -4,7 +4,11 @@
   file where a directory mixes): ``ranks`` (torch.distributed ranks in subprocesses, torchrun,
   ``ddpmon demo``), ``services`` (a Debian-packaged server or tool: Prometheus, Alertmanager,
   promtool, VictoriaMetrics, ``ip netns``), ``browser`` (headless Chromium), ``gpu`` (CUDA only).
-  ``make check`` runs ``-m "not ranks and not services and not browser and not gpu"``.
+  ``make check`` runs ``-m "not ranks and not services and not browser and not gpu and not
+  long"``: ``long`` marks a file that starts none of those but whose measured time
+  (``tests/durations.json``) is at least ``LONG_SECONDS`` (many steps of a real loop, a
+  fuzzer, a 3 GB file, the strict docs build), so the fast lane stays fast; ``make test`` runs
+  every lane.
 - **The markers cannot lie.** A test without ``ranks`` or ``services`` that starts such a
   process fails, naming the marker it needs (``subprocess.Popen`` is watched in this process).
 - **No silent skips under CI.** With ``CI`` set (``.ci/run``, ``make test``) a skipped test fails,
@@ -27,6 +31,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -44,7 +49,9 @@ DURATIONS = TESTS / "durations.json"
 UNMEASURED_SECONDS = 30.0
 """A new file's guessed time until the durations are measured again: a typical rank test."""
 
-LANE_MARKERS = ("ranks", "services", "browser", "gpu")
+LANE_MARKERS = ("ranks", "services", "browser", "gpu", "long")
+LONG_SECONDS = 10.0
+"""A file in no other lane is ``long`` when its measured time is at least this."""
 
 LANES: dict[str, tuple[str, ...]] = {
     # directory (or file) under tests/ -> markers; the longest matching prefix wins
@@ -113,7 +120,14 @@ def lane_of(path: Path) -> tuple[str, ...]:
             best = prefix
     if not best:
         raise pytest.UsageError(f"tests/{rel} is in no lane: add its directory to LANES")
+    if not LANES[best] and _measured().get(f"tests/{rel}", 0.0) >= LONG_SECONDS:
+        return ("long",)
     return LANES[best]
+
+
+@functools.cache
+def _measured() -> dict[str, float]:
+    return file_durations()
 
 
 def lane_deselects(markexpr: str, markers: tuple[str, ...]) -> bool:
@@ -145,6 +159,7 @@ def pytest_configure(config: pytest.Config) -> None:
         ("services", "starts a Debian-packaged server or tool (Prometheus, promtool, ...)"),
         ("browser", "drives headless Chromium"),
         ("gpu", "needs CUDA"),
+        ("long", "in no other lane, but measured at LONG_SECONDS or more (tests/durations.json)"),
     ):
         config.addinivalue_line("markers", f"{name}: {what}")
 
