@@ -36,7 +36,8 @@ NAME = re.compile(r"[a-z][a-z0-9_]{0,62}")
 TAKEN_COLUMNS = frozenset(
     {f.name for f in STEP_FIELDS} | {"collective_count", "collective_mean_seconds",
      "collective_max_seconds", "memory_bytes", "forward_seconds", "backward_seconds",
-     "optimizer_seconds", "host_seconds", "wait_seconds", "weight_norms", "update_norms",
+     "optimizer_seconds", "host_seconds", "wait_seconds", "communication_seconds",
+     "weight_norms", "update_norms",
      "update_ratios", "exp_avg_norms", "exp_avg_sq_norms", "skipped", "steps"}
 )
 """Names a per-step metric's column may not take: the step fields and the history's derived

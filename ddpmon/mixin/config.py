@@ -119,7 +119,9 @@ class MixinConfig:
     straggler_window: str = "1m"
     """The rate window of the straggler records: short, so that a straggler is named soon (a
     5 % straggler within about 30 steps of 2 s among 1,024 ranks, ``benchmarks/
-    straggler_scale.py``); 4 scrapes at 15 s, 12 at the shipped 5 s."""
+    straggler_scale.py``); 4 scrapes at 15 s, 12 at the shipped 5 s. It must hold at least two
+    scrapes, or the records are empty: with Prometheus's default 60 s scrape interval, set it
+    to 2m or more."""
     straggler_for: str = "3m"
     """The alert pages once a rank has been named this long: a page waits for a slowdown that
     lasts, the naming (records, dashboards, ``ddpmon top``) does not."""

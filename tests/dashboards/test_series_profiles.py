@@ -36,7 +36,8 @@ def _rows(out: str) -> dict[tuple[str, str, str], int]:
 def _run(tmp: Path, *extra: str) -> dict[tuple[str, str, str], int]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = _bench().main(["--ranks", "8", "--hours", "0.25", "--repeats", "1",
+        # a sample every 30 s: the straggler records' 1m window holds two (60 s holds one)
+        rc = _bench().main(["--ranks", "8", "--hours", "0.25", "--repeats", "1", "--interval", "30",
                             "--workdir", str(tmp), *extra])
     assert rc == 0, out.getvalue()[-3000:]
     rows = _rows(out.getvalue())

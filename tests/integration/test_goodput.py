@@ -61,6 +61,22 @@ def truth(out: Path) -> dict:
             "counts": counts}
 
 
+def truth_gaps(out: Path) -> dict[int, float]:
+    """attempt -> from its last completed step on any rank to the next attempt's first birth,
+    by the worker's own clock."""
+    ends: dict[int, float] = {}
+    born: dict[int, float] = {}
+    for rank in range(4):
+        for x in (json.loads(line) for line in
+                  (out / f"truth.rank{rank}.jsonl").read_text().splitlines()):
+            a = x["attempt"]
+            if x["kind"] == "step":
+                ends[a] = max(ends.get(a, x["end"]), x["end"])
+            elif x["kind"] == "born":
+                born[a] = min(born.get(a, x["t"]), x["t"])
+    return {a: born[a + 1] - ends[a] for a in ends if a + 1 in born}
+
+
 def timeline(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ddpmon.cli", "timeline", "--no-slurm",
                            str(out / "runs" / "gp"), *extra],
@@ -94,7 +110,12 @@ def test_buckets_add_up_and_match_the_jobs_own_clock(job):
     per = {a["attempt"]: a["buckets"] for a in g["attempts"]}
     # the hang: from the last step before it to the collective timeout (15 s) is detection
     assert per[2]["failure_detection"] > 10
-    assert all(per[a]["restart_gap"] > 0 for a in (0, 1, 2))
+    gap = truth_gaps(job)
+    for a in (0, 1, 2):  # a failure's last step to the next attempt: detection, then the gap
+        after = per[a]["failure_detection"] + per[a]["restart_gap"] + per[a]["other"]
+        # the worker's birth is noted a Python start after the process's
+        assert after == pytest.approx(gap[a], abs=1.0), (a, per[a], gap[a])
+        assert per[a]["restart_gap"] >= 0  # torchrun can restart within the birth clock's 10 ms
     assert all(per[a]["unproductive_checkpoint_restore"] > 0 for a in (1, 2, 3))
     assert all(per[a]["initialization"] > 0 for a in (0, 1, 2, 3))
     assert per[3]["wasted_progress_from_disruption"] == 0

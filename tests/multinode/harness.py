@@ -214,6 +214,7 @@ def launch(stack: Stack, run_id: str, rdzv_port: int, train_args: list[str]) -> 
             "DDPMON_DAEMON_URL": f"unix:{stack.workdir / node.name / 'state' / 'agent.sock'}",
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
+            "DDPMON_GOODPUT_SECONDS": "2",  # rank 0's goodput within the short runs' spans
         }
         logs[node.name] = stack.workdir / f"{run_id}-{node.name}.log"
         procs[node.name] = node.popen(argv, logs[node.name], env=env, cwd=REPO)

@@ -58,9 +58,15 @@ EXACT_OUTLIERS = 1
 """Exact comparisons may differ at this many timestamps of a series: in about one run in five
 (more under load) one evaluation of ``run:ddpmon_step:max``/``:min`` read the sample one
 interval later on VictoriaMetrics than on Prometheus, at one timestamp of the 240; never more."""
+NO_FIGURES = ("the synthetic hour has no FLOPs or goodput series: they are not in the golden "
+              "exposition (a FLOP count and rank 0's goodput thread come later); "
+              "tests/integration/test_dashboards_live.py queries them on a real run")
 EMPTY_ON_SYNTHETIC = {
     n.GRAD_NORM_RUN_SPREAD: "compares ranks at the same step; the synthetic ranks run at "
     "slightly different speeds and never report the same step at the same time",
+    n.TOKENS_RUN_RATE: NO_FIGURES,
+    n.ACHIEVED_FLOPS_RUN: NO_FIGURES,
+    n.MFU_RUN: NO_FIGURES,
 }
 """Records the synthetic hour cannot exercise (both engines return nothing), with the reason."""
 EMPTY_PANELS_ON_SYNTHETIC = {
@@ -73,6 +79,10 @@ EMPTY_PANELS_ON_SYNTHETIC = {
     "ddpmon / Rank detail / DCGM: this rank's GPU A": "no DCGM exporter series (no GPU)",
     "ddpmon / Rank detail / DCGM: this rank's GPU B": "no DCGM exporter series (no GPU)",
     "ddpmon / Rank detail / DCGM: last XID error A": "no DCGM exporter series (no GPU)",
+    **{f"ddpmon / Run overview / {panel}": NO_FIGURES for panel in (
+        "Goodput and ETTR A", "Goodput and ETTR B", "Where the wall-clock time went A",
+        "Wall-clock time A", "Run tokens/s A", "Run tokens/s B", "Run achieved FLOP/s A",
+        "Run FLOP/s and MFU A", "Run FLOP/s and MFU B")},
 }
 """Panel queries empty on both engines, with the reason; any other empty one fails."""
 WINDOWED = re.compile(r"\b(rate|irate|increase|delta|idelta|deriv)\(")

@@ -13,8 +13,10 @@ other. The job's figure is the mean over ranks (each rank's buckets add up to th
 so the mean does too).
 
 A rank killed with SIGKILL loses its last unjournaled history rows (up to ``flush_seconds``);
-its progress file still names the last completed step and when: the missing steps share that
-time evenly, each a median data wait then a step, and the result says so in ``estimated``."""
+its progress file still names the last completed step and when, and the other ranks' rows name
+the last step the job completed, which every rank computed (the ranks step together): the
+missing steps take the other ranks' times for them, else share the time evenly, each a median
+data wait then a step, and the result says so in ``estimated``."""
 
 from __future__ import annotations
 
@@ -225,12 +227,20 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
         out.first_start = begin if out.first_start is None else min(out.first_start, begin)
         out.last_end = end if out.last_end is None else max(out.last_end, end)
     last_step = rows[-1][0].step if rows else (resume - 1 if resume is not None else None)
-    if progress is None or last_step is None or steady <= 0:
+    if last_step is None or steady <= 0:
         return out
-    p_step, p_end = progress.get("step"), _num(progress.get("ts"))
-    if not isinstance(p_step, int) or p_end is None or p_step <= last_step:
+    p_step, p_end = (progress or {}).get("step"), _num((progress or {}).get("ts"))
+    if not isinstance(p_step, int) or p_end is None:
+        p_step = p_end = None
+    else:
+        p_end += offset
+    peer_last = max(peers) if peers else None
+    if peer_last is not None and (p_step is None or peer_last > p_step):
+        # the ranks step together: a step completed on the others was computed here too (a
+        # SIGKILL can take a rank's last step before its record thread wrote row or progress)
+        p_step, p_end = peer_last, peers[peer_last][0]
+    if p_step is None or p_step <= last_step:
         return out
-    p_end += offset
     missing = p_step - last_step
     t = out.last_end
     if t is None:  # no row at all: from where the first missing step began on the peers
