@@ -100,7 +100,7 @@ def lm_figures(mon, step, ids) -> dict:
         step()
     automatic = mon.flops_per_step
     mode = FlopCounterMode(display=False, custom_mapping=cpu_attention())
-    with mode:  # FlopCounterMode's own count of this rank's step
+    with mode:  # FlopCounterMode's own count of this rank's step (TP: the whole model's)
         step()
     mon.flush()
     mon.throughput.rates()  # the baseline: a step read back after the count
