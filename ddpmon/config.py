@@ -82,9 +82,10 @@ class Config:
     """FLOPs per step are counted automatically on this step of the process (after warm-up),
     and again when the batch's shapes change (docs/goodput.md, MFU); 0 turns it off."""
     tokens_per_step: float = 0.0
-    """Tokens (or samples) one optimizer step of this rank processes, for tokens/s; 0: read
-    from the counted step's batches (the first input's leading dims), or given to
-    ``mon.count_flops(step, tokens=...)``."""
+    """Tokens (or samples) of the batch one optimizer step of this rank trains on, as its
+    loader yields it (the whole batch on every TP rank and pipeline stage), for tokens/s, which
+    exports this rank's share of it; 0: read from the counted step's batches (the first input's
+    leading dims), or given to ``mon.count_flops(step, tokens=...)``."""
     goodput_seconds: float = 60.0
     """Rank 0 recomputes the run's goodput (``ddpmon_goodput_*``, docs/goodput.md) from the run
     dir every this many seconds, on a thread of its own; 0 turns it off."""

@@ -12,7 +12,8 @@ and ``max_changes`` changes in all, then the last count is kept and ddpmon says 
 
 Tokens (or samples) per step come from the counted step's batches: the first tensor input's
 leading dims (batch x sequence for integer token ids, else the batch size), summed over its
-micro-batches.
+micro-batches; on a pipeline stage after the first, which is given the previous stage's
+activations, from their every dim but the features (:func:`activation_count`).
 
 Never raises into training: a failure is handed to ``on_error`` (counted and logged under the
 ``mfu`` probe), the mode is left, and counting stops.
@@ -43,8 +44,11 @@ class AutoCount:
     def __init__(self, *, at_step: int, current_step: Callable[[], int],
                  on_counted: Callable[[int, float | None], None],
                  on_error: Callable[[str, BaseException], None],
-                 recounts: int = 4, max_changes: int = 16) -> None:
+                 recounts: int = 4, max_changes: int = 16,
+                 tokens_of: Callable[[tuple, dict], float] | None = None) -> None:
         self.at_step = at_step
+        self.tokens_of = tokens_of or leading_count
+        """(args, kwargs) -> tokens or samples of one forward's inputs."""
         """Count on the ``at_step``-th training step this process runs (0-based)."""
         self.current_step, self.on_counted, self.on_error = current_step, on_counted, on_error
         self.recounts, self.max_changes = recounts, max_changes
@@ -77,7 +81,7 @@ class AutoCount:
         if self._mode is not None:
             if step == self._mode_step:
                 if torch.is_grad_enabled():
-                    self._tokens += leading_count(args, kwargs)  # a further micro-batch
+                    self._tokens += self.tokens_of(args, kwargs)  # a further micro-batch
                 return
             self._finish()
         if self.off or step == self._last_step or not torch.is_grad_enabled():
@@ -105,7 +109,7 @@ class AutoCount:
         mode = flop_counter()
         mode.__enter__()
         self._mode, self._mode_step, self._mode_sig = mode, step, sig
-        self._tokens = leading_count(args, kwargs)
+        self._tokens = self.tokens_of(args, kwargs)
         self._t0 = time.perf_counter()
 
     def _finish(self) -> None:
@@ -182,4 +186,16 @@ def leading_count(args: tuple, kwargs: dict) -> float:
             if t.dim() >= 2 and not (t.is_floating_point() or t.is_complex()):
                 return float(t.shape[0] * t.shape[1])
             return float(t.shape[0])
+    return 0.0
+
+
+def activation_count(args: tuple, kwargs: dict) -> float:
+    """Tokens of an earlier pipeline stage's activations (the first tensor input): every dim but
+    the last, the features (micro-batch x sequence for hidden states ``[b, s, d]``, the batch
+    size for ``[b, d]``); 0 without a tensor input."""
+    for t in _inputs(args, kwargs):
+        if isinstance(t, torch.Tensor):
+            if t.dim() < 2:
+                return float(t.shape[0]) if t.dim() else 0.0
+            return float(t.numel() // max(t.shape[-1], 1))
     return 0.0

@@ -1,6 +1,8 @@
-"""Tokens/s, achieved FLOP/s and MFU of one rank, computed at scrape time from host values the
-agent already keeps (steps completed, when the last one completed) and the FLOPs per step
-(counted once, or given). Nothing runs per step, so the hot path gains no work and no sync.
+"""Tokens/s (this rank's share of its batch: its tokens over the ranks that train on it, so a
+run's sum counts each batch once), achieved FLOP/s and MFU of one rank, computed at scrape time
+from host values the agent already keeps (steps completed, when the last one completed) and the
+FLOPs per step (counted once, or given). Nothing runs per step, so the hot path gains no work
+and no sync.
 
 An MFU over 100 % cannot be right (FLOPs per step counted on another shape, a peak for another
 dtype or device, steps counted twice): it is never exported, and the agent says once why."""
@@ -24,13 +26,16 @@ class Throughput:
 
     def __init__(self, labels: dict[str, str], progress: Callable[[], tuple[int, float]],
                  peak_flops: float | None = None, flops_per_step: float | None = None,
-                 tokens_per_step: float | None = None) -> None:
+                 tokens_per_step: float | None = None, tokens_shared_by: int = 1) -> None:
         self.labels = labels
         self.progress = progress
         """() -> (steps completed, wall time of the last one)."""
         self.peak_flops = peak_flops
         self.flops_per_step = flops_per_step
         self.tokens_per_step = tokens_per_step
+        """The tokens of this rank's batch as it reads them (counted or given)."""
+        self.tokens_shared_by = max(int(tokens_shared_by), 1)
+        """The ranks that train on that batch (TP x PP): this rank exports its share."""
         self.version = 0
         self.refused: str | None = None
         self._since: tuple[int, float] | None = (progress()[0], time.time())
@@ -70,7 +75,8 @@ class Throughput:
             return {}
         out = {"steps_per_second": (steps - steps0) / (last - t0)}
         if self.tokens_per_step:
-            out["tokens_per_second"] = self.tokens_per_step * out["steps_per_second"]
+            share = self.tokens_per_step / self.tokens_shared_by
+            out["tokens_per_second"] = share * out["steps_per_second"]
         if self.flops_per_step:
             out["flops_per_second"] = self.flops_per_step * out["steps_per_second"]
             if self.peak_flops:

@@ -64,7 +64,8 @@ PEAK_FLOPS = Metric(
 )
 TOKENS_PER_SECOND = Metric(
     "ddpmon_tokens_per_second", G,
-    "Tokens (or samples) this rank processes per second since the FLOPs or tokens were set.",
+    "Tokens (or samples) per second since the FLOPs or tokens were set: this rank's share of "
+    "its batch (its tokens over the TP x PP ranks that train on it).",
     L.DATA_SUPPLY, when="with tokens per step (read from the counted step's batch, or given)",
 )
 ACHIEVED_FLOPS = Metric(

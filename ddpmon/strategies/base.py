@@ -34,6 +34,7 @@ from .reduction import DeferredReduction
 from .replicas import ReplicaScope
 
 __all__ = [
+    "BatchShare",
     "CommTiming",
     "DeferredReduction",
     "EngineFloor",
@@ -175,6 +176,23 @@ class UpdateSettings:
     copy_budget: int
 
 
+@dataclass(frozen=True, slots=True)
+class BatchShare:
+    """Who trains on this rank's batch (``GradientSource.batch_share``): the ``ranks`` of one
+    model replica (TP peers, pipeline stages) all train on the same batch, so each exports
+    ``1/ranks`` of its tokens and the run's sum counts the batch once."""
+
+    ranks: int = 1
+    """Ranks that train on the same batch: the model-parallel degree (1 under data parallel)."""
+    reads_at: torch.nn.Module | None = None
+    """The module whose forward inputs carry the batch on this rank (None: the attached model)."""
+    activations: bool = False
+    """``reads_at`` is given an earlier stage's activations, not the batch: its tokens are the
+    activation's every dim but the features (``flops.auto.activation_count``)."""
+    over: str = "this rank alone"
+    """Who shares the batch, in words."""
+
+
 class GradientSource(ABC):
     """One strategy. Lifecycle: ``install()`` once, then per optimizer step any number of
     ``on_backward_end()`` calls (one per backward pass: gradient-accumulation micro-steps
@@ -231,6 +249,11 @@ class GradientSource(ABC):
         metadata so that straggler attribution compares a stage with its peers
         (``forensics.stragglers``); None for a strategy without stages."""
         return None
+
+    def batch_share(self) -> BatchShare:
+        """The ranks that train on this rank's batch and where the batch is read (the per-rank
+        tokens/s, ``agent.throughput_live``); by default this rank alone, at the model."""
+        return BatchShare()
 
     def update_probe(self, optimizer: Any, settings: UpdateSettings,
                      default: Callable[[Any], Any]) -> Any:

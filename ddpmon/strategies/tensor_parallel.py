@@ -21,8 +21,9 @@ from typing import ClassVar
 
 import torch
 
-from .base import GradSummaries, NormVector, SourceEnv
+from .base import BatchShare, GradSummaries, NormVector, SourceEnv
 from .dtensor_norms import ShardedNorms
+from .model_parallel import split_degree
 from .replicas import ReplicaScope, tp_replica_scope
 from .sharded_source import ShardedSource
 
@@ -40,6 +41,10 @@ class TensorParallelSource(ShardedSource):
 
     def replica_scope(self) -> tuple[ReplicaScope | None, str]:
         return tp_replica_scope(self.index)
+
+    def batch_share(self) -> BatchShare:
+        """The TP ranks shard the model, not the data: they train on the same batch."""
+        return BatchShare(ranks=split_degree(self.index.params), over="the TP ranks")
 
     def install(self) -> None:
         self._norms = ShardedNorms(self.index, self.env.span)

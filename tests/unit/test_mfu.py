@@ -2,7 +2,8 @@
 dense transformer, a GQA + sliding-window attention model and a small MoE as
 ``FlopCounterMode`` counts the same step run without ddpmon (gradient accumulation: the micro-
 batches add up); /metrics serves MFU = FLOPs x steps/s / peak; an impossible MFU (a peak set too
-low) is refused with one message and never exported."""
+low) is refused with one message and never exported; a batch that several ranks train on (TP
+peers, pipeline stages) gives each its share of the tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import ddpmon
+from ddpmon.flops.auto import activation_count, leading_count
 from ddpmon.flops.count import cpu_attention
+from ddpmon.flops.mfu import Throughput
 from ddpmon.flops.peaks import dtype_of_precision, lookup
 from tests.support.flop_models import batch, build
 from tests.support.ports import free_port
@@ -137,3 +140,24 @@ def test_the_peak_table_knows_the_devices_by_dtype():
     assert lookup("NVIDIA A100-SXM4-80GB", "fp8") is None  # no fp8 on A100
     assert dtype_of_precision("amp-bf16+gradscaler") == "bf16"
     assert dtype_of_precision("deepspeed-fp16") == "fp16"
+
+
+def test_a_shared_batch_gives_each_rank_its_share_of_the_tokens():
+    progress = [(0, 0.0)]
+    t = Throughput({}, lambda: progress[-1], tokens_shared_by=4)
+    t.set(tokens_per_step=64, settle=True)  # 64 tokens read, 4 ranks train on them
+    progress.append((1, 100.0))
+    assert t.rates() == {}  # the baseline
+    progress.append((5, 102.0))
+    rates = t.rates()
+    assert rates["steps_per_second"] == 2.0
+    assert rates["tokens_per_second"] == 64 / 4 * 2.0
+    assert t.tokens_per_step == 64  # as read
+
+
+def test_a_later_stage_counts_the_tokens_of_the_activations_it_is_given():
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    assert activation_count((torch.zeros(2, 16, 32),), {}) == leading_count((ids,), {}) == 32
+    assert activation_count((torch.zeros(8, 32),), {}) == 8  # [batch, features]: samples
+    assert activation_count((), {"h": torch.zeros(3, 5, 7)}) == 15
+    assert activation_count((), {}) == 0

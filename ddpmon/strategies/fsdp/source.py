@@ -41,9 +41,10 @@ from ..._torch_compat import (
 )
 from ...probes.grads import per_param_norms
 from .. import data_check
-from ..base import GradSummaries, NormVector, SourceEnv
+from ..base import BatchShare, GradSummaries, NormVector, SourceEnv
 from ..dtensor_norms import ShardedNorms
 from ..local_sampling import LocalNormSampler
+from ..model_parallel import split_degree
 from ..registry import detect_sharded, fsdp_modules
 from ..replicas import ReplicaScope, tp_replica_scope
 from ..sharded_source import ShardedSource
@@ -137,6 +138,14 @@ class FSDPSource(ShardedSource):
                              self.index.all_positions, self._replicate_group,
                              "the replicate group of each rank (HSDP)")
         return scope, ""
+
+    def batch_share(self) -> BatchShare:
+        """Each data-parallel rank reads its own batch; under +tp the TP ranks (the mesh dims
+        after FSDP2's one, HSDP's two) share theirs."""
+        if not self.name.endswith("+tp"):
+            return BatchShare()
+        dims = 2 if self.name.startswith("hsdp") else 1
+        return BatchShare(ranks=split_degree(self.index.params, dims), over="the TP ranks")
 
     # ---------------------------------------------------------------- install / close
     def install(self) -> None:

@@ -45,7 +45,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from ...host_reads import host_read_free
 from ...probes.grads import NormVector, full_pass
 from .. import data_check
-from ..base import GradientSource, GradSummaries, SourceEnv, StepHost
+from ..base import BatchShare, GradientSource, GradSummaries, SourceEnv, StepHost
 from ..ddp import CommProbe
 from ..dtensor_norms import DisjointSpan, ShardedNorms, disjoint_span, reduction_device
 from ..reduction import FlaggedSum, failed_vector
@@ -76,6 +76,16 @@ class PipelineSource(GradientSource):
 
     def stage_label(self) -> str | None:
         return ",".join(str(int(s.index)) for s in self.setup.stages) or None
+
+    def batch_share(self) -> BatchShare:
+        """Every stage of a replica trains on its batch (times the inner TP ranks), read at this
+        rank's lowest stage: the batch on the first stage, an earlier stage's activations on
+        the others (in the same micro-batches, so the same tokens)."""
+        inner = self.inner.batch_share() if self.inner is not None else BatchShare()
+        first = self.setup.stages[0]
+        over = "the pipeline stages" + (f" x {inner.over}" if inner.ranks > 1 else "")
+        return BatchShare(ranks=dist.get_world_size(self.setup.group) * inner.ranks,
+                          reads_at=first.module, activations=not first.is_first, over=over)
 
     def data_check_scope(self) -> tuple[str | None, str]:
         if self.setup.inner in ("ddp", "fsdp2"):
