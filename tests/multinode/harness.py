@@ -215,6 +215,7 @@ def launch(stack: Stack, run_id: str, rdzv_port: int, train_args: list[str]) -> 
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(REPO),
             "DDPMON_GOODPUT_SECONDS": "2",  # rank 0's goodput within the short runs' spans
+            "DDPMON_PEAK_FLOPS": "1e12",  # a CPU has no peak in the table: MFU needs one
         }
         logs[node.name] = stack.workdir / f"{run_id}-{node.name}.log"
         procs[node.name] = node.popen(argv, logs[node.name], env=env, cwd=REPO)
