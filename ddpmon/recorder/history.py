@@ -413,8 +413,7 @@ class HistorySink:
         step_metrics: tuple = (),
         stage: str | None = None,
     ) -> HistorySink | None:
-        """The sink for one rank (``step_metrics``: each a column; ``stage``: its pipeline
-        stages, in the metadata), or None (one log line) without pyarrow."""
+        """One rank's sink (a column per step metric; its stages in the metadata), or None."""
         if importlib.util.find_spec("pyarrow") is None:
             log.warning("ddpmon: pyarrow, a dependency of ddpmon, is missing (pip install "
                         "pyarrow); the numerics history (compare, report) is off")
