@@ -15,14 +15,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import ddpmon
 from ddpmon.flops.auto import activation_count, leading_count
 from ddpmon.flops.count import cpu_attention
 from ddpmon.flops.mfu import Throughput
 from ddpmon.flops.peaks import dtype_of_precision, lookup
 from tests.support.flop_models import batch, build
-from tests.support.ports import free_port
 from tests.support.scrape import scrape
+from tests.support.served import served_monitors
 
 
 def make_step(model, opt, micro_batches: int = 1, step: int = 0):
@@ -48,20 +47,7 @@ def reference_flops(model, micro_batches: int = 1, attention: bool = True) -> in
 
 @pytest.fixture
 def attached(tmp_path):
-    made = []
-
-    def attach(model, **options):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        port = free_port()
-        mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", run_dir=str(tmp_path),
-                            run_id=f"m{len(made)}", linger_seconds=0, goodput_seconds=0,
-                            **options)
-        made.append(mon)
-        return mon, opt, port
-
-    yield attach
-    for mon in made:
-        mon.close()
+    yield from served_monitors(tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["dense", "gqa_swa", "moe"])

@@ -16,12 +16,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-import ddpmon
 from ddpmon.flops import auto as auto_module
 from ddpmon.flops.count import cpu_attention
 from tests.support.flop_models import DIM, build
-from tests.support.ports import free_port
 from tests.support.scrape import scrape
+from tests.support.served import served_monitors
 
 AT = 3  # the process's 4th training step is counted
 
@@ -50,21 +49,7 @@ def reference(model, step: int, micro_batches: int = 1, seq: int = 16) -> int:
 
 @pytest.fixture
 def attached(tmp_path):
-    made = []
-
-    def attach(model, **options):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        port = free_port()
-        mon = ddpmon.attach(model, opt, port=port, bind="127.0.0.1", run_dir=str(tmp_path),
-                            run_id=f"a{len(made)}", linger_seconds=0, goodput_seconds=0,
-                            **options)
-        assert mon.enabled, mon.error
-        made.append(mon)
-        return mon, opt, port
-
-    yield attach
-    for mon in made:
-        mon.close()
+    yield from served_monitors(tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["dense", "gqa_swa", "moe"])
