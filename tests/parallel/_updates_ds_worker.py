@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 from pathlib import Path
 
@@ -26,7 +25,13 @@ import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
 import ddpmon  # noqa: E402
-from tests.support.updates import TinyTransformer, batch, loss_of  # noqa: E402
+from tests.support.updates import (  # noqa: E402
+    TinyTransformer,
+    add_squares,
+    batch,
+    figures_of,
+    loss_of,
+)
 
 STEPS = 6
 EVERY = 2
@@ -75,15 +80,8 @@ class ZeroReference:
             parts = {"weight_norm": after, "update_norm": after - was,
                      "exp_avg_norm": self._full(p, "exp_avg"),
                      "exp_avg_sq_norm": self._full(p, "exp_avg_sq")}
-            group = sums.setdefault(name.split(".")[0], {})
-            for key, t in parts.items():
-                group[key] = group.get(key, 0.0) + float((t * t).sum())
-        out = {}
-        for group, squares in sums.items():
-            figures = {k: math.sqrt(v) for k, v in squares.items()}
-            figures["update_ratio"] = figures["update_norm"] / figures["weight_norm"]
-            out[group] = figures
-        self.steps.append(out)
+            add_squares(sums, name.split(".")[0], parts)
+        self.steps.append(figures_of(sums))
 
 
 def run(name: str, out: Path, rank: int) -> dict:

@@ -4,9 +4,15 @@ mixture of experts with a top-1 router (only the chosen experts run)."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ddpmon.flops.count import cpu_attention
 
 DIM, SEQ = 32, 16
 
@@ -74,3 +80,16 @@ def build(kind: str) -> nn.Module:
 def batch(step: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(step)
     return torch.randn(2, SEQ, DIM, generator=g)
+
+
+def reference_count(model: nn.Module, run: Callable[[nn.Module, torch.optim.Optimizer], object],
+                    attention: bool = True) -> int:
+    """FlopCounterMode's own count of ``run(copy, SGD)`` on a copy of ``model`` without ddpmon
+    (``attention``: with torch's SDPA formulas for the CPU attention kernel, which its registry
+    lacks)."""
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    mode = FlopCounterMode(display=False, custom_mapping=cpu_attention() if attention else {})
+    with mode:
+        run(plain, opt)
+    return mode.get_total_flops()

@@ -67,15 +67,26 @@ class Reference:
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
                     parts[f"{key}_norm"] = _full(state[key])
-            group = sums.setdefault(_group(name), {})
-            for key, t in parts.items():
-                group[key] = group.get(key, 0.0) + float((t * t).sum())
-        out = {}
-        for group, squares in sums.items():
-            figures = {k: math.sqrt(v) for k, v in squares.items()}
-            figures["update_ratio"] = figures["update_norm"] / figures["weight_norm"]
-            out[group] = figures
-        self.steps.append(out)
+            add_squares(sums, _group(name), parts)
+        self.steps.append(figures_of(sums))
+
+
+def add_squares(sums: dict[str, dict[str, float]], group: str,
+                parts: dict[str, torch.Tensor]) -> None:
+    """Add each part's sum of squares to ``sums[group]`` (float64 on the host)."""
+    into = sums.setdefault(group, {})
+    for key, t in parts.items():
+        into[key] = into.get(key, 0.0) + float((t * t).sum())
+
+
+def figures_of(sums: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per group: the norms (square roots of the sums) and the update ratio."""
+    out = {}
+    for group, squares in sums.items():
+        figures = {k: math.sqrt(v) for k, v in squares.items()}
+        figures["update_ratio"] = figures["update_norm"] / figures["weight_norm"]
+        out[group] = figures
+    return out
 
 
 def relative_errors(measured: dict, reference: dict) -> list[tuple[str, str, float]]:

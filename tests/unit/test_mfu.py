@@ -7,19 +7,16 @@ peers, pipeline stages) gives each its share of the tokens."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from ddpmon.flops.auto import activation_count, leading_count
-from ddpmon.flops.count import cpu_attention
 from ddpmon.flops.mfu import Throughput
 from ddpmon.flops.peaks import dtype_of_precision, lookup
-from tests.support.flop_models import batch, build
+from tests.support.flop_models import batch, build, reference_count
 from tests.support.scrape import scrape
 from tests.support.served import served_monitors
 
@@ -34,15 +31,9 @@ def make_step(model, opt, micro_batches: int = 1, step: int = 0):
 
 
 def reference_flops(model, micro_batches: int = 1, attention: bool = True) -> int:
-    """FlopCounterMode's own count of the same step, on a copy of the model without ddpmon
-    (``attention``: with torch's SDPA formulas for the CPU attention kernel, which its registry
-    lacks)."""
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-    mode = FlopCounterMode(display=False, custom_mapping=cpu_attention() if attention else {})
-    with mode:
-        make_step(plain, opt, micro_batches)()
-    return mode.get_total_flops()
+    """FlopCounterMode's own count of the same step, on a copy of the model without ddpmon."""
+    return reference_count(model, lambda plain, opt: make_step(plain, opt, micro_batches)(),
+                           attention)
 
 
 @pytest.fixture

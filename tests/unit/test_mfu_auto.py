@@ -7,18 +7,15 @@ never raised."""
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from ddpmon.flops import auto as auto_module
-from ddpmon.flops.count import cpu_attention
-from tests.support.flop_models import DIM, build
+from tests.support.flop_models import DIM, build, reference_count
 from tests.support.scrape import scrape
 from tests.support.served import served_monitors
 
@@ -39,12 +36,8 @@ def train_step(model, opt, step: int, micro_batches: int = 1, seq: int = 16) -> 
 
 def reference(model, step: int, micro_batches: int = 1, seq: int = 16) -> int:
     """FlopCounterMode's own count of the same step on a copy without ddpmon."""
-    plain = copy.deepcopy(model)
-    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
-    mode = FlopCounterMode(display=False, custom_mapping=cpu_attention())
-    with mode:
-        train_step(plain, opt, step, micro_batches, seq)
-    return mode.get_total_flops()
+    return reference_count(
+        model, lambda plain, opt: train_step(plain, opt, step, micro_batches, seq))
 
 
 @pytest.fixture
