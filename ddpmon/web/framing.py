@@ -7,8 +7,10 @@ write their own sockets and hand their buffered bytes to ``parse_request_head``,
 bytes get the same answer from both. The bounds are the shared ``Limits``:
 
 - request line over ``max_request_line``: 414; head over ``max_header_bytes`` or more than
-  ``max_headers`` fields: 431; a malformed request line, header name or value: 400; a version
-  other than HTTP/1.0 or 1.1: 505.
+  ``max_headers`` fields: 431; a malformed request line, header name or value, a version other
+  than HTTP/1.0 or 1.1, or a head cut short by the client's half-close: 400. A client's fault
+  is never answered with 5xx (RFC 9112 2.3 leaves 505 optional), so a fuzzer or a confused
+  client never shows up as a server error on a dashboard.
 - framing by RFC 9112 6.3: a body is framed by ``Content-Length`` only, read as ASCII digits
   (``str.isdigit()`` also takes "²" and "١", which a proxy in front would read differently);
   two framing or credential headers that disagree, or more than one ``Host``, are 400 (which
@@ -118,7 +120,7 @@ def parse_request_head(buf: bytearray, lim: Limits) -> RequestHead | None:
         raise HttpError(400)
     method, target, version = parts
     if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise HttpError(505 if version.startswith(b"HTTP/") and len(version) == 8 else 400)
+        raise HttpError(400)
     if not target.startswith(b"/") or any(b < 0x21 or b > 0x7E for b in target):
         raise HttpError(400)
     if len(lines) - 1 > lim.max_headers:
