@@ -101,7 +101,11 @@ class RequestHead:
 
 def parse_request_head(buf: bytearray, lim: Limits) -> RequestHead | None:
     """Take one request head off the front of ``buf``: None while incomplete. The body, if
-    any, stays in ``buf``."""
+    any, stays in ``buf``. Empty lines before the request line are dropped (RFC 9112 2.2: some
+    clients send a CRLF after a body); they never extend the head's deadline."""
+    blank = len(buf) - len(buf.lstrip(b"\r\n"))
+    if blank:
+        del buf[:blank]
     end, sep = _header_end(buf)
     line_end = buf.find(b"\n")
     if (line_end < 0 and len(buf) > lim.max_request_line) or line_end > lim.max_request_line:

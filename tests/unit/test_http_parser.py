@@ -37,6 +37,12 @@ def test_a_head_leaves_its_body_and_the_next_request_in_the_buffer():
     assert head.keep_alive and head.size == len(HEAD) + len(fields)
 
 
+def test_empty_lines_before_a_request_are_dropped():
+    head, rest = parse(b"\r\n\r\n\nGET / HTTP/1.1\r\n\r\n\r\n")
+    assert head.path == "/" and rest == b"\r\n"
+    assert parse(b"\r\n" * 5000)[0] is None  # nothing but blank lines: still waiting
+
+
 def test_incomplete_heads_wait_within_the_bounds():
     assert parse(HEAD)[0] is None
     assert refusal(HEAD + b"X: " + b"a" * 9000) == 431  # no end in sight past the head limit
