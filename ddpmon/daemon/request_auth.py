@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..web.auth import AuthGate, Verdict, bearer_matches
+from ..web.auth import AuthGate, Verdict, bearer_matches, challenge
 from ..web.config import WebConfig
 from .asgi import Response, json_error
 
@@ -42,5 +42,5 @@ class RequestAuth:
             if ok:
                 return None
         status, hdrs, body = json_error(401, "basic authentication required")
-        hdrs.append((b"www-authenticate", b'Basic realm="ddpmon daemon"'))
+        hdrs.append((b"www-authenticate", challenge("ddpmon daemon").encode()))
         return status, hdrs, body

@@ -31,7 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ddpmon.export.connections import Conn, ConnectionLoop
 from ddpmon.export.delivery import Deliveries, is_store_scraper
-from ddpmon.web.auth import AuthGate, Decision, Verdict
+from ddpmon.web.auth import AuthGate, Decision, Verdict, challenge
 from ddpmon.web.config import WebConfig, WebConfigError, load_web_config
 from ddpmon.web.framing import HttpError, encode_head, parse_request_head, reason
 from ddpmon.web.limits import Limits, count_status, server_stats
@@ -291,6 +291,6 @@ def response_head(
         ("Connection", "keep-alive" if keep else "close"),
     ]
     if code == 401:
-        headers.append(("WWW-Authenticate", 'Basic realm="ddpmon", charset="UTF-8"'))
+        headers.append(("WWW-Authenticate", challenge("ddpmon")))
     headers.extend(extra.items())
     return encode_head(code, headers), body

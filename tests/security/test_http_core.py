@@ -6,17 +6,22 @@ daemon's API)."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from conftest import PASSWORD
 from test_daemon_slow import closed_after, tiny_app
 from test_server_http import raw, status_of
 
 from ddpmon.daemon.server import DaemonLimits, DaemonServer
 from ddpmon.export.server import Limits, MetricsServer
+from ddpmon.web.config import load_web_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,17 +30,27 @@ TIMEOUT = 1.0
 """The request and idle times of both servers here (seconds)."""
 
 
-@pytest.fixture
-def daemon() -> Iterator[DaemonServer]:
+@contextlib.contextmanager
+def serve_daemon(web_config: Path | None = None) -> Iterator[DaemonServer]:
     limits = DaemonLimits(request_timeout=TIMEOUT, idle_timeout=TIMEOUT, max_body_bytes=10_000)
-    srv = DaemonServer(tiny_app, bind="127.0.0.1", port=0, token="t", limits=limits)
+    web = load_web_config(web_config) if web_config is not None else None
+    srv = DaemonServer(tiny_app, bind="127.0.0.1", port=0, token="t", limits=limits,
+                       web_config=web)
     ready = threading.Event()
     thread = threading.Thread(target=srv.run, args=(ready.set,), daemon=True)
     thread.start()
     assert ready.wait(10)
-    yield srv
-    srv.stop()
-    thread.join(10)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        thread.join(10)
+
+
+@pytest.fixture
+def daemon() -> Iterator[DaemonServer]:
+    with serve_daemon() as srv:
+        yield srv
 
 
 @pytest.fixture
@@ -145,3 +160,33 @@ def test_a_length_framed_body_and_a_pipelined_request_on_the_daemon(daemon):
     assert b'{"path": "/x", "len": 3000}' in reply and b'{"path": "/y", "len": 0}' in reply
     too_big = b"POST /x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 10001\r\n\r\n"
     assert status_of(raw(daemon.port, too_big)) == 413
+
+
+def basic(user: str, password: str) -> bytes:
+    return b"Authorization: Basic " + base64.b64encode(f"{user}:{password}".encode()) + b"\r\n"
+
+
+def test_basic_auth_answers_the_same_on_both(make_server, tmp_path, pw_hash):
+    """One gate (``ddpmon.web.auth``): the same credentials get the same answer, and a 401
+    carries the same challenge but for its realm."""
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: '{pw_hash}'\n")
+    agent = make_server(web_config=path)
+    cases = [
+        (b"", 401),
+        (b"Authorization: Basic !!!!\r\n", 401),
+        (b"Authorization: Bearer t\r\n", 401),  # the daemon's token opens job routes only
+        (basic("prometheus", "wrong"), 401),
+        (basic("nobody", PASSWORD), 401),
+        (basic("prometheus", PASSWORD), 200),
+        (basic("prometheus", PASSWORD), 200),  # from the cache now
+    ]
+    with serve_daemon(path) as daemon:
+        for credentials, expected in cases:
+            for name, port in (("agent", agent.port), ("daemon", daemon.port)):
+                reply = raw(port, HEAD + credentials + b"Connection: close\r\n\r\n")
+                assert status_of(reply) == expected, (name, credentials, reply[:300])
+                if expected == 401:
+                    challenge = reply.lower().split(b"www-authenticate: ", 1)[1].split(b"\r\n")[0]
+                    realm = b"ddpmon" if name == "agent" else b"ddpmon daemon"
+                    assert challenge == b'basic realm="' + realm + b'", charset="utf-8"', name
