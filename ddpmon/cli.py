@@ -35,7 +35,6 @@ skipped."""
 EXTRAS = {
     "grafana_foundation_sdk": "dashboards",
     "fastapi": "daemon",
-    "h11": "daemon",
     "httpx": "daemon",
     "bcrypt": "auth",
 }

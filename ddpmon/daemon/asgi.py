@@ -1,7 +1,6 @@
-"""The daemon front's HTTP pieces: the ASGI call (one buffered request in, one buffered
-response out), JSON error bodies, and header helpers (status lines and the length rule are the
-shared ``ddpmon.web.framing``). Kept apart from the connection handling
-in ``server.py`` so each stays small."""
+"""The daemon front's ASGI pieces: the scope of a parsed request (``ddpmon.web.framing``), the
+ASGI call (one buffered request in, one buffered response out) and JSON error bodies. Kept
+apart from the connection handling in ``server.py`` so each stays small."""
 
 from __future__ import annotations
 
@@ -9,19 +8,14 @@ import asyncio
 import json
 from typing import Any
 
-import h11
-
-from ..web.framing import declared_length
+from ..web.framing import RequestHead
 
 Response = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 def asgi_scope(
-    req: h11.Request,
+    head: RequestHead,
     path: str,
-    raw_path: bytes,
-    query: bytes,
-    headers: list[tuple[bytes, bytes]],
     writer: asyncio.StreamWriter,
     tls: bool,
     caller: Any = None,
@@ -38,14 +32,14 @@ def asgi_scope(
     return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": req.http_version.decode("ascii", "replace"),
-        "method": req.method.decode("ascii", "replace"),
+        "http_version": head.version,
+        "method": head.method,
         "scheme": "https" if tls else "http",
         "path": path,
-        "raw_path": raw_path,
-        "query_string": query,
+        "raw_path": head.raw_path,
+        "query_string": head.query,
         "root_path": "",
-        "headers": headers,
+        "headers": head.raw_headers,
         "client": client,
         "server": server,
         "extensions": {"ddpmon.peer": caller},
@@ -78,25 +72,6 @@ async def call_app(app: Any, scope: dict[str, Any], body: bytes) -> Response:
     finally:
         done.set()
     return response["status"], response["headers"], b"".join(response["body"])
-
-
-def head_size(req: h11.Request) -> int:
-    return len(req.method) + len(req.target) + 12 + sum(
-        len(k) + len(v) + 4 for k, v in req.headers.raw_items()
-    )
-
-
-def header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    for k, v in headers:
-        if k == name:
-            return v
-    return None
-
-
-def content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
-    """The declared body length (h11 has already refused a malformed or conflicting one)."""
-    value = header(headers, b"content-length")
-    return declared_length(value.decode("latin-1")) if value is not None else None
 
 
 def json_error(

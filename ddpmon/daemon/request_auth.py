@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 
-from ..web.auth import AuthGate, Verdict, bearer_matches
+from ..web.auth import AuthGate, Verdict, bearer_matches, challenge
 from ..web.config import WebConfig
-from .asgi import Response, header, json_error
+from .asgi import Response, json_error
 
 
 class RequestAuth:
@@ -20,13 +20,11 @@ class RequestAuth:
         self.gate = AuthGate(web.auth if web is not None else None, max_pending)
         self.token = token
 
-    async def refusal(self, path: str, headers: list[tuple[bytes, bytes]]) -> Response | None:
-        """The response that refuses this request (401, or 503 when too many checks are
-        pending), or None when it may go on."""
+    async def refusal(self, path: str, text: str | None) -> Response | None:
+        """The response that refuses a request for ``path`` with ``Authorization: text`` (None
+        when absent): 401, or 503 when too many checks are pending; None when it may go on."""
         if self.gate.auth is None:
             return None
-        value = header(headers, b"authorization")
-        text = value.decode("latin-1") if value is not None else None
         if path.startswith("/api/v1/jobs") and bearer_matches(text, self.token):
             return None
         decision = self.gate.decide(text)
@@ -44,5 +42,5 @@ class RequestAuth:
             if ok:
                 return None
         status, hdrs, body = json_error(401, "basic authentication required")
-        hdrs.append((b"www-authenticate", b'Basic realm="ddpmon daemon"'))
+        hdrs.append((b"www-authenticate", challenge("ddpmon daemon").encode()))
         return status, hdrs, body

@@ -5,12 +5,13 @@ against ``limit_concurrency``, so a few dozen silent sockets answer every Promet
 with 503. Here each connection gets one deadline from accept that covers the TLS handshake and
 the request head (bytes trickling in do not extend it); at the connection cap a newcomer
 evicts the oldest connection that has not sent a full request, so idle clients can never lock
-scrapes out; only requests being handled count against ``max_in_flight``. Parsing is h11's
-(strict, bounded head size); bodies are bounded and read under their own deadline; responses
-are buffered (the app's answers are small) and written under a write deadline.
+scrapes out; only requests being handled count against ``max_in_flight``. Bodies are framed
+by ``Content-Length`` only (chunked: 411), bounded, and read under their own deadline;
+responses are buffered (the app's answers are small) and written under a write deadline.
 
-The bounds, deadlines, eviction rule, basic-auth gate, status lines and Host/Origin checks are
-the shared HTTP core (``ddpmon.web``), which the agent's /metrics endpoint uses too.
+Request parsing and framing, the bounds, deadlines, eviction rule, basic-auth gate, status
+lines and Host/Origin checks are the shared HTTP core (``ddpmon.web``), which the agent's
+/metrics endpoint uses too: this module only reads and writes the sockets.
 
 With a web config (exporter-toolkit format, ``ddpmon.web.config``) the listener serves
 TLS (optionally mTLS) and basic auth guards every path, except that job routes also accept the
@@ -36,14 +37,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import h11
-
 from ..web import hostcheck
 from ..web.agent_socket import Peer, listen, peer_credentials
 from ..web.config import WebConfig
-from ..web.framing import reason, status_line
+from ..web.framing import HttpError, RequestHead, encode_head, parse_request_head, reason
 from ..web.limits import Limits, count_status, oldest_idle, server_stats
-from .asgi import asgi_scope, call_app, content_length, head_size, header, json_error
+from .asgi import Response, asgi_scope, call_app, json_error
 from .request_auth import RequestAuth
 
 log = logging.getLogger("ddpmon.daemon.server")
@@ -61,12 +60,10 @@ class DaemonLimits(Limits):
     """Keep-alive: seconds from the end of a response to the next complete request head."""
     max_header_bytes: int = 16 * 1024
     max_requests_per_connection: int = 1000
+    max_request_line: int = 8 * 1024
     max_in_flight: int = 32
     """Requests being handled at once; beyond, 503 (idle connections do not count)."""
-    body_timeout: float = 10.0
-    """Seconds to receive a request body once its head is in."""
     max_body_bytes: int = 1024 * 1024
-    """Request body (413 beyond)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -80,10 +77,8 @@ class _Conn:
     peer: Peer | None = None
     """The calling process, on the agent socket (None on TCP)."""
     stats: dict[str, int] = field(default_factory=dict)
-
-
-class _TooLarge(Exception):
-    pass
+    unread: int = 0
+    """Body bytes of the current request not yet read."""
 
 
 class _Close(Exception):
@@ -250,55 +245,82 @@ class DaemonServer:
         writer: asyncio.StreamWriter,
         deadline: float,
     ) -> None:
-        h = h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-        for _ in range(self.limits.max_requests_per_connection):
+        buf = bytearray()
+        for served in range(self.limits.max_requests_per_connection):
             try:
-                event = await self._next(h, reader, deadline)
-            except h11.RemoteProtocolError as exc:
-                # A malformed request is the client's fault: 4xx, never 5xx (h11 hints 501 for
-                # an unknown Transfer-Encoding and 505 for odd versions).
-                hint = exc.error_status_hint
-                status = hint if hint in (413, 414, 431) else 400
-                await self._raw_error(writer, status, deadline)
+                head = await self._read_head(reader, buf, deadline, idle=served > 0 and not buf)
+            except HttpError as exc:  # the shared parser's answer, the endpoint's too
+                await self._raw_error(writer, exc.code)
                 return
-            if not isinstance(event, h11.Request):
-                return  # ConnectionClosed: the client went away between requests
-            if head_size(event) > self.limits.max_header_bytes:
-                # h11 bounds a head only while it is incomplete; one that arrives whole in a
-                # single read is measured here.
-                await self._raw_error(writer, 431, deadline)
-                return
+            if head is None:
+                return  # the client went away between requests
             self.stats["requests"] += 1
-            status, headers, body = await self._handle(h, event, reader, writer, conn)
-            await self._respond(h, writer, event, status, headers, body)
-            if h.their_state is h11.SEND_BODY and status != 413:
+            conn.unread = head.content_length
+            status, headers, body = await self._handle(head, buf, reader, writer, conn)
+            keep = (
+                head.keep_alive
+                and served + 1 < self.limits.max_requests_per_connection
+                and (status < 400 or status in (401, 404, 409))
+            )
+            await self._respond(writer, head, status, headers, body, keep)
+            if conn.unread:
                 # Answered before the body was read (401, 404): read and drop it (bounded, and
                 # evictable meanwhile) so closing with unread data does not reset the answer.
-                with contextlib.suppress(_Close, _TooLarge):
-                    await self._body(h, reader)
-            if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
+                try:
+                    await self._read_body(reader, buf, conn)
+                except _Close:
+                    return
+            if not keep:
                 return
-            h.start_next_cycle()
-            deadline = self.limits.idle_deadline(time.monotonic())
+            deadline = self.limits.next_head_deadline(time.monotonic(), bool(buf))
 
-    async def _next(self, h: h11.Connection, reader: asyncio.StreamReader, deadline: float) -> Any:
+    async def _read(self, reader: asyncio.StreamReader, deadline: float) -> bytes:
+        """The next bytes from the client; ``_Close`` at ``deadline``."""
         try:
             async with asyncio.timeout_at(self._loop_time(deadline)):
-                while True:
-                    event = h.next_event()
-                    if event is not h11.NEED_DATA:
-                        return event
-                    h.receive_data(await reader.read(65536))
+                return await reader.read(65536)
         except TimeoutError:
             self.stats["timed_out"] += 1
             raise _Close from None
 
-    async def _raw_error(self, writer: asyncio.StreamWriter, status: int, deadline: float) -> None:
+    async def _read_head(
+        self, reader: asyncio.StreamReader, buf: bytearray, deadline: float, *, idle: bool
+    ) -> RequestHead | None:
+        """The next request head from ``buf`` and the socket (``framing.parse_request_head``),
+        None when the client closed between requests. ``idle``: a kept-alive connection
+        waiting for a new request, whose head deadline starts with its first byte."""
+        while True:
+            head = parse_request_head(buf, self.limits)
+            if head is not None:
+                return head
+            data = await self._read(reader, deadline)
+            if not data:
+                if buf.strip():
+                    raise HttpError(400)  # the client half-closed inside a request head
+                return None
+            if idle:
+                deadline, idle = self.limits.head_deadline(time.monotonic()), False
+            buf += data
+
+    async def _read_body(
+        self, reader: asyncio.StreamReader, buf: bytearray, conn: _Conn
+    ) -> bytes:
+        """The ``conn.unread`` body bytes (bounded by the parser), under the body deadline."""
+        deadline = time.monotonic() + self.limits.body_timeout
+        while len(buf) < conn.unread:
+            data = await self._read(reader, deadline)
+            if not data:
+                raise _Close
+            buf += data
+        body = bytes(buf[: conn.unread])
+        del buf[: conn.unread]
+        conn.unread = 0
+        return body
+
+    async def _raw_error(self, writer: asyncio.StreamWriter, status: int) -> None:
         body = f'{{"error": "{reason(status).lower()}", "status": {status}}}'.encode()
-        head = (
-            f"{status_line(status)}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
-        ).encode()
+        head = encode_head(status, [("content-type", "application/json"),
+                                    ("content-length", str(len(body))), ("connection", "close")])
         writer.write(head + body)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
@@ -308,34 +330,25 @@ class DaemonServer:
 
     async def _handle(
         self,
-        h: h11.Connection,
-        req: h11.Request,
+        head: RequestHead,
+        buf: bytearray,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         conn: _Conn,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        headers = [(k.lower(), v) for k, v in req.headers]
-        target = req.target
-        raw_path, _, query = target.partition(b"?")
-        if not raw_path.startswith(b"/"):
-            return json_error(400, "request target must be an absolute path")
+    ) -> Response:
         try:
-            path = unquote(raw_path.decode("ascii"), errors="strict")
+            path = unquote(head.path, errors="strict")
         except (UnicodeDecodeError, UnicodeEncodeError):
             return json_error(400, "request path is not valid")
-        chunked = header(headers, b"transfer-encoding") is not None
-        if chunked and content_length(headers) is not None:
-            # Ambiguous framing: a proxy in front may have read the body by the other header, so
-            # the next bytes may be a smuggled request; answer and close (RFC 9112 6.3).
-            return json_error(400, "both Content-Length and Transfer-Encoding")
         agent = conn.peer is not None
         if not agent:  # a browser cannot reach a Unix socket: no rebinding there
-            refused = self._check_origin(req, headers, writer)
+            local = str((writer.get_extra_info("sockname") or ("",))[0])
+            refused = hostcheck.refusal(
+                head.headers.get("host"), head.headers.get("origin"),
+                head.headers.get("sec-fetch-site"), head.version == "1.0", local, self.names,
+            )
             if refused is not None:
                 return json_error(*refused)
-        length = content_length(headers)
-        if length is not None and length > self.limits.max_body_bytes:
-            return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
         registration = path == "/api/v1/ranks" or path.startswith("/api/v1/ranks/")
         if agent and not (registration or path == "/healthz"):
             return json_error(404, "the agent socket serves rank registration only")
@@ -346,20 +359,18 @@ class DaemonServer:
                 extra={"agent_socket": str(self.agent_socket) if self.agent_socket else None},
             )
         if not agent and not registration:
-            denied = await self._auth.refusal(path, headers)
+            denied = await self._auth.refusal(path, head.headers.get("authorization"))
             if denied is not None:
                 return denied
-        try:  # a connection reading a body stays evictable (conn.busy is False until here)
-            body = await self._body(h, reader)
-        except _TooLarge:
-            return json_error(413, f"request body over {self.limits.max_body_bytes} bytes")
+        # a connection reading a body stays evictable (conn.busy is False until here)
+        body = await self._read_body(reader, buf, conn)
         if self._in_flight >= self.limits.max_in_flight:
             self.stats["rejected_busy"] += 1
             return json_error(503, "too many requests in flight", retry=True)
         self._in_flight += 1
         conn.busy = True
         try:
-            scope = asgi_scope(req, path, raw_path, query, headers, writer, conn.tls, conn.peer)
+            scope = asgi_scope(head, path, writer, conn.tls, conn.peer)
             try:
                 return await call_app(self.app, scope, body)
             except Exception:
@@ -370,63 +381,32 @@ class DaemonServer:
             self._in_flight -= 1
             conn.busy = False
 
-    def _check_origin(
-        self, req: h11.Request, headers: list[tuple[bytes, bytes]], writer: asyncio.StreamWriter
-    ) -> tuple[int, str] | None:
-        """DNS rebinding and cross-origin requests (``hostcheck.refusal``)."""
-
-        def text(name: bytes) -> str | None:
-            value = header(headers, name)
-            return value.decode("latin-1") if value is not None else None
-
-        local = str((writer.get_extra_info("sockname") or ("",))[0])
-        return hostcheck.refusal(text(b"host"), text(b"origin"), text(b"sec-fetch-site"),
-                                 req.http_version == b"1.0", local, self.names)
-
-    async def _body(self, h: h11.Connection, reader: asyncio.StreamReader) -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        deadline = time.monotonic() + self.limits.body_timeout
-        while True:
-            try:
-                event = await self._next(h, reader, deadline)
-            except h11.RemoteProtocolError:
-                raise _Close from None
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > self.limits.max_body_bytes:
-                    raise _TooLarge
-                chunks.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                return b"".join(chunks)
-            else:
-                raise _Close
-
     async def _respond(
         self,
-        h: h11.Connection,
         writer: asyncio.StreamWriter,
-        req: h11.Request,
+        head: RequestHead,
         status: int,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        keep: bool,
     ) -> None:
         drop = {b"content-length", b"transfer-encoding", b"connection"}
-        out = [(k, v) for k, v in headers if k.lower() not in drop]
+        out = [(k.decode("latin-1"), v.decode("latin-1"))
+               for k, v in headers if k.lower() not in drop]
         if self.web is not None:
-            out += [(k.encode(), v.encode()) for k, v in self.web.headers.items()]
-        out.append((b"content-length", str(len(body)).encode()))
-        if status >= 400 and status not in (401, 404, 409):
-            out.append((b"connection", b"close"))
+            out += list(self.web.headers.items())
+        out.append(("content-length", str(len(body))))
+        if not keep:
+            out.append(("connection", "close"))
+        elif head.version == "1.0":
+            out.append(("connection", "keep-alive"))
         count_status(self.stats, status)
         try:
-            data = h.send(h11.Response(status_code=status, headers=out, reason=reason(status)))
-            if req.method != b"HEAD" and body:
-                data += h.send(h11.Data(data=body))
-            data += h.send(h11.EndOfMessage())
-        except h11.LocalProtocolError:
+            data = encode_head(status, out)
+        except ValueError:  # the app put a line break in a header: send nothing split
+            self.stats["errors"] += 1
             raise _Close from None
-        writer.write(data)
+        writer.write(data + body if head.method != "HEAD" else data)
         try:
             await asyncio.wait_for(writer.drain(), self.limits.write_timeout)
         except TimeoutError:

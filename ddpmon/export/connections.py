@@ -384,10 +384,7 @@ class ConnectionLoop:
             self._close_gracefully(conn)
             return
         conn.state = "read"
-        now = time.monotonic()
-        conn.deadline = (
-            self.limits.head_deadline(now) if conn.inbuf else self.limits.idle_deadline(now)
-        )
+        conn.deadline = self.limits.next_head_deadline(time.monotonic(), bool(conn.inbuf))
         self._sel_set(conn, selectors.EVENT_READ)
         if conn.inbuf:  # pipelined request already buffered: next loop turn, one at a time
             self._ready.append(conn)

@@ -3,11 +3,11 @@
 It lives inside a training process, so a broken or hostile client must never slow or crash
 training. One thread runs the event loop of ``connections.py``, which owns sockets, TLS
 handshakes, deadlines, the connection cap with eviction and graceful close. This module is the
-HTTP layer on top: it binds the port, turns buffered bytes into requests (``http11.py``, which
-enforces the size limits), serves only GET/HEAD of ``/metrics`` and ``/``, adds the web
-config's headers, and applies basic auth through the shared gate (``ddpmon.web.auth``). bcrypt
-checks (tens of ms, GIL released) run on one worker thread so the loop keeps serving;
-credentials that verified before pass at once.
+HTTP layer on top: it binds the port, turns buffered bytes into requests with the shared parser
+(``ddpmon.web.framing``, which enforces the size limits and refuses any body), serves only
+GET/HEAD of ``/metrics`` and ``/``, adds the web config's headers, and applies basic auth
+through the shared gate (``ddpmon.web.auth``). bcrypt checks (tens of ms, GIL released) run on
+one worker thread so the loop keeps serving; credentials that verified before pass at once.
 
 Interface used by the agent and the daemon: ``MetricsServer(render, bind=..., port=...,
 web_config=None)``, ``.start()`` (``WebConfigError``, ``PortInUseError``), ``.port``,
@@ -31,9 +31,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ddpmon.export.connections import Conn, ConnectionLoop
 from ddpmon.export.delivery import Deliveries, is_store_scraper
-from ddpmon.export.http11 import HttpError, parse_request_head, response_head
-from ddpmon.web.auth import AuthGate, Decision, Verdict
+from ddpmon.web.auth import AuthGate, Decision, Verdict, challenge
 from ddpmon.web.config import WebConfig, WebConfigError, load_web_config
+from ddpmon.web.framing import HttpError, encode_head, parse_request_head, reason
 from ddpmon.web.limits import Limits, count_status, server_stats
 
 __all__ = ["INDEX_HTML", "Limits", "MetricsServer", "PortInUseError", "WebConfigError"]
@@ -179,6 +179,8 @@ class MetricsServer:
             self._error(conn, 400)
             return
         if request is None:
+            if conn.eof and conn.inbuf.strip():
+                self._error(conn, 400)  # the client half-closed inside a request head
             return  # incomplete: wait for more bytes (within the deadline)
         self.stats["requests"] += 1
         conn.served += 1
@@ -269,3 +271,26 @@ class MetricsServer:
         except Exception:
             self.stats["errors"] += 1
             self._connections.drop(conn)
+
+
+def response_head(
+    code: int,
+    date: str,
+    ctype: str,
+    keep: bool,
+    body: bytes | None,
+    extra: dict[str, str],
+) -> tuple[bytes, bytes]:
+    """(head, body) of a response; an error without a body gets ``"<code> <reason>"``."""
+    if body is None:
+        body = f"{code} {reason(code)}\n".encode()
+    headers = [
+        ("Date", date),
+        ("Content-Type", ctype),
+        ("Content-Length", str(len(body))),
+        ("Connection", "keep-alive" if keep else "close"),
+    ]
+    if code == 401:
+        headers.append(("WWW-Authenticate", challenge("ddpmon")))
+    headers.extend(extra.items())
+    return encode_head(code, headers), body

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .config import BasicAuth
 
-__all__ = ["AuthGate", "Verdict", "bearer_matches"]
+__all__ = ["AuthGate", "Verdict", "bearer_matches", "challenge"]
 
 
 class Verdict(enum.Enum):
@@ -72,6 +72,11 @@ class AuthGate:
     def done(self) -> None:
         """A CHECK has finished (on the thread that called ``decide``)."""
         self.pending -= 1
+
+
+def challenge(realm: str) -> str:
+    """The ``WWW-Authenticate`` value of a 401 (RFC 7617; credentials are read as UTF-8)."""
+    return f'Basic realm="{realm}", charset="UTF-8"'
 
 
 def bearer_matches(authorization: str | None, token: bytes) -> bool:

@@ -33,8 +33,7 @@ class Limits:
     idle_timeout: float = 60.0
     """Keep-alive: seconds an idle connection that has completed a request may stay open."""
     max_request_line: int = 2048
-    """Bytes in the request line (414 beyond). The endpoint's own parser enforces it and
-    ``max_headers``; the daemon's (h11) bounds a head by ``max_header_bytes`` alone."""
+    """Bytes in the request line (414 beyond)."""
     max_header_bytes: int = 8192
     """Bytes of request line plus headers (431 beyond)."""
     max_headers: int = 64
@@ -42,11 +41,22 @@ class Limits:
     max_auth_pending: int = 16
     """Uncached basic-auth checks queued for bcrypt; beyond, 503 (cached credentials pass)."""
     max_requests_per_connection: int = 10_000
+    max_body_bytes: int = 0
+    """Request body (413 beyond). The endpoint serves GET and HEAD only and takes none."""
+    body_timeout: float = 10.0
+    """Seconds to receive a request body once its head is in."""
 
     def head_deadline(self, since: float) -> float:
         """When a request head begun at ``since`` (accept, or a new request on a kept-alive
         connection) must be complete."""
         return since + self.request_timeout
+
+    def next_head_deadline(self, now: float, buffered: bool) -> float:
+        """After a response at ``now``: the deadline for the next request head, which is the
+        request time when its first bytes are already buffered, else the keep-alive idle time.
+        When the first byte of a new request arrives on an idle connection, the head deadline
+        starts again from that moment (``head_deadline``)."""
+        return self.head_deadline(now) if buffered else self.idle_deadline(now)
 
     def idle_deadline(self, since: float) -> float:
         """When a kept-alive connection that finished a response at ``since`` must have sent

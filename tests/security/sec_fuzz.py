@@ -187,7 +187,7 @@ class Fuzzer:
             self.outcomes[outcome] += 1
             for code in codes:
                 self.statuses[code.decode()] += 1
-                if code.startswith(b"5") and code != b"505" and len(self.server_errors) < 20:
+                if code.startswith(b"5") and len(self.server_errors) < 20:
                     self.server_errors.append(f"{code.decode()} for {data[:300]!r}")
 
 

@@ -70,7 +70,7 @@ def test_only_get_head_on_two_paths(make_server, method, path, code):
         (b"GET /metrics HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 413),
         (b"GET /metrics HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
         (b"GET /metrics\r\n\r\n", 400),
-        (b"GET /metrics HTTP/2.0\r\n\r\n", 505),
+        (b"GET /metrics HTTP/2.0\r\n\r\n", 400),  # a client's fault is never 5xx
         (b"G\x00T /metrics HTTP/1.1\r\n\r\n", 400),
         (b"GET metrics HTTP/1.1\r\n\r\n", 400),
         (b"GET /metrics HTTP/1.1\r\n folded: header\r\n\r\n", 400),
