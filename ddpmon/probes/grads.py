@@ -13,10 +13,9 @@ float32 running sum over a whole tensor drifts low (measured: -2e-6 relative ove
 -2e-5 over 8e6, and a BERT's global norm 5e-6 low). So a long tensor is reduced in rows of
 :data:`CHUNK` elements in float32 and the rows' squares are added in float64 (one read of every
 gradient, within the float32 rounding of each row's result); a small one (:data:`SMALL_NUMEL`)
-in float64, which costs little in cache. A
-float32 norm overflows to inf for finite values above ~1e19, which would look like an Inf
-gradient: an inf norm is re-measured in float64 for that tensor only (CPU tensors can be read
-without any device sync, so this rare path is exact and cheap).
+in float64, which costs little in cache. A float32 norm overflows to inf for finite values above
+~1e19, which would look like an Inf gradient: an inf norm is re-measured in float64 for that
+tensor only (CPU tensors can be read without any device sync: this rare path is exact, cheap).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from .._torch_compat import compiled_inner, foreach_norm
-from ..host_reads import host_read_free
+from ..host_reads import host_read_free, sync_audit
 from .backward_order import BackwardOrder
 from .stacked import StackBuffers, stacked_norms
 
@@ -297,10 +296,12 @@ class StackPlan:
 def _uniform_cpu(tensors: Sequence[torch.Tensor]) -> bool:
     """Plain CPU tensors of one float32/float64 dtype (no subclass such as DTensor)."""
     dtype = getattr(tensors[0], "dtype", None)  # None: no gradient
-    return dtype in _WIDE and all(
-        type(t) is torch.Tensor and t.dtype is dtype and t.is_cpu and not t.is_sparse
-        for t in tensors
-    )
+    if dtype not in _WIDE:
+        return False
+    for t in tensors:  # a loop, not all(...): no generator frame per tensor (hot path)
+        if type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu or t.is_sparse:
+            return False
+    return True
 
 
 def _widen_checked(
@@ -350,8 +351,7 @@ def _at_least(have: torch.dtype, want: torch.dtype | None) -> torch.dtype | None
     return None if want is None or have.itemsize >= want.itemsize else want
 
 
-def _foreach_norm(group: list[torch.Tensor], dtype: torch.dtype | None) -> Sequence:
-    return foreach_norm(group, dtype)
+_foreach_norm = foreach_norm  # (group, dtype) -> one norm per tensor
 
 
 @dataclass(slots=True)
@@ -431,7 +431,7 @@ def full_pass(index: ParamIndex, *, scaled: bool = True) -> NormVector | None:
     """Per-parameter norms of every parameter's current ``.grad``: one fused pass."""
     grads = [p.grad for p in index.params]
     plan = index.stack_plan  # small models: same-shaped CPU gradients, the host-cost path
-    if plan is not None and _uniform_cpu(grads) and host_read_free(grads[0].device):
+    if plan is not None and _uniform_cpu(grads) and not sync_audit():  # CPU: a free read
         return NormVector(plan.norms(grads), plan.order, scaled)
     if all(g is not None and not g.is_sparse for g in grads):  # the common case
         if not grads:

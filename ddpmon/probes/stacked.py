@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from operator import itemgetter
 
 import torch
 
@@ -25,11 +26,16 @@ import torch
 class StackBuffers:
     """Reusable stack buffers and the float32 result vector for a plan's ``stacks``."""
 
-    __slots__ = ("_dtype", "_lock", "_result", "_rows", "_stacks", "_targets", "_views")
+    __slots__ = ("_dtype", "_first", "_lock", "_passes", "_result", "_rows", "_stacks",
+                 "_targets", "_views")
 
     def __init__(self, stacks: Sequence[Sequence[int]]) -> None:
         self._stacks = tuple(tuple(g) for g in stacks)
+        self._first = self._stacks[0][0]
         self._dtype: torch.dtype | None = None
+        self._passes: tuple[tuple[itemgetter, torch.Tensor, torch.Tensor, torch.Tensor], ...] = ()
+        """Per group, what one step does: (its tensors' getter, target, rows, result view),
+        built with the buffers so the hot loop only calls (each group holds two or more)."""
         self._lock = threading.Lock()
         self._targets: tuple[torch.Tensor, ...] = ()
         """Per group: the buffer ``torch.stack`` writes, shaped (len(group), *shape)."""
@@ -45,12 +51,10 @@ class StackBuffers:
         if not self._lock.acquire(blocking=False):
             return None
         try:
-            if tensors[self._stacks[0][0]].dtype is not self._dtype:
+            if tensors[self._first].dtype is not self._dtype:
                 self._build(tensors)
-            for group, target, rows, view in zip(
-                self._stacks, self._targets, self._rows, self._views, strict=True
-            ):
-                torch.stack([tensors[i] for i in group], out=target)
+            for group, target, rows, view in self._passes:
+                torch.stack(group(tensors), out=target)
                 torch.linalg.vector_norm(rows, dim=1, out=view)
             return self._result.to(torch.float64, copy=True)  # the buffer is reused next step
         finally:
@@ -72,6 +76,8 @@ class StackBuffers:
             views.append(result[at : at + len(group)])
             at += len(group)
         self._targets, self._rows, self._views = tuple(targets), tuple(rows), tuple(views)
+        self._passes = tuple(zip((itemgetter(*g) for g in self._stacks), self._targets,
+                                 self._rows, self._views, strict=True))
         self._result, self._dtype = result, dtype
 
 
