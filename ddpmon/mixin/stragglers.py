@@ -20,12 +20,12 @@ Pipeline stages. Under pipeline parallel the parts carry the rank's ``stage`` (t
 (:data:`STAGE`): a stage heavier by design is not a straggler, a stage's bubble is ``wait`` and
 names nobody, and a slow replica is named with its stage.
 
-Cost by construction (16,384 ranks: every rule touches at most about 5 series per rank). The
-records chain, each reading what an earlier one in its group recorded instead of recomputing
-it: own time and three causes from the raw series (each raw series read once or twice per
-evaluation), ``host`` as the rest of the own time (no second read of every part), one reference
-per run and stage (the median rank's own time; the median per cause), and the slowdown and cause
-against those few series.
+Cost by construction (16,384 ranks: every rule reads at most 4 series per rank and relabels
+none). The records chain, each reading what an earlier one in its group recorded instead of
+recomputing it: own time from the raw series; the causes one rule each (the rule sets the
+``cause`` label), ``host`` as the rest of the own time (no second read of every part); one
+reference per run and stage (the median rank's own time; the median per cause); the slowdown
+and the cause against those few series.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _rate(cfg: MixinConfig, metric: str, extra: str = "") -> str:
 
 
 def _part(cfg: MixinConfig, part: str = "") -> str:
-    extra = f'part=~"{part}"' if "|" in part else (f'part="{part}"' if part else "")
+    extra = f'part="{part}"' if part else ""
     return f"sum without (part) ({_rate(cfg, m.STEP_PART_SECONDS.name, extra)})"
 
 
@@ -71,19 +71,17 @@ def own_expr(cfg: MixinConfig) -> str:
     )
 
 
-def by_cause_expr(cfg: MixinConfig) -> str:
-    """A rank's own seconds per step in data wait, compute and communication (``cause`` label),
-    from one read of each raw series they need: the parts relabelled to causes, one division
-    by the steps (which brings the rank's ``stage`` from its wait part to the data wait too)."""
+def by_cause_expr(cfg: MixinConfig, cause: str) -> str:
+    """A rank's own seconds per step in ``cause`` (data wait, compute or communication): one
+    rule per cause, each reading its raw series once and labelled by the rule (no relabelling
+    of every rank's series). The parts carry the rank's ``stage``; the data wait takes it
+    from the rank's wait part."""
     step, data = m.STEP_DURATION.name, m.DATA_WAIT.name
-    parts = _rate(cfg, m.STEP_PART_SECONDS.name, 'part=~"compute|communication"')
-    steps = (f"({_rate(cfg, step + '_count')}\n   + ignoring ({STAGE}) group_left ({STAGE})\n"
-             f"   (0 * {_part(cfg, 'wait')}))")
-    return (
-        f'(\n  sum without (part) (label_replace({parts}, "cause", "$1", "part", "(.+)"))\n'
-        f'  or\n  label_replace({_rate(cfg, data + "_sum")}, "cause", "data", "", "")\n)\n'
-        f"/ ignoring (cause, {STAGE}) group_left ({STAGE})\n{steps}"
-    )
+    steps = _rate(cfg, step + "_count")
+    if cause == "data":
+        return (f"0 * {_part(cfg, 'wait')}\n+ ignoring ({STAGE}) group_left ()\n"
+                f"({_rate(cfg, data + '_sum')} / {steps})")
+    return f"{_part(cfg, cause)}\n/ ignoring ({STAGE}) group_left ()\n{steps}"
 
 
 def host_expr() -> str:
@@ -130,7 +128,8 @@ def records(cfg: MixinConfig) -> list[dict]:
     by = group(cfg)
     return [
         {"record": n.OWN_MEAN, "expr": own_expr(cfg)},
-        {"record": n.OWN_BY_CAUSE, "expr": by_cause_expr(cfg)},
+        *({"record": n.OWN_BY_CAUSE, "expr": by_cause_expr(cfg, c), "labels": {"cause": c}}
+          for c in CAUSES),
         {"record": n.OWN_BY_CAUSE, "expr": host_expr(), "labels": {"cause": "host"}},
         {"record": n.OWN_REFERENCE, "expr": reference_expr(n.OWN_MEAN, by)},
         {"record": n.OWN_MEDIAN_BY_CAUSE,
