@@ -412,8 +412,10 @@ def timings(url: str, cfg: MixinConfig, end: int, args: argparse.Namespace) -> l
     if args.compare_before:  # each after its shipped counterpart: the same load, near enough
         old = {f"record {r['record'].replace(before.PREFIX, 'rank:')}": r["expr"]
                for r in before.records(cfg)} | before.queries(cfg)
+        # a record of several rules (one per cause): after the first of them
         queries = {k2: v2 for k, v in queries.items()
-                   for k2, v2 in ((k, v), (f"before: {k}", old.get(k))) if v2}
+                   for base in (re.sub(r" \(\w+=[^)]*\)$", "", k),)
+                   for k2, v2 in ((k, v), (f"before: {base}", old.get(base))) if v2}
     queries["DdpmonHangHolder expr"] = hangs.alerts(cfg)[0].expr
     queries["DdpmonCollectiveMismatch expr"] = hangs.alerts(cfg)[1].expr
     queries["DdpmonHangHolder description: waiting ranks"] = (
