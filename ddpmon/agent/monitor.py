@@ -145,7 +145,6 @@ class Monitor(LoopPhases, FiguresApi):
             strategy = detect_strategy(model)
             self.source = make_source(strategy, env)
         state.strategy = self.source.name if ":" not in strategy else strategy
-        state.stage = self.source.stage_label() or ""
         self.engine_facts = self.source.engine_facts
         if self.engine_facts is not None:
             state.amp_enabled = self.engine_facts.precision == "fp16"
