@@ -30,8 +30,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddpmon.commands._top_stragglers import straggler_scores
 from ddpmon import metrics
+from ddpmon.commands._top_stragglers import straggler_scores
 from ddpmon.export.scrape import flatten
 from ddpmon.forensics.stragglers import describe
 from ddpmon.forensics.timeline import build_timeline
