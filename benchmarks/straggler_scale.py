@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hang_rule_scale  # noqa: E402  (a script beside this one)
+import straggler_rules_before as before  # noqa: E402  (the rules of before, for side by side)
 
 from ddpmon import metrics as m  # noqa: E402
 from ddpmon.mixin import names as n  # noqa: E402
@@ -229,23 +230,22 @@ def inline(expr: str, records: dict[str, str]) -> str:
     return expr
 
 
-def materialise(store: Store, url: str, cfg: MixinConfig, end: int) -> None:
+def materialise(store: Store, url: str, recs: list[dict], end: int) -> None:
     """The straggler records at ``end``, evaluated from the series (and the records before
-    them) and written back, in two passes: first-order records, then those reading them. One
-    evaluation only: a backfill writes no staleness markers, so a record evaluated earlier with
-    another ``cause`` would still be seen (a rule evaluator marks it stale)."""
-    recs = stragglers.records(cfg)
-    first = {n.OWN_MEAN, n.OWN_BY_CAUSE}
-    for level in ([r for r in recs if r["record"] in first],
-                  [r for r in recs if r["record"] not in first]):
+    them) and written back, level by level (``straggler_rules_before.levels``). One evaluation
+    only: a backfill writes no staleness markers, so a record evaluated earlier with another
+    ``cause`` would still be seen (a rule evaluator marks it stale)."""
+    for level in before.levels(recs):
         lines = []
         for rec in level:
             _, result = get(url, "/api/v1/query", {"query": rec["expr"], "time": str(end)})
             for s in result:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s["metric"].items())
+                metric = {**s["metric"], **rec.get("labels", {})}
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(metric.items())
                                   if k != "__name__")
                 lines.append(f"{rec['record']}{{{labels}}} {s['value'][1]} {end}")
         store.record(lines)
+        url = store.server.url
 
 
 def first_firing(series: list, for_s: float) -> dict[str, float]:
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
     p.add_argument("--no-timings", dest="timings", action="store_false",
                    help="check the naming only (the test's mode)")
     p.add_argument("--json", default=None, help="write the figures here too")
+    p.add_argument("--compare-before", action="store_true",
+                   help="also time the rules of before (straggler_rules_before) in the same store")
     args = p.parse_args(argv)
     STEP_S = float(args.scrape)
     if args.alert_range is None:
@@ -332,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
             out["hang_holders"] = sorted(holders)
             print(f"DdpmonHangHolder names {out['hang_named']}; holders {sorted(holders)}")
             if args.timings:
-                materialise(store, url, cfg, end)
+                recs = stragglers.records(cfg)
+                if args.compare_before:
+                    recs = [*before.records(cfg), *recs]
+                materialise(store, url, recs, end)
                 out["queries"] = timings(store.server.url, cfg, end, args)
             out["seconds"] = round(time.perf_counter() - started, 1)
         finally:
@@ -349,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915
 def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
            straggler: int) -> dict:
     """When the straggler problem and the alert first name the straggler, in steps."""
-    records = {r["record"]: r["expr"] for r in stragglers.records(cfg)}
+    records = before.combined(stragglers.records(cfg))
     ends = cum["ends"]
     slow_from = ends[args.start - 1]
     grid = int(slow_from) // args.scrape * args.scrape
@@ -396,10 +401,21 @@ def naming(url: str, cfg: MixinConfig, cum: dict, args: argparse.Namespace,
 def timings(url: str, cfg: MixinConfig, end: int, args: argparse.Namespace) -> list[dict]:
     """Each straggler record, the rank-health problem and the alert, reading the records as the
     store holds them (:func:`materialise`), and the hang alert's queries, as instant queries at
-    the end: median and max of ``--repeats``."""
-    queries = {f"record {r['record']}": r["expr"] for r in stragglers.records(cfg)}
+    the end: median and max of ``--repeats``. With ``--compare-before``, the rules of before
+    too (``before: ...``), each right after its shipped counterpart."""
+    queries = {}
+    for r in stragglers.records(cfg):
+        extra = "".join(f" ({k}={v})" for k, v in r.get("labels", {}).items())
+        queries[f"record {r['record']}{extra}"] = r["expr"]
     queries["straggler problem (rank-health table)"] = stragglers.problem_expr(cfg)
     queries["DdpmonStraggler expr"] = stragglers.alert(cfg).expr
+    if args.compare_before:  # each after its shipped counterpart: the same load, near enough
+        old = {f"record {r['record'].replace(before.PREFIX, 'rank:')}": r["expr"]
+               for r in before.records(cfg)} | before.queries(cfg)
+        # a record of several rules (one per cause): after the first of them
+        queries = {k2: v2 for k, v in queries.items()
+                   for base in (re.sub(r" \(\w+=[^)]*\)$", "", k),)
+                   for k2, v2 in ((k, v), (f"before: {base}", old.get(base))) if v2}
     queries["DdpmonHangHolder expr"] = hangs.alerts(cfg)[0].expr
     queries["DdpmonCollectiveMismatch expr"] = hangs.alerts(cfg)[1].expr
     queries["DdpmonHangHolder description: waiting ranks"] = (
@@ -412,10 +428,11 @@ def timings(url: str, cfg: MixinConfig, end: int, args: argparse.Namespace) -> l
             s, result = get(url, "/api/v1/query", {"query": promql, "time": str(end)})
             runs.append(s)
         row = {"query": name, "median_s": round(statistics.median(runs), 3),
-               "max_s": round(max(runs), 3), "series": len(result)}
+               "max_s": round(max(runs), 3), "series": len(result),
+               "load": round(os.getloadavg()[0], 1)}
         rows.append(row)
         print(f"{name}: median {row['median_s'] * 1000:.0f} ms (max {row['max_s'] * 1000:.0f} ms),"
-              f" {row['series']} series", flush=True)
+              f" {row['series']} series, load {row['load']}", flush=True)
     return rows
 
 

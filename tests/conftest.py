@@ -80,6 +80,7 @@ LANES: dict[str, tuple[str, ...]] = {
     "integration/test_hardware_or_numerics.py": ("ranks", "services"),
     "integration/test_dashboards_live.py": ("ranks", "services"),
     "integration/test_linger_live.py": ("ranks", "services"),
+    "integration/test_stragglers_strategies.py": ("ranks", "services"),
     "integrations/": ("ranks",),
     "integrations/test_integration_parts.py": (),
     "multinode/": ("ranks", "services"),

@@ -53,6 +53,8 @@ class RecordSinks:
         """``summary_head``: the summary's identity fields (the port is known only later);
         ``last_checkpoint`` and ``flush``: for the floor policy's ``checkpoint`` mode."""
         rank = ctx.identity.rank
+        stage = source.stage_label() if source is not None else None
+        state.stage = stage or ""  # its step parts' label: straggler rules compare within it
         incidents: IncidentSink | None = None
         floor = FloorPolicy(
             mode=config.on_loss_scale_floor,
@@ -97,7 +99,7 @@ class RecordSinks:
                     on_error=guard.error,
                     health=guard.writes,
                     step_metrics=chosen(config.step_metrics),
-                    stage=source.stage_label(),
+                    stage=stage,
                 )
                 if history is not None:
                     sinks.append(history)

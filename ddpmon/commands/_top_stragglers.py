@@ -6,12 +6,15 @@ A rank's own time per step is its step time and data wait less its wait inside c
 (``ddpmon_step_part_seconds_total{part="wait"}``); its slowdown is that over the median of the
 *other* ranks' (with itself in the median, a 2-rank run's straggler would show half its
 slowdown), less one; its cause, where the slowdown reaches :data:`THRESHOLD`, is the part (data,
-compute, host, communication) furthest above the others' median.
+compute, host, communication) furthest above the others' median. Under pipeline parallel a
+rank is compared with the ranks of its stage (:func:`peer_groups`), and named with it.
 """
 
 from __future__ import annotations
 
 from .. import metrics
+from ..export.scrape import stage_of
+from ..terminal import shown
 
 THRESHOLD = 0.05
 """The slowdown from which a cause is named (the shipped alert's ``straggler_slowdown``)."""
@@ -69,32 +72,57 @@ def _medians_of_others(values: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def peer_groups(stages: dict[str, str | None]) -> list[list[str]]:
+    """The targets compared with each other: under pipeline parallel the ranks of each stage
+    (a stage heavier by design is not a straggler, and its bubble is wait), when every rank has
+    a stage and every stage 2 ranks or more; else the whole run (as ``forensics.stragglers``)."""
+    by_stage: dict[str | None, list[str]] = {}
+    for target, stage in stages.items():
+        by_stage.setdefault(stage, []).append(target)
+    if None in by_stage or any(len(g) < 2 for g in by_stage.values()):
+        return [list(stages)]
+    return list(by_stage.values())
+
+
 def straggler_scores(results: dict[str, dict | None], previous: dict[str, dict]
                      ) -> dict[str, dict]:
     """``target -> {"slowdown", "cause"}`` for every rank with step parts (``cause`` None
-    under the threshold); empty with fewer than two such ranks."""
+    under the threshold; ``stage`` too where ranks are compared within their pipeline stage);
+    empty with fewer than two such ranks."""
     own = {t: o for t, m in results.items() if m is not None
            and (o := own_per_step(m, previous.get(t))) is not None}
     if len(own) < 2:
         return {}
-    # the others' median: one that held this rank would halve its slowdown with 2 ranks
-    others = {k: _medians_of_others({t: o[k] for t, o in own.items()}) for k in ("own", *CAUSES)}
+    groups = peer_groups({t: stage_of(results[t] or {}) for t in own})
     out = {}
-    for target, o in own.items():
-        median = {k: others[k][target] for k in others}
-        if median["own"] <= 0:
+    for targets in groups:
+        mine = {t: own[t] for t in targets}
+        if len(mine) < 2:
             continue
-        slowdown = o["own"] / median["own"] - 1.0
-        cause = None
-        if slowdown >= THRESHOLD:
-            cause = max(CAUSES, key=lambda c: o[c] - median[c])
-        out[target] = {"slowdown": round(slowdown, 4), "cause": cause}
+        # the others' median: one that held this rank would halve its slowdown with 2 ranks
+        others = {k: _medians_of_others({t: o[k] for t, o in mine.items()})
+                  for k in ("own", *CAUSES)}
+        for target, o in mine.items():
+            median = {k: others[k][target] for k in others}
+            if median["own"] <= 0:
+                continue
+            slowdown = o["own"] / median["own"] - 1.0
+            cause = None
+            if slowdown >= THRESHOLD:
+                cause = max(CAUSES, key=lambda c: o[c] - median[c])
+            out[target] = {"slowdown": round(slowdown, 4), "cause": cause}
+            if (stage := stage_of(results[target] or {})) is not None:
+                out[target]["stage"] = stage
     return out
 
 
 def cell(score: dict | None) -> str:
-    """``+15.2% compute``, ``+0.3%`` under the threshold, ``-`` without step parts."""
+    """``+15.2% compute``, ``+15.2% compute, stage 1`` (a pipeline stage's rank, against its
+    stage), ``+0.3%`` under the threshold, ``-`` without step parts."""
     if score is None:
         return "-"
     text = f"{100 * score['slowdown']:+.1f}%"
-    return f"[bold red]{text} {score['cause']}[/]" if score["cause"] else text
+    if not score["cause"]:
+        return text
+    stage = f", stage {shown(score['stage'])}" if score.get("stage") else ""
+    return f"[bold red]{text} {score['cause']}{stage}[/]"

@@ -275,7 +275,7 @@ def _step_parts(s: MetricState) -> dict[m.Metric, Samples]:
     parts = dict(s.step_part_seconds_total)
     if not parts or len(s.collective_duration) > 3:
         return {}
-    return {m.STEP_PART_SECONDS: [((part,), v) for part, v in sorted(parts.items())]}
+    return {m.STEP_PART_SECONDS: [((part, s.stage), v) for part, v in sorted(parts.items())]}
 
 
 def _one(value: float) -> Samples:

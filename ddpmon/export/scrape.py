@@ -293,13 +293,28 @@ _PER_OP = frozenset(
 )
 
 
+_PART = metrics.STEP_PART_SECONDS.name
+
+
+def stage_key(stage: str) -> str:
+    """The key of :func:`flatten`'s output naming the pipeline stage(s) a rank runs."""
+    return f'{_PART}{{stage="{stage}"}}'
+
+
+def stage_of(samples: dict[str, float]) -> str | None:
+    """The stage(s) a rank runs, from :func:`flatten`'s output; None outside pipelines."""
+    prefix = stage_key("")[:-2]
+    return next((k[len(prefix):-2] for k in samples if k.startswith(prefix)), None)
+
+
 def flatten(text: str) -> dict[str, float]:
     """Samples keyed by name. Series with labels beyond run/rank are dropped, except
     ``ddpmon_agent_errors_total`` (summed over probes), ``ddpmon_steps_skipped_total`` (over
     skippers), the rank read from
     ``ddpmon_rank_info`` (as ``rank``) and the collective families' ``_sum``, ``_count`` and
     bytes (summed over ops under the plain name, and each op as ``name{op="..."}``), and the
-    step's parts, each as ``name{part="..."}``."""
+    step's parts, each as ``name{part="..."}`` (a pipeline rank's stage as the key
+    :func:`stage_key`, valued 1)."""
     # prometheus_client loads only when used: a light CLI start
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -316,8 +331,10 @@ def flatten(text: str) -> dict[str, float]:
             elif extra == {"op"} and sample.name in _PER_OP:
                 out[sample.name] += sample.value
                 out[f'{sample.name}{{op="{sample.labels["op"]}"}}'] = sample.value
-            elif extra == {"part"} and sample.name == metrics.STEP_PART_SECONDS.name:
-                out[f'{sample.name}{{part="{sample.labels["part"]}"}}'] = sample.value
+            elif "part" in extra <= {"part", "stage"} and sample.name == _PART:
+                out[f'{_PART}{{part="{sample.labels["part"]}"}}'] = sample.value
+                if stage := sample.labels.get("stage"):  # a pipeline rank's stages
+                    out[stage_key(stage)] = 1.0
     return dict(out)
 
 

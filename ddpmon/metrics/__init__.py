@@ -132,10 +132,11 @@ STEP_PART_SECONDS = Metric(
     "Step time by part, summed over steps: compute (forward, backward, optimizer), wait "
     "(inside collectives, for the other ranks) and communication (issuing its own "
     "collectives); the step's host time is the step time's sum less the three. The slow rank "
-    "computes (or issues) most and waits least.",
+    "computes (or issues) most and waits least. Under pipeline parallel, stage: the stages the "
+    "rank runs (empty elsewhere), so it is compared within its stage.",
     L.DATA_SUPPLY,
     unit="seconds",
-    labels=("part",),
+    labels=("part", "stage"),
     when="after a first timed step, on a rank issuing at most 3 collective ops (series budget)",
 )
 DATA_IDENTICAL_BATCHES = Metric(

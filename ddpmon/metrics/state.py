@@ -209,6 +209,10 @@ class MetricState(_FoldedState):
     """Parallelism of the model: plain, ddp, fsdp2, hsdp, tp or fsdp2+tp (``rank_info`` label)."""
     precision: str = "fp32"
     """What the model trains in (``agent.precision.LABELS``; ``rank_info`` label)."""
+    stage: str = ""
+    """The pipeline stages this rank runs (the strategy's ``stage_label``: ``"1"``, ``"0,2"``),
+    the ``stage`` label of its step parts, so the straggler rules compare it within its stage;
+    empty (no label) without stages."""
     attempt: int = 0
     """Restart attempt of this process (0: first launch); see ``ddpmon.agent.checkpoints``."""
     checkpoint_last_step: int | None = None

@@ -22,7 +22,8 @@ OWN_MEAN = "rank:ddpmon_step_own_seconds:mean"
 """Step time and data wait less the wait inside collectives, per step: the rank's own work
 (``ddpmon.mixin.stragglers``)."""
 OWN_BY_CAUSE = "rank:ddpmon_step_own_seconds:mean_by_cause"
-"""The own time per step by ``cause``: data, compute, host."""
+"""The own time per step by ``cause``: data, compute, communication (from the raw series) and host
+(the rest of the own time, recorded by a second rule after the first)."""
 STRAGGLER_SLOWDOWN = "rank:ddpmon_straggler:slowdown"
 """Own time over the run's median rank's, less one (0.15: 15 % slower)."""
 STRAGGLER_CAUSE = "rank:ddpmon_straggler:cause"
@@ -48,6 +49,12 @@ COLLECTIVE_RUN_P99 = "run:ddpmon_collective_duration_seconds:p99"
 GRAD_NORM_RUN_MAX = "run:ddpmon_grad_norm:max_finite"
 GRAD_NORM_RUN_SPREAD = "run:ddpmon_grad_norm:relative_spread"
 RANKS_REPORTING = "run:ddpmon_ranks_reporting:count"
+# What the straggler records compare a rank with, per run and pipeline stage (``stage`` absent
+# outside pipelines): recorded once per evaluation so the per-rank records read a few series.
+OWN_REFERENCE = "run:ddpmon_step_own_seconds:reference"
+"""The median rank's own time per step (the smaller rank's in a group of 2)."""
+OWN_MEDIAN_BY_CAUSE = "run:ddpmon_step_own_seconds:median_by_cause"
+"""Per ``cause``: the median rank's own time per step in that cause."""
 # Run-wide medians and minima the dashboards draw as one line: computed by the ruler that sees
 # the whole run, so a panel reads one series per run instead of aggregating every rank's.
 LOSS_RUN_MEDIAN = "run:ddpmon_loss:median"

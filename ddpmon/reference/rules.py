@@ -93,6 +93,13 @@ run on a scraping shard and which need the whole run:
     ]
     for group in _groups(RULES):
         out.append(f"\n## {group['name']}\n\n")
-        rows = [(code(r["record"]), code(" ".join(r["expr"].split()))) for r in group["rules"]]
+        rows = [(code(r["record"] + _labels(r)), code(" ".join(r["expr"].split())))
+                for r in group["rules"]]
         out.append(table(("record", "expression"), rows))
     return "".join(out)
+
+
+def _labels(rule: dict) -> str:
+    """The labels a rule sets (several rules may record one name, each with its own)."""
+    labels = rule.get("labels") or {}
+    return "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""

@@ -163,6 +163,35 @@ def test_top_compares_each_rank_with_the_median_of_the_others():
     assert four["0"]["slowdown"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_top_compares_pipeline_ranks_within_their_stage():
+    """2 stages x 2 replicas: stage 1 computes more by design, rank 3 of it 15 % more again;
+    stage 0 waits for stage 1 (its bubble). Against the run, rank 2 (not slow) would read
+    +20 %; within its stage it reads below 0, and rank 3 is named with its stage."""
+    from ddpmon import metrics
+    from ddpmon.commands._top_stragglers import cell, straggler_scores
+    from ddpmon.export.scrape import stage_key
+
+    step, data, part = metrics.STEP_DURATION, metrics.DATA_WAIT, metrics.STEP_PART_SECONDS.name
+
+    def scraped(compute: float, wait: float, stage: str | None) -> dict:  # 100 steps of 0.2 s
+        out = {step.sample("count"): 100.0, step.sample("sum"): 20.0,
+               data.sample("sum"): 0.1, data.sample("count"): 100.0,
+               f'{part}{{part="compute"}}': 100 * compute, f'{part}{{part="wait"}}': 100 * wait}
+        return out | ({stage_key(stage): 1.0} if stage is not None else {})
+
+    ranks = {"0": (0.10, 0.09, "0"), "1": (0.10, 0.09, "0"), "2": (0.13, 0.06, "1"),
+             "3": (0.15, 0.04, "1")}
+    scores = straggler_scores({t: scraped(*r) for t, r in ranks.items()}, {})
+    assert (scores["3"]["cause"], scores["3"]["stage"]) == ("compute", "1")
+    assert scores["3"]["slowdown"] == pytest.approx(0.161 / 0.141 - 1, abs=1e-4)
+    assert [scores[t]["cause"] for t in "012"] == [None, None, None], scores
+    assert scores["0"]["slowdown"] == pytest.approx(0.0, abs=1e-9)
+    assert cell(scores["3"]).endswith("compute, stage 1[/]")
+    # without stages, the run's ranks against each other: rank 2 would be named too
+    flat = straggler_scores({t: scraped(c, w, None) for t, (c, w, _) in ranks.items()}, {})
+    assert flat["2"]["cause"] == "compute" and "stage" not in flat["2"]
+
+
 def test_time_spent_issuing_its_own_collectives_is_cause_communication():
     ranks = {r: _columns(100, 0.1) for r in range(4)}
     for r, cols in ranks.items():

@@ -8,7 +8,8 @@ per step is named first with cause ``compute`` within 40 steps:
 - DeepSpeed ZeRO-1 (the engine's forward, backward and step);
 - pipeline parallel (2 stages x 2 replicas, 1F1B): the slow rank is named with its ``stage``,
   compared with its stage's other replica, and the bubble of stage 0 (which waits for stage 1
-  every step) names nobody there;
+  every step) names nobody there; by the timeline, by ``ddpmon top``'s column and by the
+  shipped rules and alert (the run's exported totals through ``promtool``);
 - DDP where one rank's gradient bucket waits 4 ms in its comm hook before the all-reduce (a slow
   path to the network): named first with cause ``communication``, by the timeline and by
   ``ddpmon top``'s column.
@@ -20,12 +21,16 @@ exported) that the slow rank's own work is the run's largest at the same time.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from ddpmon import metrics
 from ddpmon.commands._top_stragglers import straggler_scores
 from ddpmon.export.scrape import flatten
 from ddpmon.forensics.stragglers import describe
@@ -113,3 +118,63 @@ def test_a_rank_whose_collectives_wait_in_its_comm_hook_is_named_with_cause_comm
     scores = straggler_scores(scraped, {})
     slowest = max(scores, key=lambda t: scores[t]["slowdown"])
     assert (slowest, scores[slowest]["cause"]) == ("2", "communication"), scores
+
+
+RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
+_TOTALS = (metrics.STEP_DURATION.sample("sum"), metrics.STEP_DURATION.sample("count"),
+           metrics.DATA_WAIT.sample("sum"), metrics.DATA_WAIT.sample("count"),
+           metrics.STEP_PART_SECONDS.name, metrics.STEP.name)
+
+
+def _as_promtool_series(out: Path, case: str, minutes: int = 10) -> list[dict]:
+    """Each rank's exported totals (step, data wait, parts with their labels) as promtool input
+    series growing evenly from 0 to them over ``minutes``: the rules' rates then see the run's
+    mean per step, as a scraper would over a steady run."""
+    series = []
+    for r in range(WORLD):
+        text = (out / f"{case}.rank{r}.metrics").read_text()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name not in _TOTALS:
+                    continue
+                labels = {k: v for k, v in s.labels.items() if v} | {
+                    "job": "ddpmon", "instance": f"h:{7470 + r}"}
+                body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+                series.append({"series": f"{s.name}{{{body}}}",
+                               "values": f"0+{s.value / (2 * minutes):.9g}x{2 * minutes}"})
+    return series
+
+
+def test_the_rules_and_top_name_the_slow_pipeline_stage_and_not_the_bubble(runs, tmp_path):
+    """The shipped rules over the pipeline run's real totals: rank 3 alone is a straggler, of
+    stage 1, cause compute; so is ``ddpmon top``'s column; stage 0's ranks (the bubble) and
+    rank 2 (stage 1 heavier than stage 0 by design) are named by neither."""
+    out, _ = runs
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is installed with the test dependencies (make debs)"
+    named = ("count by (rank, stage, cause) (rank:ddpmon_straggler:cause and on (job, instance)"
+             " rank:ddpmon_straggler:slowdown > 0.05)")
+    case = {
+        "interval": "30s", "input_series": _as_promtool_series(out, "pp"),
+        "promql_expr_test": [
+            {"expr": named, "eval_time": "10m",
+             "exp_samples": [{"labels": '{rank="3",stage="1",cause="compute"}', "value": 1}]},
+            {"expr": 'count by (rank, stage, cause) (ALERTS{alertname="DdpmonStraggler",'
+                     'alertstate="firing"})', "eval_time": "10m",
+             "exp_samples": [{"labels": '{rank="3",stage="1",cause="compute"}', "value": 1}]},
+        ],
+    }
+    groups = [g["name"] for f in ("ddpmon-rules.yml", "ddpmon-alerts.yml")
+              for g in yaml.safe_load((RULES / f).read_text())["groups"]]
+    test = tmp_path / "pp.yml"
+    test.write_text(yaml.safe_dump({
+        "rule_files": [str(RULES / "ddpmon-rules.yml"), str(RULES / "ddpmon-alerts.yml")],
+        "evaluation_interval": "15s", "group_eval_order": groups, "tests": [case]}))
+    proc = subprocess.run([promtool, "test", "rules", str(test)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    scraped = {str(r): flatten((out / f"pp.rank{r}.metrics").read_text()) for r in range(WORLD)}
+    scores = straggler_scores(scraped, {})
+    assert [scores[t].get("stage") for t in "0123"] == ["0", "0", "1", "1"], scores
+    assert {t for t, s in scores.items() if s["cause"]} == {"3"}, scores
+    assert scores["3"]["cause"] == "compute", scores

@@ -392,3 +392,22 @@ def test_a_failing_at_scrape_family_is_counted_and_the_rest_is_served():
     text = exposition.render().decode()
     assert "ddpmon_rank_info{" in text and "ddpmon_phase_since" not in text
     assert failures == [("activity", IndexError)]
+
+
+def test_a_pipeline_ranks_step_parts_carry_its_stage_for_the_straggler_rules():
+    """The straggler rules and ``ddpmon top`` compare a pipeline rank within its stage: its
+    parts carry the stages it runs; elsewhere the label is empty, which a store drops."""
+    from ddpmon.export.scrape import flatten, stage_of
+
+    state = make_state()
+    plain = make_exposition(state).render().decode()
+    assert 'part="compute",rank="1",run="run-1",stage=""}' in plain
+    assert stage_of(flatten(plain)) is None
+    state.stage = "0,2"
+    state.version += 1
+    staged = make_exposition(state).render().decode()
+    parts = [ln for ln in staged.splitlines() if ln.startswith(metrics.STEP_PART_SECONDS.name)]
+    assert parts and all('stage="0,2"' in ln for ln in parts), parts
+    flat = flatten(staged)
+    assert stage_of(flat) == "0,2"
+    assert flat[f'{metrics.STEP_PART_SECONDS.name}{{part="compute"}}'] > 0

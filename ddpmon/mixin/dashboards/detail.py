@@ -219,9 +219,9 @@ def _comm_row(q: Any, cfg: MixinConfig) -> RowSpec:
             PanelSpec(
                 "Own time above the median rank, by cause", "timeseries", "s",
                 (q(Q.SLOWDOWN_BY_CAUSE, "{{cause}}"),),
-                "Seconds per step this rank spends above the run's median rank in data wait, "
-                "compute (forward, backward, optimizer) and host time: the largest is the "
-                "straggler's cause.",
+                "Seconds per step this rank spends above the run's median rank (its pipeline "
+                "stage's) in data wait, compute (forward, backward, optimizer), host time and "
+                "issuing its collectives: the largest is the straggler's cause.",
             ),
             PanelSpec(
                 "Steps behind the leader", "timeseries", "short",

@@ -79,10 +79,11 @@ COLLECTIVE_RUN_P99 = f"{n.COLLECTIVE_RUN_P99}{{RR}}"
 COLLECTIVE_BYTES = f"rate({m.COLLECTIVE_BYTES.name}{{D}}[$__rate_interval])"
 SLOWDOWN = f"{n.STRAGGLER_SLOWDOWN}{{DR}}"
 SLOWDOWN_BY_CAUSE = (
-    f"{n.OWN_BY_CAUSE}{{DR}} - on (run, cause) group_left () "
-    f"quantile by (run, cause) (0.5, {n.OWN_BY_CAUSE}{{RR}})"
+    f"{n.OWN_BY_CAUSE}{{DR}} - on (run, stage, cause) group_left () "
+    f"max by (run, stage, cause) ({n.OWN_MEDIAN_BY_CAUSE}{{RR}})"
 )
-"""This rank's own seconds per step above the run median rank's, by cause."""
+"""This rank's own seconds per step above its run's (pipeline stage's) median rank's, by cause
+(the median recorded per run, stage and cause)."""
 STEPS_BEHIND = f"max by (run) ({n.STEP_LEADER}{{RR}}) - on (run) group_right {m.STEP.name}{{D}}"
 
 # --- GPU ---
