@@ -55,7 +55,7 @@ from .comms import (
     FSDPUnit,
     ProbedReduceScatter,
     TimedAllGather,
-    row_chunk_norms,
+    unit_norms,
 )
 
 log = logging.getLogger("ddpmon")
@@ -289,7 +289,7 @@ class FSDPSource(ShardedSource):
                 if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
                     self._local_exact = False  # pre-divided: the flag holds, the norm does not
                 if unit.positions and flat.numel() == world * unit.row_numel:
-                    norms = row_chunk_norms(flat, world, unit.columns)
+                    norms = unit_norms(unit, flat, world)
                     self._pieces.append(_LocalPiece(norms, list(unit.positions)))
                 else:
                     # Some parameter of the unit had no gradient: the layout is ambiguous, so
