@@ -9,6 +9,7 @@ import torch
 
 from ddpmon.strategies.fsdp import comms as fsdp_comms
 from ddpmon.strategies.fsdp import flat_norms
+from ddpmon.strategies.fsdp.shard_norms import ShardPass
 
 
 def _input(grads: list[torch.Tensor], world: int) -> tuple[torch.Tensor, list[int]]:
@@ -71,3 +72,26 @@ def test_unit_norms_measures_a_nonfinite_input_again():
     flat, _ = _input(grads, world=2)
     norms = fsdp_comms.unit_norms(unit, flat, 2)
     assert torch.isnan(norms[1]) and torch.isfinite(norms[0])
+
+
+def test_shard_pass_reads_views_of_one_buffer_and_declines_anything_else():
+    """The end-of-backward pass: gradients that are views side by side in one unit buffer (as
+    FSDP2 leaves them) are measured from the buffer, the padding between them not counted, in
+    index order whatever the units' order; any other layout answers None (general pass)."""
+    gen = torch.Generator().manual_seed(3)
+    root = torch.randn(300 + 8 + 5, generator=gen)  # unit 0 (positions 2, 3), padded widths
+    root[300:308] = 1e6  # padding: never counted
+    block = torch.randn(9000 + 40, generator=gen)  # unit 1 (positions 0, 1)
+    raw = [block[:9000].view(90, 100), block[9000:9040], root[:300], root[308:313]]
+    units = [([2, 3], [308, 5]), ([0, 1], [9000, 40])]
+    shard_pass = ShardPass(units, params=4)
+    norms = shard_pass([0, 1, 2, 3], raw)
+    expected = torch.stack([t.double().norm() for t in raw])
+    torch.testing.assert_close(norms, expected, rtol=1e-6, atol=0)
+    moved = [raw[0], raw[1].clone(), raw[2], raw[3]]  # a gradient replaced by a copy
+    assert shard_pass([0, 1, 2, 3], moved) is None
+    assert shard_pass([0, 1, 3], [raw[0], raw[1], raw[3]]) is None  # one without a gradient
+    nan = [t.clone() for t in raw]
+    block[5] = float("nan")
+    assert shard_pass([0, 1, 2, 3], raw) is None  # non-finite: the general pass tells why
+    assert ShardPass(units[:1], params=4)([0, 1, 2, 3], nan) is None  # units not covering all

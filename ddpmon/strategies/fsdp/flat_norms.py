@@ -60,10 +60,22 @@ class FlatLayout:
 
 
 def build_layout(world: int, columns: list[int], device: torch.device) -> FlatLayout:
-    """The indices for a buffer of ``world`` rows of ``columns``-wide chunks (see module doc)."""
-    params = len(columns)
+    """The indices for a reduce-scatter input: ``world`` rows of ``columns``-wide chunks (see
+    module doc), padding included."""
     row = sum(columns)
-    numel = world * row
+    segments, start = [], 0
+    for _ in range(world):
+        for p, width in enumerate(columns):
+            segments.append((start, width, p))
+            start += width
+    return segment_layout(segments, world * row, len(columns), device)
+
+
+def segment_layout(
+    segments: list[tuple[int, int, int]], numel: int, params: int, device: torch.device
+) -> FlatLayout:
+    """The indices for a buffer of ``numel`` elements whose ``(start, length, parameter)``
+    segments are measured (disjoint; elements outside every segment are not counted)."""
     body_rows = numel // CHUNK
     row_param = torch.full((body_rows,), params, dtype=torch.int64)
     loose: list[torch.Tensor] = []
@@ -74,19 +86,16 @@ def build_layout(world: int, columns: list[int], device: torch.device) -> FlatLa
             loose.append(torch.arange(begin, stop, dtype=torch.int64))
             loose_param.append(torch.full((stop - begin,), p, dtype=torch.int64))
 
-    for r in range(world):
-        start = r * row
-        for p, width in enumerate(columns):
-            end = start + width
-            first = -(-start // CHUNK)  # the first grid row that starts inside the chunk
-            last = min(end // CHUNK, body_rows)  # one past the last that ends inside it
-            if width > SMALL_NUMEL and last > first:
-                row_param[first:last] = p
-                add_loose(start, first * CHUNK, p)
-                add_loose(last * CHUNK, end, p)
-            else:
-                add_loose(start, end, p)
-            start = end
+    for start, width, p in segments:
+        end = start + width
+        first = -(-start // CHUNK)  # the first grid row that starts inside the segment
+        last = min(end // CHUNK, body_rows)  # one past the last that ends inside it
+        if width > SMALL_NUMEL and last > first:
+            row_param[first:last] = p
+            add_loose(start, first * CHUNK, p)
+            add_loose(last * CHUNK, end, p)
+        else:
+            add_loose(start, end, p)
     loose_idx = torch.cat(loose) if loose else torch.zeros(0, dtype=torch.int64)
     loose_of = torch.cat(loose_param) if loose_param else torch.zeros(0, dtype=torch.int64)
     return FlatLayout(
@@ -99,4 +108,4 @@ def build_layout(world: int, columns: list[int], device: torch.device) -> FlatLa
     )
 
 
-__all__ = ["FlatLayout", "build_layout"]
+__all__ = ["FlatLayout", "build_layout", "segment_layout"]

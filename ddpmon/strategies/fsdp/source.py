@@ -57,6 +57,7 @@ from .comms import (
     TimedAllGather,
     unit_norms,
 )
+from .shard_norms import ShardPass
 
 log = logging.getLogger("ddpmon")
 
@@ -168,6 +169,8 @@ class FSDPSource(ShardedSource):
         self._all_probed = probed == with_params and probed > 0
         for unit in self._units:  # until the unsharded parameters are hooked (below)
             self.index.order.together(unit.positions)
+        self._norms.local_pass = ShardPass([(u.positions, u.columns) for u in self._units],
+                                           len(self.index))
         self._order_hook = self.env.model.register_forward_hook(self._order_by_compute)
         self._handles.append(self._order_hook)
 
