@@ -254,6 +254,10 @@ class ShardedNorms:
         self.plan = build_plan(index.params, span)
         self._positions = list(range(len(index)))
         self._sum = FlaggedSum(lambda vector: reduce_async(vector, self.plan))
+        self.local_pass: Callable[[list[int], list[torch.Tensor]], torch.Tensor | None] | None
+        self.local_pass = None
+        """A source's own pass over the raw local pieces (FSDP2: one per unit's shard buffer,
+        ``strategies/fsdp/shard_norms.py``); where it answers None, ``per_param_norms``."""
 
     @property
     def in_flight(self) -> Issued | None:
@@ -271,7 +275,7 @@ class ShardedNorms:
         def values() -> torch.Tensor:
             idx, grads = grads_of(self.index.params)
             raw = [raw_local(g) for g in grads]
-            norms = per_param_norms(raw) if raw else None
+            norms = self._local_norms(idx, raw) if raw else None
             measured.update(idx=idx, norms=norms)
             complete = norms
             partial = [k for k, g in enumerate(grads) if has_partial(g)]
@@ -294,6 +298,10 @@ class ShardedNorms:
         if failure is not None:
             raise failure
         return measured["idx"], measured["norms"]
+
+    def _local_norms(self, idx: list[int], raw: list[torch.Tensor]) -> torch.Tensor:
+        fast = self.local_pass(idx, raw) if self.local_pass is not None else None
+        return fast if fast is not None else per_param_norms(raw)
 
     def _current_stamp(self, idx: Sequence[int]) -> tuple:
         # From the gradients themselves: a DTensor's detach() gets a fresh version counter.

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 aten = torch.ops.aten
 
@@ -160,7 +160,10 @@ class SyncAudit:
                 self.where.setdefault(kind, Counter())[place] += 1
 
     def _mode_here(self) -> bool:
-        return _get_current_dispatch_mode() is self._mode
+        """The mode is on this thread's stack: an op reaches it even under another mode that
+        passes ops on (ddpmon's FlopCounterMode on the counted step), so a scalar read there is
+        the mode's to count, not the method wrapper's (it would be counted twice)."""
+        return any(mode is self._mode for mode in _get_current_dispatch_mode_stack())
 
     def _wrap(self, owner: Any, name: str, kind: Any) -> None:
         original = getattr(owner, name)

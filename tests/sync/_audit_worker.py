@@ -6,8 +6,10 @@ Run as ``python _audit_worker.py --out DIR --runs ddp,ddp+scaler,...`` with the 
 tests/support/ranks.py and ``DDPMON_SYNC_AUDIT=1`` (ddpmon then takes its accelerator branches
 on the CPU). ``--device cuda`` runs the loops on the GPU (one rank: ``make gpu-check``), where
 torch's own CUDA sync debug mode (``warn``) is on during every step and its warnings are counted
-too, as ``cuda-sync-debug``. ``--inject-item MODULE:FUNCTION`` wraps one ddpmon function so
-that it calls ``.item()`` on its first tensor argument: the audit must report it (tests/sync).
+too, as ``cuda-sync-debug``. ``--inject-item MODULE:FUNCTION[,...]`` wraps ddpmon functions so
+that each calls ``.item()`` on its first tensor argument: the audit must report it (tests/sync).
+A run named ``STRATEGY+flops`` counts its FLOPs automatically (``flops_count_step``, which runs
+where the figures are served: an endpoint on a free port) on an audited step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn  # noqa: E402
 
 import ddpmon  # noqa: E402
 from ddpmon import host_reads  # noqa: E402
+from tests.support.ports import free_ports  # noqa: E402
 from tests.support.sync_audit import SyncAudit  # noqa: E402
 
 STEPS = 5
@@ -52,6 +55,21 @@ FEATURES = {
     "tokens_per_step": 32.0,
 }
 """Every per-step feature, at its most frequent: each runs on every audited step."""
+FLOPS_COUNT_STEP = 2
+"""``+flops`` runs: the automatic count's step (entered at its first forward, left at the next
+step's), inside the audit window."""
+
+
+def features(flops: bool) -> dict:
+    """``FEATURES``; with ``flops``, FLOPs counted automatically instead of given. The count
+    runs only where the throughput figures are served (``agent/throughput_live.py``): the rank
+    serves /metrics on a free port (``port + LOCAL_RANK``)."""
+    if not flops:
+        return dict(FEATURES)
+    out = {k: v for k, v in FEATURES.items() if k != "flops_per_step"}
+    out.update(port=free_ports(1) - int(os.environ.get("LOCAL_RANK", "0")), bind="127.0.0.1",
+               flops_count_step=FLOPS_COUNT_STEP)
+    return out
 DEVICE = torch.device("cpu")
 """Where the loops run (``--device``)."""
 SYNC_DEBUG = "cuda-sync-debug"
@@ -71,6 +89,9 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Loop:
     """One strategy's model and loop, written as a training script writes it."""
+
+    flops = False
+    """Count FLOPs automatically (a ``+flops`` run)."""
 
     def __init__(self, strategy: str, scaler: bool) -> None:
         self.strategy = strategy
@@ -122,7 +143,7 @@ class Loop:
         head = "module.4" if self.strategy == "ddp" else "4"  # its max logit, read in forward
         self.mon = ddpmon.attach(self.model, self.opt, self.scaler, run_dir=RUN_DIR,
                                  run_id=f"audit-{self.strategy}-{self.scaler is not None}",
-                                 logit_modules=(head,), **FEATURES)
+                                 logit_modules=(head,), **features(self.flops))
         assert self.mon.enabled, self.mon.error
 
     def step(self, step: int) -> None:
@@ -163,7 +184,7 @@ class PipelineLoop(Loop):
 
     def attach(self) -> None:
         self.mon = ddpmon.attach(self.model, self.opt, schedule=self.schedule, run_dir=RUN_DIR,
-                                 run_id="audit-pp", **FEATURES)
+                                 run_id="audit-pp", **features(self.flops))
         assert self.mon.enabled, self.mon.error
 
     def step(self, step: int) -> None:
@@ -219,13 +240,18 @@ class DeepSpeedLoop(Loop):
 
 
 def make_loop(run: str) -> Loop:
+    flops = run.endswith("+flops")
+    run = run.removesuffix("+flops")
     scaler = run.endswith("+scaler")
     strategy = run.removesuffix("+scaler")
     if strategy == "pp":
-        return PipelineLoop(strategy, scaler)
-    if strategy.startswith("zero"):
-        return DeepSpeedLoop(strategy, scaler)
-    return Loop(strategy, scaler)
+        loop: Loop = PipelineLoop(strategy, scaler)
+    elif strategy.startswith("zero"):
+        loop = DeepSpeedLoop(strategy, scaler)
+    else:
+        loop = Loop(strategy, scaler)
+    loop.flops = flops
+    return loop
 
 
 def audited(run: str, monitored: bool) -> dict:
@@ -249,14 +275,17 @@ def audited(run: str, monitored: bool) -> dict:
         steps = loop.mon.state.steps_total
         entry = getattr(loop.mon.markers, "entry", None)  # TP: where a NaN entered, per block
         entry_blocks = len(entry.names) if entry is not None else 0
+        auto = getattr(loop.mon, "flops_auto", None)  # the automatic count (+flops runs)
+        flops = {"per_step": loop.mon.flops_per_step,
+                 "counted": auto is not None and auto.counted_seconds is not None}
         loop.mon.flush()
         sampled = sum(1 for r in loop.mon.recent_steps() if r.update_stats)  # update_every=1
         loop.mon.close()
     else:
-        errors, steps, entry_blocks, sampled = {}, STEPS, 0, 0
+        errors, steps, entry_blocks, sampled, flops = {}, STEPS, 0, 0, {}
     out = audit.report()
     out.update(agent_errors=errors, steps=steps, entry_blocks=entry_blocks,
-               update_sampled=sampled)
+               update_sampled=sampled, flops=flops)
     dist.barrier()
     return out
 
@@ -325,8 +354,8 @@ def main() -> None:
         DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(DEVICE)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    if args.inject_item:
-        inject_item(args.inject_item)
+    for target in filter(None, (args.inject_item or "").split(",")):
+        inject_item(target)
     results = {}
     for run in args.runs.split(","):
         t0 = time.monotonic()

@@ -28,7 +28,7 @@ ENV = {"DDPMON_SYNC_AUDIT": "1", "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ign
 LAUNCHES: dict[str, tuple[int, tuple[str, ...]]] = {
     # launch -> (world size, runs); "+scaler": the loop steps through a GradScaler
     "two": (2, ("plain", "plain+scaler", "ddp", "ddp+scaler", "fsdp2", "fsdp2+scaler", "tp",
-                "tp+scaler", "pp")),
+                "tp+scaler", "pp", "ddp+flops", "fsdp2+scaler+flops", "pp+flops")),
     "four": (4, ("hsdp", "hsdp+scaler", "fsdp2+tp", "fsdp2+tp+scaler")),
     "deepspeed": (2, ("zero1", "zero2", "zero3")),
 }
@@ -64,6 +64,11 @@ def test_monitored_loop_adds_no_host_sync(launched, launch, run):
         # the update figures (update_every=1) were measured on every step, every strategy
         # (DeepSpeed: its ZeRO partitions; pp: each stage's groups)
         assert monitored["update_sampled"] == STEPS, monitored
+        # "+flops": FLOPs counted automatically on an audited step (flops.auto), not given
+        counted = run.endswith("+flops")
+        assert monitored["flops"]["counted"] is counted, monitored["flops"]
+        if counted:
+            assert monitored["flops"]["per_step"] > 0, monitored["flops"]
         # not vacuous: the recorder saw the loop's own host reads (the optimizer's step
         # counters, a GradScaler's found_inf) in both runs alike
         assert unmonitored["training"], unmonitored
@@ -84,3 +89,21 @@ def test_an_injected_item_on_the_hot_path_is_reported(tmp_path):
             where = result["monitored"]["where"]["aten._local_scalar_dense"]
             assert all(place.startswith("_audit_worker.py") and "with_item < ddpmon/" in place
                        for place in where), where
+
+
+def test_an_injected_item_in_the_automatic_flop_count_is_reported(tmp_path):
+    """The automatic FLOP count's per-step code made to call ``.item()``: the input signature
+    read at each step's first forward (``flops.auto.signature``: every audited step) and the
+    token count read inside the counted step, under FlopCounterMode (``leading_count``): each
+    reported, named by its ddpmon frame."""
+    targets = "ddpmon.flops.auto:signature,ddpmon.flops.auto:leading_count"
+    ranks = run_ranks(WORKER, tmp_path, ["--runs", "ddp+flops", "--inject-item", targets],
+                      world=2, env=ENV, timeout=300)
+    for rank in ranks:
+        result = rank["runs"]["ddp+flops"]
+        assert result["monitored"]["flops"]["counted"], result["monitored"]
+        added = added_ops(result["monitored"]["training"], result["unmonitored"]["training"])
+        assert added.get("aten._local_scalar_dense", 0) >= STEPS, added  # 4 steps + 1 count
+        where = result["monitored"]["where"]["aten._local_scalar_dense"]
+        assert all("with_item < ddpmon/flops/auto.py" in place for place in where), where
+        assert any("auto.py" in place and "_start" in place for place in where), where

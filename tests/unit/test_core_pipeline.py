@@ -18,7 +18,7 @@ from ddpmon.agent.records import StepMeta, build_record
 from ddpmon.metrics.state import StepRecord
 from ddpmon.probes.grads import NormVector
 from ddpmon.strategies.base import GradSummaries
-from ddpmon.strategies.pipeline.probes import NO_EVENT, PPStep
+from ddpmon.strategies.pipeline.probes import NO_EVENT, PPStep, _all_finite
 
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
@@ -153,3 +153,16 @@ def test_a_torch_without_batch_p2p_loses_only_the_send_recv_times(monkeypatch, c
     assert not timing._installed
     assert any("_batch_p2p" in r.getMessage() for r in caplog.records)
     timing.uninstall()  # nothing to undo, no error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_stage_probes_finite_check_finds_every_nonfinite_value_and_nothing_else(dtype):
+    """The per-micro-batch check (a float64 sum below float64): NaN, +Inf and -Inf anywhere
+    are found; the largest finite values, whose float32 sum would overflow, are not flagged."""
+    big = torch.full((64, 256), torch.finfo(dtype).max, dtype=dtype)
+    assert bool(_all_finite(big)) and bool(_all_finite(-big))
+    assert bool(_all_finite(torch.zeros(0, dtype=dtype)))
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.randn(64, 256).to(dtype)
+        t[17, 200] = bad
+        assert not bool(_all_finite(t)), (dtype, bad)

@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...host_reads import host_read_free
 from ...probes.comm import tensor_bytes
-from ...probes.grads import per_param_norms
+from ...probes.grads import host_finite, per_param_norms
+from .flat_norms import FlatLayout, build_layout
 
 if TYPE_CHECKING:
     from .source import FSDPSource
@@ -50,6 +52,8 @@ class FSDPUnit:
     allocated through the comm (``ProbedReduceScatter.allocate``)."""
     pending_input: Any = None
     """``alone``: the buffer of the first of the two allocations (the input), until the second."""
+    layout: FlatLayout | None = None
+    """The precomputed indices of its reduce-scatter input on CPU (built at the first look)."""
 
     @property
     def row_numel(self) -> int:
@@ -144,6 +148,20 @@ class AllReduceTimer:
             self.source.collectives.stop("all_reduce", start, tensor_bytes(reduce_output))
         if self.inner is not None:
             self.inner(reduce_output)
+
+
+def unit_norms(unit: FSDPUnit, flat: torch.Tensor, world: int) -> torch.Tensor:
+    """Per-parameter norms of one unit's reduce-scatter input. On CPU a fixed handful of calls
+    over precomputed indices (``flat_norms``), measured again with the general pass when the
+    result is not finite (an overflowed float32 row or a real NaN/Inf: read on the host, CPU
+    memory); elsewhere :func:`row_chunk_norms`."""
+    if not host_read_free(flat.device):
+        return row_chunk_norms(flat, world, unit.columns)
+    layout = unit.layout
+    if layout is None or layout.numel != flat.numel():
+        layout = unit.layout = build_layout(world, unit.columns, flat.device)
+    norms = layout.norms(flat)
+    return norms if host_finite(norms) else row_chunk_norms(flat, world, unit.columns)
 
 
 def row_chunk_norms(flat: torch.Tensor, world: int, columns: list[int]) -> torch.Tensor:

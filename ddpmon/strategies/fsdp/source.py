@@ -8,14 +8,16 @@ Where each number comes from (why: see the Parallelism section of the docs):
   ``set_requires_gradient_sync(False)`` micro-steps, already in the reduce dtype). One fused
   norm pass over it, per (rank row, parameter) slice, gives exact per-parameter norms and the
   origin FQN; it is the only pass over full-size local gradients, run while they are hot.
-  On CPU, as for DDP, that pass runs every ``local_norm_every`` steps; on the other steps one
-  ``sum`` of the buffer (a NaN or Inf anywhere makes it non-finite; ~15x cheaper than the norm
-  pass) is read on the host, free on CPU, and only a non-finite sum runs the norm pass, right
-  there: the origin stays exact on every step. A one-rank reduce-scatter group (a size-1 dp
+  On CPU the pass is a fixed handful of calls over precomputed indices (``flat_norms``), and,
+  as for DDP, runs every ``local_norm_every`` steps; on the other steps one ``sum`` of the
+  buffer (a NaN or Inf anywhere makes it non-finite; about 3x cheaper than the pass) is read on
+  the host, free on CPU, and only a non-finite sum runs the norm pass, right there: the origin
+  stays exact on every step. A one-rank reduce-scatter group (a size-1 dp
   mesh beside TP, HSDP with a size-1 shard dim) has no reduce-scatter call: its input is seen
   at the allocation of its output (``comms.ProbedReduceScatter.allocate``).
 - ``reduced`` (the global pre-clip norm): at ``on_backward_end`` after a backward that reduced,
-  one fused norm pass over this rank's sharded gradients (1/shards of the data) and one small
+  one fused norm pass over this rank's sharded gradients (1/shards of the data; on CPU one pass
+  per unit over the buffer FSDP2 leaves them in, ``shard_norms``) and one small
   async all-reduce of the per-parameter partial squares over the shard dim(s)
   (``dtensor_norms``), waited on at ``collect``. The user's clipping comes after
   ``on_backward_end``, so the numbers are unclipped.
@@ -55,8 +57,9 @@ from .comms import (
     FSDPUnit,
     ProbedReduceScatter,
     TimedAllGather,
-    row_chunk_norms,
+    unit_norms,
 )
+from .shard_norms import ShardPass
 
 log = logging.getLogger("ddpmon")
 
@@ -168,6 +171,8 @@ class FSDPSource(ShardedSource):
         self._all_probed = probed == with_params and probed > 0
         for unit in self._units:  # until the unsharded parameters are hooked (below)
             self.index.order.together(unit.positions)
+        self._norms.local_pass = ShardPass([(u.positions, u.columns) for u in self._units],
+                                           len(self.index))
         self._order_hook = self.env.model.register_forward_hook(self._order_by_compute)
         self._handles.append(self._order_hook)
 
@@ -289,7 +294,7 @@ class FSDPSource(ShardedSource):
                 if flat.dtype not in _UNSCALED_REDUCE_DTYPES:
                     self._local_exact = False  # pre-divided: the flag holds, the norm does not
                 if unit.positions and flat.numel() == world * unit.row_numel:
-                    norms = row_chunk_norms(flat, world, unit.columns)
+                    norms = unit_norms(unit, flat, world)
                     self._pieces.append(_LocalPiece(norms, list(unit.positions)))
                 else:
                     # Some parameter of the unit had no gradient: the layout is ambiguous, so
