@@ -7,7 +7,9 @@ GPU-only), DDP with every rank reading the same batches, DDP attached before ``f
 (a mistake ddpmon must name), and DDP with a NaN in rank 1's input at step 10, once with
 ``clip_gradients(error_if_nonfinite=False)`` (the step completes) and once with
 ``error_if_nonfinite=True`` (``clip_gradients`` raises on both ranks: its test needs the
-in-flight step record of branch i45-inflight too).
+in-flight step record of branch i45-inflight too). The four DDP runs that complete share one
+launch, one after another (``fabric_worker.py ... --then ...``): a Lightning process start is
+about 6 CPU-s of imports per rank.
 """
 
 from __future__ import annotations
