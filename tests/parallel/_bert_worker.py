@@ -6,8 +6,7 @@ optimizer offloaded to the CPU, ``engine.backward``/``engine.step``. Batches are
 rank records ddpmon's global norm, DeepSpeed's own (``get_global_grad_norm``) and an fp64 norm of
 DeepSpeed's full gradients (``safe_get_full_grad``). Assertions: test_norm_precision.py.
 
-Run as: ``python _bert_worker.py --out DIR --hidden H[,H...]`` with the rank env set, 2 ranks:
-one run per width, one after another (``rank<R>.json`` maps each width to its run).
+Run as: ``python _bert_worker.py --out DIR --hidden H`` with the rank env set, 2 ranks.
 """
 
 from __future__ import annotations
@@ -64,22 +63,13 @@ def batch(step: int, rank: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--hidden", default="256", help="widths, comma-separated: one run each")
+    parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)
     deepspeed.init_distributed("gloo")
     rank = dist.get_rank()
-    widths = {hidden: train(int(hidden), Path(args.out), rank)
-              for hidden in args.hidden.split(",")}
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **widths}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def train(hidden: int, out: Path, rank: int) -> dict:
-    """One run of the set-up at ``hidden`` wide, its own engine and monitor."""
     torch.manual_seed(42)
-    model = MaskedLM(hidden)
+    model = MaskedLM(args.hidden)
     conf = {
         "train_micro_batch_size_per_gpu": BATCH,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4}},
@@ -91,7 +81,7 @@ def train(hidden: int, out: Path, rank: int) -> dict:
         model=model, model_parameters=model.parameters(), config=conf
     )
     mon = ddpmon.attach(
-        engine, port=0, run_dir=str(out / "runs"), run_id=f"bert{hidden}", announce=False
+        engine, port=0, run_dir=str(Path(args.out) / "runs"), run_id="bert", announce=False
     )
     assert mon.enabled, mon.error
     named = list(engine.module.named_parameters())
@@ -111,11 +101,13 @@ def train(hidden: int, out: Path, rank: int) -> dict:
     ours = [r.grad_norm for r in mon.recent_steps()]
     parameters = sum(p.numel() for _, p in named)
     mon.close()
-    return {
-        "ours": ours, "deepspeed": deepspeeds, "fp64": fp64, "parameters": parameters,
-        "tied": engine.module.model.lm_head.decoder.weight
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "ours": ours, "deepspeed": deepspeeds, "fp64": fp64,
+        "parameters": parameters, "tied": engine.module.model.lm_head.decoder.weight
         is engine.module.model.roberta.embeddings.word_embeddings.weight,
-    }
+    }))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
