@@ -27,6 +27,11 @@ PYTEST_ARGS ?=
 # so more workers than cores overlap those waits; PYTEST_XDIST= runs it in one process. Files
 # run longest first (tests/durations.json, tests/conftest.py), not xdist's most-tests-first.
 PYTEST_XDIST ?= -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+# The suite starts a few hundred Python processes (ranks, torchrun agents, CLIs), each importing
+# torch: 4 CPU-s from bytecode, 10 compiled from source. A caller's PYTHONDONTWRITEBYTECODE
+# (or a venv whose __pycache__ was swept) would make every one of them compile torch again, so
+# the test runs write bytecode: only the first process to import a module compiles it.
+PYTEST_ENV := PYTHONDONTWRITEBYTECODE=
 TEST_WORKERS ?= 3
 # The fast lane (`make check`): no subprocess ranks, no Debian package, no browser.
 FAST_LANE := not ranks and not services and not browser and not gpu and not long
@@ -99,14 +104,15 @@ demo-pp: $(CORE_STAMP)
 test:
 	@$(MAKE) --no-print-directory -j3 --output-sync=target test-deps
 	$(BIN)/ruff check .
-	CI=$${CI:-true} $(BIN)/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
+	CI=$${CI:-true} $(PYTEST_ENV) $(BIN)/python -m pytest -q $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # ruff and the unit tests at world size 1 (tests/conftest.py's lanes): no Debian package, no
 # subprocess rank; about a minute on 2 cores.
 check:
 	@$(MAKE) --no-print-directory -j3 --output-sync=target check-deps
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -m "$(FAST_LANE)" $(PYTEST_ARGS)
+	$(PYTEST_ENV) $(BIN)/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder \
+	  -m "$(FAST_LANE)" $(PYTEST_ARGS)
 
 # The docs site (MkDocs + Material) into site/; the tests build it with --strict too.
 docs: $(STAMP)

@@ -23,6 +23,8 @@
   check``'s), a file whose lane that expression deselects is not collected at all: each xdist
   worker would import it (Lightning, cloudcoil's models, torchtitan, ...) only to deselect every
   test in it.
+- **One torch thread per pytest process** (``OMP_NUM_THREADS=1`` unless set): OpenMP workers
+  spin-waiting on two shared cores cost several times the work of the op itself.
 - **DeepSpeed's C++ ops come from this venv's own build** (``TORCH_EXTENSIONS_DIR``, the
   Makefile's path, built at install): a shared ``~/.cache/torch_extensions`` is rebuilt whenever
   another checkout's venv built it last, and a rank killed mid-build (a test timeout) leaves the
@@ -44,6 +46,14 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# One intra-op thread in each pytest process, as each rank has (tests/support/ranks.py): three
+# workers share two cores, and a torch op's OpenMP threads spin-wait for each other under that
+# load (200 steps of tests/support/spikes.py's loop at a load of 17: 21 s and 4.1 CPU-s with two
+# threads, 3.6 s and 0.8 CPU-s with one). Set before torch loads (OpenMP reads it once), and
+# inherited by what the tests start; a caller's own OMP_NUM_THREADS stands.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # a plugin loaded torch first: its thread pool is already sized
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 DURATIONS = TESTS / "durations.json"
 UNMEASURED_SECONDS = 30.0

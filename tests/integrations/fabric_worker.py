@@ -9,12 +9,14 @@ each step, and ddpmon's numbers after it. At ``--nan-step`` rank ``--nan-rank`` 
 its input; with ``--error-if-nonfinite`` ``clip_gradients`` then raises (Fabric's default).
 ``--same-data``: every rank reads the same batches (no distributed sampler: a duplicated shard).
 ``--attach-before-setup``: ddpmon attached to the bare module before ``fabric.setup`` (a mistake).
+``A --then B``: run A, then run B in the same launch (each its own out dir and port).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ import ddpmon
 from tests.support.integrations import agent_options, json_number
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -37,11 +39,31 @@ def main() -> None:
     p.add_argument("--error-if-nonfinite", action="store_true")
     p.add_argument("--same-data", action="store_true")
     p.add_argument("--attach-before-setup", action="store_true")
-    a = p.parse_args()
-    out = Path(a.out)
+    return p
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=_strategy(a.strategy))
+
+def main(argv: list[str]) -> None:
+    """One Fabric, one launch; each ``--then``-separated argument group is a run of its own
+    (own model, loader, ddpmon monitor, port and out dir), one after another, all on the first
+    group's strategy: one process start per rank, as a script that trains several models."""
+    groups: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "--then":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    runs = [_parser().parse_args(group) for group in groups]
+    if len({a.strategy for a in runs}) != 1:
+        raise SystemExit("every run of one launch needs the same strategy")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=_strategy(runs[0].strategy))
     fabric.launch()
+    for a in runs:
+        train(fabric, a)
+
+
+def train(fabric: Fabric, a: argparse.Namespace) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     fabric.seed_everything(0)
 
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
@@ -124,6 +146,5 @@ def _sample(mon, ours: dict) -> None:
         ours["local_norm"][state.step] = json_number(state.grad_local_norm)
 
 
-
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

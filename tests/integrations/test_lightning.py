@@ -37,18 +37,30 @@ RUNS = {
 }
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory):
+    """precision -> its run, launched once per module (the resume starts from one's checkpoint)."""
+    done: dict[str, WorkerRun] = {}
+
+    def get(precision: str) -> WorkerRun:
+        if precision not in done:
+            out = tmp_path_factory.mktemp(f"lightning-{precision}")
+            cmd = [python(), str(WORKER), "--out", str(out), "--precision", precision]
+            cmd += ["--port", str(free_port_pair()), "--steps", str(STEPS)]
+            cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
+            cmd += ["--nan-rank", str(NAN_RANK), *RUNS[precision]]
+            result = run_worker(cmd, out, timeout=240)
+            assert result.rc == 0, result.output[-4000:]
+            result.label = precision
+            done[precision] = result
+        return done[precision]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(RUNS))
-def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
-    precision = request.param
-    out = tmp_path_factory.mktemp(f"lightning-{precision}")
-    cmd = [python(), str(WORKER), "--out", str(out), "--precision", precision]
-    cmd += ["--port", str(free_port_pair()), "--steps", str(STEPS)]
-    cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
-    cmd += ["--nan-rank", str(NAN_RANK), *RUNS[precision]]
-    result = run_worker(cmd, out, timeout=240)
-    assert result.rc == 0, result.output[-4000:]
-    result.label = precision
-    return result
+def run(request: pytest.FixtureRequest, launched) -> WorkerRun:
+    return launched(request.param)
 
 
 def test_attaches_to_the_wrapped_model_and_the_plugin_scaler(run: WorkerRun) -> None:
@@ -101,15 +113,13 @@ RESUME_AT = 4  # ModelCheckpoint(every_n_train_steps=2) writes a checkpoint at g
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
-    """4 steps with checkpoints, then ``fit(ckpt_path=<step 4>)`` in a new process up to 6."""
+def resumed(launched, tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
+    """``fit(ckpt_path=<step 4>)`` in a new process up to 6, from the checkpoint the 32-true run
+    wrote at step 4 (its wrong report at step 2 is only logged; its NaN comes at step 5)."""
+    first = launched("32-true").out
+    (ckpt,) = (first / "ckpt").glob(f"*step={RESUME_AT}.ckpt")
     base = [python(), str(WORKER), "--precision", "32-true", *RUNS["32-true"]]
     base += ["--wrong-step", "-1", "--nan-step", "-1"]
-    first = tmp_path_factory.mktemp("lightning-first")
-    done = run_worker([*base, "--out", str(first), "--port", str(free_port_pair()),
-                       "--steps", str(RESUME_AT)], first, timeout=240)
-    assert done.rc == 0, done.output[-4000:]
-    (ckpt,) = (first / "ckpt").glob(f"*step={RESUME_AT}.ckpt")
     second = tmp_path_factory.mktemp("lightning-resumed")
     result = run_worker([*base, "--out", str(second), "--port", str(free_port_pair()),
                          "--steps", str(STEPS), "--resume", str(ckpt)], second, timeout=240)

@@ -7,6 +7,7 @@ local gradient at step 5.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
     cmd = torchrun(WORKER, "--out", str(out), "--port", str(free_port_pair()))
     cmd += ["--steps", str(STEPS), "--accumulate", str(ACCUMULATE)]
     cmd += ["--wrong-step", str(WRONG_STEP), "--nan-step", str(NAN_STEP)]
-    cmd += ["--nan-rank", str(NAN_RANK)]
+    cmd += ["--nan-rank", str(NAN_RANK), "--full-checkpoints"]  # the resume starts from one
     result = run_worker(cmd, out, timeout=240)
     assert result.rc == 0, result.output[-4000:]
     return result
@@ -91,18 +92,15 @@ RESUME_AT = 4  # save_steps=2: checkpoint-4
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
-    """4 steps with full checkpoints, then ``train(resume_from_checkpoint=True)`` in a new
-    launch (the Trainer picks checkpoint-4) up to 6."""
+def resumed(run: WorkerRun, tmp_path_factory: pytest.TempPathFactory) -> WorkerRun:
+    """``train(resume_from_checkpoint=True)`` in a new launch up to 6, in an output dir that
+    holds the full checkpoint-4 of the run above (its wrong report at step 2 is only logged,
+    its NaN comes at step 5): the Trainer picks checkpoint-4."""
     hf = tmp_path_factory.mktemp("hf-output")
+    shutil.copytree(run.out / "hf" / f"checkpoint-{RESUME_AT}", hf / f"checkpoint-{RESUME_AT}")
+    assert (hf / f"checkpoint-{RESUME_AT}" / "optimizer.pt").exists()
     base = ["--accumulate", str(ACCUMULATE), "--wrong-step", "-1", "--nan-step", "-1",
             "--hf-dir", str(hf), "--full-checkpoints"]
-    first = tmp_path_factory.mktemp("hf-first")
-    cmd = torchrun(WORKER, "--out", str(first), "--port", str(free_port_pair()),
-                   "--steps", str(RESUME_AT), *base)
-    done = run_worker(cmd, first, timeout=240)
-    assert done.rc == 0, done.output[-4000:]
-    assert (hf / f"checkpoint-{RESUME_AT}" / "optimizer.pt").exists()
     second = tmp_path_factory.mktemp("hf-resumed")
     cmd = torchrun(WORKER, "--out", str(second), "--port", str(free_port_pair()),
                    "--steps", str(STEPS), "--resume", *base)
