@@ -80,23 +80,35 @@ def old_at(self, phase: int) -> None:
     self.live.set(self.step, phase)
 
 
-def median_diff(on: list[float], off: list[float], resamples: int = 1000,
-                seed: int = 0) -> tuple[float, float, float]:
-    """Median of the paired differences ``on[i] - off[i]`` and a bootstrap 95 % interval of it
-    (pairs resampled with replacement)."""
-    diffs = torch.tensor(on, dtype=torch.float64) - torch.tensor(off, dtype=torch.float64)
+def paired_median(on: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    """Median of the paired differences (rows of resampled pairs: one figure per row)."""
+    return torch.quantile(on - off, 0.5, dim=-1)
+
+
+def low_quantile(on: torch.Tensor, off: torch.Tensor, q: float = 0.1) -> torch.Tensor:
+    """The 10th percentile of the ``on`` steps less that of the ``off`` steps: the steps the
+    machine disturbed least (a preemption only lengthens a step), so the least noisy figure."""
+    return torch.quantile(on, q, dim=-1) - torch.quantile(off, q, dim=-1)
+
+
+def bootstrap(on: list[float], off: list[float], estimator, resamples: int = 1000,
+              seed: int = 0) -> tuple[float, float, float]:
+    """``estimator`` of the pairs and a bootstrap 95 % interval of it (pairs resampled with
+    replacement, the two steps of a pair together)."""
+    a, b = torch.tensor(on, dtype=torch.float64), torch.tensor(off, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed)
     boots = torch.cat([
-        torch.quantile(diffs[torch.randint(len(diffs), (100, len(diffs)), generator=gen)], 0.5,
-                       dim=1)
-        for _ in range(resamples // 100)
+        estimator(a[idx], b[idx])
+        for idx in (torch.randint(len(a), (50, len(a)), generator=gen)
+                    for _ in range(resamples // 50))
     ]).sort().values
     lo, hi = boots[int(0.025 * len(boots))], boots[int(0.975 * len(boots)) - 1]
-    return float(torch.quantile(diffs, 0.5)), float(lo), float(hi)
+    return float(estimator(a, b)), float(lo), float(hi)
 
 
-def measure(width: int, pairs: int, flush_every: int = 100) -> dict:
-    """Per-step thread CPU and wall seconds of ``pairs`` on/off pairs at ``width``."""
+def measure(width: int, pairs: int, control: bool = False, flush_every: int = 100) -> dict:
+    """Per-step thread CPU and wall seconds of ``pairs`` on/off pairs at ``width``; with
+    ``control``, ``off`` is ``on`` too (the same swaps, nothing removed: the method's noise)."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(8):
@@ -110,10 +122,12 @@ def measure(width: int, pairs: int, flush_every: int = 100) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         mon = ddpmon.attach(model, opt, port=0, run_dir=run_dir, run_id=f"cost-{width}")
         pipeline = mon.pipeline
-        split, no_split = pipeline.split, NoSplit()
+        split = pipeline.split
+        no_split = split if control else NoSplit()
+        off_at = shipped_at if control else old_at
 
         def step(on: bool) -> None:
-            StepPhase._at = shipped_at if on else old_at
+            StepPhase._at = shipped_at if on else off_at
             pipeline.split = split if on else no_split
             t0, c0 = time.perf_counter(), time.thread_time()
             loss = nn.functional.mse_loss(model(x), y)
@@ -142,12 +156,17 @@ def measure(width: int, pairs: int, flush_every: int = 100) -> dict:
             StepPhase._at = shipped_at
             pipeline.split = split
             mon.close()
-    out: dict = {"width": width, "pairs": pairs, "split_s": step_split_cost._direct_cost(split)}
+    out: dict = {"width": width, "pairs": pairs, "control": control,
+                 "split_s": step_split_cost._direct_cost(split)}
     for name, clock in (("cpu", cpu), ("wall", wall)):
-        step_s = statistics.median(clock[False])
-        mid, lo, hi = median_diff(clock[True], clock[False])
-        out[name] = {"step_us": step_s * 1e6, "added_us": mid * 1e6, "ci_us": (lo * 1e6, hi * 1e6),
-                     "share": mid / step_s, "ci": (lo / step_s, hi / step_s)}
+        off = torch.tensor(clock[False], dtype=torch.float64)
+        out[name] = {"step_us": float(off.median()) * 1e6,
+                     "clean_us": float(off.quantile(0.1)) * 1e6}
+        for est, fn, ref in (("median", paired_median, out[name]["step_us"]),
+                             ("low", low_quantile, out[name]["clean_us"])):
+            mid, lo, hi = bootstrap(clock[True], clock[False], fn)
+            out[name][est] = {"us": mid * 1e6, "ci_us": (lo * 1e6, hi * 1e6),
+                              "share": mid * 1e6 / ref, "ci": (lo * 1e6 / ref, hi * 1e6 / ref)}
     return out
 
 
@@ -181,17 +200,23 @@ def pct(share: float) -> str:
 def section(results: list[dict], parts: dict[str, float], loads: list[str], cmd: str) -> str:
     rows = []
     for res in results:
-        for name, label in (("cpu", "training-thread CPU"), ("wall", "wall")):
+        setting = "control (on vs on)" if res["control"] else "on vs off"
+        for name, label in (("cpu", "thread CPU"), ("wall", "wall")):
             r = res[name]
-            lo, hi = r["ci"]
-            rows.append(
-                f"| {res['width']} | {label} | {r['step_us']:.0f} us | "
-                f"**{pct(r['share'])}** ({r['added_us']:+.2f} us) | {pct(lo)} to {pct(hi)} | "
-                f"±{(hi - lo) / 2 * 100:.3f} % | {res['pairs']} |"
-            )
+            for est, ref in (("low", "clean_us"), ("median", "step_us")):
+                e = r[est]
+                lo, hi = e["ci"]
+                rows.append(
+                    f"| {res['width']} | {setting} | {label} | "
+                    f"{'10th percentiles' if est == 'low' else 'paired median'} | "
+                    f"{r[ref]:.0f} us | **{pct(e['share'])}** ({e['us']:+.1f} us) | "
+                    f"{pct(lo)} to {pct(hi)} | ±{(hi - lo) / 2 * 100:.2f} % | {res['pairs']} |"
+                )
     alone = []
     for res in results:
-        width, step = res["width"], res["cpu"]["step_us"] / 1e6
+        if res["control"]:
+            continue
+        width, step = res["width"], res["cpu"]["clean_us"] / 1e6
         total = parts["split"] + parts["phases"] + parts["read"] / max(SCRAPE_S / step, 1.0)
         alone.append(f"| {width} | {total * 1e6:.2f} us | {total / step * 100:.3f} % | "
                      f"{parts['issue'] * 1e6:.2f} us ({parts['issue'] / step * 100:.3f} % of "
@@ -203,12 +228,15 @@ def section(results: list[dict], parts: dict[str, float], loads: list[str], cmd:
         "One process, one torch thread, 8 x Linear(W, W) + ReLU, batch 32 x W, MSE, SGD, inside "
         "`mon.phase(\"train\")`. Steps alternate one by one in ABBA order between the agent as "
         "shipped (`on`) and the same agent with the step split a no-op and `StepPhase._at` as "
-        "before issue 48 (`off`); each step timed alone. Added: the median of the paired "
-        "on-minus-off differences as a share of the median `off` step, with a bootstrap 95 % "
-        "interval (1,000 resamples of the pairs); its half-width is the resolution.",
+        "before issue 48 (`off`); each step timed alone. Two figures, each with a bootstrap 95 % "
+        "interval (1,000 resamples of the pairs; its half-width is the resolution): the 10th "
+        "percentile of the `on` steps less that of the `off` steps, over the `off` steps' 10th "
+        "percentile (the clean step: the steps the machine disturbed least), and the median of "
+        "the paired on-minus-off differences over the median `off` step. The control row runs "
+        "`on` against `on` with the same swaps: what the method reads where nothing differs.",
         "",
-        "| W | clock | off step (median) | added (median) | 95 % interval | resolution | pairs |",
-        "|---|---|---|---|---|---|---|",
+        "| W | setting | clock | figure | step | added | 95 % interval | resolution | pairs |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"Parts timed alone (tight loops): split {parts['split'] * 1e6:.2f} us a step, four "
@@ -217,8 +245,8 @@ def section(results: list[dict], parts: dict[str, float], loads: list[str], cmd:
         f"{SCRAPE_S:.0f} s), the issue clock {parts['issue'] * 1e6:.2f} us a collective call "
         "(several ranks only).",
         "",
-        "| W | split + phases + one read per 15 s, per step | share of the step | issue clock "
-        "per collective call |",
+        "| W | split + phases + one read per 15 s, per step | share of the clean step | issue "
+        "clock per collective call |",
         "|---|---|---|---|",
         *alone,
         "",
@@ -232,18 +260,21 @@ def section(results: list[dict], parts: dict[str, float], loads: list[str], cmd:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--widths", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--pairs", type=int, default=20_000)
+    p.add_argument("--pairs", type=int, default=4000)
+    p.add_argument("--control", action="store_true",
+                   help="also run the first width on against on (the method's noise)")
     p.add_argument("--write", default=None, help="replace/append the section in this file")
     args = p.parse_args()
     torch.set_num_threads(1)
     cmd = (f"python benchmarks/slow_stuck_cost.py --widths {' '.join(map(str, args.widths))} "
-           f"--pairs {args.pairs}")
+           f"--pairs {args.pairs}{' --control' if args.control else ''}")
+    runs = [(w, False) for w in args.widths] + ([(args.widths[0], True)] if args.control else [])
     loads, results = [], []
-    for width in args.widths:
+    for width, control in runs:
         loads.append(uptime())
-        print(f"width {width}: {loads[-1]}", flush=True)
-        results.append(measure(width, args.pairs))
-    parts = parts_alone(results[-1]["split_s"])
+        print(f"width {width}{' control' if control else ''}: {loads[-1]}", flush=True)
+        results.append(measure(width, args.pairs, control))
+    parts = parts_alone(results[0]["split_s"])
     loads.append(uptime())
     text = section(results, parts, loads, cmd)
     print(text)
