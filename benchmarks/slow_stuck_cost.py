@@ -28,7 +28,10 @@ thread, once per scrape interval, 15 s by default: its share of a step is that r
 steps in 15 s), and the issue clock around each collective call (``probes.comm_issue``:
 collectives run only with several ranks; per call, times the calls a step makes). The record
 thread's work on the phases (off the training thread) is not counted.
-Usage: ``python benchmarks/slow_stuck_cost.py [--widths 64 256] [--pairs N] [--write FILE]``.
+``--wall-split`` adds a diagnostic run: the split reading the wall clock instead of the thread's
+CPU clock (a system call on Linux), to see what those reads cost inside the loop.
+Usage: ``python benchmarks/slow_stuck_cost.py [--widths 64 256] [--pairs N] [--control]
+[--wall-split] [--write FILE]``.
 """
 
 from __future__ import annotations
@@ -106,9 +109,12 @@ def bootstrap(on: list[float], off: list[float], estimator, resamples: int = 100
     return float(estimator(a, b)), float(lo), float(hi)
 
 
-def measure(width: int, pairs: int, control: bool = False, flush_every: int = 100) -> dict:
+def measure(width: int, pairs: int, control: bool = False, wall_split: bool = False,
+            flush_every: int = 100) -> dict:
     """Per-step thread CPU and wall seconds of ``pairs`` on/off pairs at ``width``; with
-    ``control``, ``off`` is ``on`` too (the same swaps, nothing removed: the method's noise)."""
+    ``control``, ``off`` is ``on`` too (the same swaps, nothing removed: the method's noise);
+    with ``wall_split``, the split reads the wall clock (``perf_counter``, no system call)
+    instead of the thread's CPU clock it uses on CPU: what those reads cost in the loop."""
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(8):
@@ -123,6 +129,8 @@ def measure(width: int, pairs: int, control: bool = False, flush_every: int = 10
         mon = ddpmon.attach(model, opt, port=0, run_dir=run_dir, run_id=f"cost-{width}")
         pipeline = mon.pipeline
         split = pipeline.split
+        if wall_split:
+            split._clock = time.perf_counter  # the diagnostic's one change (a private field)
         no_split = split if control else NoSplit()
         off_at = shipped_at if control else old_at
 
@@ -156,7 +164,7 @@ def measure(width: int, pairs: int, control: bool = False, flush_every: int = 10
             StepPhase._at = shipped_at
             pipeline.split = split
             mon.close()
-    out: dict = {"width": width, "pairs": pairs, "control": control,
+    out: dict = {"width": width, "pairs": pairs, "control": control, "wall_split": wall_split,
                  "split_s": step_split_cost._direct_cost(split)}
     for name, clock in (("cpu", cpu), ("wall", wall)):
         off = torch.tensor(clock[False], dtype=torch.float64)
@@ -200,7 +208,8 @@ def pct(share: float) -> str:
 def section(results: list[dict], parts: dict[str, float], loads: list[str], cmd: str) -> str:
     rows = []
     for res in results:
-        setting = "control (on vs on)" if res["control"] else "on vs off"
+        setting = ("control (on vs on)" if res["control"] else
+                   "on (split on the wall clock) vs off" if res["wall_split"] else "on vs off")
         for name, label in (("cpu", "thread CPU"), ("wall", "wall")):
             r = res[name]
             for est, ref in (("low", "clean_us"), ("median", "step_us")):
@@ -214,7 +223,7 @@ def section(results: list[dict], parts: dict[str, float], loads: list[str], cmd:
                 )
     alone = []
     for res in results:
-        if res["control"]:
+        if res["control"] or res["wall_split"]:
             continue
         width, step = res["width"], res["cpu"]["clean_us"] / 1e6
         total = parts["split"] + parts["phases"] + parts["read"] / max(SCRAPE_S / step, 1.0)
@@ -263,17 +272,24 @@ def main() -> int:
     p.add_argument("--pairs", type=int, default=4000)
     p.add_argument("--control", action="store_true",
                    help="also run the first width on against on (the method's noise)")
+    p.add_argument("--wall-split", action="store_true",
+                   help="also run the first width with the split on the wall clock (diagnostic)")
     p.add_argument("--write", default=None, help="replace/append the section in this file")
     args = p.parse_args()
     torch.set_num_threads(1)
     cmd = (f"python benchmarks/slow_stuck_cost.py --widths {' '.join(map(str, args.widths))} "
-           f"--pairs {args.pairs}{' --control' if args.control else ''}")
-    runs = [(w, False) for w in args.widths] + ([(args.widths[0], True)] if args.control else [])
+           f"--pairs {args.pairs}{' --control' if args.control else ''}"
+           f"{' --wall-split' if args.wall_split else ''}")
+    first = args.widths[0]
+    runs = [(w, False, False) for w in args.widths]
+    runs += [(first, True, False)] if args.control else []
+    runs += [(first, False, True)] if args.wall_split else []
     loads, results = [], []
-    for width, control in runs:
+    for width, control, wall_split in runs:
         loads.append(uptime())
-        print(f"width {width}{' control' if control else ''}: {loads[-1]}", flush=True)
-        results.append(measure(width, args.pairs, control))
+        print(f"width {width}{' control' if control else ''}"
+              f"{' wall-clock split' if wall_split else ''}: {loads[-1]}", flush=True)
+        results.append(measure(width, args.pairs, control, wall_split))
     parts = parts_alone(results[0]["split_s"])
     loads.append(uptime())
     text = section(results, parts, loads, cmd)
