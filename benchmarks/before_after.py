@@ -12,7 +12,8 @@ in a shuffled order per harness, and reads each run's own side-by-side figure:
 - ``fsdp``: ``fsdp_overhead.py``, agent/base on FSDP2, 2 gloo ranks;
 - ``pp``: ``pp_overhead.py``, agent/base on GPipe with 2 stages;
 - ``deepspeed``: ``deepspeed_overhead.py``, agent/base at ZeRO-2 and ZeRO-3 (not in the default
-  set: about 3 minutes a run on 2 cores).
+  set: one smoke-size round took 10 minutes at load 18 on 2 cores, DeepSpeed's JIT rebuilding
+  an op on first load).
 
 Per figure the report gives the older and this checkout's median with the range over rounds,
 and this checkout's over the older in the same round (median and range), with the load
