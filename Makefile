@@ -38,7 +38,7 @@ FAST_LANE := not ranks and not services and not browser and not gpu and not long
 # The default demo injects a NaN on rank 1 so the summary shows where it originated.
 DEMO_ARGS ?= --inject nan@rank1:step60
 
-.PHONY: demo demo-pp gpu-check test test-deps check check-deps docs reference lint replica-soak bench bench-dashboards bench-dashboards-4096 bench-dashboards-16384 bench-stragglers stack rules dashboards debs clean multinode scaleout
+.PHONY: demo demo-pp gpu-check test test-deps check check-deps docs reference lint replica-soak bench bench-before-after bench-dashboards bench-dashboards-4096 bench-dashboards-16384 bench-stragglers stack rules dashboards debs clean multinode scaleout
 
 # Two install levels. CORE: torch and ddpmon's own dependencies, all `make demo` needs. TEST
 # (the default stamp): CORE plus the extras, the frameworks the integration tests drive and the
@@ -135,6 +135,16 @@ bench: $(STAMP) $(OPS_STAMP)
 	$(BIN)/python benchmarks/pp_overhead.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/replica_check.py --write benchmarks/RESULTS.md
 	$(BIN)/python benchmarks/rerun_cost.py --write benchmarks/RESULTS.md
+
+# make bench's overhead ratios under an older ddpmon (BEFORE, a commit: its package from git
+# archive) and this checkout, side by side in rounds, into benchmarks/RESULTS.md
+# (benchmarks/before_after.py; ed0588e is the commit before issue 47's reshape).
+# BEFORE_AFTER_ARGS passes options (--rounds N, --benches host_cost ddp fsdp pp deepspeed).
+BEFORE ?= ed0588e
+BEFORE_AFTER_ARGS ?=
+bench-before-after: $(STAMP)
+	$(BIN)/python benchmarks/before_after.py --before $(BEFORE) --write benchmarks/RESULTS.md \
+	  $(BEFORE_AFTER_ARGS)
 
 # Everything that needs a GPU, in one call (scripts/gpu_check.py): tests/gpu, the sync audit under
 # CUDA's sync debug mode, NVML readings and the overhead benchmark on the largest model that fits

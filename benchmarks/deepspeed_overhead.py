@@ -57,7 +57,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import ddpmon
-    from ddpmon.strategies.deepspeed import source as ds_source
+    try:  # the source's home since issue 47; before it (before_after.py), strategies/deepspeed.py
+        from ddpmon.strategies.deepspeed import source as ds_source
+    except ImportError:
+        import ddpmon.strategies.deepspeed as ds_source
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(args.threads)
@@ -106,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
                 engines["agent"], port=args.port, bind="127.0.0.1", run_dir=run_dir,
                 run_id=f"bench-z{stage}",
             )
-            src, steps = mon.source, mon.markers.engine_steps
+            src, steps = mon.source, engine_steps(mon)
             src.note_scale = timed("engine_step", src.note_scale)
             src.measure_reduced = timed("engine_step", with_timed_allreduce(src.measure_reduced))
             steps._on_step = timed("step_close", steps._on_step)
@@ -137,6 +140,15 @@ def worker(args: argparse.Namespace) -> None:
         Path(args.out).write_text(json.dumps({"stages": results, "params": params}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def engine_steps(mon):
+    """The agent's wrapper of ``engine.step``: since issue 47 one of the markers the strategy
+    installs (``StepMarkers.own``), before it ``StepMarkers.engine_steps``."""
+    own = getattr(mon.markers, "own", None)
+    if own is None:
+        return mon.markers.engine_steps
+    return next(marker for marker in own if hasattr(marker, "_on_step"))
 
 
 def _step(engine, x) -> float:
@@ -214,7 +226,10 @@ def main() -> None:
 
     bench_main(
         __file__, worker, summarize, timeout=900,
-        env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"},
+        env={"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore",
+             # the venv's own op builds (as the Makefile and the tests set it), not ~/.cache's
+             "TORCH_EXTENSIONS_DIR": os.environ.get(
+                 "TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))},
     )
 
 

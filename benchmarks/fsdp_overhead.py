@@ -51,7 +51,10 @@ def worker(args: argparse.Namespace) -> None:
     import ddpmon
     from ddpmon.probes.grads import ParamIndex
     from ddpmon.strategies.base import SourceEnv
-    from ddpmon.strategies.fsdp.source import FSDPSource
+    try:  # FSDPSource's home since issue 47; before it (before_after.py), strategies/fsdp.py
+        from ddpmon.strategies.fsdp.source import FSDPSource
+    except ModuleNotFoundError:
+        from ddpmon.strategies.fsdp import FSDPSource
 
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

@@ -18,41 +18,26 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from overhead import write_section
+from side_by_side import ROOT, extract, host_cost_figures, per_round, run_harness
+
 FIRST_AGENT = "d7e8343"
 """The commit that introduced the agent (its first version, issue 52's reference)."""
 TARGET = 0.30
-ROOT = Path(__file__).resolve().parent.parent
-_COST = re.compile(r"\| training-thread CPU \| (\d+) us \| (\d+) us \| \*\*(-?\d+) us\*\*")
-
-
-def extract(commit: str, into: Path) -> None:
-    """The ``ddpmon`` package of ``commit`` under ``into`` (raises when git cannot)."""
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", commit, "ddpmon"], capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
 
 
 def one_run(pythonpath: Path, rounds: int, block: int) -> tuple[int, int]:
     """(unmonitored step, agent cost) in us on the training thread, from one host_cost.py run."""
-    env = {**os.environ, "PYTHONPATH": str(pythonpath), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "host_cost.py"),
-         "--rounds", str(rounds), "--block", str(block)],
-        capture_output=True, text=True, env=env, timeout=900, check=False,
-    )
-    match = _COST.search(out.stdout)
-    if match is None:
-        raise RuntimeError(f"host_cost.py under {pythonpath} gave no figure:\n"
-                           f"{out.stdout[-800:]}\n{out.stderr[-1500:]}")
-    return int(match.group(1)), int(match.group(3))
+    step, _, cost = host_cost_figures(run_harness(
+        "host_cost.py", ["--rounds", str(rounds), "--block", str(block)], pythonpath, timeout=900
+    ))
+    return step, cost
 
 
 def main() -> int:
@@ -81,7 +66,7 @@ def main() -> int:
                 costs[name].append(cost)
             print(f"round: first {costs['first'][-1]} us, this {costs['this'][-1]} us",
                   flush=True)
-    ratios = [t / f for t, f in zip(costs["this"], costs["first"], strict=True) if f > 0]
+    ratios = per_round(costs["this"], costs["first"])
     ratio = statistics.median(ratios)
     section = "\n".join([
         "## Host cost against the first agent (tiny model, side by side)",
@@ -109,9 +94,6 @@ def main() -> int:
     ])
     print(section)
     if args.write:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from overhead import write_section
-
         write_section(Path(args.write), section)
     return 0
 
