@@ -113,7 +113,8 @@ def worker(args: argparse.Namespace) -> None:
             src.note_scale = timed("engine_step", src.note_scale)
             src.measure_reduced = timed("engine_step", with_timed_allreduce(src.measure_reduced))
             steps._on_step = timed("step_close", steps._on_step)
-            mon.pipeline.forward_started = timed("forward", mon.pipeline.forward_started)
+            flow = getattr(mon, "flow", None) or mon.pipeline  # mon.pipeline before its rename
+            flow.forward_started = timed("forward", flow.forward_started)
             gen = torch.Generator().manual_seed(rank)
             x = torch.randn(args.batch, args.d_model, generator=gen)
 

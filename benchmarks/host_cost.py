@@ -96,12 +96,13 @@ def main() -> int:
         def entry_block() -> tuple[float, float, float]:
             from ddpmon.strategies.block_entry import BlockEntry
 
-            entry = mon.pipeline.entry = BlockEntry.install(on[0], mon.guard.error)
+            flow = getattr(mon, "flow", None) or mon.pipeline  # mon.pipeline before its rename
+            entry = flow.entry = BlockEntry.install(on[0], mon.guard.error)
             try:
                 return block(*on, True)
             finally:
                 entry.close()
-                mon.pipeline.entry = None
+                flow.entry = None
 
         block(*off, False)
         block(*on, True)

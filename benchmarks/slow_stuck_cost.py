@@ -127,7 +127,7 @@ def measure(width: int, pairs: int, control: bool = False, wall_split: bool = Fa
     wall: dict[bool, list[float]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as run_dir:
         mon = ddpmon.attach(model, opt, port=0, run_dir=run_dir, run_id=f"cost-{width}")
-        pipeline = mon.pipeline
+        pipeline = mon.flow
         split = pipeline.split
         if wall_split:
             split._clock = time.perf_counter  # the diagnostic's one change (a private field)

@@ -47,7 +47,7 @@ def main() -> int:
     x = torch.randn(32, 64)
     with tempfile.TemporaryDirectory() as run_dir:
         mon = ddpmon.attach(model, opt, port=0, run_dir=run_dir, run_id="split-cost")
-        pipeline = mon.pipeline
+        pipeline = mon.flow
         real, off = pipeline.split, NoSplit()
 
         def block() -> float:

@@ -1,7 +1,7 @@
 """What this rank is doing now, read at scrape time: its phase, the collective it is in, and,
 once it has made no progress for ``hang_seconds``, where it is stuck.
 
-Nothing here runs on the training thread. The step pipeline keeps its phase and when it began
+Nothing here runs on the training thread. The step flow keeps its phase and when it began
 (two host stores per phase change, ``step_phase``); the collectives come from torch's flight
 recorder, which c10d keeps for gloo and NCCL alike (each group's last issued sequence number
 and the collectives not completed yet: op, group, sequence number, issue time); the stuck
@@ -31,7 +31,7 @@ from .user_frame import innermost_user_frame
 
 PHASE_NAMES = {DATA: "data", FORWARD: "forward_backward", AFTER_BACKWARD: "after_backward",
                OPTIMIZER: "optimizer", CHECKPOINT: "checkpoint"}
-"""The step pipeline's phases as exported (``live_step``'s codes)."""
+"""The step flow's phases as exported (``live_step``'s codes)."""
 QUIET_PHASES = frozenset({CHECKPOINT})
 KNOWN_OPS = frozenset({*m.COLLECTIVE_OPS, "barrier", "all_to_all", "gather", "scatter",
                        "all_gather_into_tensor", "reduce_scatter_tensor", "allreduce_coalesced"})
@@ -131,12 +131,12 @@ def _group_order(group: str) -> tuple[int, int, str]:
 class Activity:
     """Reads the rank's activity for a scrape (scrape threads; one at a time)."""
 
-    def __init__(self, pipeline: Any, steps_done: Callable[[], int],
+    def __init__(self, flow: Any, steps_done: Callable[[], int],
                  last_step_at: Callable[[], float], hang_seconds: float, thread_id: int,
                  *, read_recorder: Callable[[], dict | None] = flight_recorder_state,
                  clock: Callable[[], float] = time.time,
                  on_error: Callable[[str, BaseException], None] | None = None) -> None:
-        self.pipeline = pipeline
+        self.flow = flow
         self.steps_done = steps_done
         self.last_step_at = last_step_at
         self.hang_seconds = float(hang_seconds)
@@ -150,18 +150,18 @@ class Activity:
         self._recorder_broken = False
 
     def _phase(self) -> tuple[str, bool]:
-        loop = self.pipeline.loop_phase
+        loop = self.flow.loop_phase
         marked = loop.current if loop is not None else None
         if marked is not None:
             return marked
-        code = self.pipeline.phase
+        code = self.flow.phase
         return PHASE_NAMES.get(code, "data"), code in QUIET_PHASES
 
     def snapshot(self) -> Snapshot:
         with self._lock:
             now = self.clock()
             phase, quiet = self._phase()
-            since = self.pipeline.phase_since or self._attached_at
+            since = self.flow.phase_since or self._attached_at
             progress = max(since, self.last_step_at() or 0.0, self._last.last_issued)
             if now - progress < RECORDER_AFTER_SECONDS:
                 return Snapshot(phase, since, quiet, dict(self._last.sequences))
@@ -221,7 +221,7 @@ class LoopPhases:
     """``Monitor``'s part of this module: ``mon.phase()`` and the activity its endpoint
     serves (a mixin, so the monitor only names it)."""
 
-    pipeline: Any
+    flow: Any
     config: Any
     guard: Any
     endpoint: Any
@@ -235,7 +235,7 @@ class LoopPhases:
         exit it is a ``phase`` event with its seconds, which goodput counts apart from training
         (``custom_badput_events``, docs/goodput.md)."""
         with contextlib.ExitStack() as stack:  # a bad name raises here, leaving nothing open
-            stack.enter_context(self.pipeline.marked(name, quiet))
+            stack.enter_context(self.flow.marked(name, quiet))
             stack.enter_context(self._phase_timer(name))  # type: ignore[attr-defined]
             return stack.pop_all()
 
@@ -244,7 +244,7 @@ class LoopPhases:
         attach: the thread whose frames a stuck rank reports)."""
         state = self._state
         self.activity = Activity(
-            self.pipeline, lambda: state.steps_total,
+            self.flow, lambda: state.steps_total,
             lambda: state.last_step_timestamp or 0.0, self.config.hang_seconds,
             threading.get_ident(), on_error=self.guard.error,
         )

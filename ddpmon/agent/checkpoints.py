@@ -106,7 +106,7 @@ class CheckpointObserver:
     """The last successful save: ``{"step", "path"}`` (named by ``LossScaleFloorError``)."""
     phase: Callable[[bool], None] = lambda inside: None
     """Told when a timed save or load starts (True) and ends on the main thread: the step in
-    progress is then in its checkpoint phase (``StepPipeline.in_checkpoint``)."""
+    progress is then in its checkpoint phase (``StepFlow.in_checkpoint``)."""
     _local: threading.local = field(default_factory=threading.local)
 
     def timer(self, step: int, path: Any, kind: str, restored: dict[str, bool | None],

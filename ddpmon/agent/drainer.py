@@ -1,6 +1,6 @@
 """The agent's record thread: turns queued step values into step records off the training thread.
 
-Per step the training thread only measures and queues (``StepPipeline.complete``); reading the
+Per step the training thread only measures and queues (``StepFlow.complete``); reading the
 values, deriving the record and running the sinks (metric state, progress file, history, events)
 happens here, in batches, every ``interval`` seconds. That keeps the fixed Python cost per
 training step small where steps are short (small models, RL, CUDA graphs), and lets the sinks
@@ -36,7 +36,7 @@ class RecordThread:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            self._drain()  # the pipeline guards its own work: nothing escapes
+            self._drain()  # the flow guards its own work: nothing escapes
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

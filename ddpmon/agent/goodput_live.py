@@ -113,7 +113,7 @@ def start_goodput(mon: Any) -> GoodputLive | None:
 
 class FiguresApi:
     """The monitor's methods for goodput phases and FLOPs (a base of ``Monitor``, which gives
-    ``_closed``, ``_emit``, ``pipeline``, ``guard`` and ``throughput``)."""
+    ``_closed``, ``_emit``, ``flow``, ``guard`` and ``throughput``)."""
 
     _closed: bool
     flops_per_step: int | None = None
@@ -127,7 +127,7 @@ class FiguresApi:
 
         if self._closed:
             return NullTimer()
-        return PhaseTimer(name, self._emit, lambda: self.pipeline.step,  # type: ignore[attr-defined]
+        return PhaseTimer(name, self._emit, lambda: self.flow.step,  # type: ignore[attr-defined]
                           self.guard.error)  # type: ignore[attr-defined]
 
     def count_flops(self, step: Callable[[], Any], tokens: float | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""The hooks that tell the step pipeline where a training step is.
+"""The hooks that tell the step flow where a training step is.
 
 - forward pre-hook on the model: a (micro-)step's first forward, the batch shapes;
 - forward hook: a grad hook on the outputs that, when backward reaches them, queues a callback
@@ -16,7 +16,7 @@ import torch
 
 from .._torch_compat import queue_backward_callback
 from ..probes.amp import ScalerProbe
-from .pipeline import StepPipeline
+from .step_flow import StepFlow
 
 
 class StepHooks:
@@ -24,7 +24,7 @@ class StepHooks:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        pipeline: StepPipeline,
+        flow: StepFlow,
         amp: ScalerProbe | None,
         *,
         engine_steps: bool = False,
@@ -32,7 +32,7 @@ class StepHooks:
         """``engine_steps``: the model is an engine that decides its own optimizer steps
         (``GradientSource.decides_steps``: its own markers report the steps); only the forward
         pre-hook is used."""
-        self.pipeline = pipeline
+        self.flow = flow
         self.amp = amp
         self.closed = False
         self._handles: list[Any] = []
@@ -48,17 +48,17 @@ class StepHooks:
             self.close()  # all or nothing
             raise
 
-    # Hook bodies stay tiny: the pipeline guards its own work; what runs here before reaching it
+    # Hook bodies stay tiny: the flow guards its own work; what runs here before reaching it
     # is guarded too (nothing raises into forward, backward or the optimizer step).
     def _on_forward(self, module: Any, args: tuple) -> None:
         if not self.closed and torch.is_grad_enabled():
-            self.pipeline.forward_started(args)
+            self.flow.forward_started(args)
 
     def _after_forward(self, module: Any, args: tuple, output: Any) -> None:
         if self.closed or not torch.is_grad_enabled():
             return
-        self.pipeline.split.forward_ended()
-        with self.pipeline.guard("step"):
+        self.flow.split.forward_ended()
+        with self.flow.guard("step"):
             if isinstance(output, torch.Tensor):  # the common case: one cheap node pre-hook
                 node = output.grad_fn
                 if node is not None:
@@ -79,21 +79,21 @@ class StepHooks:
         the end-of-backward boundary (the step's gradients are then collected at the optimizer
         step), said once; any other failure is counted under ``step``, never an exception in
         backward."""
-        with self.pipeline.guard("step"):
+        with self.flow.guard("step"):
             queue_backward_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
         if not self.closed:
-            self.pipeline.backward_ended()
+            self.flow.backward_ended()
 
     def _on_step_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
         if not self.closed:
-            return self.pipeline.optimizer_pre(args, kwargs)  # a replaced closure, or None
+            return self.flow.optimizer_pre(args, kwargs)  # a replaced closure, or None
         return None
 
     def _on_step_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if not self.closed:
-            self.pipeline.optimizer_post()
+            self.flow.optimizer_post()
 
     def close(self) -> None:
         self.closed = True

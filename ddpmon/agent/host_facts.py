@@ -50,7 +50,7 @@ def manifest_extra(mon: Monitor) -> dict:
         extra["slurm"] = job.manifest()
     return extra | {
         "run_id": mon.run_id,
-        "batch_shapes": mon.pipeline.batch_shapes,
+        "batch_shapes": mon.flow.batch_shapes,
         "precision": mon.precision.label(),
         "precision_detail": mon.precision.manifest(),
         "strategy": mon.strategy,
@@ -77,7 +77,7 @@ def replica_check_facts(mon: Monitor) -> dict:
         scope, why_not = None, f"unknown ({exc})"
     if scope is None:
         return {"every": 0, "off": why_not}
-    if mon.pipeline.replicas is None:
+    if mon.flow.replicas is None:
         return {"every": 0, "off": "one replica only"}
     return {"every": every, "over": scope.over}
 

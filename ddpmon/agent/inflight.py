@@ -1,7 +1,7 @@
 """The step in flight, written when an exception leaves the training loop.
 
 A step that raises (``clip_grad_norm_(error_if_nonfinite=True)``, a loss guard, a dataset's
-``ValueError``, an out-of-memory error) never reaches ``optimizer.step()``, so the pipeline never
+``ValueError``, an out-of-memory error) never reaches ``optimizer.step()``, so the flow never
 closes it: what its hooks saw (DDP's comm hook saw a rank's local NaN in that backward) would die
 with the process. On the exit path (the crash capture's ``sys.excepthook``, before its ``exit``
 event) this module:
@@ -38,10 +38,10 @@ from ..strategies.base import GradSummaries
 
 
 class InFlight:
-    """Reports the step in progress of one rank's pipeline at exit (``report``)."""
+    """Reports the step in progress of one rank's flow at exit (``report``)."""
 
-    def __init__(self, pipeline: Any, incidents: Any, emit: Any, guard: Any) -> None:
-        self.pipeline = pipeline
+    def __init__(self, flow: Any, incidents: Any, emit: Any, guard: Any) -> None:
+        self.flow = flow
         self.incidents = incidents
         self.emit = emit
         self.guard = guard
@@ -50,7 +50,7 @@ class InFlight:
         """Fields for the ``exit`` event (``step``, ``phase``, ``running``, ``loss``); emits the
         step's ``nonfinite`` event first when its gradients were non-finite. {} when no step
         has started or anything fails."""
-        p = self.pipeline
+        p = self.flow
         try:
             if not p.started:
                 return {}
@@ -74,7 +74,7 @@ class InFlight:
     def _record(self, s: GradSummaries | None, step: int) -> StepRecord | None:
         if s is None:
             return None
-        index = self.pipeline.index
+        index = self.flow.index
         record = StepRecord(step=step, wall_time=time.time(), duration_seconds=None,
                             data_wait_seconds=None)
         reduced = local = None

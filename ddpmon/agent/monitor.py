@@ -1,6 +1,6 @@
 """The ``Monitor`` that ``ddpmon.attach`` returns: builds the parts, starts them, closes them.
 
-The parts, each in its own module: run context, gradient source (per strategy), step pipeline
+The parts, each in its own module: run context, gradient source (per strategy), step flow
 and its markers, sinks (``record_sinks``), checkpoints, forensics files, the /metrics endpoint.
 """
 
@@ -43,12 +43,12 @@ from .endpoint import Endpoint
 from .goodput_live import FiguresApi, start_figures
 from .guard import Guard
 from .host_facts import manifest_extra, start_fields, states_present
-from .pipeline import StepPipeline
 from .policy import NonFinitePolicy
 from .record_sinks import RecordSinks
 from .recording import Forensics
 from .rerun import StepRerun, run_step
 from .sinks import Sink
+from .step_flow import StepFlow
 from .step_markers import StepMarkers
 from .update_wiring import SpikeParts
 
@@ -97,7 +97,7 @@ class Monitor(LoopPhases, FiguresApi):
         """Build the parts in order: who this rank is, what measures, where records go..."""
         self._settle(model, optimizer, scaler, plan)
         self._measure(comm_hook, comm_state, plan)
-        self._pipeline(self._sinks(), plan)
+        self._flow(self._sinks(), plan)
         self._observe_and_serve()
 
     def _settle(self, model, optimizer, scaler, plan) -> None:
@@ -168,18 +168,18 @@ class Monitor(LoopPhases, FiguresApi):
             summary_head=lambda: {"run_id": self.run_id, "rank": self.identity.rank,
                                   "port": self.port},
             last_checkpoint=lambda: self.checkpoints.last_save,
-            flush=lambda: self.pipeline.drain(wait=True),
+            flush=lambda: self.flow.drain(wait=True),
         )
         self.floor, self.incidents, self.manifest = sinks.floor, sinks.incidents, sinks.manifest
         return [*sinks.all, *self.user_sinks]
 
-    def _pipeline(self, sinks: list[Sink], plan) -> None:
-        """The step pipeline over the source and sinks, what marks its steps (hooks and the
+    def _flow(self, sinks: list[Sink], plan) -> None:
+        """The step flow over the source and sinks, what marks its steps (hooks and the
         strategy's own markers), and the record thread."""
         config, guard, ctx, emit = self.config, self.guard, self.ctx, self._emit
         model, optimizer = self.model, self.optimizer
         policy = NonFinitePolicy(config.on_nonfinite, self.index, ctx.identity.rank, emit)
-        self.pipeline = StepPipeline(
+        self.flow = StepFlow(
             source=self.source,
             index=self.index,
             guard=guard,
@@ -190,21 +190,21 @@ class Monitor(LoopPhases, FiguresApi):
             step_metrics=chosen(config.step_metrics), precision=self.precision,
         )
         if config.on_nonfinite == "rerun":
-            self.pipeline.rerun = StepRerun.for_monitor(self, self._state, self._emit)
+            self.flow.rerun = StepRerun.for_monitor(self, self._state, self._emit)
         with guard("comm"):
             scope, _ = self.source.replica_scope()
-            self.pipeline.replicas = ReplicaCheck.of(scope, self.index, config.replica_check_every)
-            if self.pipeline.replicas is not None:
+            self.flow.replicas = ReplicaCheck.of(scope, self.index, config.replica_check_every)
+            if self.flow.replicas is not None:
                 self._state.replica_mismatch_total = 0  # exported from 0, so increase() works
-        self.forensics.follow(self.pipeline, self.incidents, emit, guard)
+        self.forensics.follow(self.flow, self.incidents, emit, guard)
         self.spikes = SpikeParts.install(self, plan, self._state, emit)  # before markers
         self.markers = StepMarkers(
-            model, optimizer, self.pipeline, self.source, amp=self.amp,
+            model, optimizer, self.flow, self.source, amp=self.amp,
             on_error=guard.error, on_engine_step=self._on_engine_step,
             on_engine_floor=self._on_engine_floor,
         )
-        self.records = RecordThread(lambda: self.pipeline.drain(wait=False)).start()
-        self.pipeline.background = True
+        self.records = RecordThread(lambda: self.flow.drain(wait=False)).start()
+        self.flow.background = True
 
     def _observe_and_serve(self) -> None:
         """Checkpoints and DCP, the /metrics endpoint, the stall watchdog, the start event."""
@@ -213,9 +213,9 @@ class Monitor(LoopPhases, FiguresApi):
         self.checkpoints = CheckpointObserver(
             state, emit, guard, on_load=self._resume_at,
             present=functools.partial(states_present, self.optimizer, self.scaler),
-            phase=self.pipeline.in_checkpoint,
+            phase=self.flow.in_checkpoint,
         )
-        self.dcp = DcpCapture(self.checkpoints, lambda: self.pipeline.step)
+        self.dcp = DcpCapture(self.checkpoints, lambda: self.flow.step)
         with guard("checkpoint"):
             self.dcp.install()
         self.endpoint = Endpoint.open(
@@ -249,7 +249,7 @@ class Monitor(LoopPhases, FiguresApi):
         other ranks' share of a step's small norm all-reduce waited for) to the metric state,
         events, progress and history now. Never waits for a device."""
         if not self._closed:
-            self.pipeline.drain(wait=False, collectives=True)
+            self.flow.drain(wait=False, collectives=True)
 
     @property
     def strategy(self) -> str:
@@ -259,37 +259,37 @@ class Monitor(LoopPhases, FiguresApi):
     @property
     def step(self) -> int:
         """Number of steps completed so far (host counter, no sync)."""
-        return self.pipeline.step
+        return self.flow.step
 
     def observe_loss(self, loss: Any) -> None:
         """Record this step's loss; a tensor is kept on its device, never read here. Under
         a strategy whose rank never sees the loss (``source.has_loss``) it is ignored."""
         if not self._closed and self.source.has_loss:
-            self.pipeline.observe_loss(loss)
+            self.flow.observe_loss(loss)
 
     def observe_samples(self, ids: Any) -> None:
         """This step's sample ids (a list, or a tensor on any device), kept by reference: read
         only for a rerun's event and evidence or a ``loss_spike`` event, never the samples."""
         if not self._closed:
-            self.pipeline.observe_samples(ids)
-            self.spikes.note_samples(self.pipeline.step, ids)
+            self.flow.observe_samples(ids)
+            self.spikes.note_samples(self.flow.step, ids)
 
     def run_step(self, closure: Callable[[], Any]) -> Any:
         """Run the step's forward and backward (``closure``, returning the loss) and keep it in
         hand for ``on_nonfinite='rerun'``: the ``optimizer.step()`` or an engine's
         ``engine.step()`` that follows reruns it once when the step triggers. For loops whose
         optimizer takes no closure. Without the rerun policy it just calls ``closure()``."""
-        if self._closed or self.pipeline.rerun is None:
+        if self._closed or self.flow.rerun is None:
             return closure()
 
-        return run_step(self.pipeline, closure)
+        return run_step(self.flow, closure)
 
     def observe_grad_norm(self, value: Any, step: int | None = None) -> None:
         """The gradient norm your trainer computed for optimizer step ``step`` (default: the
         step in progress): a float or a device tensor, compared with ddpmon's own on the
         readback path (``ddpmon_grad_norm_mismatch_total``); never read here."""
         if not self._closed:
-            self.pipeline.observe_grad_norm(value, step)
+            self.flow.observe_grad_norm(value, step)
 
     def observe_checkpoint(
         self,
@@ -358,16 +358,16 @@ class Monitor(LoopPhases, FiguresApi):
         registry.discard(self)
         if self.records is not None:
             self.records.stop()
-        self.pipeline.background = False
+        self.flow.background = False
         with self.guard("readback"):
-            self.pipeline.drain(wait=True)
-            self.pipeline.trainer_norms.flush()
+            self.flow.drain(wait=True)
+            self.flow.trainer_norms.flush()
         self.markers.close()  # the spike probes close with their sink (the spike detector)
         self.dcp.uninstall()
         self.source.close()
         self.forensics.close()
         self._emit("exit", self._state.step, reason="close", steps=self._state.steps_total)
-        for sink in self.pipeline.sinks:
+        for sink in self.flow.sinks:
             with self.guard(sink.probe):
                 sink.close()
         final_at = time.monotonic()  # every value is final: a scrape rendered now has them all
@@ -406,38 +406,38 @@ class Monitor(LoopPhases, FiguresApi):
     def _on_scaler_update(self, found: Any, before: Any, after: Any) -> None:
         if self._closed:
             return
-        self.pipeline.scaler_updated(found, before, after)
+        self.flow.scaler_updated(found, before, after)
         if self.floor.raises and after is not None:
             scale = None
             with self.guard("amp"):
                 scale = float(after)  # on_loss_scale_floor=raise: the documented host read
-            self.floor.after_step(self.pipeline.step - 1, scale)  # may raise, deliberately
+            self.floor.after_step(self.flow.step - 1, scale)  # may raise, deliberately
 
     def _on_engine_step(self, facts: Any) -> None:
         """An engine that decides its own steps ended one (``StepHost.on_engine_step``)."""
         if self._closed:
             return
-        if facts.engine_step and self.pipeline.step == 0:
+        if facts.engine_step and self.flow.step == 0:
             # the first step after attach: number it as the engine does (a load_checkpoint
             # before it restored the engine's count), whether attach came before or after
             self._resume_at(facts.engine_step)
-        self.pipeline.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
+        self.flow.complete(host_skipped=facts.skipped, host_scale_after=facts.scale_after)
         if self.floor.raises:
-            self.floor.after_step(self.pipeline.step - 1, facts.scale_after)  # may raise
+            self.floor.after_step(self.flow.step - 1, facts.scale_after)  # may raise
 
     def _on_engine_floor(self, floor: EngineFloor) -> None:
         """An engine's scaler raised at its minimum scale inside its step."""
         if not self._closed:
-            self.floor.engine_floor(self.pipeline.step, floor)
+            self.floor.engine_floor(self.flow.step, floor)
 
     def _resume_at(self, step: int) -> None:
         """A checkpoint load before the first step: count steps from the resume step, so the
         resumed attempt's steps line up with the attempt it continues."""
-        if self._state.steps_total == 0 and self.pipeline.resume_at(step):
+        if self._state.steps_total == 0 and self.flow.resume_at(step):
             self._state.resume_at(step)
 
     def _on_stall(self, idle_seconds: float) -> None:
-        step = self.pipeline.step
+        step = self.flow.step
         self._emit(
             "stall",
             step,

@@ -65,13 +65,13 @@ class Forensics:
             out.crash = CrashCapture(ctx.run_path, rank, out.events).install()
         return out
 
-    def follow(self, pipeline: Any, incidents: Any, emit: Callable[..., None],
+    def follow(self, flow: Any, incidents: Any, emit: Callable[..., None],
                guard: Guard) -> None:
         """Keep the step in progress where a signal's dump finds it (the live line), and what
         its hooks saw where an exception's exit event is written (:mod:`.inflight`)."""
         if self.crash is not None:
-            pipeline.keep_live(self.crash.live)
-            self.crash.in_flight = InFlight(pipeline, incidents, emit, guard).report
+            flow.keep_live(self.crash.live)
+            self.crash.in_flight = InFlight(flow, incidents, emit, guard).report
 
     def emit(self, guard: Guard) -> Callable[..., None]:
         """An ``emit(kind, step, **fields)`` that never raises."""

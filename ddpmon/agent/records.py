@@ -1,7 +1,7 @@
 """A step's record from its read-back values: global and group norms, the local norms and their
 non-finite flags, loss, scaler facts, collectives, and the strategy's own finish (its
 ``StepExtension``).
-Runs on the record thread (``StepPipeline.drain``); nothing here touches a device."""
+Runs on the record thread (``StepFlow.drain``); nothing here touches a device."""
 
 from __future__ import annotations
 

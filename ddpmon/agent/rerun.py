@@ -16,7 +16,7 @@ closure; ddpmon's wraps it:
    reduced values, identical on every rank, so every rank decides alike without a collective;
 5. every rank drops its gradients, restores the RNG states and runs the closure once more: the
    same batch (the closure holds it) and the same random numbers (dropout), through the same
-   collectives. The step pipeline ignores the rerun's forward as a step boundary;
+   collectives. The step flow ignores the rerun's forward as a step boundary;
 6. the rerun classifies the step, again from reduced values:
    - **transient**: the fault did not reproduce (finite gradients; for a norm jump, a global
      norm that differs from the first by more than 1e-3). The rank whose local gradients were
@@ -328,38 +328,38 @@ class StepRerun:
 
 
 def wrap_closure(
-    pipeline: Any, closure: Callable[[], Any], replayable: bool = True
+    flow: Any, closure: Callable[[], Any], replayable: bool = True
 ) -> Callable[[], Any]:
     """The closure torch's optimizer calls in place of the loop's (see the module doc).
     ``replayable``: False when this step's gradients began accumulating before the closure
     (micro-steps outside it): the closure alone cannot reproduce them, so a non-finite step is
     skipped without a rerun, as under ``skip``."""
-    rerun: StepRerun = pipeline.rerun
+    rerun: StepRerun = flow.rerun
 
     def step_closure() -> Any:
         rng = None
-        with pipeline.guard("step"):
+        with flow.guard("step"):
             rng = RngState(rerun.device)
         loss = closure()
         if rng is None:
             return loss
         outcome, again = None, None
-        with pipeline.guard("step"):
-            outcome, again = _decide(pipeline, rerun, closure, rng, replayable)
+        with flow.guard("step"):
+            outcome, again = _decide(flow, rerun, closure, rng, replayable)
         if outcome is not None and outcome.raises:
-            raise rerun.error_for(pipeline.step, outcome)  # deliberately, on every rank
+            raise rerun.error_for(flow.step, outcome)  # deliberately, on every rank
         return loss if again is None else again
 
     return step_closure
 
 
-def run_step(pipeline: Any, closure: Callable[[], Any]) -> Any:
+def run_step(flow: Any, closure: Callable[[], Any]) -> Any:
     """``mon.run_step(closure)``: run the step's forward and backward now and keep them in
     hand, so that the ``optimizer.step()`` (or an engine's ``engine.step()``) that follows can
     rerun them. The closure's own exceptions are the loop's."""
-    rerun: StepRerun = pipeline.rerun
-    rng, replayable = None, not pipeline.backward_pending
-    with pipeline.guard("step"):
+    rerun: StepRerun = flow.rerun
+    rng, replayable = None, not flow.backward_pending
+    with flow.guard("step"):
         rng = RngState(rerun.device)
     loss = closure()
     if rng is not None:
@@ -367,26 +367,26 @@ def run_step(pipeline: Any, closure: Callable[[], Any]) -> Any:
     return loss
 
 
-def decide_recorded(pipeline: Any) -> bool:
+def decide_recorded(flow: Any) -> bool:
     """A step without a closure that was handed over (``run_step``) or recorded (a trainer):
     decided here, in the optimizer's pre-hook, before anything is applied. False when the
     step is not in hand."""
-    rerun: StepRerun = pipeline.rerun
+    rerun: StepRerun = flow.rerun
     outcome, recorded = None, None
-    with pipeline.guard("step"):
+    with flow.guard("step"):
         recorded = rerun.step_in_hand()
         if recorded is not None:
-            outcome, _ = _decide(pipeline, rerun, recorded.replay, recorded.rng,
+            outcome, _ = _decide(flow, rerun, recorded.replay, recorded.rng,
                                  recorded.replayable)
     if outcome is not None and outcome.raises:
-        raise rerun.error_for(pipeline.step, outcome)  # deliberately, on every rank
+        raise rerun.error_for(flow.step, outcome)  # deliberately, on every rank
     return recorded is not None
 
 
-def _decide(pipeline: Any, rerun: StepRerun, closure: Callable[[], Any], rng: RngState,
+def _decide(flow: Any, rerun: StepRerun, closure: Callable[[], Any], rng: RngState,
             replayable: bool = True):
     """Read the step; when it triggers, run it again and act. (outcome, the rerun's loss)."""
-    first_s = pipeline.collect_now()
+    first_s = flow.collect_now()
     first = rerun.read(first_s)
     trigger = rerun.trigger(first) if first is not None else None
     if trigger is None:
@@ -395,32 +395,32 @@ def _decide(pipeline: Any, rerun: StepRerun, closure: Callable[[], Any], rng: Rn
     if not replayable:
         rerun.not_replayable()
         if trigger == "nonfinite":
-            pipeline.drop_grads()
-            pipeline.skipped_by_policy()
+            flow.drop_grads()
+            flow.skipped_by_policy()
         return None, None
-    pipeline.drop_grads()
-    pipeline.recollect()
+    flow.drop_grads()
+    flow.recollect()
     rerun.rerunning = True
     loss = None
     try:
         rng.restore()
         loss = closure()
     except Exception as exc:  # the loop's own code failed the second time: count, skip
-        pipeline.guard.error("step", exc)
-        pipeline.drop_grads()
-        pipeline.skipped_by_policy()
+        flow.guard.error("step", exc)
+        flow.drop_grads()
+        flow.skipped_by_policy()
         return None, None
     finally:
         rerun.rerunning = False
-    second_s = pipeline.collect_now()
+    second_s = flow.collect_now()
     second = rerun.read(second_s) or StepReading(False, False, math.nan)
     outcome = rerun.classify(trigger, first, second, first_s, second_s)
-    step = pipeline.step
+    step = flow.step
     rerun.report(step, outcome)
     rerun.counted(outcome.fault)
     if outcome.skip:
-        pipeline.drop_grads()
-        pipeline.skipped_by_policy()
+        flow.drop_grads()
+        flow.skipped_by_policy()
     elif not outcome.raises:
         rerun.applied(second)
     return outcome, loss

@@ -2,7 +2,7 @@
 
 Each sink has one job and the same small protocol (``probe`` name for the guard, ``on_record``,
 ``close``; optionally ``on_batch_end`` after each drained batch and ``on_late_cross_check``).
-The pipeline calls every sink inside ``guard(sink.probe)``, on the agent's record thread, so a
+The flow calls every sink inside ``guard(sink.probe)``, on the agent's record thread, so a
 failing sink is counted and the others still run.
 """
 

@@ -1,4 +1,4 @@
-"""What tells the step pipeline where a step is, by kind of loop: torch's module and optimizer
+"""What tells the step flow where a step is, by kind of loop: torch's module and optimizer
 hooks (``hooks.StepHooks``) always; whatever the strategy marks its own steps with
 (``GradientSource.markers``: a loop driver's or an engine's ``step()``), asked of the
 source through a ``StepHost`` and never named here; under tensor parallel, the block-output
@@ -17,7 +17,7 @@ from ..probes.amp import ScalerProbe
 from ..strategies.base import EngineFloor, GradientSource, StepHost
 from ..strategies.block_entry import BlockEntry, tensor_parallel
 from .hooks import StepHooks
-from .pipeline import StepPipeline
+from .step_flow import StepFlow
 
 
 class StepMarkers:
@@ -25,7 +25,7 @@ class StepMarkers:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        pipeline: StepPipeline,
+        flow: StepFlow,
         source: GradientSource,
         *,
         amp: ScalerProbe | None,
@@ -39,11 +39,11 @@ class StepMarkers:
         self.entry: BlockEntry | None = None
         try:
             self.hooks = StepHooks(
-                model, optimizer, pipeline, amp, engine_steps=source.decides_steps
+                model, optimizer, flow, amp, engine_steps=source.decides_steps
             )
             if tensor_parallel(source.name):  # where a NaN entered: the parameters cannot say
-                pipeline.entry = self.entry = BlockEntry.install(model, on_error)
-            host = StepHost(model=model, optimizer=optimizer, steps=pipeline, on_error=on_error,
+                flow.entry = self.entry = BlockEntry.install(model, on_error)
+            host = StepHost(model=model, optimizer=optimizer, steps=flow, on_error=on_error,
                             on_engine_step=on_engine_step, on_engine_floor=on_engine_floor)
             self.own = list(source.markers(host))
         except BaseException:

@@ -1,6 +1,6 @@
 """The step in progress as an exit path sees it: its number and phase, kept where a signal's
 dump finds them (the crash files' live line), and what its hooks saw, for an exception's exit
-event (:mod:`.inflight`). A part of ``StepPipeline``; its state is the pipeline's."""
+event (:mod:`.inflight`). A part of ``StepFlow``; its state is the flow's."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class LoopPhase:
 
 
 class StepPhase:
-    """Mixed into ``StepPipeline`` (which sets ``step``, ``phase``, ``live``, ``source``, the
+    """Mixed into ``StepFlow`` (which sets ``step``, ``phase``, ``live``, ``source``, the
     tracker and the records lock)."""
 
     step: int

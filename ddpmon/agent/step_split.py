@@ -9,7 +9,7 @@ measures, without a device read:
 - ``forward``: the model's forward (pre-hook to forward hook), every micro-step summed;
 - ``backward``: the forward's end to the end of the backward pass (the loss and the backward
   call, every micro-step summed), less the wait below; where one call marked by the strategy
-  runs every micro-batch's forward and backward (a pipeline schedule's ``step``), its time is
+  runs every micro-batch's forward and backward (a schedule's ``step``), its time is
   ``backward`` (``forward`` 0), and a stage's bubble, waiting for its neighbours, is ``wait``;
 - ``wait``: from the last collective the step issued during the backward
   (``CollectiveRecorder.last_issue``) to the end of that backward: the rank's work is done and
@@ -54,7 +54,7 @@ COMPUTE_PHASES = ("forward", "backward", "optimizer")
 
 
 class StepSplit:
-    """Per-step phase clock of one rank, fed by the step pipeline's boundaries (training thread:
+    """Per-step phase clock of one rank, fed by the step flow's boundaries (training thread:
     one clock read and a few float additions per boundary)."""
 
     __slots__ = ("_backward", "_clock", "_forward", "_forward_end", "_forward_start", "_on_cpu",
@@ -93,7 +93,7 @@ class StepSplit:
 
     def backward_ended(self) -> None:
         began = self._forward_end
-        if began is None:  # one call ran forward and backward: a pipeline schedule's step
+        if began is None:  # one call ran forward and backward: a schedule's step
             began, self._forward_start = self._forward_start, None
             if began is None:
                 return

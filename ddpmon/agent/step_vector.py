@@ -1,6 +1,6 @@
 """The per-step device vector: named slots declared once, pack and unpack derived from them.
 
-Each step the pipeline hands over a tensor per slot (or None: absent this step). On CUDA the
+Each step the flow hands over a tensor per slot (or None: absent this step). On CUDA the
 present slots are concatenated into one float64 vector on the training thread, copied to the
 host lazily (``readback.Readback``), and split back by name with the widths recorded at pack
 time. On CPU no vector is built: the tensors are queued as they are and packed into a host list

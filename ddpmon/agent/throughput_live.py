@@ -3,8 +3,8 @@
 rank's /metrics, the automatic FLOP counter (:class:`ddpmon.flops.auto.AutoCount`, on the
 model's forward pre-hook) and ``mon.count_flops`` to count one step by hand.
 
-Tokens/s is this rank's share: the ranks that train on the same batch (tensor-parallel peers,
-pipeline stages) and where the batch is read come from the strategy
+Tokens/s is this rank's share: the ranks that train on the same batch (peers that split a batch's
+layers or its tensors) and where the batch is read come from the strategy
 (``GradientSource.batch_share``), so the agent names none."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def start_auto_count(mon: Any, t: Throughput, share: BatchShare | None = None
               tokens_per_step=None if cfg.tokens_per_step else tokens)
         mon.flops_per_step = flops
 
-    auto = AutoCount(at_step=cfg.flops_count_step, current_step=lambda: mon.pipeline.step,
+    auto = AutoCount(at_step=cfg.flops_count_step, current_step=lambda: mon.flow.step,
                      on_counted=counted, on_error=mon.guard.error,
                      tokens_of=activation_count if share.activations else leading_count)
     handle = model.register_forward_pre_hook(auto.forward, with_kwargs=True)

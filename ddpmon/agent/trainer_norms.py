@@ -8,7 +8,7 @@ with the record is the record's (``grad_norm_mismatch``), one found later goes t
 
 A norm for the step in progress (or a later one), or any tensor, is queued with the step's
 values (``take_queued``): a tensor is read with them, lazily, never on the training thread.
-Everything that compares holds the step pipeline's records lock (``lock``).
+Everything that compares holds the step flow's records lock (``lock``).
 """
 
 from __future__ import annotations

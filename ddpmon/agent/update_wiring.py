@@ -28,15 +28,15 @@ class SpikeParts:
 
     @classmethod
     def install(cls, monitor: Any, pp: Any, state: Any, emit: Any) -> SpikeParts:
-        """Build the parts for ``monitor`` (its pipeline exists, its step markers not yet: the
-        update probe's optimizer hooks must run before the pipeline's, which close the step).
+        """Build the parts for ``monitor`` (its flow exists, its step markers not yet: the
+        update probe's optimizer hooks must run before the flow's, which close the step).
         A part that cannot be built is counted under its probe; training goes on."""
         config: Config = monitor.config
-        guard, pipeline = monitor.guard, monitor.pipeline
+        guard, flow = monitor.guard, monitor.flow
         parts = cls()
         if config.update_every > 0:
             with guard("updates"):
-                parts.updates = update_probe(monitor, lambda: pipeline.step)
+                parts.updates = update_probe(monitor, lambda: flow.step)
                 if parts.updates is not None and config.update_series:
                     state.update_ratios = {}
         if config.logit_modules:
@@ -49,9 +49,9 @@ class SpikeParts:
         )
         parts.detector = SpikeDetector(settings, emit, state.set_spike_unrecovered,
                                        on_spike=parts._sample_next, on_close=parts.close)
-        pipeline.sinks.append(parts.detector)
+        flow.sinks.append(parts.detector)
         if parts.updates is not None or parts.logits is not None:
-            pipeline.probes = parts
+            flow.probes = parts
         return parts
 
     def take(self, guard: Any) -> dict[str, Any]:

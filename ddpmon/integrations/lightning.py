@@ -120,7 +120,7 @@ class _DdpmonLightning:
                              ) -> None:
         """A batch began: its optimizer step is a training step even when ``training_step``
         never calls the module's forward (so no forward hook fires) and the lr is 0 (warm-up)."""
-        pipeline = getattr(self.monitor, "pipeline", None)
+        pipeline = getattr(self.monitor, "flow", None)
         if pipeline is not None:
             with contextlib.suppress(Exception):
                 pipeline.batch_started()

@@ -128,7 +128,7 @@ class DdpmonCallback(TrainerCallback):
             )
         except Exception as exc:
             log.debug("ddpmon: no loss hook: %s", exc)
-        rerun = getattr(self.monitor.pipeline, "rerun", None)
+        rerun = getattr(self.monitor.flow, "rerun", None)
         if rerun is not None and trainer is not None and not getattr(
                 self.monitor.state, "strategy", "").startswith("deepspeed"):
             self._recorder = StepRecorder(trainer, rerun)
@@ -137,7 +137,7 @@ class DdpmonCallback(TrainerCallback):
         self._step_loss = None  # a new optimizer step: its first micro-batch comes next
         if self._recorder is not None:
             self._recorder.new_step()
-        pipeline = getattr(self.monitor, "pipeline", None)
+        pipeline = getattr(self.monitor, "flow", None)
         if pipeline is not None:  # a training step, even at a warm-up's lr 0
             with contextlib.suppress(Exception):
                 pipeline.batch_started()

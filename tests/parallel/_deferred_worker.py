@@ -91,7 +91,7 @@ def main() -> None:
         "torch": torch_norms,
         "ours": {r.step: r.grad_norm for r in records},
         "errors": dict(mon.state.agent_errors),
-        "forced_waits": mon.pipeline.readback.forced_waits,
+        "forced_waits": mon.flow.readback.forced_waits,
         "deferred_type": type(mon.source).__name__,
     }
     mon.close()

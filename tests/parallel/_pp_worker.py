@@ -264,8 +264,8 @@ def run_norms(args, dp: str) -> dict:
             "names": list(run.mon.index.names),
             "errors": dict(run.mon.state.agent_errors),
             "clip_reused": getattr(run.mon.source.inner, "clip_norms_reused", None),
-            "replicas_over": (run.mon.pipeline.replicas.scope.over
-                              if run.mon.pipeline.replicas is not None else None),
+            "replicas_over": (run.mon.flow.replicas.scope.over
+                              if run.mon.flow.replicas is not None else None),
             "replica_mismatches": run.mon.state.replica_mismatch_total,
         }
         if port:
@@ -395,13 +395,13 @@ def run_fail(args, dp: str) -> dict:
         raise RuntimeError("injected: the norm pass failed")
 
     deferred: list[bool] = []  # per step: queued with the folded all-reduce still in flight
-    push = run.mon.pipeline.readback.push
+    push = run.mon.flow.readback.push
 
     def queued(values, meta, later=None):
         deferred.append(later is not None)
         return push(values, meta, later)
 
-    run.mon.pipeline.readback.push = queued
+    run.mon.flow.readback.push = queued
     steps = []
     for s in range(FAIL_STEP + 2):
         if s == FAIL_STEP and dist.get_rank() == FAIL_RANK:

@@ -13,8 +13,8 @@ from torch import nn
 
 import ddpmon
 from ddpmon.agent.guard import Guard
-from ddpmon.agent.pipeline import StepPipeline
 from ddpmon.agent.policy import NonFiniteGradientError, NonFinitePolicy
+from ddpmon.agent.step_flow import StepFlow
 from ddpmon.agent.step_vector import STEP_SLOTS, Slot, StepVectorLayout
 from ddpmon.probes.grads import NormVector, ParamIndex
 from ddpmon.strategies.base import GradientSource, GradSummaries, StepExtension
@@ -64,7 +64,7 @@ def make_pipeline(script, mode="record"):
     sink = Collect()
     policy = NonFinitePolicy(mode, index, rank=0, emit=lambda *a, **k: None)
     source = ScriptedSource(index, script)
-    pipe = StepPipeline(source=source, index=index, guard=guard, policy=policy, sinks=[sink])
+    pipe = StepFlow(source=source, index=index, guard=guard, policy=policy, sinks=[sink])
     return pipe, sink, errors, index
 
 
@@ -335,7 +335,7 @@ def test_monitor_runs_records_on_its_thread_and_readers_catch_up(tmp_path):
     mon = ddpmon.attach(model, opt, port=0, run_dir=tmp_path, run_id="records")
     assert mon.enabled, mon.error
     sink = ThreadOf()
-    mon.pipeline.sinks.append(sink)
+    mon.flow.sinks.append(sink)
     try:
         for _ in range(4):
             loss = model(torch.randn(3, 4)).pow(2).mean()
@@ -401,7 +401,7 @@ def test_a_strategy_adds_its_own_slot_without_touching_the_pipeline():
     index = ParamIndex(model)
     errors = []
     sink = Collect()
-    pipe = StepPipeline(
+    pipe = StepFlow(
         source=ExtendedSource(index, [[3.0, 0.0, 4.0, 12.0]]), index=index,
         guard=Guard(errors.append), sinks=[sink],
         policy=NonFinitePolicy("record", index, 0, lambda *a, **k: None),

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import ddpmon
-from ddpmon.agent.pipeline import is_inert_step
+from ddpmon.agent.step_flow import is_inert_step
 
 
 def _model_opt(lr: float = 0.01) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -57,7 +57,7 @@ def _run(tmp_path, load) -> tuple[list, list, int]:
         elif load == "dcp":
             set_optimizer_state_dict(model, opt, saved)
         theirs = _train(model, opt, mon, 4)
-        return _steps(mon), theirs, mon.pipeline.inert_steps
+        return _steps(mon), theirs, mon.flow.inert_steps
     finally:
         mon.close()
 
@@ -81,12 +81,12 @@ def test_a_warm_up_step_at_lr_zero_is_a_step(tmp_path):
     try:
         _train(model, opt, mon, 2)
         # a trainer that never calls the module's forward (no hook fires) but says a batch began
-        mon.pipeline.batch_started()
+        mon.flow.batch_started()
         model(torch.randn(2, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
         assert [s for s, _ in _steps(mon)] == [0, 1, 2]
-        assert mon.pipeline.inert_steps == 0
+        assert mon.flow.inert_steps == 0
     finally:
         mon.close()
 

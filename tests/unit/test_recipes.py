@@ -11,8 +11,8 @@ from torch import nn
 
 import ddpmon
 from ddpmon.agent.guard import Guard
-from ddpmon.agent.pipeline import StepPipeline
 from ddpmon.agent.policy import NonFinitePolicy
+from ddpmon.agent.step_flow import StepFlow
 from ddpmon.config import ConfigError
 from ddpmon.metrics import Layer, Metric, MetricType, step_metrics
 from ddpmon.metrics.step_metrics import StepMetric
@@ -96,7 +96,7 @@ def test_per_step_metrics_are_opt_in_and_named_precisely(tmp_path):
         model(torch.randn(3, 2)).sum().backward()
         opt.step()
         mon.flush()
-        assert mon.pipeline.step_metrics == () and mon.state.step_values == {}
+        assert mon.flow.step_metrics == () and mon.state.step_values == {}
     finally:
         mon.close()
     with pytest.raises(ConfigError, match=r"unknown 'lr'; known: learning_rate"):
@@ -155,7 +155,7 @@ def test_a_sink_gets_every_record_in_order_and_its_failure_is_counted_under_its_
     index = ParamIndex(model)
     errors = []
     failing, healthy = Recording(fail_at=1), Recording()
-    pipe = StepPipeline(
+    pipe = StepFlow(
         source=OneNorm(), index=index, guard=Guard(errors.append),
         policy=NonFinitePolicy("record", index, 0, lambda *a, **k: None),
         sinks=[failing, healthy],

@@ -37,14 +37,14 @@ from ..base import GradSummaries
 
 
 class EngineRerun:
-    def __init__(self, pipeline: Any, source: Any, engine: Any) -> None:
-        self.pipeline = pipeline
+    def __init__(self, flow: Any, source: Any, engine: Any) -> None:
+        self.flow = flow
         self.source = source
         self.engine = engine
         self._pending: Any = None  # the agent's rerun Outcome
 
     def before_step(self) -> None:
-        rerun = self.pipeline.rerun
+        rerun = self.flow.rerun
         if rerun.norm_jump > 0:
             rerun.say_once("ddpmon: rerun_norm_jump is not applied under DeepSpeed (its buffers "
                            "keep both runs' gradients); non-finite steps are rerun")
@@ -73,7 +73,7 @@ class EngineRerun:
         self.source.swap_local(squares)  # the step's record keeps the first run's local norms
         outcome = rerun.classify("nonfinite", first, second, first_s, first_s)
         if outcome.raises:
-            step = self.pipeline.step
+            step = self.flow.step
             rerun.report(step, outcome)
             rerun.counted(outcome.fault)
             raise rerun.error_for(step, outcome)
@@ -86,8 +86,8 @@ class EngineRerun:
             return
         outcome.skip = skipped
         outcome.action = "skip" if skipped else "replace"
-        rerun = self.pipeline.rerun
-        rerun.report(self.pipeline.step, outcome)
+        rerun = self.flow.rerun
+        rerun.report(self.flow.step, outcome)
         rerun.counted(outcome.fault)
 
     def _rerun_reading(self) -> Any:
@@ -103,7 +103,7 @@ class EngineRerun:
             torch.distributed.all_reduce(flags[1:], op=torch.distributed.ReduceOp.MIN,
                                          group=group)
         local_finite, all_finite = flags.tolist()  # a triggered step only
-        return self.pipeline.rerun.reading(bool(all_finite), bool(local_finite))
+        return self.flow.rerun.reading(bool(all_finite), bool(local_finite))
 
 
 def _accumulation_steps(engine: Any) -> int:

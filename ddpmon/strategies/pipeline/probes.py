@@ -355,9 +355,9 @@ def _timed_batch_p2p(p2p_ops, *args, **kwargs):
 class ScheduleStep:
     """``schedule.step`` wrapped on the instance: one call is the step's forward and backward."""
 
-    def __init__(self, setup: PipelineSetup, pipeline: Any, on_error) -> None:
+    def __init__(self, setup: PipelineSetup, flow: Any, on_error) -> None:
         self.setup = setup
-        self.pipeline = pipeline
+        self.flow = flow
         self.on_error = on_error
         self.closed = False
 
@@ -370,12 +370,12 @@ class ScheduleStep:
             training = torch.is_grad_enabled() and not self.closed
             if training:
                 try:
-                    self.pipeline.forward_started(args)
+                    self.flow.forward_started(args)
                 except Exception as exc:
                     self.on_error("step", exc)
             out = original(*args, **kwargs)
             if training:
-                self.pipeline.backward_ended()
+                self.flow.backward_ended()
             return out
 
         step.__wrapped__ = original  # type: ignore[attr-defined]

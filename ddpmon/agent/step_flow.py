@@ -1,4 +1,4 @@
-"""The step pipeline: step boundaries -> gradient norms -> step values -> readback -> step record.
+"""The step flow: step boundaries -> gradient norms -> step values -> readback -> step record.
 
 Hot path (training thread, per optimizer step): ask the gradient source for its device norms and
 queue them, with the loss and scaler tensors, for lazy readback (``Readback.push``: on CPU the
@@ -55,7 +55,7 @@ from .trainer_norms import TrainerNorms
 from .unmeasured import UnmeasuredSteps
 
 
-class StepPipeline(StepPhase):
+class StepFlow(StepPhase):
     def __init__(
         self,
         *,
