@@ -54,11 +54,14 @@ def rss_bytes() -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=60,
+                   help="blocks of each kind, interleaved (2 at least: quartiles need two)")
     p.add_argument("--block", type=int, default=500)
     p.add_argument("--write", default=None)
     p.add_argument("--block-entry", action="store_true")
     args = p.parse_args()
+    if args.rounds < 2:
+        p.error("--rounds must be 2 or more (the figures are quartiles over the rounds)")
     import torch
 
     import ddpmon
