@@ -120,11 +120,6 @@ def test_fragments_are_marked_and_still_python():
 
 
 # -- generated pages ---------------------------------------------------------------------------
-def test_generated_pages_are_current():
-    diffs = reference.check(ROOT)
-    assert not diffs, "stale docs: run `make reference`\n" + "".join(diffs)[:4000]
-
-
 def stale_pages() -> set[str]:
     generated = reference.generate()
     return {
