@@ -20,6 +20,7 @@ import yaml
 from ddpmon.forensics import slurm_outcome
 from ddpmon.mixin import shipped
 from ddpmon.mixin.config import MixinConfig
+from ddpmon.recorder.eventlog import read_progress
 from tests.support.ports import free_port
 from tests.support.slurm import SlurmUnavailable, start
 from tests.support.stack import WebhookReceiver, live_stack, wait_for
@@ -171,6 +172,16 @@ def test_torchrun_inside_the_allocation_keeps_its_ranks_and_the_job_labels_the_r
     assert manifest["slurm"]["job_id"] == job and manifest["slurm"]["step_id"] == "0"
 
 
+def _wait_stepping(slurm, run: Path, job: str, ranks: int, timeout: float = 120) -> None:
+    """Until every rank has completed a few steps (its progress file): a kill before the first
+    step leaves an attempt of start-up only, with no progress to lose."""
+    deadline = time.monotonic() + timeout
+    while sum((read_progress(p) or {}).get("step", -1) >= 2
+              for p in run.glob("progress.rank*.json")) < ranks:
+        assert time.monotonic() < deadline, slurm.job(job)
+        time.sleep(0.3)
+
+
 def _wait_started(slurm, run: Path, job: str, ranks: int, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while len(events(run, "start") if run.exists() else []) < ranks:
@@ -195,6 +206,7 @@ def test_a_killed_node_requeues_the_job_and_both_attempts_share_one_timeline(slu
     job = slurm.sbatch(script)
     run = runs / job
     _wait_started(slurm, run, job, 2)
+    _wait_stepping(slurm, run, job, 2)
     killed_at = time.time()  # the last progress: steps were running until now
     slurm.kill_node("node-b")
     slurm.wait_state(job, ("PENDING", "REQUEUED", "CONFIGURING"), 60)
