@@ -5,8 +5,8 @@ way real jobs fail. It keeps its own record of when it was born and when each st
 compares with ddpmon's goodput.
 
 Faults (by ``TORCHELASTIC_RESTART_COUNT``): attempt 0, rank 1 SIGKILLs itself at step 25;
-attempt 1, rank 0 poisons its gradient with NaN at step 37 (``on_nonfinite="raise"`` raises on
-every rank); attempt 2, rank 1 hangs at step 48 (the stall watchdog records it; the others'
+attempt 1, rank 2 poisons its gradient with NaN at step 37 (``on_nonfinite="raise"`` raises on
+every rank); attempt 2, rank 3 hangs at step 48 (the stall watchdog records it; the others'
 collective times out after 15 s and torchrun restarts all); attempt 3 finishes."""
 
 import time
@@ -30,7 +30,7 @@ from ddpmon.demo.checkpointing import init_process_group  # noqa: E402
 
 CHECKPOINT_EVERY = 10
 HANG_TIMEOUT = 15
-FAULTS = {0: (1, 25, "kill"), 1: (0, 37, "nan"), 2: (1, 48, "hang")}
+FAULTS = {0: (1, 25, "kill"), 1: (2, 37, "nan"), 2: (3, 48, "hang")}
 
 
 class Truth:

@@ -1,4 +1,4 @@
-"""Goodput as the job lived it: 2 gloo ranks under ``torchrun --max-restarts 3``, checkpoints
+"""Goodput as the job lived it: 4 gloo ranks under ``torchrun --max-restarts 3``, checkpoints
 every 10 steps, three failures (a SIGKILL at step 25, a raised NaN at step 37, a hang at step 48
 ended by the collective timeout after the stall watchdog saw it) and a last attempt that
 finishes 60 steps. The worker (``goodput_worker.py``) writes its own clock of every step and of
@@ -27,8 +27,6 @@ pytest.importorskip("pyarrow")
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PATH": "/usr/bin:/bin", "COLUMNS": "200", "PYTHONPATH": str(ROOT),
        "OMP_NUM_THREADS": "1"}
-WORLD = 2
-"""Ranks per attempt (goodput_worker.py's faults fall on ranks 1, 0 and 1)."""
 RESUMED_FROM = {1: 20, 2: 30, 3: 40}
 LOST_FROM = {0: 20, 1: 30, 2: 40}
 """Each attempt's steps from here on were computed again by the next attempt."""
@@ -37,7 +35,7 @@ LOST_FROM = {0: 20, 1: 30, 2: 40}
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("goodput")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}", "--nnodes=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1",
            "--master-addr=127.0.0.1", f"--master-port={free_ports()}", "--max-restarts=3",
            "--monitor-interval=0.5", str(ROOT / "tests/integration/goodput_worker.py"),
            "--out", str(out)]
@@ -49,7 +47,7 @@ def job(tmp_path_factory) -> Path:
 def truth(out: Path) -> dict:
     """The worker's own account: wall-clock time, kept and lost step time (mean over ranks)."""
     born, done, kept, lost, counts = [], [], [], [], []
-    for rank in range(WORLD):
+    for rank in range(4):
         lines = [json.loads(x) for x in (out / f"truth.rank{rank}.jsonl").read_text().splitlines()]
         born += [x["t"] for x in lines if x["kind"] == "born"]
         done += [x["t"] for x in lines if x["kind"] == "done"]
@@ -59,7 +57,7 @@ def truth(out: Path) -> dict:
         kept.append(sum(t for t, gone in took if not gone))
         lost.append(sum(t for t, gone in took if gone))
         counts.append((sum(not g for g in is_lost), sum(is_lost)))
-    return {"wall": max(done) - min(born), "kept": sum(kept) / WORLD, "lost": sum(lost) / WORLD,
+    return {"wall": max(done) - min(born), "kept": sum(kept) / 4, "lost": sum(lost) / 4,
             "counts": counts}
 
 
@@ -68,7 +66,7 @@ def truth_gaps(out: Path) -> dict[int, float]:
     by the worker's own clock."""
     ends: dict[int, float] = {}
     born: dict[int, float] = {}
-    for rank in range(WORLD):
+    for rank in range(4):
         for x in (json.loads(line) for line in
                   (out / f"truth.rank{rank}.jsonl").read_text().splitlines()):
             a = x["attempt"]
