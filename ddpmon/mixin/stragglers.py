@@ -35,8 +35,10 @@ from ddpmon.metrics import Layer
 from ddpmon.mixin import names as n
 from ddpmon.mixin.config import MixinConfig
 
-TARGET = "on (job, instance)"
-"""One rank's series across records (every ``rank:`` record keeps the target labels)."""
+TARGET = "on (job, instance, run)"
+"""One rank's series across records (every ``rank:`` record keeps the target labels and the
+run). The run too: when a port passes to the next run (a node's next job), both runs' rates are
+in the window for a minute, and a join on the target alone failed the whole rule."""
 STAGE = "stage"
 """The label of a pipeline rank's stage (on its step parts); a group's label beside the run's."""
 CAUSES = ("data", "compute", "communication")

@@ -6,6 +6,7 @@ from ddpmon import metrics as m
 from ddpmon.mixin import names as n
 from ddpmon.mixin.config import MixinConfig
 from ddpmon.mixin.dashboards.promql import ALERT_SELECTOR, gauge_top, ranked, ranks_of, rate_top
+from ddpmon.mixin.stragglers import TARGET
 
 # --- Run ---
 REPORTING_RATIO = (
@@ -128,7 +129,7 @@ SLOWDOWN_TOP = ranks_of(
 )
 """The k ranks slowest at the range's end (own time over the run's median rank's, less one)."""
 STRAGGLER_TABLE = (
-    f"sort_desc(topk(10, {n.STRAGGLER_SLOWDOWN}{{SR}} * on (job, instance) group_left (cause) "
+    f"sort_desc(topk(10, {n.STRAGGLER_SLOWDOWN}{{SR}} * {TARGET} group_left (cause) "
     f"({n.STRAGGLER_CAUSE}{{SR}} * 0 + 1)))"
 )
 """The 10 slowest ranks now, slowest first, with their cause."""
