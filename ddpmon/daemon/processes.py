@@ -13,10 +13,28 @@ from dataclasses import dataclass, field
 
 import psutil
 
+BOOT_TIME = psutil.boot_time()
+"""The boot time, read once per daemon. psutil's ``create_time()`` adds the boot time it reads
+anew at each call, and Linux gives it in whole seconds of the wall clock less the uptime: a
+step of the wall clock (NTP, a VM's time sync) across a second moves every process's
+``create_time()`` by a second, and a start time compared within 0.05 s then named every live
+rank of the node dead at once (all left discovery in one two-node test run)."""
+
+
+def _started(proc: psutil.Process) -> float:
+    """``proc``'s start time on a clock that no wall-clock step moves: its start after boot (what
+    ``/proc/<pid>/stat`` holds) plus :data:`BOOT_TIME`."""
+    for _ in range(3):
+        boot = psutil.boot_time()
+        created = proc.create_time()
+        if psutil.boot_time() == boot:  # no step between the two reads
+            return created - boot + BOOT_TIME
+    return created - boot + BOOT_TIME
+
 
 def process_start_time(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        return _started(psutil.Process(pid))
     except (psutil.Error, ValueError):
         return None
 
@@ -55,7 +73,7 @@ def descendants(pid: int) -> dict[int, float]:
     try:
         for child in psutil.Process(pid).children(recursive=True):
             try:
-                found[child.pid] = child.create_time()
+                found[child.pid] = _started(child)
             except psutil.Error:
                 pass
     except psutil.Error:
@@ -71,7 +89,7 @@ def descends_from(pid: int, ancestor: int, ancestor_started: float | None) -> bo
     try:
         for parent in psutil.Process(pid).parents():
             if parent.pid == ancestor:
-                return abs(parent.create_time() - ancestor_started) <= 0.05
+                return abs(_started(parent) - ancestor_started) <= 0.05
     except psutil.Error:
         return False
     return False
