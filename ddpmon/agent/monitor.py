@@ -227,7 +227,7 @@ class Monitor(LoopPhases, FiguresApi):
         self.goodput, self.throughput = start_figures(self, state)  # closed with the endpoint
         self.forensics.watch(
             config.stall_seconds,
-            heartbeat=lambda: state.last_step_timestamp or state.started_at,
+            heartbeat=self.flow.heartbeat,
             on_stall=self._on_stall,
             guard=guard,
             flight_recorder=ctx.run_dir.flight_recorder(ctx.identity.rank),

@@ -97,7 +97,7 @@ class StepFlow(StepPhase):
         self.step = 0  # index of the step in progress (host counter)
         self.batch_shapes: list | None = None
         self.split = StepSplit(getattr(source, "collectives", None), index.params)
-        self._step_start = self._last_end = None  # perf_counter seconds, when known
+        self._step_start, self._last_end, self.attached = None, None, time.perf_counter()
         self._loss: Any = None
         self._backward_pending = False
         self._sentinel: GradSentinel | None = None
@@ -118,6 +118,10 @@ class StepFlow(StepPhase):
         self.trainer_norms = TrainerNorms(
             grad_norm_tolerance, lambda: self.sinks, guard, self._records_lock
         )
+
+    def heartbeat(self) -> float:
+        """The stall watchdog's heartbeat, perf_counter seconds: the last step's end or attach."""
+        return self._last_end if self._last_end is not None else self.attached
 
     def resume_at(self, step: int) -> bool:
         """Count steps from ``step`` (a resume from a checkpoint) if none has started yet."""

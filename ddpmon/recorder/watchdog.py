@@ -42,8 +42,11 @@ __all__ = [
 
 
 class StallWatchdog:
-    """Calls ``on_stall(idle_seconds)`` once when ``time.time() - heartbeat()`` first exceeds
-    ``stall_seconds``; re-arms when the heartbeat moves (a step completed)."""
+    """Calls ``on_stall(idle_seconds)`` once when ``time.perf_counter() - heartbeat()`` first
+    exceeds ``stall_seconds``; re-arms when the heartbeat moves (a step completed). The heartbeat
+    is on ``perf_counter``'s clock, which no wall-clock step moves: on the wall clock a step of
+    the system time (NTP, a VM's time sync) read as idle time, and raised a stall in a step that
+    took 0.43 s."""
 
     def __init__(
         self,
@@ -86,7 +89,7 @@ class StallWatchdog:
         except Exception as exc:
             self._warn(exc)
             return False
-        idle = (time.time() if now is None else now) - beat
+        idle = (time.perf_counter() if now is None else now) - beat
         if idle < self.stall_seconds or self._fired_for == beat:
             return False
         self._fired_for = beat

@@ -24,7 +24,7 @@ def test_fires_once_per_episode_and_rearms():
 
 
 def test_thread_reports_real_stall_and_survives_callback_errors():
-    last = [time.time()]
+    last = [time.perf_counter()]
     fired = threading.Event()
     seen: list[float] = []
 
@@ -38,7 +38,7 @@ def test_thread_reports_real_stall_and_survives_callback_errors():
         assert fired.wait(5)
         assert seen[0] >= 0.3
         fired.clear()
-        last[0] = time.time()  # progress, then a second stall
+        last[0] = time.perf_counter()  # progress, then a second stall
         assert fired.wait(5) and len(seen) == 2
     finally:
         w.stop()
@@ -50,7 +50,20 @@ def test_heartbeat_errors_do_not_fire():
         raise ValueError("no heartbeat")
 
     w = StallWatchdog(0.01, broken, lambda idle: None)
-    assert not w.check(now=time.time() + 100)
+    assert not w.check(now=time.perf_counter() + 100)
+
+
+def test_a_wall_clock_step_is_no_stall(monkeypatch):
+    """The system time jumping ahead (NTP, a VM's time sync) while steps keep coming is no
+    stall: in one goodput run a step that took 0.43 s raised one, idle 1.13 s by the wall clock."""
+    beat = [time.perf_counter()]
+    calls: list[float] = []
+    w = StallWatchdog(1.0, lambda: beat[0], calls.append)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # the wall clock stepped 1 h
+    assert not w.check()
+    beat[0] = time.perf_counter() - 2.0  # the last step ended 2 s ago on the watchdog's clock
+    assert w.check() and calls and 2.0 <= calls[0] < 10.0
 
 
 def test_no_process_group_no_dump(tmp_path):
@@ -73,7 +86,7 @@ from ddpmon.recorder.watchdog import StallWatchdog, flight_recorder_path, \
 print(json.dumps(measure_clock_offset()), flush=True)
 t = torch.ones(4)
 dist.all_reduce(t)  # both ranks: collective 1 of the training loop
-last = time.time()
+last = time.perf_counter()  # the watchdog's clock (the skew above moves the wall clock only)
 done = threading.Event()
 def on_stall(idle):
     ok = request_flight_recorder_dump(flight_recorder_path(run, rank))
