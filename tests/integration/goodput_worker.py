@@ -2,7 +2,8 @@
 checkpoints every 10 steps, resumes from the newest checkpoint, and fails once per attempt the
 way real jobs fail. It keeps its own record of when it was born and when each step ran
 (``truth.rank<R>.jsonl``, one unbuffered line per step, so a SIGKILL loses none), which the test
-compares with ddpmon's goodput.
+compares with ddpmon's goodput. A step's length is timed on ``perf_counter`` (``took``), as ddpmon
+times it: this machine's wall clock can step mid-run; its wall-clock ends place the steps only.
 
 Faults (by ``TORCHELASTIC_RESTART_COUNT``): attempt 0, rank 1 SIGKILLs itself at step 25;
 attempt 1, rank 2 poisons its gradient with NaN at step 37 (``on_nonfinite="raise"`` raises on
@@ -74,7 +75,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(rank)
     for step in range(start, args.steps):
         x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 1, generator=gen)
-        t0 = time.time()
+        t0, p0 = time.time(), time.perf_counter()
         loss = nn.functional.mse_loss(model(x), y)
         time.sleep(args.step_seconds)  # the step's compute, made long enough to time
         if fault and fault[:2] == (rank, step):
@@ -89,7 +90,8 @@ def main() -> int:
         loss.backward()
         opt.step()
         opt.zero_grad()
-        truth.write(kind="step", attempt=attempt, step=step, start=t0, end=time.time())
+        truth.write(kind="step", attempt=attempt, step=step, start=t0, end=time.time(),
+                    took=time.perf_counter() - p0)
         if (step + 1) % CHECKPOINT_EVERY == 0:
             with mon.observe_checkpoint(step + 1, ckpt, "save", model=True, optimizer=True,
                                         scaler=True, rng=True, data_loader=True):

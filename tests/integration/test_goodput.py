@@ -45,7 +45,8 @@ def job(tmp_path_factory) -> Path:
 
 
 def truth(out: Path) -> dict:
-    """The worker's own account: wall-clock time, kept and lost step time (mean over ranks)."""
+    """The worker's own account: wall-clock time, kept and lost step time (mean over ranks; a
+    step's length on its monotonic clock, which a step of the system time does not move)."""
     born, done, kept, lost, counts = [], [], [], [], []
     for rank in range(4):
         lines = [json.loads(x) for x in (out / f"truth.rank{rank}.jsonl").read_text().splitlines()]
@@ -53,7 +54,7 @@ def truth(out: Path) -> dict:
         done += [x["t"] for x in lines if x["kind"] == "done"]
         steps = [x for x in lines if x["kind"] == "step"]
         is_lost = [x["step"] >= LOST_FROM.get(x["attempt"], 1 << 30) for x in steps]
-        took = [(x["end"] - x["start"], gone) for x, gone in zip(steps, is_lost, strict=True)]
+        took = [(x["took"], gone) for x, gone in zip(steps, is_lost, strict=True)]
         kept.append(sum(t for t, gone in took if not gone))
         lost.append(sum(t for t, gone in took if gone))
         counts.append((sum(not g for g in is_lost), sum(is_lost)))
