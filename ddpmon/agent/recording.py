@@ -5,6 +5,7 @@ turns them off with one error line, and metrics are still served."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,7 @@ class Forensics:
         if self.crash is not None:
             flow.keep_live(self.crash.live)
             self.crash.in_flight = InFlight(flow, incidents, emit, guard).report
+            self.crash.term.flush = exit_flush(flow, guard)
 
     def emit(self, guard: Guard) -> Callable[..., None]:
         """An ``emit(kind, step, **fields)`` that never raises."""
@@ -109,6 +111,22 @@ class Forensics:
                 self.crash.uninstall()
             except Exception:
                 pass
+
+
+def exit_flush(flow: Any, guard: Guard) -> Callable[[float], None]:
+    """SIGTERM's flush (:mod:`ddpmon.recorder.term_flush`): the steps whose values are on the
+    host become records (no wait for a device or a peer), then each sink that buffers (the
+    history's journal) writes them, by ``until`` (``time.monotonic()``)."""
+
+    def flush(until: float) -> None:
+        flow.drain(wait=False)
+        for sink in flow.sinks:
+            sync = getattr(sink, "sync", None)
+            if sync is not None:
+                with guard(sink.probe):
+                    sync(until - time.monotonic())
+
+    return flush
 
 
 def manifest_writer(ctx: RunContext, cfg: Config, extra: Callable[[], dict], guard: Guard):

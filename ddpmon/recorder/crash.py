@@ -5,9 +5,10 @@
   from inside the signal handler (no Python code can run then, so no event can be written;
   ``ddpmon timeline`` turns the file into a ``signal`` event, timed by the file's mtime).
 - SIGTERM (what torchrun sends to surviving ranks when one fails): ``faulthandler.register``
-  with ``chain=True`` dumps the stacks to ``run_path/sigterm.rank<R>.txt`` and then lets the
-  previous disposition act, so the process still dies at once even if it is blocked in C++ (a
-  Python-level handler would wait for the collective to time out).
+  with ``chain=True`` dumps the stacks to ``run_path/sigterm.rank<R>.txt`` at the signal, even
+  if the process is blocked in C++; then :mod:`.term_flush` writes the rank's last records (at
+  most ``term_flush.DEADLINE`` seconds, woken by a wakeup fd, not by a Python-level handler that
+  would wait for the collective to time out) and the process dies of SIGTERM as before.
 - Uncaught exception in the main thread: an ``exit`` event (``reason="exception"``, type,
   message, traceback; the step in flight, its phase and ``running: true`` from the agent's
   ``in_flight``, which first emits what that step's hooks saw: ``ddpmon.agent.inflight``)
@@ -47,6 +48,7 @@ from typing import Any
 from ..rundir.atomic import write_text_atomic
 from ..rundir.layout import RunDir
 from .live_step import LINE_LEN, LiveStep
+from .term_flush import TermFlush
 
 log = logging.getLogger("ddpmon.crash")
 
@@ -78,6 +80,9 @@ class CrashCapture:
         self._exit_emitted = False
         self._exit_code: Any = None
         self._prev_sys_exit: Any = None
+        self.term = TermFlush()
+        """SIGTERM's flush of the rank's last records (:mod:`.term_flush`); the agent sets
+        its ``flush``."""
         self.live = LiveStep()
         """The step in progress, for the training thread to keep current (``live.set``)."""
         self.in_flight: Any = None
@@ -118,6 +123,7 @@ class CrashCapture:
             return  # the program handles SIGTERM itself; leave its semantics alone
         self._term_file = open(sigterm_path(self.run_path, self.rank), "a")  # noqa: SIM115
         self.live.add(self._term_file)
+        self.term.install()  # before the dump's registration: the dump chains to it
         faulthandler.register(signal.SIGTERM, file=self._term_file, all_threads=True, chain=True)
         self._term_registered = True
 
@@ -142,6 +148,7 @@ class CrashCapture:
             if self._term_registered:
                 faulthandler.unregister(signal.SIGTERM)
                 self._term_registered = False
+            self.term.uninstall()
             if self._prev_faulthandler is not None:
                 if self._prev_faulthandler[0]:
                     faulthandler.enable(file=sys.stderr, all_threads=True)

@@ -38,7 +38,6 @@ import collections
 import importlib.util
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -53,6 +52,7 @@ from ..metrics.step_fields import IN_HISTORY
 from ..rundir.atomic import write_bytes_atomic
 from ..rundir.layout import RunDir, history_journal_of
 from ..rundir.writes import is_write_error
+from .history_downsample import Downsampler
 from .history_file import StreamAppender
 from .history_read import read_streams
 from .history_schema import (  # noqa: F401  (re-exported: the history's public names)
@@ -71,12 +71,6 @@ from .history_schema import (  # noqa: F401  (re-exported: the history's public 
 
 log = logging.getLogger("ddpmon")
 
-_NOTABLE = tuple(
-    COL[n]
-    for n in (
-        "grad_nonfinite", "local_nonfinite", "origin", "poisoned", "amp_skipped", "skipped_by"
-    )
-)
 _MEM = COL["memory_bytes"]
 
 
@@ -100,42 +94,6 @@ def row_of(record: StepRecord, groups: tuple, memory: int | None, step_metrics=(
     })
     steps = tuple(record.step_values.get(metric) for metric in step_metrics)
     return tuple(values[name] for name in ROW_FIELDS) + steps
-
-
-def _notable(row: tuple) -> bool:
-    loss = row[COL["loss"]]
-    nonfinite_loss = loss is not None and not math.isfinite(loss)
-    return nonfinite_loss or any(row[i] for i in _NOTABLE)
-
-
-@dataclass(slots=True)
-class Downsampler:
-    """Which rows to keep: every step for ``full_rows`` rows, then a stride doubling every
-    ``segment_rows`` kept rows; notable rows always (up to ``notable_max`` extra)."""
-
-    full_rows: int = 100_000
-    segment_rows: int = 25_000
-    notable_max: int = 10_000
-    kept: int = 0
-    stride: int = 1
-    since_change: int = 0
-    extra_notable: int = 0
-
-    def keep(self, row: tuple) -> bool:
-        if self.kept >= self.full_rows and self.since_change >= (
-            self.segment_rows if self.stride > 1 else 0
-        ):
-            self.stride *= 2
-            self.since_change = 0
-        on_stride = self.stride == 1 or row[COL["step"]] % self.stride == 0
-        if not on_stride:
-            if not _notable(row) or self.extra_notable >= self.notable_max:
-                return False
-            self.extra_notable += 1
-        self.kept += 1
-        if self.stride > 1:
-            self.since_change += 1
-        return True
 
 
 def schema_for(groups: tuple[str, ...], meta: dict | None = None, step_columns: tuple = ()):
@@ -218,12 +176,27 @@ class HistoryWriter:
         """The thread could not start (pyarrow unusable): rows are no longer queued."""
         self._main = None
         self._journal_writer = None
+        self._synced = threading.Condition()
+        self._sync_asked = self._sync_done = 0
+        """``sync`` tickets: asked, and the last one whose rows the writer has written."""
         self._thread = threading.Thread(target=self._run, name="ddpmon-history", daemon=True)
         self._thread.start()
 
     def put(self, row: tuple) -> None:
         if not self._dead:
             self._queue.append(row)
+
+    def sync(self, timeout: float) -> bool:
+        """Write the rows queued so far to the journal now, not at the next ``flush_seconds``
+        (SIGTERM's flush: :mod:`.term_flush`); True once the writer has, within ``timeout``."""
+        if self._dead or not self._thread.is_alive():
+            return False
+        with self._synced:
+            self._sync_asked += 1
+            ticket = self._sync_asked
+        self._wake.set()
+        with self._synced:
+            return self._synced.wait_for(lambda: self._sync_done >= ticket, max(0.0, timeout))
 
     def close(self, timeout: float = 10.0) -> None:
         self._stop = True
@@ -244,7 +217,7 @@ class HistoryWriter:
         except Exception as exc:
             self._failed(exc, "could not recover earlier rows")
         while True:
-            stopping = self._stop
+            stopping, asked = self._stop, self._sync_asked
             try:
                 self._drain()
                 if stopping:
@@ -265,6 +238,9 @@ class HistoryWriter:
                 if stopping:
                     self._abandon()
                     return
+            with self._synced:  # the rows queued before ``asked`` are written (or failed)
+                self._sync_done = asked
+                self._synced.notify_all()
             self._wake.wait(self.flush_seconds)
             self._wake.clear()
 
@@ -432,6 +408,9 @@ class HistorySink:
             step_columns=tuple(column_of(e) for e in step_metrics),
         )
         return cls(writer, memory, tuple(e.metric for e in step_metrics))
+
+    def sync(self, timeout: float) -> bool:
+        return self.writer.sync(timeout)
 
     def on_record(self, record: StepRecord) -> None:
         mem = self._memory() if self._memory is not None else None

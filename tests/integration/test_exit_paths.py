@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ddpmon.recorder.history_read import read_history
 from tests.support.ranks import start_ranks
 
 WORKER = Path(__file__).with_name("exits_worker.py")
@@ -121,6 +122,10 @@ def test_sigterm_is_the_process_stopped_not_a_communication_fault(tmp_path):
     assert ff["frame"].startswith("forward (") and ff["phase"] == "in forward or backward"
     assert tl["verdict"]["layer"] == "process", tl["verdict"]
     assert "stopped" in tl["verdict"]["evidence"]
+    # the steps it completed reached its history before it died (term_flush), all 10 in its
+    # first second, which the history journal's 1 s flush alone would have lost
+    history = read_history(tmp_path / "runs" / "sigterm" / "history.rank1.arrow")
+    assert [int(s) for s in history.columns["step"]] == list(range(AT))
 
 
 def test_sigkill_is_named_at_the_step_in_flight(tmp_path):
