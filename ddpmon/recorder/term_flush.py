@@ -21,14 +21,16 @@ How, in order:
 Nothing here waits for a device or a peer: the flush delivers only what has arrived. A second
 SIGTERM during the flush adds no second stack dump.
 
-Installed only from the main thread and only where nothing else wants SIGTERM or the wakeup fd (a
-program's own handler, an event loop's wakeup fd): there, SIGTERM kills at once as before. A
-handler the program sets later (Lightning's SLURM requeue, a graceful shutdown) owns SIGTERM
-from then on: the watcher leaves it alone. Something that takes the wakeup fd later (an event
-loop's signal handlers) leaves only the handler: the flush then runs when the training thread
-next runs Python, which a rank waiting in a collective does only when it returns. A
-forked child (a DataLoader worker) gets SIGTERM's default action back and drops the wakeup fd at
-the fork (``os.register_at_fork``): it must neither flush the parent's files nor wake the parent's
+Installed only from the main thread and only where nothing else wants SIGTERM or the wakeup
+fd (a program's own handler, an event loop's wakeup fd): there, SIGTERM kills at once as
+before. A handler the program sets later (Lightning's SLURM requeue, a graceful shutdown) owns
+SIGTERM from then on: the watcher leaves it alone, and so does this handler when the later one
+calls it (Lightning's calls the handler it replaced, which for SIGTERM's default action it would
+not). Something that takes the wakeup fd later (an event loop's signal handlers) leaves only
+the handler: the flush then runs when the training thread next runs Python, which a rank
+waiting in a collective does only when the collective returns. A forked child (a DataLoader
+worker) gets SIGTERM's default action back and drops the wakeup fd at the fork
+(``os.register_at_fork``): it must neither flush the parent's files nor wake the parent's
 watcher, and its stack is not the rank's (no dump into the rank's SIGTERM file either).
 """
 
@@ -120,8 +122,11 @@ class TermFlush:
 
     # ------------------------------------------------------------------ the signal
     def _on_signal(self, signum: int, frame: Any) -> None:
-        """Python's handler, on the main thread when it next runs Python."""
-        self._finish()
+        """Python's handler, on the main thread when it next runs Python. Called by a handler
+        set later that chains to the one it replaced (Lightning's does), it does nothing: it
+        stands for SIGTERM's default action, which such a handler never calls."""
+        if signal.getsignal(signal.SIGTERM) == self._on_signal:
+            self._finish()
 
     def _watch(self) -> None:
         while True:

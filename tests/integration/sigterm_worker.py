@@ -6,8 +6,9 @@
   then runs 3 more steps and closes the monitor (the child must not take the parent with it);
 - ``stuck``: a ``TermFlush`` whose flush never returns (deadline 0.5 s), the main thread asleep;
 - ``own``: the program handles SIGTERM itself (exit code 3); ``TermFlush`` must stay out of it;
-- ``later``: a graceful shutdown's handler, set after ``attach``: it only sets a flag, and the
-  loop takes one more step and exits 3 half a second later; nothing may cut that short.
+- ``later``: a graceful shutdown's handler, set after ``attach``, that calls the handler it
+  replaced (as Lightning's does): it sets a flag, and the loop takes one more step and exits 3
+  half a second later; nothing may cut that short.
 
 ``OUT/ready`` appears once the process waits for its signal; ``OUT/result.json`` holds what a
 mode reports."""
@@ -83,7 +84,14 @@ def later(out: Path) -> None:
     model, opt, _ = monitored(out, "later")
     train(model, opt, 2)
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # a graceful shutdown's handler
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def graceful(signum, frame):  # as Lightning's: note it, then call the handler replaced
+        stop.append(1)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, graceful)
     ready(out)
     while not stop:  # the loop goes on to its next step, saves, and exits on its own terms
         time.sleep(0.01)

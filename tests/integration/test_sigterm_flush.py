@@ -107,8 +107,9 @@ def test_a_program_that_handles_sigterm_keeps_its_handler(tmp_path, procs):
 
 
 def test_a_handler_set_after_attach_owns_sigterm(tmp_path, procs):
-    """The wakeup fd is written for every handled signal: the watcher must not act for the
-    program's own handler (a flag; the loop exits 3 on its own half a second later)."""
+    """The wakeup fd is written for every handled signal, and a handler set later may call the
+    one it replaced (Lightning's does): neither may act for the program's own handler (a flag;
+    the loop exits 3 on its own half a second later)."""
     procs += start(tmp_path, "later")
     wait_ready(tmp_path, procs)
     procs[0].send_signal(signal.SIGTERM)
