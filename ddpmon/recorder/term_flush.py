@@ -66,7 +66,8 @@ class TermFlush:
         once."""
         self.installed = False
         self._pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        """Re-entrant: a second SIGTERM's handler can run on the main thread inside the first."""
         self._started = False
         self._done = threading.Event()
         self._read_fd = self._write_fd = -1
