@@ -141,8 +141,11 @@ def mark_steps(ax, steps: Sequence[int], color: str, label: str) -> None:
 def plain(text: object) -> str:
     """``text`` as matplotlib must draw it: every ``$`` escaped, so a name from a run (a module
     group ``a${$``, a ``--compare`` directory ``b$^^$``) is printed as written, never parsed as
-    mathtext (which raises on bad math). Every label, title and tick label goes through here."""
-    return str(text).replace("$", r"\$")
+    mathtext (which raises on bad math); and a leading ``_`` behind a zero-width space, since
+    matplotlib leaves a label that starts with one out of the legend (a group ``_backbone``, a
+    run ``_base``). Every label, title and tick label goes through here."""
+    drawn = str(text).replace("$", r"\$")
+    return "\u200b" + drawn if drawn.startswith("_") else drawn
 
 
 def figure(title: str, ylabel: str, height: float = 2.6):

@@ -6,7 +6,7 @@ memory and time, name the damage, and still use the rows and the other ranks.
 - 16 MB of zero bytes (each 4 of them an end-of-stream marker) are skipped in one pass;
 - a record batch that would decode past ``MAX_HISTORY_DECODED_BYTES`` is not decompressed;
 - a module group named ``a${$`` or a ``--compare`` directory named ``b$^^$`` is drawn as
-  written, never parsed as mathtext;
+  written, never parsed as mathtext; one named ``_base`` keeps its legend entry;
 - ``groups`` schema metadata nested 100,000 deep, or ``[1, 2]``, is damage, not a crash."""
 
 from __future__ import annotations
@@ -135,6 +135,19 @@ def test_mathtext_in_names_is_drawn_as_written(tmp_path, capsys):
     assert main(["report", str(run), "--compare", str(base), "-o", str(out)]) == 0
     html = out.read_text()
     assert "a${$" in html and "x$^^$" in html and "b$^^$ loss rank 0" in html
+
+
+def test_a_name_that_starts_with_an_underscore_stays_in_the_legend(tmp_path):
+    """matplotlib leaves a label that starts with ``_`` out of the legend: a ``--compare`` run
+    ``_base`` (or a group ``_backbone``) would have no legend entry."""
+    run = history_run(tmp_path, "run")
+    base = history_run(tmp_path, "_base")
+    for rank in (0, 1):
+        (run / f"history.rank{rank}.arrow").write_bytes(
+            history_bytes(20, groups=("_backbone", "ok"), rank=rank))
+    out = tmp_path / "report.html"
+    assert main(["report", str(run), "--compare", str(base), "-o", str(out)]) == 0
+    assert "_base loss rank 0" in out.read_text()
 
 
 @pytest.mark.parametrize("groups", ["[" * 100_000 + "]" * 100_000, "[1, 2]", '{"a": 1}'])
