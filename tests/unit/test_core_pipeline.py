@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddpmon import host_reads
 from ddpmon.agent.guard import Guard
 from ddpmon.agent.records import StepMeta, build_record
 from ddpmon.metrics.state import StepRecord
@@ -155,10 +156,16 @@ def test_a_torch_without_batch_p2p_loses_only_the_send_recv_times(monkeypatch, c
     timing.uninstall()  # nothing to undo, no error
 
 
+@pytest.mark.parametrize("audit", [False, True], ids=["cpu-read", "device-branch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_a_stage_probes_finite_check_finds_every_nonfinite_value_and_nothing_else(dtype):
-    """The per-micro-batch check (a float64 sum below float64): NaN, +Inf and -Inf anywhere
-    are found; the largest finite values, whose float32 sum would overflow, are not flagged."""
+def test_a_stage_probes_finite_check_finds_every_nonfinite_value_and_nothing_else(
+    dtype, audit, monkeypatch
+):
+    """The per-micro-batch check (a float64 sum below float64; on CPU a float32 sum read
+    first): NaN, +Inf and -Inf anywhere are found; the largest finite values, whose float32
+    sum overflows, are not flagged. Both branches: the CPU's, and the one a GPU takes (the
+    sync audit's)."""
+    monkeypatch.setattr(host_reads, "_AUDIT", audit)
     big = torch.full((64, 256), torch.finfo(dtype).max, dtype=dtype)
     assert bool(_all_finite(big)) and bool(_all_finite(-big))
     assert bool(_all_finite(torch.zeros(0, dtype=dtype)))

