@@ -48,9 +48,11 @@ from typing import Any
 
 log = logging.getLogger("ddpmon.crash")
 
-DEADLINE = 2.0
+DEADLINE = 5.0
 """Seconds the flush may take before the process dies regardless (launchers send SIGKILL only
-after a grace of tens of seconds: torchrun's and Slurm's ``KillWait`` default to 30 s)."""
+after a grace of tens of seconds: torchrun's and Slurm's ``KillWait`` default to 30 s). It
+runs in about 0.2 s; the margin is for a history thread still importing pyarrow when a rank
+is stopped just after attach, on a loaded machine."""
 
 _current: TermFlush | None = None
 """The installed instance (one per process), for the fork hook."""
