@@ -52,3 +52,37 @@ def test_the_painter_tiles_its_window_and_the_higher_priority_wins():
                    "unproductive_checkpoint_save": 1, "productive": 2.5}
     assert 7 in {s.start for s in segs}  # a cut is a boundary
     assert sum(s.end - s.start for s in paint(spans[3:], 0, 8, lambda t: "other")) == 8
+
+
+def goodput_of(run) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "ddpmon.cli", "timeline", "--no-slurm", "--json",
+                           str(run)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["goodput"]
+
+
+@pytest.mark.parametrize("witness", ["progress", "peers"])
+def test_steps_whose_history_rows_were_lost_are_estimated_and_said_so(tmp_path, witness):
+    """A rank killed before its journal took its last rows (SIGKILL, a fatal signal): the steps
+    its progress file (or, without one, the other ranks' rows) says it completed are still
+    counted, timed by estimate, and ``estimated`` names the rank, the attempt and how many."""
+    from tests.support.histories import history_bytes, history_run
+
+    run = history_run(tmp_path, "run", steps=20)
+    (run / "history.rank1.arrow").write_bytes(history_bytes(15, rank=1))  # rows 15-19 lost
+    if witness == "progress":
+        (run / "progress.rank1.json").write_text(json.dumps({"step": 19, "ts": 1019.01}))
+    g = goodput_of(run)
+    said = "its progress file" if witness == "progress" else "the other ranks' rows"
+    assert g["estimated"] == [f"rank 1 attempt 0: 5 step(s) after its last history row, counted "
+                              f"from {said} (history rows lost, e.g. to a SIGKILL)"]
+    assert {r: v["kept_steps"] for r, v in g["ranks"].items()} == {"0": 20, "1": 20}
+    assert sum(g["buckets"].values()) == pytest.approx(g["wall_seconds"])
+
+
+def test_a_complete_history_estimates_nothing(tmp_path):
+    from tests.support.histories import history_run
+
+    g = goodput_of(history_run(tmp_path, "run", steps=20))
+    assert g["estimated"] == []
+    assert {r: v["kept_steps"] for r, v in g["ranks"].items()} == {"0": 20, "1": 20}

@@ -138,8 +138,9 @@ def account(events: list[dict[str, Any]], attempts: list[dict[str, Any]],
             spans.extend(got.spans)
             kept, lost = kept + got.kept, lost + got.lost
             if got.estimated:
-                estimated.append(f"rank {rank} attempt {a}: {got.estimated} step(s) timed from "
-                                 "its progress file (history rows lost, e.g. to a SIGKILL)")
+                estimated.append(f"rank {rank} attempt {a}: {got.estimated} step(s) after its "
+                                 f"last history row, counted from {got.witness} (history rows "
+                                 "lost, e.g. to a SIGKILL)")
             shape[a] = (got.first_start if got.first_start is not None else end,
                         got.last_end if got.last_end is not None else s["p"])
         spans.extend(_event_spans(events, rank))
@@ -191,6 +192,8 @@ class _Painted:
     kept: int = 0
     lost: int = 0
     estimated: int = 0
+    witness: str = ""
+    """What said the ``estimated`` steps completed: the progress file or the other ranks."""
     first_start: float | None = None
     last_end: float | None = None
 
@@ -230,6 +233,7 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
     if last_step is None or steady <= 0:
         return out
     p_step, p_end = (progress or {}).get("step"), _num((progress or {}).get("ts"))
+    witness = "its progress file"
     if not isinstance(p_step, int) or p_end is None:
         p_step = p_end = None
     else:
@@ -239,6 +243,7 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
         # the ranks step together: a step completed on the others was computed here too (a
         # SIGKILL can take a rank's last step before its record thread wrote row or progress)
         p_step, p_end = peer_last, peers[peer_last][0]
+        witness = "the other ranks' rows"
     if p_step is None or p_step <= last_step:
         return out
     missing = p_step - last_step
@@ -268,7 +273,7 @@ def _attempt_spans(rows: list[tuple[StepRow, float]], progress: dict[str, Any] |
         if out.first_start is None:
             out.first_start = end - dur
     out.last_end = p_end
-    out.estimated = missing
+    out.estimated, out.witness = missing, witness
     return out
 
 
