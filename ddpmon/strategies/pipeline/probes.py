@@ -170,7 +170,8 @@ class StageProbes:
         self, info: StageInfo, mb: int, site: str, slot: int, tensors: list[torch.Tensor]
     ) -> None:
         """``slot`` 0: received, 1: produced. Two device ops per tensor (:func:`_all_finite`),
-        nothing read; the flags are combined once per step in ``take``."""
+        nothing read on an accelerator (on CPU, where a read is free, one float32 sum read);
+        the flags are combined once per step in ``take``."""
         if not tensors:
             return
         with torch.no_grad():
